@@ -1,0 +1,36 @@
+# Both entry points create or reuse .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+
+.PHONY: venv demo test bench bench-hitpath clean proto
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on disk; a bare `torch` may pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev,torch,gcs]'
+	touch $(STAMP)
+
+demo: venv
+	$(PY) tools/demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv bench-hitpath
+
+bench-hitpath: venv
+	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
+	$(PY) tools/bench/hitpath
+
+proto: venv
+	$(PY) tools/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

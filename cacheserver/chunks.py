@@ -1,0 +1,109 @@
+"""Server-side chunk table: the active chunk per dataset and which jobs hold
+references to which chunks. The manager decides; servers record and enforce
+("refuse to evict a referenced chunk unless forced"). Persisted as JSON in the
+store's server column family, so references survive a restart.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+
+from .ids import BadRequest
+
+
+class UnknownChunk(LookupError):
+    """A chunk call named a chunk this server has no record of."""
+
+
+class ChunkBusy(RuntimeError):
+    """Eviction of a chunk that jobs still reference, without force."""
+
+
+class ChunkTable:
+    def __init__(self, load: Callable[[], bytes | None], save: Callable[[bytes], None]) -> None:
+        self._lock = threading.Lock()
+        self._save = save
+        self.active: dict[str, int] = {}
+        self.refs: dict[tuple[str, int], set[str]] = {}
+        raw = load()
+        if raw:
+            state = json.loads(raw)
+            self.active = {k: int(v) for k, v in state.get("active", {}).items()}
+            self.refs = {(d, int(c)): set(jobs) for d, c, jobs in state.get("refs", [])}
+
+    def _persist(self) -> None:
+        state = {"active": self.active,
+                 "refs": [[d, c, sorted(j)] for (d, c), j in self.refs.items() if j]}
+        self._save(json.dumps(state, sort_keys=True).encode())
+
+    @staticmethod
+    def _check(dataset: str, chunk: int) -> None:
+        if not dataset:
+            raise BadRequest("dataset must not be empty")
+        if chunk < 0:
+            raise BadRequest(f"chunk must be >= 0, got {chunk}")
+
+    def set_active(self, dataset: str, chunk: int) -> int:
+        if not dataset:
+            raise BadRequest("dataset must not be empty")
+        with self._lock:
+            if chunk >= 0:
+                self.active[dataset] = chunk
+                self._persist()
+            return self.active.get(dataset, -1)
+
+    def ref(self, dataset: str, chunk: int, job: str) -> int:
+        self._check(dataset, chunk)
+        if not job:
+            raise BadRequest("job must not be empty")
+        with self._lock:
+            holders = self.refs.setdefault((dataset, chunk), set())
+            holders.add(job)
+            self._persist()
+            return len(holders)
+
+    def unref(self, dataset: str, chunk: int, job: str, known: bool) -> int:
+        self._check(dataset, chunk)
+        with self._lock:
+            holders = self.refs.get((dataset, chunk))
+            if holders is None or job not in holders:
+                if not known and holders is None:
+                    raise UnknownChunk(f"unknown chunk {chunk} of dataset {dataset!r}")
+                raise UnknownChunk(f"job {job!r} holds no reference to chunk {chunk} of dataset {dataset!r}")
+            holders.discard(job)
+            if not holders:
+                del self.refs[(dataset, chunk)]
+            self._persist()
+            return len(holders)
+
+    def before_evict(self, dataset: str, chunk: int, force: bool, known: bool) -> None:
+        """Raise unless the chunk may be evicted now; forget its references if it may."""
+        self._check(dataset, chunk)
+        with self._lock:
+            holders = self.refs.get((dataset, chunk), set())
+            if not known and not holders and self.active.get(dataset) != chunk:
+                raise UnknownChunk(f"unknown chunk {chunk} of dataset {dataset!r}")
+            if holders and not force:
+                raise ChunkBusy(f"chunk {chunk} of dataset {dataset!r} is referenced by "
+                                f"{len(holders)} job(s): {', '.join(sorted(holders))}; use force")
+            self.refs.pop((dataset, chunk), None)
+            if self.active.get(dataset) == chunk:
+                del self.active[dataset]
+            self._persist()
+
+    def forget_dataset(self, dataset: str) -> None:
+        with self._lock:
+            self.active.pop(dataset, None)
+            for key in [k for k in self.refs if k[0] == dataset]:
+                del self.refs[key]
+            self._persist()
+
+    def is_protected(self, tag: tuple[str, int]) -> bool:
+        """Referenced or active chunks are kept by the fallback eviction policy."""
+        dataset, chunk = tag
+        return bool(self.refs.get(tag)) or (dataset != "" and self.active.get(dataset) == chunk)
+
+    def holders(self, dataset: str, chunk: int) -> list[str]:
+        with self._lock:
+            return sorted(self.refs.get((dataset, chunk), ()))

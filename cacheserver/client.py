@@ -1,0 +1,257 @@
+"""Client of one cache server: gRPC for control, the data plane for bulk data.
+
+Same-host fast paths: if the server's Unix socket exists on this machine and
+answers with the same instance id as the gRPC server, bulk calls use it (no
+TCP stack), and gets read values straight from the store files when this
+process may open them (localread.py; transport "local"). Data connections are pooled; each carries one request at a
+time, so threads issue requests in parallel on separate connections.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import struct
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import grpc
+
+from . import wire
+from .ids import ID_LEN
+from .localread import LocalReader
+from .proto import cache_pb2 as pb
+from .proto import cache_pb2_grpc as pb_grpc
+from .tls import TlsFiles
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+NORMAL, BYPASS = pb.CACHE_MODE_NORMAL, pb.CACHE_MODE_BYPASS
+
+
+class ServerClient:
+    def __init__(self, address: str, *, tls: TlsFiles | None = None, prefer_unix: bool = True,
+                 timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._tls = tls
+        if tls:
+            self.channel = grpc.secure_channel(address, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        self.stub = pb_grpc.CacheStub(self.channel)
+        self._prefer_unix = prefer_unix
+        self._use_dataplane = use_dataplane
+        self._local_read = local_read
+        self._local: LocalReader | None = None
+        self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
+        self.transport = "unresolved"
+
+    # ---- data-plane connections ----------------------------------------
+    def _resolve(self) -> None:
+        info = self.info()
+        self.transport = "grpc"
+        if not self._use_dataplane:
+            return
+        if self._prefer_unix and info.unix_socket and os.path.exists(info.unix_socket):
+            try:
+                s = self._connect(("unix", info.unix_socket))
+                if self._ping(s) == info.instance:  # same server, not a namesake path
+                    self._target, self.transport = ("unix", info.unix_socket), "unix"
+                    self._pool.put(s)
+                    self._open_local(info.db_path)
+                    return
+                s.close()
+            except OSError:
+                pass
+        if info.data_address:
+            _, port = info.data_address.rsplit(":", 1)
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            self._target, self.transport = ("tcp", (host, int(port))), "tcp"
+
+    def _open_local(self, db_path: str) -> None:
+        if not (self._local_read and db_path and os.access(db_path, os.R_OK | os.X_OK)):
+            return
+        try:
+            self._local = LocalReader(db_path)
+            self.transport = "local"
+        except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
+            self._local = None
+
+    def _connect(self, target: tuple[str, object]) -> socket.socket:
+        kind, addr = target
+        if kind == "unix":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.timeout)
+            s.connect(addr)
+            return s
+        s = socket.create_connection(addr, timeout=self.timeout)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls:
+            s = self._tls.client_context().wrap_socket(s)
+        return s
+
+    @contextmanager
+    def _conn(self):
+        try:
+            s = self._pool.get_nowait()
+        except queue.Empty:
+            s = self._connect(self._target)
+        try:
+            yield s
+        except BaseException:
+            s.close()  # framing state unknown: never reuse
+            raise
+        else:
+            self._pool.put(s)
+
+    def _call(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
+              flags: int = 0) -> tuple[int, bytes]:
+        jb = job.encode()
+        body_len = len(jb) + sum(len(p) for p in parts)
+        with self._conn() as s:
+            wire.send_buffers(s, [wire.pack_header(op, len(jb), count, body_len, flags), jb, *parts])
+            status, aux_len, rcount, rbody = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
+            if status != wire.OK:
+                raise wire.RemoteError(status, wire.recv_exact(s, aux_len).decode(errors="replace"))
+            return rcount, wire.recv_exact(s, rbody)
+
+    def _ping(self, s: socket.socket) -> str:
+        wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
+        status, aux_len, _, body_len = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
+        return wire.recv_exact(s, body_len or aux_len).decode()
+
+    def _dataplane(self) -> bool:
+        if self.transport == "unresolved":
+            self._resolve()
+        return self._target is not None
+
+    # ---- bulk data ------------------------------------------------------
+    @staticmethod
+    def _check(ids: Sequence[bytes]) -> None:
+        # struct's "32s" would silently pad or cut a wrong-sized id: refuse it here.
+        for i, k in enumerate(ids):
+            if len(k) != ID_LEN:
+                raise ValueError(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
+
+    def lookup(self, ids: Sequence[bytes], job: str = "") -> bytes:
+        """One byte per id: 1 if present."""
+        if not ids:
+            return b""
+        self._check(ids)
+        if self._dataplane():
+            _, body = self._call(wire.OP_LOOKUP, job, len(ids), [b"".join(ids)])
+            return body
+        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).present
+
+    def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
+        """Values in id order (zero-copy views of one receive buffer), None for misses."""
+        if not ids:
+            return []
+        self._check(ids)
+        if self._dataplane() and self._local is not None:
+            return self._get_local(ids, job)
+        return self._get_remote(ids, job)
+
+    def _get_local(self, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
+        _, present = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)])
+        want = [i for i, p in enumerate(present) if p]
+        out: list[memoryview | None] = [None] * len(ids)
+        for i, v in zip(want, self._local.read([ids[i] for i in want])):
+            out[i] = v
+        missing = [i for i in want if out[i] is None]
+        if missing and self._local.catch_up():
+            for i, v in zip(missing, self._local.read([ids[i] for i in missing])):
+                out[i] = v
+            missing = [i for i in missing if out[i] is None]
+        if missing:  # not visible to the follower yet, or damaged: the server decides
+            for i, v in zip(missing, self._get_remote([ids[i] for i in missing], job, wire.FLAG_COUNTED)):
+                out[i] = v
+        return out
+
+    def _get_remote(self, ids: Sequence[bytes], job: str, flags: int = 0) -> list[memoryview | None]:
+        if self._target is not None:
+            count, body = self._call(wire.OP_GET, job, len(ids), [b"".join(ids)], flags)
+            sizes = struct.unpack_from(f"<{count}I", body)
+            mv, pos, out = memoryview(body), 4 * count, []
+            for size in sizes:
+                if size == wire.MISS:
+                    out.append(None)
+                else:
+                    out.append(mv[pos:pos + size])
+                    pos += size
+            return out
+        out = [None] * len(ids)
+        for msg in self.stub.Get(pb.GetRequest(job=job, ids=b"".join(ids)), timeout=self.timeout):
+            mv, pos = memoryview(msg.data), 0
+            for j, size in enumerate(msg.sizes):
+                if size >= 0:
+                    out[msg.first + j] = mv[pos:pos + size]
+                    pos += size
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
+            dataset: str = "", chunk: int = -1) -> tuple[int, int, int]:
+        """Store (id, value) pairs; returns (stored, already, rejected_full)."""
+        if not items:
+            return 0, 0, 0
+        self._check([k for k, _ in items])
+        if self._dataplane():
+            ds = dataset.encode()
+            table = b"".join(wire.PUT_ENTRY.pack(k, len(v)) for k, v in items)
+            head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk if dataset else -1)
+            _, body = self._call(wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)])
+            return wire.PUT_RESULT.unpack(body)
+        req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1,
+                            items=[pb.PutItem(id=k, size=len(v), value=bytes(v)) for k, v in items])
+        r = self.stub.Put(req, timeout=self.timeout)
+        return r.stored, r.already, r.rejected_full
+
+    # ---- control (gRPC) -------------------------------------------------
+    def info(self) -> pb.InfoResponse:
+        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+
+    def set_job_mode(self, job: str, mode: int) -> int:
+        return self.stub.SetJobMode(pb.SetJobModeRequest(job=job, mode=mode), timeout=self.timeout).previous
+
+    def active_chunk(self, dataset: str, chunk: int = -1) -> int:
+        return self.stub.ActiveChunk(pb.ActiveChunkRequest(dataset=dataset, chunk=chunk),
+                                     timeout=self.timeout).active
+
+    def ref_chunk(self, dataset: str, chunk: int, job: str) -> int:
+        return self.stub.RefChunk(pb.RefChunkRequest(dataset=dataset, chunk=chunk, job=job),
+                                  timeout=self.timeout).refs
+
+    def unref_chunk(self, dataset: str, chunk: int, job: str) -> int:
+        return self.stub.UnrefChunk(pb.RefChunkRequest(dataset=dataset, chunk=chunk, job=job),
+                                    timeout=self.timeout).refs
+
+    def evict_chunk(self, dataset: str, chunk: int, force: bool = False) -> tuple[int, int]:
+        r = self.stub.EvictChunk(pb.EvictChunkRequest(dataset=dataset, chunk=chunk, force=force),
+                                 timeout=self.timeout)
+        return r.items, r.bytes
+
+    def evict_dataset(self, dataset: str) -> tuple[int, int]:
+        r = self.stub.EvictDataset(pb.EvictDatasetRequest(dataset=dataset), timeout=self.timeout)
+        return r.items, r.bytes
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        while True:
+            try:
+                self._pool.get_nowait().close()
+            except queue.Empty:
+                break
+        self.channel.close()
+
+    def __enter__(self) -> "ServerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

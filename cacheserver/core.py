@@ -1,0 +1,149 @@
+"""Cache operations shared by both transports (gRPC and the binary data plane).
+
+Validation happens here, before anything is written: a request with one bad
+item is refused whole, so there are no partial writes.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .chunks import ChunkTable
+from .counters import Counters
+from .ids import ID_LEN, BadRequest
+from .store import UNTAGGED, Store
+
+NORMAL, BYPASS = 0, 1
+MODE_NAMES = {NORMAL: "normal", BYPASS: "bypass"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_item_bytes: int = 64 << 20
+    max_batch_bytes: int = 256 << 20
+    max_batch_items: int = 100_000
+
+
+class CacheCore:
+    def __init__(self, store: Store, counters: Counters, limits: Limits = Limits()) -> None:
+        self.store = store
+        self.counters = counters
+        self.limits = limits
+        self.chunks = ChunkTable(lambda: store.get_state("chunks"),
+                                 lambda raw: store.put_state("chunks", raw))
+        store.set_protector(self.chunks.is_protected)
+        self._modes: dict[str, int] = {}
+        self._modes_lock = threading.Lock()
+
+    # ---- validation -----------------------------------------------------
+    def _check_ids(self, ids: Sequence[bytes]) -> None:
+        if len(ids) > self.limits.max_batch_items:
+            raise BadRequest(f"batch of {len(ids)} ids exceeds the limit of {self.limits.max_batch_items}")
+        for i, k in enumerate(ids):
+            if len(k) != ID_LEN:
+                raise BadRequest(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
+
+    def bypassed(self, job: str) -> bool:
+        return bool(job) and self._modes.get(job, NORMAL) == BYPASS
+
+    # ---- data operations ------------------------------------------------
+    def lookup(self, job: str, ids: Sequence[bytes]) -> bytes:
+        self._check_ids(ids)
+        if self.bypassed(job):
+            self.counters.add_many({"lookups": len(ids), "bypassed": len(ids)})
+            return bytes(len(ids))
+        present = self.store.contains(ids)
+        self.counters.add_many({"lookups": len(ids), "lookup_hits": present.count(1)})
+        return present
+
+    def get(self, job: str, ids: Sequence[bytes], count: bool = True) -> list[memoryview | None]:
+        """Values or None; count=False for the fallback of a get already counted by get_local."""
+        self._check_ids(ids)
+        if self.bypassed(job):
+            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+            return [None] * len(ids)
+        values = self.store.get_many(ids)
+        if not count:
+            return values
+        hits = sum(1 for v in values if v is not None)
+        self.counters.add_many({"gets": len(ids), "get_hits": hits, "get_misses": len(ids) - hits,
+                                "get_bytes": sum(len(v) for v in values if v is not None)})
+        return values
+
+    def get_local(self, job: str, ids: Sequence[bytes]) -> bytes:
+        """A get whose values a same-host reader takes from the store files itself:
+        answer presence, and count and order it exactly like a get."""
+        self._check_ids(ids)
+        if self.bypassed(job):
+            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+            return bytes(len(ids))
+        present = self.store.touch(ids)
+        hits = present.count(1)
+        self.counters.add_many({"gets": len(ids), "get_hits": hits, "get_misses": len(ids) - hits,
+                                "local_reads": hits})
+        return present
+
+    def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],
+            dataset: str = "", chunk: int = -1) -> tuple[int, int, int]:
+        if len(items) > self.limits.max_batch_items:
+            raise BadRequest(f"batch of {len(items)} items exceeds the limit of {self.limits.max_batch_items}")
+        total = 0
+        for i, (key, size, value) in enumerate(items):
+            if len(key) != ID_LEN:
+                raise BadRequest(f"items[{i}].id: expected a {ID_LEN}-byte id, got {len(key)} bytes")
+            if size != len(value):
+                raise BadRequest(f"items[{i}]: declared size {size} but value has {len(value)} bytes")
+            if size > self.limits.max_item_bytes:
+                raise BadRequest(f"items[{i}]: {size} bytes exceeds the item limit of {self.limits.max_item_bytes}")
+            total += size
+        if total > self.limits.max_batch_bytes:
+            raise BadRequest(f"batch of {total} bytes exceeds the limit of {self.limits.max_batch_bytes}")
+        if chunk < -1:
+            raise BadRequest(f"chunk must be >= -1, got {chunk}")
+        if chunk >= 0 and not dataset:
+            raise BadRequest("a chunk tag needs a dataset")
+        tag = (dataset, chunk) if dataset else UNTAGGED
+        self.counters.add("puts", len(items))
+        return self.store.put_many([(k, v) for k, _, v in items], tag)
+
+    # ---- control --------------------------------------------------------
+    def set_job_mode(self, job: str, mode: int) -> int:
+        if not job:
+            raise BadRequest("job must not be empty")
+        if mode not in MODE_NAMES:
+            raise BadRequest(f"unknown cache mode {mode}")
+        with self._modes_lock:
+            previous = self._modes.get(job, NORMAL)
+            if mode == NORMAL:
+                self._modes.pop(job, None)
+            else:
+                self._modes[job] = mode
+        return previous
+
+    def job_modes(self) -> dict[str, int]:
+        with self._modes_lock:
+            return dict(self._modes)
+
+    def _chunk_known(self, dataset: str, chunk: int) -> bool:
+        return (dataset, chunk) in self.store.usage_by_tag()
+
+    def ref_chunk(self, dataset: str, chunk: int, job: str) -> int:
+        return self.chunks.ref(dataset, chunk, job)
+
+    def unref_chunk(self, dataset: str, chunk: int, job: str) -> int:
+        return self.chunks.unref(dataset, chunk, job, self._chunk_known(dataset, chunk))
+
+    def evict_chunk(self, dataset: str, chunk: int, force: bool) -> tuple[int, int]:
+        self.chunks.before_evict(dataset, chunk, force, self._chunk_known(dataset, chunk))
+        items, freed = self.store.evict_tags(lambda tag: tag == (dataset, chunk))
+        self.counters.add("chunk_evictions")
+        return items, freed
+
+    def evict_dataset(self, dataset: str) -> tuple[int, int]:
+        if not dataset:
+            raise BadRequest("dataset must not be empty")
+        self.chunks.forget_dataset(dataset)
+        items, freed = self.store.evict_tags(lambda tag: tag[0] == dataset)
+        self.counters.add("dataset_evictions")
+        return items, freed

@@ -1,0 +1,83 @@
+"""`cacheserver`: the cache daemon's command line. Runs in the foreground (fit
+for systemd and Kubernetes); SIGTERM or SIGINT drain calls in flight and exit 0."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from . import logs
+from .core import Limits
+from .server import CacheServer, ServerConfig
+from .sizes import parse_size
+from .tls import TlsFiles
+
+log = logging.getLogger("cacheserver")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cacheserver", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--data-dir", required=True, help="directory for the RocksDB store (local NVMe)")
+    p.add_argument("--capacity", required=True, type=parse_size,
+                   help="bytes to store at most, e.g. 200GB, 512MiB; never exceeded")
+    p.add_argument("--peers", default="", help="comma-separated gRPC addresses of all ring members")
+    p.add_argument("--manager", default=None, help="cache manager address HOST:PORT")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--data-listen", default="auto",
+                   help="data-plane address HOST:PORT; 'auto' = gRPC port + 1; 'off' disables")
+    p.add_argument("--unix-socket", default="auto",
+                   help="same-host data-plane socket path; 'auto' = DATA_DIR/data.sock; 'off' disables")
+    p.add_argument("--eviction", default="lru", choices=["lru", "none"],
+                   help="fallback when full: evict least recently used unreferenced entries, or refuse")
+    p.add_argument("--max-item-size", type=parse_size, default=64 << 20, help="largest accepted value")
+    p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
+    p.add_argument("--sync-writes", action="store_true", help="fsync each write (survive power loss)")
+    p.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables mutual TLS")
+    p.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate that signs clients (PEM)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="json", choices=["json", "text"])
+    p.add_argument("--drain-seconds", type=float, default=6.0, help="grace for calls in flight at SIGTERM")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        listen=args.listen, data_dir=args.data_dir, capacity=args.capacity,
+        peers=[p.strip() for p in args.peers.split(",") if p.strip()],
+        manager=args.manager, metrics_port=args.metrics_port,
+        tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+        data_listen=None if args.data_listen == "off" else args.data_listen,
+        unix_socket=None if args.unix_socket == "off" else args.unix_socket,
+        eviction=args.eviction, sync_writes=args.sync_writes,
+        limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.setup(args.log_level, args.log_format)
+    try:
+        server = CacheServer(config_from_args(args))
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"cacheserver: error: {e}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    server.start()
+    # Tests and scripts read this line to learn the bound ports.
+    print(f"READY {server.address}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log.info("signal received, draining")
+    server.stop(grace=args.drain_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

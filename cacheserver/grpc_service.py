@@ -1,0 +1,122 @@
+"""gRPC adapter: maps Cache RPCs onto CacheCore and errors onto precise status codes."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from .chunks import ChunkBusy, UnknownChunk
+from .core import CacheCore
+from .ids import BadRequest, split_ids
+from .proto import cache_pb2 as pb
+from .proto import cache_pb2_grpc as pb_grpc
+
+log = logging.getLogger("cacheserver.grpc")
+GET_MESSAGE_BYTES = 4 << 20  # values per streamed Get message
+
+
+def _statuses(fn: Callable) -> Callable:
+    """Translate domain errors to gRPC statuses; anything else is INTERNAL, logged."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "CacheService", request, context: grpc.ServicerContext):
+        self.core.counters.add("grpc_requests")
+        try:
+            return fn(self, request, context)
+        except (BadRequest, UnicodeDecodeError) as e:
+            self.core.counters.add("bad_requests")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnknownChunk as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        except ChunkBusy as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    return wrapper
+
+
+class CacheService(pb_grpc.CacheServicer):
+    def __init__(self, core: CacheCore, info: Callable[[], pb.InfoResponse], server_id: str) -> None:
+        self.core = core
+        self._info = info
+        self.server_id = server_id
+
+    @_statuses
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        return pb.LookupResponse(present=self.core.lookup(request.job, split_ids(request.ids)))
+
+    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetResponse]:
+        # A generator cannot use the decorator's abort path before its first
+        # yield, so validate eagerly here.
+        self.core.counters.add("grpc_requests")
+        try:
+            ids = split_ids(request.ids)
+            values = self.core.get(request.job, ids)
+        except BadRequest as e:
+            self.core.counters.add("bad_requests")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        first, sizes, parts, size = 0, [], [], 0
+        for i, v in enumerate(values):
+            sizes.append(-1 if v is None else len(v))
+            if v is not None:
+                parts.append(v)
+                size += len(v)
+            if size >= GET_MESSAGE_BYTES:
+                yield pb.GetResponse(first=first, sizes=sizes, data=b"".join(parts))
+                first, sizes, parts, size = i + 1, [], [], 0
+        if sizes or not values:
+            yield pb.GetResponse(first=first, sizes=sizes, data=b"".join(parts))
+
+    @_statuses
+    def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
+        items = [(it.id, it.size, it.value) for it in request.items]
+        stored, already, rejected = self.core.put(request.job, items, request.dataset,
+                                                  request.chunk if request.dataset else -1)
+        return pb.PutResponse(stored=stored, already=already, rejected_full=rejected)
+
+    @_statuses
+    def SetJobMode(self, request: pb.SetJobModeRequest, context) -> pb.SetJobModeResponse:
+        return pb.SetJobModeResponse(previous=self.core.set_job_mode(request.job, int(request.mode)))
+
+    @_statuses
+    def ActiveChunk(self, request: pb.ActiveChunkRequest, context) -> pb.ActiveChunkResponse:
+        return pb.ActiveChunkResponse(active=self.core.chunks.set_active(request.dataset, request.chunk))
+
+    @_statuses
+    def RefChunk(self, request: pb.RefChunkRequest, context) -> pb.RefChunkResponse:
+        return pb.RefChunkResponse(refs=self.core.ref_chunk(request.dataset, request.chunk, request.job))
+
+    @_statuses
+    def UnrefChunk(self, request: pb.RefChunkRequest, context) -> pb.RefChunkResponse:
+        return pb.RefChunkResponse(refs=self.core.unref_chunk(request.dataset, request.chunk, request.job))
+
+    @_statuses
+    def EvictChunk(self, request: pb.EvictChunkRequest, context) -> pb.EvictResponse:
+        items, freed = self.core.evict_chunk(request.dataset, request.chunk, request.force)
+        return pb.EvictResponse(items=items, bytes=freed)
+
+    @_statuses
+    def EvictDataset(self, request: pb.EvictDatasetRequest, context) -> pb.EvictResponse:
+        items, freed = self.core.evict_dataset(request.dataset)
+        return pb.EvictResponse(items=items, bytes=freed)
+
+    @_statuses
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        store, chunks = self.core.store, self.core.chunks
+        resp = pb.StatsResponse(server_id=self.server_id, capacity_bytes=store.capacity,
+                                used_bytes=store.used, items=store.items,
+                                counters=self.core.counters.snapshot(),
+                                active_chunks=dict(chunks.active), job_modes=self.core.job_modes())
+        usage = store.usage_by_tag()
+        tags = set(usage) | set(chunks.refs)
+        for dataset, chunk in sorted(t for t in tags if t[0]):
+            u = usage.get((dataset, chunk))
+            jobs = chunks.holders(dataset, chunk)
+            resp.chunks.add(dataset=dataset, chunk=chunk, items=u.items if u else 0,
+                            bytes=u.bytes if u else 0, refs=len(jobs), jobs=jobs)
+        return resp
+
+    @_statuses
+    def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return self._info()

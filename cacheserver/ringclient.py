@@ -1,0 +1,136 @@
+"""Client of a whole ring: routes ids to servers by consistent hashing and fans
+batches out in parallel. A server that fails is treated as all-miss for a
+back-off period (its items are simply fetched from the store and re-inserted
+elsewhere later), so a dying server never surfaces as an error to training.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from . import wire
+from .client import ServerClient
+from .ring import DEFAULT_VNODES, HashRing
+
+log = logging.getLogger("cacheserver.ring")
+# Failures that mean "this server is not usable now", not "the request is wrong".
+TRANSIENT = (ConnectionError, OSError, TimeoutError, grpc.RpcError)
+
+
+class RingClient:
+    def __init__(self, addresses: Sequence[str], *, vnodes: int = DEFAULT_VNODES,
+                 down_backoff: float = 2.0, **client_kw) -> None:
+        if not addresses:
+            raise ValueError("a ring needs at least one cache server address")
+        self.ring = HashRing(addresses, vnodes)
+        self._client_kw = client_kw
+        self.clients = {a: ServerClient(a, **client_kw) for a in self.ring.nodes}
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
+        self.down_backoff = down_backoff
+        self.errors = 0
+
+    @classmethod
+    def from_spec(cls, spec: str, **kw) -> "RingClient":
+        """"host:port,host:port"; a single address is expanded to that server's --peers."""
+        addrs = [a.strip() for a in spec.split(",") if a.strip()]
+        if len(addrs) == 1:
+            with ServerClient(addrs[0], **{k: v for k, v in kw.items() if k == "tls"}) as c:
+                peers = list(c.info().peers)
+            if peers:
+                addrs = peers
+        return cls(addrs, **kw)
+
+    # ---- health ---------------------------------------------------------
+    def _usable(self, node: str) -> bool:
+        until = self._down_until.get(node)
+        return until is None or time.monotonic() >= until
+
+    def _failed(self, node: str, err: Exception) -> None:
+        with self._lock:
+            self.errors += 1
+            first = self._usable(node)
+            self._down_until[node] = time.monotonic() + self.down_backoff
+        if first:
+            log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, err)
+        # Drop pooled sockets and the fast path: the server may come back as a new instance.
+        old = self.clients[node]
+        self.clients[node] = ServerClient(node, **self._client_kw)
+        old.close()
+
+    def down(self) -> list[str]:
+        return [n for n in self.ring.nodes if not self._usable(n)]
+
+    # ---- fan-out --------------------------------------------------------
+    def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss) -> list:
+        """Run `call` per server on its share of `keys`; a failed server's share answers `miss`."""
+        out = [miss] * len(keys)
+        routed = self.ring.route(keys)
+
+        def run(node: str, idx: list[int]) -> None:
+            if not self._usable(node):
+                return
+            try:
+                for i, v in zip(idx, call(self.clients[node], idx)):
+                    out[i] = v
+            except wire.RemoteError as e:
+                if e.status == wire.BAD_REQUEST:
+                    raise ValueError(str(e)) from None
+                self._failed(node, e)
+            except TRANSIENT as e:
+                self._failed(node, e)
+
+        if len(routed) == 1:
+            run(*next(iter(routed.items())))
+        else:
+            for f in [self._pool.submit(run, n, idx) for n, idx in routed.items()]:
+                f.result()
+        return out
+
+    def lookup(self, ids: Sequence[bytes], job: str = "") -> list[bool]:
+        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job)], False)
+
+    def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
+        return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None)
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
+            dataset: str = "", chunk: int = -1) -> int:
+        """Insert; returns how many were newly stored (failures are not errors: it's a cache)."""
+        stored = [0]
+        keys = [k for k, _ in items]
+
+        def call(c: ServerClient, idx: list[int]) -> list:
+            s, _, _ = c.put([items[i] for i in idx], job, dataset, chunk)
+            with self._lock:
+                stored[0] += s
+            return []
+
+        self._fanout(keys, call, None)
+        return stored[0]
+
+    def for_each_server(self, fn: Callable[[ServerClient], object]) -> dict[str, object]:
+        """Apply a control call to every server; failures are returned, not raised."""
+        results: dict[str, object] = {}
+        for node, c in self.clients.items():
+            try:
+                results[node] = fn(c)
+            except TRANSIENT as e:
+                results[node] = e
+        return results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for c in self.clients.values():
+            c.close()
+
+    def __enter__(self) -> "RingClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,142 @@
+"""Assembles a cache server: store, core, gRPC + health, data plane, metrics."""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .core import CacheCore, Limits
+from .counters import Counters
+from .dataplane import DataPlaneServer
+from .eviction import make_policy
+from .grpc_service import CacheService
+from .logs import event
+from .metrics import serve_metrics
+from .proto import cache_pb2 as pb
+from .proto import cache_pb2_grpc as pb_grpc
+from .store import Store
+from .tls import TlsFiles
+
+log = logging.getLogger("cacheserver")
+SERVICE_NAME = "mlcache.v1.Cache"
+
+
+def split_hostport(addr: str, what: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{what}: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class ServerConfig:
+    listen: str
+    data_dir: str
+    capacity: int
+    peers: list[str] = field(default_factory=list)
+    manager: str | None = None
+    metrics_port: int | None = None
+    tls: TlsFiles | None = None
+    data_listen: str | None = "auto"   # "auto": gRPC host, port + 1; None: off
+    unix_socket: str | None = "auto"   # "auto": DATA_DIR/data.sock; None: off
+    eviction: str = "lru"
+    limits: Limits = field(default_factory=Limits)
+    sync_writes: bool = False
+    grpc_workers: int = 64
+
+
+class CacheServer:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.counters = Counters()
+        self.instance = uuid.uuid4().hex
+        self.store = Store(os.path.join(cfg.data_dir), cfg.capacity, make_policy(cfg.eviction),
+                           self.counters, sync_writes=cfg.sync_writes)
+        sid = self.store.get_state("server_id")
+        if sid is None:
+            sid = uuid.uuid4().hex.encode()
+            self.store.put_state("server_id", sid)
+        self.server_id = sid.decode()
+        self.core = CacheCore(self.store, self.counters, cfg.limits)
+
+        host, port = split_hostport(cfg.listen, "--listen")
+        opts = [("grpc.max_receive_message_length", cfg.limits.max_batch_bytes + (8 << 20)),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0)]
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
+                                options=opts)
+        pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id), self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if cfg.tls:
+            self.port = self.grpc.add_secure_port(bind, cfg.tls.grpc_server_credentials())
+        else:
+            self.port = self.grpc.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"--listen: cannot bind {cfg.listen} (in use or not a local address)")
+        self.host = host
+
+        tcp = None
+        if cfg.data_listen == "auto":
+            tcp = (host, self.port + 1 if port else 0)
+        elif cfg.data_listen:
+            tcp = split_hostport(cfg.data_listen, "--data-listen")
+        unix = os.path.join(cfg.data_dir, "data.sock") if cfg.unix_socket == "auto" else cfg.unix_socket
+        if unix and len(unix.encode()) > 100:  # AF_UNIX path limit is 108 bytes
+            log.warning("unix socket path too long, same-host fast path off: %s", unix)
+            unix = None
+        self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix,
+                                         cfg.tls.server_context() if cfg.tls else None)
+        self.metrics_server = None
+
+    def _info(self) -> pb.InfoResponse:
+        tcp = self.dataplane.tcp_address
+        return pb.InfoResponse(server_id=self.server_id, instance=self.instance,
+                               data_address=f"{tcp[0]}:{tcp[1]}" if tcp else "",
+                               unix_socket=self.dataplane.unix_path or "",
+                               max_batch_bytes=self.cfg.limits.max_batch_bytes,
+                               tls=self.cfg.tls is not None, peers=self.cfg.peers,
+                               capacity_bytes=self.store.capacity, db_path=self.store.db_path)
+
+    def _gauges(self) -> dict[str, float]:
+        return {"capacity_bytes": self.store.capacity, "used_bytes": self.store.used,
+                "items": self.store.items}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.grpc.start()
+        self.dataplane.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host, self.counters, self._gauges)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        tcp = self.dataplane.tcp_address
+        event(log, "cacheserver started", listen=self.address, server_id=self.server_id,
+              data_plane=f"{tcp[0]}:{tcp[1]}" if tcp else None, unix_socket=self.dataplane.unix_path,
+              capacity=self.store.capacity, used=self.store.used, items=self.store.items,
+              recovered=self.counters["recovered_items"], peers=self.cfg.peers,
+              tls=self.cfg.tls is not None, eviction=self.cfg.eviction)
+        if self.cfg.manager:
+            log.warning("--manager %s: manager registration is not available in this version; "
+                        "the ring comes from --peers", self.cfg.manager)
+
+    def stop(self, grace: float = 6.0) -> None:
+        """Drain: refuse new work, finish calls in flight, flush the store."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        done = self.grpc.stop(grace)
+        self.dataplane.stop(grace=grace / 2)
+        done.wait(grace)
+        if self.metrics_server is not None:
+            self.metrics_server[0].shutdown()
+        self.store.close()
+        event(log, "cacheserver stopped", counters=self.counters.snapshot())

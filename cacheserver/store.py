@@ -1,0 +1,288 @@
+"""RocksDB-backed value store with strict capacity accounting.
+
+Layout (column families of one RocksDB under DATA_DIR/db):
+  default  id -> record.wrap(value) = value || xxh3_64(value): the trailer
+           lets a read detect corruption without a second lookup.
+  meta     id -> size, sequence, chunk, dataset: small, so a restart rebuilds
+           the in-memory index and usage without reading values.
+  server   server-wide state (server id, chunk table).
+A value and its meta are written in one WriteBatch, so a kill -9 leaves either
+both or neither. Anything that fails its check on read is deleted, counted
+(`corrupt_dropped`) and answered as a miss: corrupt bytes are never served.
+
+Capacity: every entry is charged len(value) + OVERHEAD. Room is reserved under
+a lock before a write starts, so used + reserved never exceeds capacity, also
+with many concurrent writers.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import rocksdict
+
+from .counters import Counters
+from .eviction import EvictionPolicy
+from .record import unwrap, wrap
+
+OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
+_META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
+Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
+UNTAGGED: Tag = ("", -1)
+
+
+@dataclass
+class TagUsage:
+    items: int = 0
+    bytes: int = 0
+
+
+class Store:
+    def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
+                 counters: Counters, *, sync_writes: bool = False) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        os.makedirs(path, exist_ok=True)
+        self.capacity = capacity
+        self.policy = policy
+        self.counters = counters
+        self._lock = threading.Lock()
+        self._protected: Callable[[Tag], bool] = lambda tag: False
+
+        opts = rocksdict.Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        opts.set_paranoid_checks(True)
+        opts.set_max_background_jobs(2)
+        opts.set_write_buffer_size(64 << 20)
+        cf_opts = rocksdict.Options(raw_mode=True)
+        self.db_path = os.path.abspath(os.path.join(path, "db"))
+        self._db = rocksdict.Rdict(self.db_path, opts,
+                                   column_families={"meta": cf_opts, "server": cf_opts})
+        self._meta = self._db.get_column_family("meta")
+        self._server = self._db.get_column_family("server")
+        self._meta_cf = self._db.get_column_family_handle("meta")
+        self._wopts = rocksdict.WriteOptions()
+        self._wopts.sync = sync_writes
+
+        # In-memory index: id -> (charge, tag index). Tags are interned.
+        self._index: dict[bytes, tuple[int, int]] = {}
+        self._tags: list[Tag] = [UNTAGGED]
+        self._tag_ids: dict[Tag, int] = {UNTAGGED: 0}
+        self._usage: dict[int, TagUsage] = {}
+        self._pending: set[bytes] = set()
+        self.used = 0
+        self._reserved = 0
+        self._seq = 0
+        self._recover()
+
+    # ---- recovery -------------------------------------------------------
+    def _recover(self) -> None:
+        entries = []
+        for key, meta in self._meta.items():
+            try:
+                size, seq, chunk = _META.unpack_from(meta)
+                dataset = bytes(meta[_META.size:]).decode()
+            except (struct.error, UnicodeDecodeError):
+                self._delete_keys([key])
+                self.counters.add("corrupt_dropped")
+                continue
+            entries.append((seq, key, size, (dataset, chunk)))
+        entries.sort()
+        for seq, key, size, tag in entries:
+            self._index_add(key, size + OVERHEAD, self._tag_id(tag))
+            self.policy.admitted(key)
+            self._seq = max(self._seq, seq + 1)
+        self.counters.add("recovered_items", len(entries))
+        if self.used > self.capacity:  # capacity lowered since last run
+            self._evict_for(self.used - self.capacity)
+
+    # ---- index helpers (call with the lock held, or before serving) -----
+    def _tag_id(self, tag: Tag) -> int:
+        tid = self._tag_ids.get(tag)
+        if tid is None:
+            tid = self._tag_ids[tag] = len(self._tags)
+            self._tags.append(tag)
+        return tid
+
+    def _index_add(self, key: bytes, charge: int, tid: int) -> None:
+        self._index[key] = (charge, tid)
+        u = self._usage.setdefault(tid, TagUsage())
+        u.items += 1
+        u.bytes += charge
+        self.used += charge
+
+    def _index_remove(self, key: bytes) -> int:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return 0
+        charge, tid = entry
+        u = self._usage[tid]
+        u.items -= 1
+        u.bytes -= charge
+        if u.items == 0:
+            del self._usage[tid]
+        self.used -= charge
+        self.policy.removed(key)
+        return charge
+
+    def _delete_keys(self, keys: Iterable[bytes]) -> None:
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        for k in keys:
+            wb.delete(k)
+            wb.delete(k, self._meta_cf)
+        self._db.write(wb, self._wopts)
+
+    # ---- public API -----------------------------------------------------
+    def set_protector(self, protected: Callable[[Tag], bool]) -> None:
+        """Entries whose tag is protected (referenced chunks) are never fallback victims."""
+        self._protected = protected
+
+    @property
+    def items(self) -> int:
+        return len(self._index)
+
+    def contains(self, keys: Sequence[bytes]) -> bytes:
+        index = self._index
+        return bytes(1 if k in index else 0 for k in keys)
+
+    def touch(self, keys: Sequence[bytes]) -> bytes:
+        """Presence flags, counted as accesses by the eviction policy."""
+        with self._lock:
+            present = bytes(1 if k in self._index else 0 for k in keys)
+            for k, p in zip(keys, present):
+                if p:
+                    self.policy.accessed(k)
+        return present
+
+    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """Values (trailer stripped, zero-copy views) or None for misses."""
+        out: list[memoryview | None] = []
+        bad: list[bytes] = []
+        get = self._db.get
+        for k in keys:
+            try:
+                raw = get(k)
+            except Exception:  # RocksDB reports corruption as an exception
+                raw, bad_read = None, True
+            else:
+                bad_read = False
+            if raw is None:
+                if bad_read or k in self._index:  # meta without value: drop it
+                    bad.append(k)
+                out.append(None)
+                continue
+            value = unwrap(raw)
+            if value is None:
+                bad.append(k)
+            out.append(value)
+        hits = [k for k, v in zip(keys, out) if v is not None]
+        with self._lock:
+            for k in hits:
+                self.policy.accessed(k)
+            for k in bad:
+                self._index_remove(k)
+        if bad:
+            self._delete_keys(bad)
+            self.counters.add("corrupt_dropped", len(bad))
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED
+                 ) -> tuple[int, int, int]:
+        """Store values not yet present. Returns (stored, already, rejected_full)."""
+        already = 0
+        todo: list[tuple[bytes, bytes | memoryview, int]] = []
+        with self._lock:
+            tid = self._tag_id(tag)
+            seen: set[bytes] = set()
+            for key, value in items:
+                if key in self._index or key in self._pending or key in seen:
+                    already += 1
+                    continue
+                seen.add(key)
+                todo.append((key, value, len(value) + OVERHEAD))
+            need = sum(c for _, _, c in todo)
+            free = self.capacity - self.used - self._reserved
+            if need > free:
+                self._evict_for(need - free)
+                free = self.capacity - self.used - self._reserved
+            accepted = []
+            for key, value, charge in todo:
+                if charge <= free:
+                    accepted.append((key, value, charge))
+                    free -= charge
+            rejected = len(todo) - len(accepted)
+            reserve = sum(c for _, _, c in accepted)
+            self._reserved += reserve
+            self._pending.update(k for k, _, _ in accepted)
+            seq0 = self._seq
+            self._seq += len(accepted)
+        try:
+            if accepted:
+                wb = rocksdict.WriteBatch(raw_mode=True)
+                ds = tag[0].encode()
+                for i, (key, value, _) in enumerate(accepted):
+                    wb.put(key, wrap(value))
+                    wb.put(key, _META.pack(len(value), seq0 + i, tag[1]) + ds, self._meta_cf)
+                self._db.write(wb, self._wopts)
+        finally:
+            with self._lock:
+                self._reserved -= reserve
+                self._pending.difference_update(k for k, _, _ in accepted)
+        with self._lock:
+            for key, _, charge in accepted:
+                self._index_add(key, charge, tid)
+                self.policy.admitted(key)
+        self.counters.add_many({"put_stored": len(accepted), "put_already": already,
+                                "rejected_full": rejected,
+                                "put_bytes": sum(len(v) for _, v, _ in accepted)})
+        return len(accepted), already, rejected
+
+    def _evict_for(self, need: int) -> int:
+        """Free at least `need` bytes through the fallback policy (lock held)."""
+        freed, victims = 0, []
+        protected = self._protected
+        for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
+                                       if k in self._index else False):
+            freed += self._index_remove(key)
+            victims.append(key)
+            if freed >= need:
+                break
+        if victims:
+            self._delete_keys(victims)
+            self.counters.add_many({"evicted_by_policy": len(victims), "evicted_items": len(victims),
+                                    "evicted_bytes": freed})
+        return freed
+
+    def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:
+        """Delete every entry whose tag matches (manager-directed eviction)."""
+        with self._lock:
+            tids = {tid for tid, tag in enumerate(self._tags) if match(tag)}
+            keys = [k for k, (_, tid) in self._index.items() if tid in tids]
+            freed = sum(self._index_remove(k) for k in keys)
+        if keys:
+            self._delete_keys(keys)
+            self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
+        return len(keys), freed
+
+    def usage_by_tag(self) -> dict[Tag, TagUsage]:
+        with self._lock:
+            return {self._tags[tid]: TagUsage(u.items, u.bytes) for tid, u in self._usage.items()}
+
+    # ---- server-wide small state ---------------------------------------
+    def get_state(self, key: str) -> bytes | None:
+        return self._server.get(key.encode())
+
+    def put_state(self, key: str, value: bytes) -> None:
+        self._server.put(key.encode(), value, self._wopts)
+
+    def close(self) -> None:
+        # Column-family views share the DB handle; drop them so the lock is released.
+        self._meta.close()
+        self._server.close()
+        del self._meta, self._server, self._meta_cf
+        self._db.flush()
+        self._db.close()

@@ -1,0 +1,16 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from procs import cacheserver  # noqa: E402
+
+
+@pytest.fixture
+def server(tmp_path):
+    """One running cacheserver process; killed at teardown."""
+    d = cacheserver(str(tmp_path / "srv")).start()
+    yield d
+    d.kill()

@@ -1,0 +1,332 @@
+"""Integration tests: real cacheserver processes on loopback."""
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cacheserver import wire
+from cacheserver.client import BYPASS, NORMAL, ServerClient
+from cacheserver.proto import cache_pb2 as pb
+from cacheserver.proto import cache_pb2_grpc as pb_grpc
+from procs import cacheserver, rss_bytes
+
+TRANSPORTS = {
+    "local": dict(),
+    "unix": dict(local_read=False),
+    "tcp": dict(prefer_unix=False),
+    "grpc": dict(use_dataplane=False),
+}
+
+
+def ids(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randbytes(32) for _ in range(n)]
+
+
+def values(n, size=3000, seed=0):
+    rng = random.Random(seed + 7)
+    return [rng.randbytes(size) for _ in range(n)]
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_put_lookup_get_every_transport(server, transport):
+    with ServerClient(server.address, **TRANSPORTS[transport]) as c:
+        ks, vs = ids(50, seed=1), values(50, seed=1)
+        assert c.put(list(zip(ks, vs)), job="j", dataset="ds", chunk=0) == (50, 0, 0)
+        assert c.transport == transport
+        assert c.put(list(zip(ks[:5], vs[:5]))) == (0, 5, 0)
+        absent = ids(3, seed=99)
+        assert c.lookup(ks + absent) == b"\1" * 50 + b"\0" * 3
+        got = c.get(absent[:1] + ks + absent[1:])
+        assert got[0] is None and got[-1] is None and got[-2] is None
+        assert [bytes(v) for v in got[1:51]] == vs
+        st = c.stats()
+        assert st.items == 50 and st.counters["get_hits"] == 50
+        assert [(ch.dataset, ch.chunk, ch.items) for ch in st.chunks] == [("ds", 0, 50)]
+
+
+def test_get_streams_large_batches_over_grpc(server):
+    with ServerClient(server.address, use_dataplane=False) as c:
+        ks, vs = ids(40, seed=2), values(40, size=300_000, seed=2)  # 12 MB: several messages
+        for i in range(0, 40, 10):
+            c.put(list(zip(ks[i:i + 10], vs[i:i + 10])))
+        msgs = list(c.stub.Get(pb.GetRequest(ids=b"".join(ks))))
+        assert len(msgs) >= 3
+        assert [bytes(v) for v in c.get(ks)] == vs
+
+
+def test_local_reader_sees_writes_made_after_it_opened(server):
+    with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
+        first = ids(5, seed=3)
+        writer.put([(k, b"a" * 100) for k in first])
+        assert [bytes(v) for v in reader.get(first)] == [b"a" * 100] * 5
+        assert reader.transport == "local"
+        later = ids(5, seed=4)
+        writer.put([(k, b"b" * 100) for k in later])
+        assert [bytes(v) for v in reader.get(later)] == [b"b" * 100] * 5  # falls back or catches up
+
+
+def test_restart_keeps_data_and_chunk_refs(tmp_path):
+    d = cacheserver(str(tmp_path / "s"))
+    d.start()
+    ks, vs = ids(30, seed=5), values(30, seed=5)
+    with ServerClient(d.address) as c:
+        c.put(list(zip(ks, vs)), dataset="ds", chunk=1)
+        assert c.ref_chunk("ds", 1, "job-a") == 1
+        c.active_chunk("ds", 1)
+        server_id = c.info().server_id
+    assert d.stop() == 0
+    d2 = cacheserver(str(tmp_path / "s"), "1GB", int(d.address.rsplit(":", 1)[1])).start()
+    try:
+        with ServerClient(d2.address) as c:
+            assert c.info().server_id == server_id
+            assert [bytes(v) for v in c.get(ks)] == vs
+            st = c.stats()
+            assert st.counters["recovered_items"] == 30
+            assert [(x.chunk, x.refs, list(x.jobs)) for x in st.chunks] == [(1, 1, ["job-a"])]
+            assert c.active_chunk("ds") == 1
+    finally:
+        d2.kill()
+
+
+def test_kill9_recovery_serves_only_whole_values(tmp_path):
+    d = cacheserver(str(tmp_path / "k")).start()
+    acked: dict[bytes, bytes] = {}
+    stop = threading.Event()
+
+    def writer(seed):
+        rng = random.Random(seed)
+        with ServerClient(d.address, local_read=False) as c:
+            for _ in range(2000):
+                if stop.is_set():
+                    return
+                batch = [(rng.randbytes(32), rng.randbytes(rng.randint(1, 50_000))) for _ in range(8)]
+                try:
+                    c.put(batch)
+                except Exception:
+                    return  # the server died under us: unacknowledged, may or may not be there
+                acked.update(batch)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    d.proc.kill()  # SIGKILL mid-write
+    d.proc.wait()
+    stop.set()
+    for t in threads:
+        t.join(20)
+    assert len(acked) > 50
+    d2 = cacheserver(str(tmp_path / "k")).start()
+    try:
+        with ServerClient(d2.address, local_read=False) as c:
+            keys = list(acked)
+            for i in range(0, len(keys), 256):
+                got = c.get(keys[i:i + 256])
+                for k, v in zip(keys[i:i + 256], got):
+                    assert v is not None, "an acknowledged put was lost"
+                    assert bytes(v) == acked[k]
+            st = c.stats()
+            assert st.items >= len(acked) and st.used_bytes <= st.capacity_bytes
+    finally:
+        d2.kill()
+
+
+def test_capacity_under_8_concurrent_writers(tmp_path):
+    cap = 2_000_000
+    d = cacheserver(str(tmp_path / "cap"), str(cap), 0, "--eviction", "none").start()
+    try:
+        def writer(seed):
+            with ServerClient(d.address, local_read=False, prefer_unix=seed % 2 == 0) as c:
+                stored = 0
+                for b in range(15):
+                    stored += c.put([(k, os.urandom(20_000)) for k in ids(4, seed=seed * 100 + b)])[0]
+                return stored
+
+        with ThreadPoolExecutor(8) as ex:
+            stored = sum(ex.map(writer, range(8)))
+        with ServerClient(d.address) as c:
+            st = c.stats()
+        assert st.used_bytes <= cap
+        assert st.items == stored and stored < 8 * 15 * 4
+        assert st.counters["rejected_full"] == 8 * 15 * 4 - stored
+    finally:
+        d.kill()
+
+
+def test_32_concurrent_clients_bounded_time_no_errors_bounded_memory(server):
+    ks, vs = ids(256, seed=8), values(256, size=50_000, seed=8)
+    with ServerClient(server.address, local_read=False) as c:
+        for i in range(0, 256, 64):
+            c.put(list(zip(ks[i:i + 64], vs[i:i + 64])))
+    base_rss = rss_bytes(server.pid)
+    deadline = time.monotonic() + 6.0
+    counts = []
+
+    def client(seed):
+        rng = random.Random(seed)
+        kind = list(TRANSPORTS)[seed % 4]
+        n = 0
+        with ServerClient(server.address, **TRANSPORTS[kind]) as c:
+            while time.monotonic() < deadline and n < 10_000:
+                idx = rng.sample(range(256), 16)
+                got = c.get([ks[i] for i in idx])
+                assert all(bytes(v) == vs[i] for v, i in zip(got, idx))
+                n += 1
+        return n
+
+    with ThreadPoolExecutor(32) as ex:
+        counts = list(ex.map(client, range(32)))
+    assert min(counts) > 0
+    assert rss_bytes(server.pid) < base_rss + 600 * 2**20  # bounded: no per-request leak or backlog
+    with ServerClient(server.address) as c:
+        assert c.stats().counters["bad_requests"] == 0
+
+
+def test_bypass_mode_over_the_wire(server):
+    with ServerClient(server.address) as c, ServerClient(server.address, prefer_unix=False) as t:
+        ks = ids(8, seed=9)
+        c.put([(k, b"v") for k in ks])
+        assert c.set_job_mode("probe-job", BYPASS) == NORMAL
+        for client in (c, t):
+            assert client.lookup(ks, job="probe-job") == b"\0" * 8
+            assert client.get(ks, job="probe-job") == [None] * 8
+            assert client.lookup(ks, job="other") == b"\1" * 8
+        assert c.stats().job_modes["probe-job"] == BYPASS
+        c.set_job_mode("probe-job", NORMAL)
+        assert c.lookup(ks, job="probe-job") == b"\1" * 8
+
+
+def test_chunk_reference_counting_and_eviction(server):
+    with ServerClient(server.address) as c:
+        c.put([(k, b"x" * 10) for k in ids(10, seed=10)], dataset="imagenet", chunk=0)
+        c.put([(k, b"y" * 10) for k in ids(10, seed=11)], dataset="imagenet", chunk=1)
+        assert c.ref_chunk("imagenet", 0, "a") == 1
+        assert c.ref_chunk("imagenet", 0, "b") == 2
+        assert c.ref_chunk("imagenet", 0, "b") == 2  # idempotent per job
+        with pytest.raises(grpc.RpcError) as e:
+            c.evict_chunk("imagenet", 0)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "referenced by 2" in e.value.details()
+        assert c.unref_chunk("imagenet", 0, "a") == 1
+        assert c.unref_chunk("imagenet", 0, "b") == 0
+        assert c.evict_chunk("imagenet", 0) == (10, 10 * (10 + 128))
+        assert c.lookup(ids(10, seed=10)) == b"\0" * 10
+        c.ref_chunk("imagenet", 1, "straggler")
+        assert c.evict_chunk("imagenet", 1, force=True)[0] == 10
+        c.put([(k, b"z") for k in ids(3, seed=12)], dataset="other", chunk=0)
+        assert c.evict_dataset("other")[0] == 3
+        assert c.stats().counters["chunk_evictions"] == 2
+
+
+@pytest.mark.parametrize("call,code,msg", [
+    (lambda s: s.Lookup(pb.LookupRequest(ids=b"x" * 33)), "INVALID_ARGUMENT", "33 bytes is not a whole number"),
+    (lambda s: list(s.Get(pb.GetRequest(ids=b"x" * 31))), "INVALID_ARGUMENT", "31 bytes"),
+    (lambda s: s.Put(pb.PutRequest(items=[pb.PutItem(id=b"i" * 32, size=5, value=b"abc")])),
+     "INVALID_ARGUMENT", "declared size 5 but value has 3"),
+    (lambda s: s.Put(pb.PutRequest(items=[pb.PutItem(id=b"i" * 31, size=1, value=b"a")])),
+     "INVALID_ARGUMENT", "expected a 32-byte id"),
+    (lambda s: s.UnrefChunk(pb.RefChunkRequest(dataset="nope", chunk=4, job="j")), "NOT_FOUND", "unknown chunk 4"),
+    (lambda s: s.EvictChunk(pb.EvictChunkRequest(dataset="nope", chunk=2)), "NOT_FOUND", "unknown chunk 2"),
+    (lambda s: s.RefChunk(pb.RefChunkRequest(dataset="", chunk=0, job="j")), "INVALID_ARGUMENT", "dataset"),
+    (lambda s: s.SetJobMode(pb.SetJobModeRequest(job="", mode=1)), "INVALID_ARGUMENT", "job must not be empty"),
+    (lambda s: s.Put(pb.PutRequest(items=[pb.PutItem(id=b"i" * 32, size=300 << 20, value=b"a" * (300 << 20))])),
+     "RESOURCE_EXHAUSTED", ""),
+])
+def test_malformed_grpc_requests_get_precise_status(server, call, code, msg):
+    with grpc.insecure_channel(server.address, [("grpc.max_send_message_length", -1)]) as ch:
+        stub = pb_grpc.CacheStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            call(stub)
+        assert e.value.code().name == code
+        assert msg in (e.value.details() or "")
+        # still serving, nothing written
+        st = stub.Stats(pb.StatsRequest())
+        assert st.items == 0
+
+
+def _raw(addr: str) -> socket.socket:
+    with ServerClient(addr) as c:
+        host, port = c.info().data_address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _reply(s):
+    status, aux, count, body = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
+    return status, wire.recv_exact(s, aux or body).decode(errors="replace")
+
+
+def test_malformed_data_plane_frames(server):
+    with _raw(server.address) as s:  # wrong magic: refused, connection closed
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, msg = _reply(s)
+        assert status == wire.BAD_REQUEST and "bad frame magic" in msg
+    with _raw(server.address) as s:  # oversized frame: refused before reading it
+        s.sendall(wire.pack_header(wire.OP_PUT, 0, 1, 10**12))
+        status, msg = _reply(s)
+        assert status == wire.BAD_REQUEST and "exceeds the limit" in msg
+    with _raw(server.address) as s:  # id count mismatch: refused, connection stays usable
+        s.sendall(wire.pack_header(wire.OP_GET, 0, 3, 64) + b"i" * 64)
+        assert _reply(s) == (wire.BAD_REQUEST, "3 ids need 96 bytes, frame has 64")
+        body = b"\0\0" + struct.pack("<i", -1) + wire.PUT_ENTRY.pack(b"k" * 32, 10) + b"short"
+        s.sendall(wire.pack_header(wire.OP_PUT, 0, 1, len(body)) + body)
+        status, msg = _reply(s)
+        assert status == wire.BAD_REQUEST and "runs past the end" in msg
+        s.sendall(wire.pack_header(9, 0, 0, 0))
+        assert _reply(s) == (wire.BAD_REQUEST, "unknown data-plane op 9")
+    with _raw(server.address) as s:  # truncated frame then disconnect: server survives
+        s.sendall(wire.pack_header(wire.OP_GET, 0, 2, 64) + b"i" * 10)
+    with ServerClient(server.address) as c:
+        st = c.stats()
+        assert st.items == 0 and st.counters["bad_requests"] >= 5
+        assert c.lookup(ids(1)) == b"\0"
+
+
+def test_client_refuses_wrong_sized_ids_before_sending(server):
+    with ServerClient(server.address) as c:
+        with pytest.raises(ValueError, match="ids\\[1\\]: expected a 32-byte id, got 5"):
+            c.put([(ids(1)[0], b"a"), (b"short", b"b")])
+        with pytest.raises(ValueError, match="got 31"):
+            c.get([b"x" * 31])
+        assert c.stats().items == 0
+
+
+def test_health_service_and_sigterm_drain(tmp_path):
+    d = cacheserver(str(tmp_path / "h")).start()
+    with grpc.insecure_channel(d.address) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", "mlcache.v1.Cache"):
+            assert hs.Check(health_pb2.HealthCheckRequest(service=svc)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    ks, vs = ids(64, seed=20), values(64, size=100_000, seed=20)
+    with ServerClient(d.address, prefer_unix=False) as c:
+        c.put(list(zip(ks, vs)))
+    results, stop = [], threading.Event()
+
+    def reader():
+        with ServerClient(d.address, prefer_unix=False) as c:
+            while not stop.is_set():
+                try:
+                    got = c.get(ks)
+                except Exception:
+                    return  # refused after the drain: fine; a torn answer is not
+                results.append(all(bytes(v) == x for v, x in zip(got, vs)))
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    code = d.stop(timeout=15)
+    elapsed = time.monotonic() - t0
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert code == 0 and elapsed < 10
+    assert results and all(results)

@@ -1,0 +1,177 @@
+"""Store and core unit tests: capacity accounting, eviction, corruption, validation."""
+import os
+import random
+import threading
+
+import pytest
+import rocksdict
+
+from cacheserver.core import BYPASS, NORMAL, CacheCore, Limits
+from cacheserver.counters import Counters
+from cacheserver.eviction import LRUPolicy, NoEviction, make_policy
+from cacheserver.ids import BadRequest
+from cacheserver.store import OVERHEAD, Store
+
+
+def ids(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randbytes(32) for _ in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(str(tmp_path / "s"), 100 * (1000 + OVERHEAD), LRUPolicy(), Counters())
+    yield s
+    s.close()
+
+
+def test_put_get_roundtrip_and_duplicates(store):
+    ks = ids(10)
+    vals = [os.urandom(1000) for _ in ks]
+    assert store.put_many(list(zip(ks, vals))) == (10, 0, 0)
+    assert store.put_many(list(zip(ks, vals))) == (0, 10, 0)
+    assert [bytes(v) for v in store.get_many(ks)] == vals
+    assert store.contains(ks + ids(1, seed=9)) == b"\x01" * 10 + b"\x00"
+    assert store.used == 10 * (1000 + OVERHEAD) and store.items == 10
+
+
+def test_capacity_never_exceeded_under_8_concurrent_writers(tmp_path):
+    cap = 200 * (2000 + OVERHEAD)
+    s = Store(str(tmp_path / "c"), cap, NoEviction(), Counters())
+    peak, errors = [0], []
+
+    def writer(seed):
+        try:
+            for b in range(20):
+                batch = [(k, os.urandom(2000)) for k in ids(10, seed=seed * 1000 + b)]
+                s.put_many(batch)
+                peak[0] = max(peak[0], s.used + s._reserved)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert s.used <= cap and peak[0] <= cap
+    assert s.items == 200  # exactly full: 1600 offered, 200 fit
+    assert s.counters["rejected_full"] == 1600 - 200
+    s.close()
+
+
+def test_lru_fallback_evicts_oldest_unprotected(tmp_path):
+    s = Store(str(tmp_path / "l"), 10 * (1000 + OVERHEAD), LRUPolicy(), Counters())
+    old = ids(5, seed=1)
+    hot = ids(5, seed=2)
+    s.put_many([(k, b"o" * 1000) for k in old], ("ds", 0))
+    s.put_many([(k, b"h" * 1000) for k in hot])
+    s.set_protector(lambda tag: tag == ("ds", 0))  # chunk 0 referenced: keep it
+    s.get_many(hot[:2])  # recently used
+    new = ids(3, seed=3)
+    assert s.put_many([(k, b"n" * 1000) for k in new]) == (3, 0, 0)
+    assert s.contains(old) == b"\x01" * 5  # protected
+    assert s.contains(hot[:2]) == b"\x01\x01"  # recently used
+    assert s.contains(hot[2:]) == b"\x00" * 3  # evicted
+    assert s.counters["evicted_by_policy"] == 3
+    s.close()
+
+
+def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
+    s = Store(str(tmp_path / "n"), 3 * (1000 + OVERHEAD), make_policy("none"), Counters())
+    ks = ids(5)
+    assert s.put_many([(k, b"v" * 1000) for k in ks]) == (3, 0, 2)
+    assert s.contains(ks) == b"\x01\x01\x01\x00\x00"
+    assert s.used == 3 * (1000 + OVERHEAD)
+    s.close()
+
+
+def test_corrupt_value_is_dropped_counted_and_never_served(tmp_path):
+    s = Store(str(tmp_path / "x"), 10**7, LRUPolicy(), Counters())
+    ks = ids(3)
+    s.put_many([(k, b"good" * 100) for k in ks])
+    s._db.put(ks[1], b"bad!" * 100 + b"\0" * 8)  # flip the stored record under the store
+    out = s.get_many(ks)
+    assert bytes(out[0]) == b"good" * 100 and out[1] is None and bytes(out[2]) == b"good" * 100
+    assert s.counters["corrupt_dropped"] == 1
+    assert s.contains(ks) == b"\x01\x00\x01"
+    assert s.used == 2 * (400 + OVERHEAD)
+    s.close()
+
+
+def test_restart_rebuilds_index_and_lowered_capacity_evicts(tmp_path):
+    path = str(tmp_path / "r")
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    ks = ids(20)
+    s.put_many([(k, b"z" * 1000) for k in ks], ("ds", 2))
+    s.close()
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    assert s.items == 20 and s.counters["recovered_items"] == 20
+    assert s.usage_by_tag()[("ds", 2)].items == 20
+    s.close()
+    s = Store(path, 10 * (1000 + OVERHEAD), LRUPolicy(), Counters())
+    assert s.items == 10 and s.used <= s.capacity
+    assert s.contains(ks[10:]) == b"\x01" * 10  # the oldest went first
+    s.close()
+
+
+def test_unreadable_meta_is_dropped_at_recovery(tmp_path):
+    path = str(tmp_path / "m")
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    ks = ids(2)
+    s.put_many([(k, b"q" * 10) for k in ks])
+    s._meta.put(ks[0], b"\x01")  # too short to be a meta record
+    s.close()
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    assert s.contains(ks) == b"\x00\x01" and s.counters["corrupt_dropped"] == 1
+    assert s.get_many(ks[:1]) == [None]
+    s.close()
+
+
+def test_core_validation_refuses_whole_batch(tmp_path):
+    s = Store(str(tmp_path / "v"), 10**7, LRUPolicy(), Counters())
+    core = CacheCore(s, s.counters, Limits(max_item_bytes=100, max_batch_bytes=1000, max_batch_items=50))
+    good = ids(2)
+    cases = [
+        ([(good[0], 3, b"abc"), (b"short", 3, b"abc")], "items\\[1\\].id: expected a 32-byte id"),
+        ([(good[0], 3, b"abc"), (good[1], 4, b"abc")], "items\\[1\\]: declared size 4 but value has 3"),
+        ([(good[0], 101, b"x" * 101)], "exceeds the item limit of 100"),
+        ([(k, 100, b"x" * 100) for k in ids(11)], "exceeds the limit of 1000"),
+    ]
+    for items, msg in cases:
+        with pytest.raises(BadRequest, match=msg):
+            core.put("j", items)
+    assert s.items == 0  # nothing partial
+    with pytest.raises(BadRequest, match="50"):
+        core.lookup("j", ids(51))
+    with pytest.raises(BadRequest, match="chunk tag needs a dataset"):
+        core.put("j", [(good[0], 1, b"a")], "", 3)
+    s.close()
+
+
+def test_bypass_mode_answers_miss_only_for_that_job(tmp_path):
+    s = Store(str(tmp_path / "b"), 10**7, LRUPolicy(), Counters())
+    core = CacheCore(s, s.counters)
+    ks = ids(4)
+    core.put("a", [(k, 2, b"hi") for k in ks])
+    assert core.set_job_mode("probe", BYPASS) == NORMAL
+    assert core.lookup("probe", ks) == b"\0" * 4 and core.get("probe", ks) == [None] * 4
+    assert core.get_local("probe", ks) == b"\0" * 4
+    assert core.lookup("other", ks) == b"\1" * 4
+    assert core.set_job_mode("probe", NORMAL) == BYPASS
+    assert [bytes(v) for v in core.get("probe", ks)] == [b"hi"] * 4
+    assert s.counters["bypassed"] == 12
+    s.close()
+
+
+def test_unknown_policy_is_named():
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        make_policy("fifo")
+
+
+def test_rocksdb_files_are_where_we_say(tmp_path):
+    s = Store(str(tmp_path / "p"), 10**6, LRUPolicy(), Counters())
+    assert s.db_path == str(tmp_path / "p" / "db")
+    s.close()
+    assert "meta" in rocksdict.Rdict.list_cf(str(tmp_path / "p" / "db"))
