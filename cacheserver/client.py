@@ -12,7 +12,8 @@ import os
 import queue
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
@@ -20,12 +21,14 @@ import grpc
 from . import wire
 from .ids import ID_LEN
 from .localread import LocalReader
+from .pipeline import pipelined
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .tls import TlsFiles
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 NORMAL, BYPASS = pb.CACHE_MODE_NORMAL, pb.CACHE_MODE_BYPASS
+MAX_IN_FLIGHT = 8
 
 
 class ServerClient:
@@ -43,6 +46,7 @@ class ServerClient:
         self._use_dataplane = use_dataplane
         self._local_read = local_read
         self._local: LocalReader | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
@@ -153,6 +157,13 @@ class ServerClient:
             return self._get_local(ids, job)
         return self._get_remote(ids, job)
 
+    def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
+                 ) -> Iterator[list[memoryview | None]]:
+        """get() for each batch, in order, with `depth` requests in flight."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="cache-get")
+        return pipelined(lambda b: self.get(b, job), batches, min(depth, MAX_IN_FLIGHT), self._executor)
+
     def _get_local(self, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
         _, present = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)])
         want = [i for i, p in enumerate(present) if p]
@@ -239,6 +250,8 @@ class ServerClient:
         return r.items, r.bytes
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         if self._local is not None:
             self._local.close()
             self._local = None

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import rocksdict
 
 from .record import unwrap
+from .store import hot_read_options, tuned_for_reads
 
 CATCH_UP_INTERVAL = 0.5  # seconds; catching up replays the primary's log, ~0.1 s
 
@@ -27,9 +28,10 @@ class LocalReader:
     def __init__(self, db_path: str) -> None:
         self._scratch = tempfile.TemporaryDirectory(prefix="mlcache-secondary-")
         cf = rocksdict.Options(raw_mode=True)
-        self._db = rocksdict.Rdict(db_path, rocksdict.Options(raw_mode=True),
+        self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
                                    column_families={"meta": cf, "server": cf},
                                    access_type=rocksdict.AccessType.secondary(self._scratch.name))
+        self._db.set_read_options(hot_read_options())
         self._lock = threading.Lock()
         self._last_catch_up = time.monotonic()
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from . import wire
 from .client import ServerClient
+from .pipeline import pipelined
 from .ring import DEFAULT_VNODES, HashRing
 
 log = logging.getLogger("cacheserver.ring")
@@ -33,6 +34,7 @@ class RingClient:
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
+        self._iter_pool: ThreadPoolExecutor | None = None
         self.down_backoff = down_backoff
         self.errors = 0
 
@@ -99,6 +101,13 @@ class RingClient:
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None)
 
+    def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
+                 ) -> Iterator[list[memoryview | None]]:
+        """get() for each batch, in order, with `depth` batches in flight."""
+        if self._iter_pool is None:
+            self._iter_pool = ThreadPoolExecutor(8, thread_name_prefix="ring-iter")
+        return pipelined(lambda b: self.get(b, job), batches, min(depth, 8), self._iter_pool)
+
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
             dataset: str = "", chunk: int = -1) -> int:
         """Insert; returns how many were newly stored (failures are not errors: it's a cache)."""
@@ -125,6 +134,8 @@ class RingClient:
         return results
 
     def close(self) -> None:
+        if self._iter_pool is not None:
+            self._iter_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         for c in self.clients.values():
             c.close()

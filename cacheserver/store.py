@@ -34,6 +34,24 @@ Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
 UNTAGGED: Tag = ("", -1)
 
 
+def tuned_for_reads(opts: rocksdict.Options) -> rocksdict.Options:
+    # mmap'd SST reads skip one copy per value (measured 2.0 -> 2.8 GB/s alone).
+    opts.set_allow_mmap_reads(True)
+    return opts
+
+
+def hot_read_options() -> rocksdict.ReadOptions:
+    """Read options of the hit path (2.0 -> 5+ GB/s with mmap, measured in-process).
+
+    Block checksums are skipped because every value carries its own xxh3
+    trailer (record.py) that is checked on every read; the block cache is not
+    filled because ~100 KB values only churn it, the OS page cache holds them."""
+    ro = rocksdict.ReadOptions()
+    ro.set_verify_checksums(False)
+    ro.fill_cache(False)
+    return ro
+
+
 @dataclass
 class TagUsage:
     items: int = 0
@@ -60,8 +78,9 @@ class Store:
         opts.set_write_buffer_size(64 << 20)
         cf_opts = rocksdict.Options(raw_mode=True)
         self.db_path = os.path.abspath(os.path.join(path, "db"))
-        self._db = rocksdict.Rdict(self.db_path, opts,
+        self._db = rocksdict.Rdict(self.db_path, tuned_for_reads(opts),
                                    column_families={"meta": cf_opts, "server": cf_opts})
+        self._db.set_read_options(hot_read_options())
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
         self._meta_cf = self._db.get_column_family_handle("meta")

@@ -1,0 +1,578 @@
+"""`cachectl`: operator tool for cache servers.
+
+  cachectl certs --out DIR [--server-names ...] [--ips ...] [--clients N]
+  cachectl stats ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
+  cachectl ring [ADDR ... | --peers a,b,c] [--vnodes N] [--check]
+  cachectl local-cluster --servers 3 --capacity 1GB [--base-port P] [--data-dir DIR]
+
+Exit codes: 0 success, 1 failure (unreachable server, files in the way, a
+local server that died), 2 bad usage.
+"""
+from __future__ import annotations
+
+import os
+
+# Keep gRPC's C core from writing its own log lines over our one-line errors.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import select  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+PROG = "cachectl"
+
+
+class CtlError(Exception):
+    """A failure reported as one line `cachectl: ...` with exit code 1."""
+
+
+# ---------------------------------------------------------------- helpers ---
+def _oneline(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _check_addr(addr: str) -> str:
+    from .server import split_hostport
+    try:
+        split_hostport(addr, "address")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return addr
+
+
+def _split_list(values: Sequence[str] | None) -> list[str]:
+    """Accept both `--ips a b` and `--ips a,b`."""
+    out: list[str] = []
+    for v in values or ():
+        out += [x.strip() for x in v.split(",") if x.strip()]
+    return out
+
+
+def _tls_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    from .tls import TlsFiles
+    try:
+        return TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _rpc(addr: str, what: str, call, tls=None):
+    """Run one gRPC call; connection problems become a CtlError naming the address."""
+    import grpc
+    try:
+        return call()
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        details = _oneline(e.details() if hasattr(e, "details") else e) or str(code)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = f"no answer in time ({details})"
+            elif tls is None and "Socket closed" in details:
+                details += " (does it require TLS? pass --tls-cert, --tls-key and --tls-ca)"
+            raise CtlError(f"cannot reach {addr}: {details}") from None
+        name = code.name if code is not None else "ERROR"
+        raise CtlError(f"{addr}: {what} failed: {name}: {details}") from None
+
+
+def _client(addr: str, tls, timeout: float):
+    from .client import ServerClient
+    return ServerClient(addr, tls=tls, timeout=timeout, use_dataplane=False,
+                        prefer_unix=False, local_read=False)
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _table(rows: list[Sequence[object]], header: Sequence[str] | None = None, indent: str = "  ") -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    if not rows:
+        return ""
+    ncols = max(len(r) for r in rows)
+    # Right-align columns of numbers (the header follows its column), left-align text.
+    numeric = [all(_is_number(r[i]) for r in rows if i < len(r) and r[i]) for i in range(ncols)]
+    if header:
+        rows.insert(0, list(header))
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(ncols)]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(r)]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _is_number(c: str) -> bool:
+    return c.lstrip("-").replace(".", "", 1).replace("%", "").replace(",", "").isdigit()
+
+
+# ------------------------------------------------------------------ certs ---
+def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import certs
+    names = _split_list(args.server_names) or list(certs.DEFAULT_SERVER_NAMES)
+    ips = _split_list(args.ips) or list(certs.DEFAULT_IPS)
+    if args.clients < 0:
+        parser.error("--clients must be >= 0")
+    try:
+        certs.parse_ips(ips)
+    except ValueError as e:
+        parser.error(f"--ips: {e}")
+    try:
+        bundle = certs.write_bundle(args.out, server_names=names, ips=ips, clients=args.clients,
+                                    force=args.force, days=args.days, key_type=args.key_type)
+    except FileExistsError as e:
+        raise CtlError(f"certs: {e}; pass --force to replace them") from None
+    except ValueError as e:
+        parser.error(str(e))
+    except OSError as e:
+        raise CtlError(f"certs: cannot write to {args.out}: {e.strerror or e}") from None
+    out = bundle.out_dir
+    print(f"wrote {len(bundle.files)} files to {out}:")
+    for p in bundle.files:
+        print(f"  {p.name:<18} {oct(p.stat().st_mode & 0o777)}")
+    print(f"server certificate valid for: {', '.join(names + ips)}")
+    print(f"server: cacheserver ... --tls-cert {out / 'server.pem'} --tls-key {out / 'server-key.pem'}"
+          f" --tls-ca {out / 'ca.pem'}")
+    if args.clients:
+        print(f"client: cachectl stats ADDR --tls-cert {out / 'client.pem'} --tls-key {out / 'client-key.pem'}"
+              f" --tls-ca {out / 'ca.pem'}")
+    print("keep ca-key.pem offline; it signs new certificates and is not needed by servers or clients")
+    return 0
+
+
+# ------------------------------------------------------------------ stats ---
+def stats_dict(addr: str, r) -> dict:
+    from .core import MODE_NAMES
+    from .counters import NAMES
+    counters = dict(r.counters)
+    ordered = {n: counters.pop(n) for n in NAMES if n in counters}
+    ordered.update(sorted(counters.items()))
+    return {
+        "address": addr, "server_id": r.server_id,
+        "capacity_bytes": r.capacity_bytes, "used_bytes": r.used_bytes,
+        "free_bytes": max(0, r.capacity_bytes - r.used_bytes), "items": r.items,
+        "counters": ordered,
+        "chunks": [{"dataset": c.dataset, "chunk": c.chunk, "items": c.items, "bytes": c.bytes,
+                    "refs": c.refs, "jobs": list(c.jobs)} for c in r.chunks],
+        "active_chunks": dict(sorted(r.active_chunks.items())),
+        "job_modes": {j: MODE_NAMES.get(m, str(m)) for j, m in sorted(r.job_modes.items())},
+    }
+
+
+def format_stats(d: dict) -> str:
+    from .sizes import format_size
+    cap, used = d["capacity_bytes"], d["used_bytes"]
+    c = d["counters"]
+    out = [f"server {d['address']}  id {d['server_id']}",
+           _table([["capacity", format_size(cap), f"{cap:,} bytes"],
+                   ["used", format_size(used), f"{used:,} bytes", _pct(used, cap)],
+                   ["free", format_size(d["free_bytes"]), f"{d['free_bytes']:,} bytes"],
+                   ["items", f"{d['items']:,}"]])]
+    gets = c.get("gets", 0)
+    if gets:
+        out.append(f"  hit ratio {_pct(c.get('get_hits', 0), gets)} of {gets:,} gets")
+    out += ["", "counters", _table([[n, f"{v:,}"] for n, v in c.items()])]
+    out += ["", "chunks"]
+    if d["chunks"]:
+        active = d["active_chunks"]
+        out.append(_table([[ch["dataset"], ch["chunk"], f"{ch['items']:,}", format_size(ch["bytes"]),
+                            ch["refs"], ",".join(ch["jobs"]) or "-",
+                            "yes" if active.get(ch["dataset"]) == ch["chunk"] else ""]
+                           for ch in d["chunks"]],
+                          header=["DATASET", "CHUNK", "ITEMS", "BYTES", "REFS", "JOBS", "ACTIVE"]))
+    else:
+        out.append("  (no tagged chunks)")
+    listed = {ch["dataset"] for ch in d["chunks"]}
+    extra = {ds: ch for ds, ch in d["active_chunks"].items() if ds not in listed}
+    if extra:
+        out += ["", "active chunks", _table([[ds, ch] for ds, ch in extra.items()])]
+    out += ["", "job modes"]
+    out.append(_table([[j, m] for j, m in d["job_modes"].items()]) if d["job_modes"]
+               else "  (all jobs normal)")
+    return "\n".join(out)
+
+
+def cmd_stats(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    tls = _tls_from_args(parser, args)
+    with _client(args.addr, tls, args.timeout) as c:
+        r = _rpc(args.addr, "Stats", c.stats, tls)
+    d = stats_dict(args.addr, r)
+    print(json.dumps(d, indent=2) if args.json else format_stats(d))
+    return 0
+
+
+# ------------------------------------------------------------------- ring ---
+def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .ring import HashRing
+    if args.vnodes < 1:
+        parser.error("--vnodes must be >= 1")
+    tls = _tls_from_args(parser, args)
+    peers = _split_list([args.peers] if args.peers else [])
+    for p in peers:
+        try:
+            _check_addr(p)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--peers: {e}")
+    if peers and args.addrs:
+        parser.error("give either ADDR ... or --peers, not both")
+    if not peers and not args.addrs:
+        parser.error("give ADDR ... or --peers a,b,c")
+    note = ""
+    if peers:
+        members, source = peers, "--peers"
+    elif len(args.addrs) > 1:
+        members, source = list(args.addrs), "arguments"
+    else:
+        addr = args.addrs[0]
+        with _client(addr, tls, args.timeout) as c:
+            info = _rpc(addr, "Info", c.info, tls)
+        members = list(info.peers)
+        source = f"--peers of {addr}"
+        if not members:
+            members, note = [addr], f"{addr} was started without --peers: it is a ring of one"
+        elif addr not in members:
+            note = f"note: {addr} is not in its own --peers list"
+    ring = HashRing(members, vnodes=args.vnodes)
+    share = ring.describe()
+    checks: dict[str, str] = {}
+    if args.check:
+        for m in ring.nodes:
+            try:
+                with _client(m, tls, args.timeout) as c:
+                    info = _rpc(m, "Info", c.info, tls)
+                mine = sorted(set(info.peers))
+                checks[m] = "ok" if mine == list(ring.nodes) else \
+                    ("no --peers" if not mine else f"peers differ: {','.join(mine)}")
+            except CtlError as e:
+                checks[m] = _oneline(str(e))
+    if args.json:
+        doc = {"source": source, "vnodes": args.vnodes, "members": list(ring.nodes), "share": share}
+        if checks:
+            doc["check"] = checks
+        print(json.dumps(doc, indent=2))
+        return 0 if all(v == "ok" for v in checks.values()) else 1
+    n = len(ring.nodes)
+    print(f"ring: {n} member{'s' if n != 1 else ''} from {source}, {args.vnodes} vnodes each")
+    rows = []
+    for m in ring.nodes:
+        s = share[m]
+        row = [m, f"{100 * s:.1f}%", "#" * max(1, round(40 * s))]
+        if checks:
+            row.append(checks[m])
+        rows.append(row)
+    header = ["MEMBER", "SHARE", "", "STATUS"] if checks else ["MEMBER", "SHARE", ""]
+    print(_table(rows, header=header))
+    if n > 1:
+        lo, hi = min(share.values()), max(share.values())
+        print(f"ideal share {100 / n:.1f}%; largest/smallest {hi / lo:.2f}")
+    if note:
+        print(note)
+    return 0 if all(v == "ok" for v in checks.values()) else 1
+
+
+# ---------------------------------------------------------- local-cluster ---
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_pairs(n: int) -> list[int]:
+    """n ports p with p and p + 1 (the data plane) both free."""
+    out: list[int] = []
+    for _ in range(200 * n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p < 65535 and p not in out and p + 1 not in out and p - 1 not in out and _port_free(p + 1):
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise CtlError(f"local-cluster: could not find {n} free port pairs on 127.0.0.1")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("    " + ln for ln in text.splitlines()[-lines:])
+
+
+class _Server:
+    def __init__(self, index: int, addr: str, data_dir: str, argv: list[str]) -> None:
+        self.index, self.addr, self.data_dir = index, addr, data_dir
+        self.log_path = os.path.join(data_dir, "server.log")
+        os.makedirs(data_dir, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Own session: a Ctrl-C on the terminal reaches cachectl only, which then
+        # stops the servers in order; PDEATHSIG stops them if cachectl is killed.
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self._buf = b""
+
+    def poll_ready(self) -> bool | None:
+        """True once READY was printed, None if the process exited, else False."""
+        fd = self.proc.stdout.fileno()
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            self._buf += chunk
+            for line in self._buf.split(b"\n")[:-1]:
+                if line.startswith(b"READY "):
+                    self.addr = line.split()[1].decode()
+                    return True
+        if self.proc.poll() is not None:
+            return None
+        return False
+
+    def close(self) -> None:
+        self.proc.stdout.close()
+        self._log.close()
+
+
+def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .sizes import format_size, parse_size
+    n = args.servers
+    if n < 1:
+        parser.error("--servers must be >= 1")
+    try:
+        capacity = parse_size(args.capacity)
+    except ValueError as e:
+        parser.error(f"--capacity: {e}")
+    if args.base_port is not None:
+        if not 1 <= args.base_port <= 65535 - 2 * n:
+            parser.error(f"--base-port {args.base_port}: no room for {n} port pairs")
+        ports = [args.base_port + 2 * i for i in range(n)]
+        busy = [p for q in ports for p in (q, q + 1) if not _port_free(p)]
+        if busy:
+            raise CtlError(f"local-cluster: port{'s' if len(busy) > 1 else ''} "
+                           f"{', '.join(map(str, busy))} on 127.0.0.1 already in use "
+                           f"(server i uses BASE+2i for gRPC and BASE+2i+1 for its data plane)")
+    else:
+        ports = _free_pairs(n)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    peers = ",".join(addrs)
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    temp = args.data_dir is None
+    base = tempfile.mkdtemp(prefix="mlcache-local-") if temp else os.path.abspath(args.data_dir)
+    servers: list[_Server] = []
+    rc = 0
+    try:
+        os.makedirs(base, exist_ok=True)
+        for i, addr in enumerate(addrs):
+            argv = [sys.executable, "-m", "cacheserver.daemon", "--listen", addr,
+                    "--data-dir", os.path.join(base, f"server-{i}"), "--capacity", str(capacity),
+                    "--peers", peers, "--log-format", args.log_format, "--log-level", args.log_level,
+                    "--eviction", args.eviction]
+            if args.metrics_base_port is not None:
+                argv += ["--metrics-port", str(args.metrics_base_port + i)]
+            servers.append(_Server(i, addr, os.path.join(base, f"server-{i}"), argv))
+
+        deadline = time.monotonic() + args.start_timeout
+        pending = set(range(n))
+        while pending and not stop.is_set():
+            for i in sorted(pending):
+                state = servers[i].poll_ready()
+                if state is True:
+                    pending.discard(i)
+                elif state is None:
+                    s = servers[i]
+                    raise CtlError(f"local-cluster: server {i} ({s.addr}) exited with code "
+                                   f"{s.proc.returncode} while starting; log {s.log_path}:\n{_tail(s.log_path)}")
+            if pending and time.monotonic() > deadline:
+                late = ", ".join(f"{i} ({servers[i].addr})" for i in sorted(pending))
+                raise CtlError(f"local-cluster: server {late} not ready after {args.start_timeout:.0f}s; "
+                               f"log {servers[min(pending)].log_path}:\n{_tail(servers[min(pending)].log_path)}")
+            if pending:
+                stop.wait(0.05)
+
+        if not stop.is_set():
+            where = f"{base} (removed at exit)" if temp else base
+            print(f"local cluster: {n} server{'s' if n > 1 else ''} x {args.capacity} "
+                  f"({capacity:,} bytes), data in {where}")
+            for s in servers:
+                host, port = s.addr.rsplit(":", 1)
+                extra = f", metrics :{args.metrics_base_port + s.index}" if args.metrics_base_port is not None else ""
+                print(f"  server {s.index}  {s.addr}  (data plane :{int(port) + 1}{extra}, pid {s.proc.pid}, "
+                      f"log {s.log_path})")
+            print(f"ready: {','.join(s.addr for s in servers)}")
+            print(f"use: cache={','.join(s.addr for s in servers)}   "
+                  f"(inspect: {PROG} ring {servers[0].addr}; Ctrl-C stops the cluster)", flush=True)
+
+        while not stop.is_set():
+            dead = [s for s in servers if s.proc.poll() is not None]
+            if dead:
+                for s in dead:
+                    print(f"{PROG}: server {s.index} ({s.addr}) died with exit code {s.proc.returncode}; "
+                          f"log {s.log_path}:\n{_tail(s.log_path)}", file=sys.stderr, flush=True)
+                print(f"{PROG}: stopping the other servers", file=sys.stderr, flush=True)
+                rc = 1
+                break
+            stop.wait(0.25)
+    except CtlError as e:
+        print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+        rc = 1
+    finally:
+        rc = _stop_servers(servers, args.stop_timeout, rc)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if temp:
+            shutil.rmtree(base, ignore_errors=True)
+    if rc == 0 and received:
+        print(f"stopped {n} server{'s' if n > 1 else ''}", flush=True)
+    return rc
+
+
+def _stop_servers(servers: list[_Server], timeout: float, rc: int) -> int:
+    """SIGTERM every live server, wait for the drain, kill what is left."""
+    live = [s for s in servers if s.proc.poll() is None]
+    for s in live:
+        try:
+            s.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for s in live:
+        try:
+            code = s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"{PROG}: server {s.index} ({s.addr}) did not stop within {timeout:.0f}s; killing it",
+                  file=sys.stderr, flush=True)
+            s.proc.kill()
+            s.proc.wait()
+            rc = 1
+            continue
+        if code != 0:
+            print(f"{PROG}: server {s.index} ({s.addr}) exited with code {code} on stop; "
+                  f"log {s.log_path}:\n{_tail(s.log_path)}", file=sys.stderr, flush=True)
+            rc = 1
+    for s in servers:
+        s.close()
+    return rc
+
+
+# ------------------------------------------------------------------- main ---
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", help="client certificate (PEM), for servers run with TLS")
+    p.add_argument("--tls-key", help="client private key (PEM)")
+    p.add_argument("--tls-ca", help="CA certificate that signed the servers (PEM)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import certs
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    c = sub.add_parser("certs", formatter_class=fmt,
+                       help="create a CA and server/client certificates for mutual TLS",
+                       description="Create ca.pem, ca-key.pem, server.pem, server-key.pem, client.pem and "
+                                   "client-key.pem (client-N.pem for N >= 2) in DIR. Keys are mode 0600.")
+    c.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    c.add_argument("--server-names", nargs="+", metavar="NAME",
+                   help="DNS names for the server certificate's SubjectAltName (default: localhost)")
+    c.add_argument("--ips", nargs="+", metavar="IP",
+                   help="IP addresses for the SubjectAltName; list every address clients dial "
+                        "(default: 127.0.0.1)")
+    c.add_argument("--clients", type=int, default=1, help="number of client certificates")
+    c.add_argument("--days", type=int, default=certs.CERT_DAYS, help="validity of server/client certificates")
+    c.add_argument("--key-type", choices=certs.KEY_TYPES, default="ec", help="EC P-256 or RSA 2048")
+    c.add_argument("--force", action="store_true", help="replace existing files")
+    c.set_defaults(func=cmd_certs, subparser=c)
+
+    s = sub.add_parser("stats", formatter_class=fmt, help="show a server's Stats (capacity, usage, counters)")
+    s.add_argument("addr", metavar="ADDR", type=_check_addr, help="server gRPC address HOST:PORT")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_tls(s)
+    s.set_defaults(func=cmd_stats, subparser=s)
+
+    r = sub.add_parser("ring", formatter_class=fmt, help="show ring members and their share of the key space",
+                       description="Members come from --peers, from several ADDRs, or, with one ADDR, "
+                                   "from that server's --peers (its Info).")
+    r.add_argument("addrs", metavar="ADDR", nargs="*", type=_check_addr, help="server gRPC address(es)")
+    r.add_argument("--peers", default="", help="comma-separated ring members")
+    from .ring import DEFAULT_VNODES
+    r.add_argument("--vnodes", type=int, default=DEFAULT_VNODES, help="virtual nodes per member (as clients use)")
+    r.add_argument("--check", action="store_true",
+                   help="also ask every member for its Info: reachable, and same --peers")
+    r.add_argument("--json", action="store_true", help="print JSON")
+    _add_tls(r)
+    r.set_defaults(func=cmd_ring, subparser=r)
+
+    lc = sub.add_parser("local-cluster", formatter_class=fmt,
+                        help="run N cacheservers on 127.0.0.1 in the foreground (development)",
+                        description="Start N cacheserver processes on 127.0.0.1, each with --peers listing "
+                                    "all; stop them all on Ctrl-C or SIGTERM. Server i listens on "
+                                    "BASE+2i (gRPC) and BASE+2i+1 (data plane).")
+    lc.add_argument("--servers", type=int, default=3, help="number of servers")
+    lc.add_argument("--capacity", default="1GB", help="capacity of each server")
+    lc.add_argument("--base-port", type=int, default=None, help="first gRPC port (default: free ports)")
+    lc.add_argument("--data-dir", default=None,
+                    help="keep data in DIR/server-I (default: a temporary directory removed at exit)")
+    lc.add_argument("--metrics-base-port", type=int, default=None,
+                    help="serve Prometheus metrics of server i on this port + i")
+    lc.add_argument("--eviction", default="lru", choices=["lru", "none"])
+    lc.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    lc.add_argument("--log-format", default="text", choices=["json", "text"])
+    lc.add_argument("--start-timeout", type=float, default=30.0, help="seconds to wait for all servers")
+    lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
+    lc.set_defaults(func=cmd_local_cluster, subparser=lc)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args, args.subparser)
+    except CtlError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `cachectl stats ... | head`
+        try:
+            sys.stdout.close()
+        except OSError:
+            pass
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
