@@ -1,0 +1,491 @@
+"""Benefit-aware probing (Quiver section 5.3): how much faster does a job run
+with the cache than without it?
+
+Per job, an explicit state machine fed with measured mini-batch times. No I/O,
+no clocks: every call takes ``now`` (seconds, the daemon's clock).
+
+States and transitions (``mode`` is what the servers must apply to the job)::
+
+    NEW (mode normal)
+      -- probe slot free for its dataset (ProbeBoard) ----------> PROBE_BYPASS
+    PROBE_BYPASS (mode bypass: servers answer every lookup with a miss)
+      -- enough steady samples (precision reached or max) ------> MEASURE_NORMAL
+      -- max_phase_s passed, >= min_batches samples -------------> MEASURE_NORMAL
+      -- max_phase_s passed, too few samples (job stalled) ------> NEW / DECIDED
+                                   (probe aborted, old decision kept, retry later)
+    MEASURE_NORMAL (mode normal)
+      -- enough steady samples ----------------------------------> DECIDED
+      -- max_phase_s passed: finish or abort, as above ----------> DECIDED / NEW
+    DECIDED (mode normal; benefit known)
+      -- next_probe_at reached (re-probe interval, jittered) ----> PROBE_BYPASS*
+      -- invalidate(): job mix / store load changed -------------> PROBE_BYPASS*
+      -- drift: steady normal time moved > drift_threshold ------> PROBE_BYPASS*
+      -- inconclusive and hit ratio now >= min_hit_ratio --------> PROBE_BYPASS*
+    * via the ProbeBoard, which lets at most ``max_concurrent_per_dataset`` jobs
+      of one dataset probe at once; a due job waits in DECIDED/NEW meanwhile.
+    invalidate() during a probe restarts it at PROBE_BYPASS (old samples were
+    taken under the old conditions).
+
+Measurements. After each mode switch the first ``warmup_batches`` batches are
+dropped, and so is any batch that *started* before the switch: the data loader
+prefetches several batches ahead, so the first batches after a switch were
+fetched under the previous mode; the first batches of a job also carry start-up
+costs (cuDNN autotuning, compilation, worker spawn). The phase value is a
+trimmed mean (10% cut from each end by default): mini-batch times are nearly
+constant (Quiver section 3) but have rare large outliers -- checkpoint saves,
+evaluation passes, epoch boundaries, GC -- that would drag a plain mean, while a
+trimmed mean keeps more information than the median. A phase ends early once the
+estimate is precise enough (MAD-based standard error / median <= rel_precision,
+after ``min_batches``), which shortens the time a job spends slowed down in
+bypass; ``max_batches`` (the paper's fixed P = 100) caps it.
+
+Benefit. ``b = t_miss / t_hit`` clamped to >= 1 (caching never makes a job
+slower: the client can always bypass). The paper measures the "normal" phase
+under whatever is cached at the time; if the dataset is not (fully) cached, the
+normal time is not a cache-hit time and the benefit is underestimated -- so a
+dataset measured while uncached would look useless and never get the space to
+prove otherwise. When clients report per-batch hit ratios ``h`` we use them,
+with the pipelined-loader model ``t = max(compute, (1 - h) * io_miss)``:
+
+* ``h`` unknown, or ``h >= min_hit_ratio``: a hit run; ``t_hit = t_normal``.
+* ``t_normal > (1 - h) * t_miss * (1 + compute_floor_margin)``: removing a
+  fraction ``h`` of the I/O did not make the batch proportionally faster, so
+  the job already sits on its compute floor: ``t_hit = t_normal`` (conclusive;
+  this is how a compute-bound job on a partly cached dataset gets b ~ 1).
+* otherwise (``h < min_informative_hit_ratio``, or the time is still
+  proportional to the misses): ``b`` is only a *lower bound*; the result is
+  ``inconclusive`` and counts in allocation as at least the job's last
+  conclusive benefit or, if it never had one, the prior (so the dataset is
+  offered exploration space); the job re-probes sooner
+  (``inconclusive_reprobe_s``), or as soon as its hit ratio reaches
+  ``min_hit_ratio``.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Mapping
+
+#: Benefit assumed for a job with no measurement yet: a little above the
+#: no-benefit threshold (1.05 in allocation), so a new dataset ranks below any
+#: dataset measured to benefit clearly, but can still take spare space and be probed.
+DEFAULT_PRIOR_BENEFIT = 1.1
+
+
+class Phase(str, Enum):
+    NEW = "new"
+    PROBE_BYPASS = "probe_bypass"
+    MEASURE_NORMAL = "measure_normal"
+    DECIDED = "decided"
+
+
+class CacheMode(str, Enum):
+    """Per-job mode the servers apply (matches cache.proto CacheMode)."""
+    NORMAL = "normal"
+    BYPASS = "bypass"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One reported mini-batch. ``end``: when it finished, on the daemon's
+    clock; ``duration``: seconds; ``hit_ratio``: cache hits / lookups for the
+    batch if the client reports it (None: unknown)."""
+    end: float
+    duration: float
+    hit_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    warmup_batches: int = 5          # dropped after every mode switch
+    min_batches: int = 20            # steady samples before a phase may end early
+    max_batches: int = 100           # the paper's P
+    rel_precision: float = 0.01      # stop when std-error/median <= this
+    trim: float = 0.1                # trimmed-mean cut per side (>= 0.5: median)
+    max_phase_s: float = 900.0       # a phase never lasts longer than this
+    reprobe_interval_s: float = 1800.0
+    reprobe_jitter: float = 0.1      # +0..10% per job, deterministic, spreads probes
+    inconclusive_reprobe_s: float = 300.0
+    retry_after_abort_s: float = 300.0
+    drift_window: int = 50           # normal batches compared against the decision
+    drift_threshold: float = 0.25    # relative change that triggers a re-probe
+    min_hit_ratio: float = 0.8       # at or above: normal phase was a cache-hit run
+    min_informative_hit_ratio: float = 0.2  # below: too few hits to learn anything
+    compute_floor_margin: float = 0.1
+    prior_benefit: float = DEFAULT_PRIOR_BENEFIT
+    max_concurrent_per_dataset: int = 1  # probes of one dataset at a time
+
+    def __post_init__(self) -> None:
+        if self.min_batches < 1 or self.max_batches < self.min_batches:
+            raise ValueError("need 1 <= min_batches <= max_batches")
+        if self.warmup_batches < 0 or self.max_concurrent_per_dataset < 1:
+            raise ValueError("warmup_batches >= 0 and max_concurrent_per_dataset >= 1")
+        if not 0 <= self.trim <= 0.5:
+            raise ValueError("trim must be in [0, 0.5]")
+
+
+# ---------------------------------------------------------------- statistics
+
+def robust_mean(xs: Iterable[float], trim: float = 0.1) -> float:
+    """Mean of ``xs`` after cutting ``floor(n*trim)`` values from each end;
+    ``trim >= 0.5`` gives the median. Raises ValueError on no data."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise ValueError("robust_mean of no data")
+    if trim >= 0.5:
+        mid = n // 2
+        return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
+    cut = int(n * trim)
+    kept = s[cut:n - cut]
+    return sum(kept) / len(kept)
+
+
+def _median(xs: Iterable[float]) -> float:
+    return robust_mean(xs, 0.5)
+
+
+def relative_stderr(xs: list[float]) -> float:
+    """Robust standard error of the centre relative to the centre: sigma is
+    estimated as 1.4826*MAD, the error of a median as 1.2533*sigma/sqrt(n)."""
+    if len(xs) < 2:
+        return math.inf
+    m = _median(xs)
+    if m <= 0:
+        return math.inf
+    mad = _median(abs(x - m) for x in xs)
+    return 1.2533 * 1.4826 * mad / math.sqrt(len(xs)) / m
+
+
+# ---------------------------------------------------------------- benefit
+
+def job_benefit(t_miss: float, t_hit: float) -> float:
+    """Speed-up from caching, ``t_miss / t_hit``, never below 1."""
+    if not (t_miss > 0 and t_hit > 0) or math.isinf(t_miss) or math.isinf(t_hit):
+        raise ValueError(f"mini-batch times must be positive and finite: {t_miss}, {t_hit}")
+    return max(1.0, t_miss / t_hit)
+
+
+@dataclass(frozen=True)
+class JobGain:
+    """A job's input to the allocator: GPUs and benefit (None: not measured;
+    ``lower_bound``: measured without enough cache hits to be sure)."""
+    job_id: str
+    n_gpus: int
+    benefit: float | None = None
+    lower_bound: bool = False
+
+    def g(self, prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float:
+        """``g = b * n_gpus``; an unmeasured job counts with the prior."""
+        b = self.benefit if self.benefit is not None else prior_benefit
+        return max(1.0, b) * self.n_gpus
+
+
+def dataset_gain(jobs: Iterable[JobGain], prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float:
+    """``G = sum(g_i)`` over the dataset's jobs; 0.0 for no jobs."""
+    return sum(j.g(prior_benefit) for j in jobs)
+
+
+# ---------------------------------------------------------------- per-job machine
+
+@dataclass
+class Transition:
+    """A state change, for the daemon to act on (``mode``) and to log (``reason``)."""
+    job_id: str
+    old: Phase
+    new: Phase
+    mode: CacheMode
+    reason: str
+    at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["old"], d["new"], d["mode"] = self.old.value, self.new.value, self.mode.value
+        return d
+
+
+def _lower_bound_only(t_miss: float, t_normal: float, h: float | None, cfg: ProbeConfig) -> bool:
+    """True when the normal phase says only "b >= t_miss/t_normal" (module docstring)."""
+    if h is None or h >= cfg.min_hit_ratio:
+        return False
+    if h < cfg.min_informative_hit_ratio:
+        return True
+    # pipelined loader: t = max(compute, (1-h)*io_miss); above the I/O line = compute floor
+    return t_normal <= (1.0 - h) * t_miss * (1.0 + cfg.compute_floor_margin)
+
+
+def _jitter_frac(job_id: str) -> float:
+    # crc32, not hash(): the same across processes and restarts.
+    return (zlib.crc32(job_id.encode()) % 10_000) / 10_000
+
+
+@dataclass
+class JobProbe:
+    job_id: str
+    dataset: str
+    n_gpus: int
+    phase: Phase = Phase.NEW
+    phase_since: float | None = None
+    skip: int = 0                       # warm-up batches still to drop this phase
+    samples: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+    probe_t_miss: float | None = None   # bypass result of the probe in progress
+    t_miss: float | None = None         # last decided values
+    t_hit: float | None = None          # normal-mode time (a true t_hit if hit_ratio high)
+    hit_ratio: float | None = None
+    benefit: float | None = None        # last measured b (a lower bound if inconclusive)
+    inconclusive: bool = False
+    known_benefit: float | None = None  # last conclusive b (kept across inconclusive probes)
+    decided_at: float | None = None
+    next_probe_at: float | None = None  # None in NEW: due at once
+    recent: list[float] = field(default_factory=list)
+    recent_hits: list[float] = field(default_factory=list)
+    probes: int = 0
+    aborts: int = 0
+    reason: str = "new job"
+
+    # -- queries
+    @property
+    def mode(self) -> CacheMode:
+        return CacheMode.BYPASS if self.phase is Phase.PROBE_BYPASS else CacheMode.NORMAL
+
+    @property
+    def probing(self) -> bool:
+        return self.phase in (Phase.PROBE_BYPASS, Phase.MEASURE_NORMAL)
+
+    def due(self, now: float) -> bool:
+        """Wants a probe now (the board decides whether it may start)."""
+        if self.phase not in (Phase.NEW, Phase.DECIDED):
+            return False
+        return self.next_probe_at is None or now >= self.next_probe_at
+
+    def effective_benefit(self, prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float | None:
+        """Benefit for allocation: None if never measured. An inconclusive
+        (lower-bound) measurement counts as at least the last conclusive one,
+        or the prior if there is none: a probe run while the dataset had no
+        space must not erase what an earlier probe with space established
+        (otherwise allocation would flap: no space -> "unknown" -> space -> ...)."""
+        if self.benefit is None:
+            return None
+        if not self.inconclusive:
+            return self.benefit
+        floor = self.known_benefit if self.known_benefit is not None else prior_benefit
+        return max(self.benefit, floor)
+
+    def gain(self, cfg: ProbeConfig) -> JobGain:
+        return JobGain(self.job_id, self.n_gpus, self.effective_benefit(cfg.prior_benefit),
+                       self.inconclusive and self.known_benefit is None)
+
+    # -- transitions
+    def _go(self, new: Phase, now: float, reason: str) -> Transition:
+        old = self.phase
+        self.phase, self.phase_since, self.reason = new, now, reason
+        self.samples, self.hits = [], []
+        self.skip = 0
+        return Transition(self.job_id, old, new, self.mode, reason, now)
+
+    def start_probe(self, now: float, cfg: ProbeConfig, reason: str = "probe") -> Transition:
+        t = self._go(Phase.PROBE_BYPASS, now, reason)
+        self.skip = cfg.warmup_batches
+        self.probe_t_miss = None
+        self.recent, self.recent_hits = [], []
+        return t
+
+    def _phase_done(self, cfg: ProbeConfig) -> bool:
+        n = len(self.samples)
+        if n >= cfg.max_batches:
+            return True
+        return n >= cfg.min_batches and relative_stderr(self.samples) <= cfg.rel_precision
+
+    def _finish_phase(self, now: float, cfg: ProbeConfig, why: str) -> Transition:
+        value = robust_mean(self.samples, cfg.trim)
+        if self.phase is Phase.PROBE_BYPASS:
+            self.probe_t_miss = value
+            t = self._go(Phase.MEASURE_NORMAL, now, f"t_miss={value:.4g}s ({why})")
+            self.skip = cfg.warmup_batches
+            return t
+        # MEASURE_NORMAL -> DECIDED
+        assert self.probe_t_miss is not None
+        h = _median(self.hits) if self.hits else None
+        b = job_benefit(self.probe_t_miss, value)
+        self.t_miss, self.t_hit, self.hit_ratio, self.benefit = self.probe_t_miss, value, h, b
+        self.inconclusive = _lower_bound_only(self.probe_t_miss, value, h, cfg)
+        if not self.inconclusive:
+            self.known_benefit = b
+        self.decided_at = now
+        self.probes += 1
+        if self.inconclusive:
+            self.next_probe_at = now + cfg.inconclusive_reprobe_s
+        else:
+            self.next_probe_at = now + cfg.reprobe_interval_s * (1 + cfg.reprobe_jitter * _jitter_frac(self.job_id))
+        note = f", inconclusive (lower bound): hit ratio {h:.2f}" if self.inconclusive else ""
+        return self._go(Phase.DECIDED, now, f"b={b:.3f} t_hit={value:.4g}s ({why}){note}")
+
+    def _abort(self, now: float, cfg: ProbeConfig, why: str) -> Transition:
+        self.aborts += 1
+        self.next_probe_at = now + cfg.retry_after_abort_s
+        back = Phase.DECIDED if self.benefit is not None else Phase.NEW
+        return self._go(back, now, f"probe aborted: {why}")
+
+    def report(self, batches: Iterable[Batch], now: float, cfg: ProbeConfig) -> list[Transition]:
+        """Feed reported batches (any order); returns the transitions they caused."""
+        out: list[Transition] = []
+        for bt in sorted(batches, key=lambda x: x.end):
+            if not bt.duration > 0 or math.isinf(bt.duration):
+                continue  # a broken report must not poison the statistics
+            if self.phase_since is not None and bt.end - bt.duration < self.phase_since:
+                continue  # started under the previous mode
+            if self.probing:
+                if self.skip > 0:
+                    self.skip -= 1
+                    continue
+                self.samples.append(bt.duration)
+                if bt.hit_ratio is not None and self.phase is Phase.MEASURE_NORMAL:
+                    self.hits.append(bt.hit_ratio)
+                if self._phase_done(cfg):
+                    why = "max batches" if len(self.samples) >= cfg.max_batches else "precise"
+                    out.append(self._finish_phase(now, cfg, why))
+            elif self.phase is Phase.DECIDED:
+                t = self._watch_drift(bt, now, cfg)
+                if t:
+                    out.append(t)
+        return out
+
+    def _watch_drift(self, bt: Batch, now: float, cfg: ProbeConfig) -> Transition | None:
+        self.recent.append(bt.duration)
+        if bt.hit_ratio is not None:
+            self.recent_hits.append(bt.hit_ratio)
+        del self.recent[:-cfg.drift_window]
+        del self.recent_hits[:-cfg.drift_window]
+        if len(self.recent) < cfg.drift_window or (self.next_probe_at is not None and self.next_probe_at <= now):
+            return None
+        why = None
+        m = robust_mean(self.recent, cfg.trim)
+        if self.t_hit and abs(m / self.t_hit - 1) > cfg.drift_threshold:
+            why = f"drift: normal time {self.t_hit:.4g}s -> {m:.4g}s"
+        elif (self.inconclusive and len(self.recent_hits) >= cfg.drift_window
+              and _median(self.recent_hits) >= cfg.min_hit_ratio):
+            why = f"hit ratio now {_median(self.recent_hits):.2f}: re-measure"
+        if why is None:
+            return None
+        self.next_probe_at = now
+        self.recent, self.recent_hits = [], []
+        self.reason = why
+        return Transition(self.job_id, self.phase, self.phase, self.mode, why, now)
+
+    def tick(self, now: float, cfg: ProbeConfig) -> list[Transition]:
+        """Phase time-outs."""
+        if not self.probing or self.phase_since is None or now - self.phase_since < cfg.max_phase_s:
+            return []
+        if len(self.samples) >= cfg.min_batches:
+            return [self._finish_phase(now, cfg, "phase time limit")]
+        return [self._abort(now, cfg, f"{len(self.samples)} steady batches in {cfg.max_phase_s:.0f}s")]
+
+    def invalidate(self, now: float, cfg: ProbeConfig, reason: str) -> list[Transition]:
+        """Conditions changed (job mix, store load): measure again."""
+        if self.probing:
+            return [self.start_probe(now, cfg, f"restart: {reason}")]
+        if self.phase is Phase.DECIDED:
+            self.next_probe_at = now
+            self.reason = reason
+        return []
+
+    # -- persistence
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["phase"] = self.phase.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobProbe":
+        d = dict(d)
+        d["phase"] = Phase(d["phase"])
+        for k in ("samples", "hits", "recent", "recent_hits"):
+            d[k] = [float(x) for x in d.get(k, [])]
+        return cls(**d)
+
+
+# ---------------------------------------------------------------- all jobs
+
+@dataclass
+class ProbeBoard:
+    """All jobs' probes; limits concurrent probes per dataset (several jobs of a
+    multi-job bypassing at once would load the store more than any one of them
+    alone, inflating t_miss, and would stop their co-operative misses)."""
+
+    config: ProbeConfig = field(default_factory=ProbeConfig)
+    jobs: dict[str, JobProbe] = field(default_factory=dict)
+
+    def add_job(self, job_id: str, dataset: str, n_gpus: int, now: float) -> list[Transition]:
+        if n_gpus < 1:
+            raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
+        if job_id not in self.jobs:
+            self.jobs[job_id] = JobProbe(job_id, dataset, n_gpus)
+        return self._schedule(now)
+
+    def remove_job(self, job_id: str, now: float) -> list[Transition]:
+        self.jobs.pop(job_id, None)
+        return self._schedule(now)  # a freed probe slot may start another
+
+    def report(self, job_id: str, batches: Iterable[Batch], now: float) -> list[Transition]:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return []  # unknown or removed job: late reports are dropped
+        return job.report(batches, now, self.config) + self._schedule(now)
+
+    def tick(self, now: float) -> list[Transition]:
+        out: list[Transition] = []
+        for jid in sorted(self.jobs):
+            out += self.jobs[jid].tick(now, self.config)
+        return out + self._schedule(now)
+
+    def invalidate(self, now: float, reason: str, dataset: str | None = None) -> list[Transition]:
+        """Re-probe all jobs (or those of ``dataset``)."""
+        out: list[Transition] = []
+        for jid in sorted(self.jobs):
+            j = self.jobs[jid]
+            if dataset is None or j.dataset == dataset:
+                out += j.invalidate(now, self.config, reason)
+        return out + self._schedule(now)
+
+    def _schedule(self, now: float) -> list[Transition]:
+        busy: dict[str, int] = {}
+        for j in self.jobs.values():
+            if j.probing:
+                busy[j.dataset] = busy.get(j.dataset, 0) + 1
+        due = [j for j in self.jobs.values() if j.due(now)]
+        # oldest due first; never-measured jobs first among equals; then by id
+        due.sort(key=lambda j: (j.next_probe_at if j.next_probe_at is not None else -math.inf,
+                                j.benefit is not None, j.job_id))
+        out = []
+        for j in due:
+            if busy.get(j.dataset, 0) < self.config.max_concurrent_per_dataset:
+                busy[j.dataset] = busy.get(j.dataset, 0) + 1
+                out.append(j.start_probe(now, self.config, "first probe" if j.benefit is None else "re-probe"))
+        return out
+
+    # -- outputs
+    def modes(self) -> dict[str, CacheMode]:
+        return {jid: j.mode for jid, j in sorted(self.jobs.items())}
+
+    def job_gains(self) -> dict[str, list[JobGain]]:
+        """Per dataset, its jobs' gains (input to allocation.allocate)."""
+        out: dict[str, list[JobGain]] = {}
+        for jid in sorted(self.jobs):
+            j = self.jobs[jid]
+            out.setdefault(j.dataset, []).append(j.gain(self.config))
+        return out
+
+    def dataset_gains(self) -> dict[str, float]:
+        return {ds: dataset_gain(js, self.config.prior_benefit) for ds, js in self.job_gains().items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config),
+                "jobs": {jid: j.to_dict() for jid, j in sorted(self.jobs.items())}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ProbeBoard":
+        return cls(ProbeConfig(**d.get("config", {})),
+                   {jid: JobProbe.from_dict(j) for jid, j in d.get("jobs", {}).items()})
