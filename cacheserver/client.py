@@ -202,7 +202,7 @@ class ServerClient:
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
-            dataset: str = "", chunk: int = -1) -> tuple[int, int, int]:
+            dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
         """Store (id, value) pairs; returns (stored, already, rejected_full)."""
         if not items:
             return 0, 0, 0
@@ -211,9 +211,10 @@ class ServerClient:
             ds = dataset.encode()
             table = b"".join(wire.PUT_ENTRY.pack(k, len(v)) for k, v in items)
             head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk if dataset else -1)
-            _, body = self._call(wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)])
+            _, body = self._call(wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)],
+                                 wire.FLAG_REPLACE if replace else 0)
             return wire.PUT_RESULT.unpack(body)
-        req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1,
+        req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1, replace=replace,
                             items=[pb.PutItem(id=k, size=len(v), value=bytes(v)) for k, v in items])
         r = self.stub.Put(req, timeout=self.timeout)
         return r.stored, r.already, r.rejected_full

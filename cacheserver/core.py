@@ -85,7 +85,7 @@ class CacheCore:
         return present
 
     def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],
-            dataset: str = "", chunk: int = -1) -> tuple[int, int, int]:
+            dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
         if len(items) > self.limits.max_batch_items:
             raise BadRequest(f"batch of {len(items)} items exceeds the limit of {self.limits.max_batch_items}")
         total = 0
@@ -105,7 +105,9 @@ class CacheCore:
             raise BadRequest("a chunk tag needs a dataset")
         tag = (dataset, chunk) if dataset else UNTAGGED
         self.counters.add("puts", len(items))
-        return self.store.put_many([(k, v) for k, _, v in items], tag)
+        if replace:
+            self.counters.add("put_replaced", len(items))
+        return self.store.put_many([(k, v) for k, _, v in items], tag, replace)
 
     # ---- control --------------------------------------------------------
     def set_job_mode(self, job: str, mode: int) -> int:

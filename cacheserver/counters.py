@@ -14,7 +14,7 @@ NAMES = (
     "bypassed", "puts", "put_stored", "put_already", "put_bytes", "rejected_full",
     "evicted_items", "evicted_bytes", "evicted_by_policy", "chunk_evictions",
     "dataset_evictions", "corrupt_dropped", "bad_requests", "dataplane_requests",
-    "grpc_requests", "recovered_items", "local_reads",
+    "grpc_requests", "recovered_items", "local_reads", "put_replaced",
 )
 
 

@@ -141,7 +141,8 @@ class DataPlaneServer:
                 else:
                     self._send_values(conn, self.core.get(job, ids, count=not flags & wire.FLAG_COUNTED))
             elif op == wire.OP_PUT:
-                stored, already, rejected = self.core.put(job, *_parse_put(rest, count))
+                stored, already, rejected = self.core.put(job, *_parse_put(rest, count),
+                                                          replace=bool(flags & wire.FLAG_REPLACE))
                 wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 3, wire.PUT_RESULT.size),
                                          wire.PUT_RESULT.pack(stored, already, rejected)])
             elif op == wire.OP_PING:

@@ -72,7 +72,7 @@ class CacheService(pb_grpc.CacheServicer):
     def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         items = [(it.id, it.size, it.value) for it in request.items]
         stored, already, rejected = self.core.put(request.job, items, request.dataset,
-                                                  request.chunk if request.dataset else -1)
+                                                  request.chunk if request.dataset else -1, request.replace)
         return pb.PutResponse(stored=stored, already=already, rejected_full=rejected)
 
     @_statuses

@@ -109,13 +109,13 @@ class RingClient:
         return pipelined(lambda b: self.get(b, job), batches, min(depth, 8), self._iter_pool)
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
-            dataset: str = "", chunk: int = -1) -> int:
+            dataset: str = "", chunk: int = -1, replace: bool = False) -> int:
         """Insert; returns how many were newly stored (failures are not errors: it's a cache)."""
         stored = [0]
         keys = [k for k, _ in items]
 
         def call(c: ServerClient, idx: list[int]) -> list:
-            s, _, _ = c.put([items[i] for i in idx], job, dataset, chunk)
+            s, _, _ = c.put([items[i] for i in idx], job, dataset, chunk, replace)
             with self._lock:
                 stored[0] += s
             return []

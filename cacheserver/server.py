@@ -94,6 +94,7 @@ class CacheServer:
         self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix,
                                          cfg.tls.server_context() if cfg.tls else None)
         self.metrics_server = None
+        self.manager_link = None
 
     def _info(self) -> pb.InfoResponse:
         tcp = self.dataplane.tcp_address
@@ -126,13 +127,19 @@ class CacheServer:
               recovered=self.counters["recovered_items"], peers=self.cfg.peers,
               tls=self.cfg.tls is not None, eviction=self.cfg.eviction)
         if self.cfg.manager:
-            log.warning("--manager %s: manager registration is not available in this version; "
-                        "the ring comes from --peers", self.cfg.manager)
+            from .membership import ManagerLink
+            self.manager_link = ManagerLink(
+                self.cfg.manager, self.address, self.server_id,
+                lambda: (self.store.capacity, self.store.used, self.store.items), tls=self.cfg.tls,
+                on_ring=lambda peers: setattr(self.cfg, "peers", peers))  # Info.peers follows the manager's ring
+            self.manager_link.start()
 
     def stop(self, grace: float = 6.0) -> None:
         """Drain: refuse new work, finish calls in flight, flush the store."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.manager_link is not None:
+            self.manager_link.stop()
         done = self.grpc.stop(grace)
         self.dataplane.stop(grace=grace / 2)
         done.wait(grace)

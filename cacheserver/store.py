@@ -209,14 +209,19 @@ class Store:
             self.counters.add("corrupt_dropped", len(bad))
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED
-                 ) -> tuple[int, int, int]:
-        """Store values not yet present. Returns (stored, already, rejected_full)."""
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
+                 replace: bool = False) -> tuple[int, int, int]:
+        """Store values not yet present (or overwrite, with replace: a client found the
+        stored value poisoned). Returns (stored, already, rejected_full)."""
         already = 0
         todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:
             tid = self._tag_id(tag)
             seen: set[bytes] = set()
+            if replace:
+                for key, _ in items:
+                    if key not in self._pending:
+                        self._index_remove(key)  # the write below overwrites the record
             for key, value in items:
                 if key in self._index or key in self._pending or key in seen:
                     already += 1

@@ -37,6 +37,7 @@ OP_NAMES = {OP_LOOKUP: "lookup", OP_GET: "get", OP_PUT: "put", OP_PING: "ping",
             OP_GET_LOCAL: "get_local"}
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
+FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
 MISS = 0xFFFFFFFF
 PUT_ENTRY = struct.Struct("<32sQ")
 PUT_RESULT = struct.Struct("<III")

@@ -175,3 +175,14 @@ def test_rocksdb_files_are_where_we_say(tmp_path):
     assert s.db_path == str(tmp_path / "p" / "db")
     s.close()
     assert "meta" in rocksdict.Rdict.list_cf(str(tmp_path / "p" / "db"))
+
+
+def test_replace_overwrites_and_reaccounts(tmp_path):
+    s = Store(str(tmp_path / "rp"), 10**7, LRUPolicy(), Counters())
+    k = ids(1)[0]
+    s.put_many([(k, b"old" * 10)])
+    assert s.put_many([(k, b"new" * 20)]) == (0, 1, 0)  # plain put keeps what is there
+    assert s.put_many([(k, b"new" * 20)], replace=True) == (1, 0, 0)
+    assert bytes(s.get_many([k])[0]) == b"new" * 20
+    assert s.items == 1 and s.used == 60 + OVERHEAD
+    s.close()

@@ -1,0 +1,113 @@
+"""A cache server's link to the cache manager (--manager): register, then
+heartbeat every interval the manager asks for.
+
+The manager being down never affects serving: failures are logged (once per
+outage, not per attempt) and retried at the heartbeat interval. A manager that
+answers "not registered" (fresh state directory, or this server was removed)
+gets a new registration; a manager restarted from its journal still knows
+the server, and the next heartbeat simply continues.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from .proto import manager_pb2 as mpb
+from .proto import manager_pb2_grpc as mpb_grpc
+from .tls import TlsFiles
+
+log = logging.getLogger("cacheserver.membership")
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def advertised(address: str) -> str:
+    """The address others dial: a wildcard listen address is replaced by the host name."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
+class ManagerLink:
+    def __init__(self, manager: str, address: str, server_id: str, stats: Callable[[], tuple[int, int, int]], *,
+                 tls: TlsFiles | None = None, interval: float = 5.0, timeout: float = 2.0,
+                 on_ring: Callable[[list[str]], None] | None = None) -> None:
+        """``stats()`` -> (capacity, used, items)."""
+        self.manager = manager
+        self.address = advertised(address)
+        self.server_id = server_id
+        self.stats = stats
+        self.interval = interval
+        self.timeout = timeout
+        self.on_ring = on_ring
+        self.registered = False
+        self.ring_version = -1
+        self.failures = 0
+        if tls:
+            self.channel = grpc.secure_channel(manager, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(manager, CHANNEL_OPTIONS)
+        self.stub = mpb_grpc.ManagerStub(self.channel)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="manager-link", daemon=True)
+
+    def _ring(self, version: int, addresses) -> None:
+        if version != self.ring_version:
+            self.ring_version = version
+            log.info("ring version %d: %s", version, ", ".join(addresses))
+            if self.on_ring is not None:
+                self.on_ring(list(addresses))
+
+    def beat_once(self) -> None:
+        capacity, used, items = self.stats()
+        if not self.registered:
+            r = self.stub.RegisterServer(mpb.RegisterServerRequest(
+                address=self.address, server_id=self.server_id, capacity=capacity, used=used),
+                timeout=self.timeout)
+            self.registered = True
+            if r.heartbeat_seconds > 0:
+                self.interval = r.heartbeat_seconds
+            log.info("registered with manager %s as %s", self.manager, self.address)
+            self._ring(r.ring_version, r.addresses)
+            return
+        r = self.stub.Heartbeat(mpb.HeartbeatRequest(server_id=self.server_id, address=self.address, used=used,
+                                                     items=items, capacity=capacity), timeout=self.timeout)
+        if not r.registered:
+            log.info("manager %s does not know this server: registering again", self.manager)
+            self.registered = False
+            self.beat_once()
+            return
+        if r.heartbeat_seconds > 0:
+            self.interval = r.heartbeat_seconds
+        self._ring(r.ring_version, r.addresses)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat_once()
+                if self.failures:
+                    log.info("manager %s reachable again after %d failed attempts", self.manager, self.failures)
+                self.failures = 0
+            except grpc.RpcError as e:
+                if self.failures == 0:
+                    log.warning("manager %s unreachable, serving on and retrying every %.1fs: %s",
+                                self.manager, self.interval, e.code())
+                self.failures += 1
+            except Exception:  # never let the link take the server down
+                log.exception("manager link error")
+                self.failures += 1
+            self._stop.wait(self.interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.timeout + 1)
+        self.channel.close()

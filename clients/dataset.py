@@ -1,0 +1,240 @@
+"""CachedDataset: a map-style torch Dataset over a digest, read through the cache.
+
+    ds = CachedDataset("imagenet.digest", cache="10.0.0.1:7000,10.0.0.2:7000")
+    for batch in ds.loader(batch_size=256, num_workers=8):
+        ...
+
+Reads: batched get from the ring; each value is decrypted and verified
+(capability.py); a miss or a poisoned value is read from the store through
+fsspec, sealed, and inserted (overwriting a poisoned one). The object is
+picklable: each process (main, every DataLoader worker) opens its own
+connections, filesystem and thread pool on first use.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cacheserver.ringclient import RingClient
+from cacheserver.sizes import parse_size
+
+from . import capability
+from .coalesce import HostCoalescer
+from .digest import Digest, read_item
+from .embedded import DEFAULT_CAPACITY, EmbeddedCache
+from .stats import SharedCounters
+
+try:  # torch is an extra: the rest of the package works without it
+    from torch.utils.data import Dataset as _TorchDataset
+except ImportError:  # pragma: no cover - exercised only without the torch extra
+    _TorchDataset = object
+
+
+class _ProcessState:
+    """What one process opens for the dataset; never pickled."""
+
+    def __init__(self, ds: "CachedDataset") -> None:
+        import fsspec
+
+        self.pid = os.getpid()
+        self.ring = RingClient.from_spec(ds.cache_spec, down_backoff=ds.down_backoff) if ds.cache_spec else None
+        self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
+        self.pool = ThreadPoolExecutor(ds.fetch_threads, thread_name_prefix="store-fetch")
+        self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.ring is not None:
+            self.ring.close()
+
+
+class CachedDataset(_TorchDataset):
+    def __init__(self, digest: str | os.PathLike | Digest, cache: str | None = None,
+                 manager: str | None = None, job: str | None = None,
+                 decode: Callable[[bytes], Any] | None = None,
+                 storage_options: dict | None = None, *,
+                 cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
+                 verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
+                 coalesce: bool = True, down_backoff: float = 2.0) -> None:
+        self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
+        self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
+        if len(self.digest) == 0:
+            raise ValueError(f"digest {digest} holds no items")
+        self.decode = decode
+        self.storage_options = dict(storage_options or {})
+        self.job = job or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.verify_hash = verify_hash
+        self.insert = insert
+        self.fetch_threads = fetch_threads
+        self.coalesce = coalesce
+        self.down_backoff = down_backoff
+        self.dataset_tag = self.digest.fingerprint.hex()[:16]
+        self.manager = manager
+        self.embedded: EmbeddedCache | None = None
+        if cache is None and manager is None:
+            self.embedded = EmbeddedCache.shared(cache_dir, parse_size(capacity))
+            cache = self.embedded.address
+        self.cache_spec = cache
+        self.counters = SharedCounters()
+        self._state: _ProcessState | None = None
+
+    # ---- pickling: per-process state is rebuilt, the digest travels as bytes
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_state"] = None
+        state["embedded"] = None  # owned by the process that started it
+        # Workers reload the digest from its file (fast), else from its bytes.
+        state["digest"] = None if self._digest_path else self.digest.to_bytes()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        raw = state["digest"]
+        self.digest = Digest.load(self._digest_path) if raw is None else Digest.from_bytes(raw)
+
+    def _proc(self) -> _ProcessState:
+        st = self._state
+        if st is None or st.pid != os.getpid():
+            st = self._state = _ProcessState(self)
+        return st
+
+    # ---- ids ------------------------------------------------------------
+    def ids_for(self, indices: Sequence[int]) -> list[bytes]:
+        h = self.digest.hashes
+        return [capability.item_id(h[i].tobytes()) for i in indices]
+
+    def lookup(self, indices: Sequence[int]) -> list[bool]:
+        """Which items are cached now (the sampler's cheap look-ahead)."""
+        ring = self._proc().ring
+        if ring is None:
+            return [False] * len(indices)
+        return ring.lookup(self.ids_for(indices), self.job)
+
+    # ---- reads ----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.digest)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        st = self._proc()
+        n = len(indices)
+        keys = [self.digest.hashes[i].tobytes() for i in indices]
+        ids = [capability.item_id(k) for k in keys]
+        out: list[Any] = [None] * n
+        values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
+        todo, poisoned, cache_bytes = [], set(), 0
+        for j, v in enumerate(values):
+            item = self._open(indices[j], keys[j], v) if v is not None else None
+            if item is None:
+                todo.append(j)
+                if v is not None:
+                    poisoned.add(j)
+            else:
+                out[j] = item
+                cache_bytes += len(v)
+        counts = dict(hits=n - len(todo), misses=len(todo), cache_bytes=cache_bytes, poisoned=len(poisoned))
+        if todo:
+            items, fill = self._fill(st, [indices[j] for j in todo], [ids[j] for j in todo],
+                                     [j in poisoned for j in todo])
+            for j, item in zip(todo, items):
+                out[j] = item
+            counts.update(fill)
+        self.counters.add(_worker_row(), **counts)
+        if self.decode is not None:
+            out = [self.decode(x) for x in out]
+        return out
+
+    def _open(self, i: int, key: bytes, value: memoryview) -> bytes | None:
+        """Decrypt and verify a cached value; None if it is poisoned."""
+        try:
+            return capability.open_value(key, value, int(self.digest.size(i)), verify_hash=self.verify_hash)
+        except capability.PoisonedValue:
+            return None
+
+    def _fill(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
+              ) -> tuple[list[bytes], dict[str, int]]:
+        """Fetch misses from the store in parallel and insert them; items read by
+        another process on this host meanwhile are taken from the cache instead."""
+        claims = [st.coalescer.claim(k) for k in ids] if st.coalescer else None
+        mine = [p for p in range(len(ids)) if claims is None or claims[p].first]
+        items: list[bytes | None] = [None] * len(ids)
+        try:
+            for p, data in zip(mine, self._read_store(st, [indices[p] for p in mine])):
+                items[p] = data
+            inserted = self._insert(st, [(indices[p], items[p], poisoned[p]) for p in mine])
+        finally:
+            for p in mine:
+                if claims is not None:
+                    claims[p].release()
+        store_bytes = sum(len(items[p]) for p in mine)
+        waited = [p for p in range(len(ids)) if p not in set(mine)]
+        coalesced = 0
+        if waited:
+            for p in waited:
+                claims[p].wait(st.coalescer.wait_seconds)
+                claims[p].release()
+            got = st.ring.get([ids[p] for p in waited], self.job) if st.ring is not None else [None] * len(waited)
+            for p, v in zip(waited, got):
+                items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v) if v is not None else None
+            coalesced = sum(items[p] is not None for p in waited)
+            late = [p for p in waited if items[p] is None]
+            for p, data in zip(late, self._read_store(st, [indices[p] for p in late])):
+                items[p] = data
+                store_bytes += len(data)
+            inserted += self._insert(st, [(indices[p], items[p], poisoned[p]) for p in late])
+        return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted)
+
+    def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
+        """Items from the store, checked against the digest (ItemMismatch names a
+        changed item: stale data never reaches training)."""
+        def one(i: int) -> bytes:
+            return read_item(self.digest, i, st.fs, verify=self.verify_hash)
+        if len(indices) <= 1:
+            return [one(i) for i in indices]
+        return list(st.pool.map(one, indices))
+
+    def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
+        """Seal and insert (index, item, replace) entries; returns how many were sent."""
+        if not self.insert or st.ring is None or not entries:
+            return 0
+        fresh, replace = [], []
+        for i, item, was_poisoned in entries:
+            item_id, _, value = capability.seal(item)
+            (replace if was_poisoned else fresh).append((item_id, value))
+        if fresh:
+            st.ring.put(fresh, self.job, self.dataset_tag, 0)
+        if replace:
+            st.ring.put(replace, self.job, self.dataset_tag, 0, replace=True)
+        return len(fresh) + len(replace)
+
+    # ---- loader ---------------------------------------------------------
+    def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
+               substitute: bool = True, **dataloader_kwargs):
+        """A torch DataLoader whose batch sampler fills batches with cached items first."""
+        from .loader import make_loader
+
+        return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,
+                           substitute=substitute, **dataloader_kwargs)
+
+    def close(self) -> None:
+        if self._state is not None:
+            self._state.close()
+            self._state = None
+        if self.embedded is not None:
+            self.embedded.close()
+            self.embedded = None
+
+
+def _worker_row() -> int:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return 0
+    info = get_worker_info()
+    return 0 if info is None else info.id + 1

@@ -1,0 +1,66 @@
+"""The embedded default cache: `CachedDataset(..., cache=None)`.
+
+A cache server running inside the training process (threads, not a daemon),
+with its RocksDB under a local cache dir and a capacity. DataLoader worker
+processes reach it through the same client as a real ring (Unix socket and
+same-host direct reads), so a new user needs no server and the same code
+scales to a ring by passing `cache="host:port,..."`.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+from cacheserver.server import CacheServer, ServerConfig
+
+DEFAULT_CAPACITY = 10 * 2**30
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("MLCACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlcache")
+    return os.path.join(base, "embedded")
+
+
+class EmbeddedCacheBusy(RuntimeError):
+    """Another process holds the embedded cache dir."""
+
+
+class EmbeddedCache:
+    _lock = threading.Lock()
+    _open: dict[str, "EmbeddedCache"] = {}
+
+    def __init__(self, cache_dir: str, capacity: int) -> None:
+        cfg = ServerConfig(listen="127.0.0.1:0", data_dir=cache_dir, capacity=capacity,
+                           data_listen="auto", unix_socket="auto", grpc_workers=16)
+        try:
+            self.server = CacheServer(cfg)
+        except Exception as e:
+            if "lock" in str(e).lower():
+                raise EmbeddedCacheBusy(
+                    f"embedded cache dir {cache_dir} is in use by another process; pass "
+                    f"cache_dir= to use another, or run a cacheserver and pass cache='host:port'") from e
+            raise
+        self.server.start()
+        self.cache_dir = cache_dir
+        self.address = self.server.address
+        atexit.register(self.close)
+
+    @classmethod
+    def shared(cls, cache_dir: str | None = None, capacity: int = DEFAULT_CAPACITY) -> "EmbeddedCache":
+        """One embedded server per cache dir and process."""
+        cache_dir = os.path.abspath(cache_dir or default_cache_dir())
+        with cls._lock:
+            cache = cls._open.get(cache_dir)
+            if cache is None:
+                cache = cls._open[cache_dir] = cls(cache_dir, capacity)
+            return cache
+
+    def close(self) -> None:
+        with self._lock:
+            if self._open.get(self.cache_dir) is self:
+                del self._open[self.cache_dir]
+            else:
+                return
+        self.server.stop(grace=2.0)

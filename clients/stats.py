@@ -1,0 +1,60 @@
+"""Loader statistics that DataLoader worker processes add to and the main process reads.
+
+Counters live in shared memory, one row per worker, so workers never contend
+and the main process sums rows at epoch end. With spawn/forkserver the array
+travels to workers by pickling (multiprocessing shares the memory)."""
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+
+FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
+          "coalesced", "cache_errors")
+MAX_ROWS = 129  # row 0: the main process; rows 1..: workers by id
+
+
+class SharedCounters:
+    def __init__(self) -> None:
+        self._arr = multiprocessing.get_context("spawn").RawArray("q", MAX_ROWS * len(FIELDS))
+
+    def add(self, row: int, **counts: int) -> None:
+        base = (row % MAX_ROWS) * len(FIELDS)
+        for name, n in counts.items():
+            self._arr[base + FIELDS.index(name)] += n
+
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys(FIELDS, 0)
+        for r in range(MAX_ROWS):
+            base = r * len(FIELDS)
+            for j, name in enumerate(FIELDS):
+                out[name] += self._arr[base + j]
+        return out
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    batches: int
+    items: int
+    seconds: float
+    hits: int
+    misses: int
+    substituted: int
+    store_bytes: int
+    cache_bytes: int
+    poisoned: int
+    inserted: int
+    coalesced: int
+    planned_hit_rate: float
+    batch_time_median: float
+    batch_time_p95: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    def line(self) -> str:
+        return (f"epoch {self.epoch}: {self.items} items in {self.seconds:.2f}s, hit rate {self.hit_rate:.0%}, "
+                f"substituted {self.substituted}, store {self.store_bytes / 1e6:.1f} MB, "
+                f"cache {self.cache_bytes / 1e6:.1f} MB, poisoned {self.poisoned}, "
+                f"batch median {self.batch_time_median * 1e3:.1f} ms")

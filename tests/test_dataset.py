@@ -1,0 +1,213 @@
+"""CachedDataset end to end: real files, real cache servers, real loaders."""
+import hashlib
+import os
+import random
+import threading
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cacheserver.client import ServerClient  # noqa: E402
+from clients import capability  # noqa: E402
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.digest import DigestBuilder  # noqa: E402
+from procs import cacheserver  # noqa: E402
+
+
+def make_dataset(root, n=300, seed=0, lo=500, hi=6000):
+    """Files of varied size, and their digest; returns (digest path, {index: bytes})."""
+    rng = random.Random(seed)
+    os.makedirs(root, exist_ok=True)
+    b = DigestBuilder(str(root), "files")
+    items = {}
+    for i in range(n):
+        data = rng.randbytes(rng.randint(lo, hi))
+        name = f"img{i:05d}.bin"
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+        b.add(hashlib.sha256(data).digest(), len(data), name)
+        items[i] = data
+    path = os.path.join(os.path.dirname(str(root)), f"{os.path.basename(str(root))}.digest")
+    b.build().save(path)
+    return path, items
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_dataset(tmp_path / "ds")
+
+
+@pytest.fixture
+def ring3(tmp_path):
+    servers = [cacheserver(str(tmp_path / f"s{i}"), "1GB").start() for i in range(3)]
+    yield servers
+    for s in servers:
+        s.kill()
+
+
+def epoch_items(loader):
+    seen = []
+    for batch in loader:
+        seen.extend(batch)
+    return seen
+
+
+def check_exactly_once(loader, items):
+    got = epoch_items(loader)
+    assert Counter(got) == Counter(items.values())  # every item, each exactly once
+
+
+def test_embedded_default_two_epochs(tmp_path, data):
+    path, items = data
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"), capacity="64MB")
+    try:
+        loader = ds.loader(batch_size=32, seed=1)
+        check_exactly_once(loader, items)
+        check_exactly_once(loader, items)
+        e1, e2 = loader.epoch_stats
+        assert e1.misses == len(items) and e1.store_bytes == sum(map(len, items.values()))
+        assert e2.hits == len(items) and e2.store_bytes == 0 and e2.poisoned == 0
+        assert ds[5] == items[5]
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 1.0])
+def test_exactly_once_with_partial_cache(tmp_path, data, ring3, fraction):
+    path, items = data
+    spec = ",".join(s.address for s in ring3)
+    ds = CachedDataset(path, cache=spec, insert=False)
+    warm = CachedDataset(path, cache=spec)
+    try:
+        n_cached = int(len(items) * fraction)
+        warm.__getitems__(list(range(n_cached)))  # cache exactly this fraction
+        loader = ds.loader(batch_size=25, seed=2)
+        check_exactly_once(loader, items)
+        st = loader.epoch_stats[0]
+        assert st.hits == n_cached and st.misses == len(items) - n_cached
+        if 0 < fraction < 1:
+            # substitutable hits: the cached items come first, not scattered over the epoch
+            assert loader.batch_sampler.stats.planned_hits == n_cached
+            assert st.substituted > 0
+    finally:
+        ds.close()
+        warm.close()
+
+
+def test_server_stores_only_ciphertext_under_derived_ids(tmp_path, data):
+    path, items = data
+    d = cacheserver(str(tmp_path / "enc")).start()
+    try:
+        ds = CachedDataset(path, cache=d.address)
+        ds.__getitems__(list(range(20)))
+        with ServerClient(d.address) as c:
+            for i in range(20):
+                key = hashlib.sha256(items[i]).digest()
+                assert c.lookup([key]) == b"\0"  # the server never sees K itself
+                v = bytes(c.get([capability.item_id(key)])[0])
+                assert items[i][:64] not in v and len(v) >= len(items[i])
+        for root, _, files in os.walk(str(tmp_path / "enc")):
+            for name in files:
+                if not os.path.isfile(os.path.join(root, name)) or name.endswith(".sock"):
+                    continue
+                with open(os.path.join(root, name), "rb") as f:
+                    blob = f.read()
+                assert items[3][100:164] not in blob  # not on disk either
+        ds.close()
+    finally:
+        d.kill()
+
+
+def test_poisoned_entry_is_a_miss_repaired_and_counted(tmp_path, data):
+    path, items = data
+    d = cacheserver(str(tmp_path / "p")).start()
+    try:
+        ds = CachedDataset(path, cache=d.address)
+        ds.__getitems__([0, 1, 2])
+        key = hashlib.sha256(items[1]).digest()
+        with ServerClient(d.address) as c:
+            good = bytes(c.get([capability.item_id(key)])[0])
+            bad = bytearray(good)
+            bad[len(bad) // 2] ^= 0xFF
+            c.put([(capability.item_id(key), bytes(bad))], replace=True)
+        before = ds.counters.totals()
+        assert ds.__getitems__([0, 1, 2]) == [items[0], items[1], items[2]]
+        after = ds.counters.totals()
+        assert after["poisoned"] - before["poisoned"] == 1
+        assert after["hits"] - before["hits"] == 2
+        with ServerClient(d.address) as c:  # overwritten with the good value
+            assert bytes(c.get([capability.item_id(key)])[0]) == good
+        ds.close()
+    finally:
+        d.kill()
+
+
+def test_server_killed_mid_epoch_no_error_exactly_once(tmp_path, data, ring3):
+    path, items = data
+    spec = ",".join(s.address for s in ring3)
+    ds = CachedDataset(path, cache=spec)
+    try:
+        loader = ds.loader(batch_size=20, seed=3)
+        check_exactly_once(loader, items)  # epoch 1 fills the cache
+        seen = []
+        for b, batch in enumerate(loader):
+            seen.extend(batch)
+            if b == 3:
+                ring3[1].proc.kill()  # SIGKILL a server mid-epoch
+        assert Counter(seen) == Counter(items.values())
+        st = loader.epoch_stats[-1]
+        assert st.misses > 0 and st.hits > 0  # its items became misses, the rest still hit
+    finally:
+        ds.close()
+
+
+def test_store_changed_since_digest_is_refused(tmp_path, data):
+    path, items = data
+    with open(tmp_path / "ds" / "img00007.bin", "wb") as f:
+        f.write(b"tampered")
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb2"), capacity="16MB")
+    try:
+        with pytest.raises(ValueError, match="item 7"):
+            ds[7]
+    finally:
+        ds.close()
+
+
+def test_two_jobs_share_misses(tmp_path, data):
+    path, items = data
+    ds_a = CachedDataset(path, cache_dir=str(tmp_path / "shared"), capacity="64MB", job="a")
+    ds_b = CachedDataset(path, cache=ds_a.cache_spec, job="b")
+    try:
+        results = {}
+
+        def run(name, ds, seed):
+            loader = ds.loader(batch_size=10, seed=seed)
+            results[name] = (epoch_items(loader), loader.epoch_stats[0])
+
+        ts = [threading.Thread(target=run, args=("a", ds_a, 1)), threading.Thread(target=run, args=("b", ds_b, 2))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        total = sum(map(len, items.values()))
+        for name in "ab":
+            assert Counter(results[name][0]) == Counter(items.values())
+        store = results["a"][1].store_bytes + results["b"][1].store_bytes
+        assert store < 1.6 * total, (store, total)  # alone each would read the whole dataset
+    finally:
+        ds_b.close()
+        ds_a.close()
+
+
+def test_loader_with_spawned_workers(tmp_path, data):
+    path, items = data
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "w"), capacity="64MB")
+    try:
+        loader = ds.loader(batch_size=16, num_workers=2, seed=4)
+        check_exactly_once(loader, items)
+        check_exactly_once(loader, items)
+        assert loader.epoch_stats[1].hits == len(items)
+    finally:
+        ds.close()

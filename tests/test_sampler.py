@@ -1,0 +1,87 @@
+"""Substitutable-hit sampler: exactly once per epoch, whatever the cache holds."""
+import random
+
+import pytest
+
+from clients.sampler import SubstitutableBatchSampler
+
+
+def run_epoch(s):
+    batches = list(s)
+    flat = [i for b in batches for i in b]
+    return batches, flat
+
+
+@pytest.mark.parametrize("cached_fraction", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("n,bs", [(1000, 32), (1001, 64), (10, 64), (0, 8)])
+def test_exactly_once_and_full_batches(cached_fraction, n, bs):
+    rng = random.Random(1)
+    cached = {i for i in range(n) if rng.random() < cached_fraction}
+    s = SubstitutableBatchSampler(n, bs, lambda idx: [i in cached for i in idx], seed=3)
+    for _ in range(2):
+        batches, flat = run_epoch(s)
+        assert sorted(flat) == list(range(n))
+        assert all(len(b) == bs for b in batches[:-1])
+        assert len(batches) == len(s)
+
+
+def test_hits_first_then_misses():
+    n, bs = 2000, 50
+    cached = set(range(0, n, 10))  # 10% cached
+    s = SubstitutableBatchSampler(n, bs, lambda idx: [i in cached for i in idx], seed=0, lookahead=10)
+    batches, flat = run_epoch(s)
+    first = batches[: len(cached) // bs // 2]
+    hit_share = sum(i in cached for b in first for i in b) / sum(map(len, first))
+    assert hit_share > 0.8  # the early batches are filled from the cache
+    assert s.stats.planned_hits >= 0.8 * len(cached)
+    assert s.stats.substituted > 0
+
+
+def test_cache_changing_mid_epoch_and_failing_lookup():
+    n, bs = 500, 20
+    cached = set(range(50))
+    calls = [0]
+
+    def lookup(idx):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ConnectionError("server died")
+        if calls[0] == 5:
+            cached.clear()  # the whole cache lost mid-epoch
+            cached.update(range(400, 500))
+        return [i in cached for i in idx]
+
+    s = SubstitutableBatchSampler(n, bs, lookup, seed=1)
+    _, flat = run_epoch(s)
+    assert sorted(flat) == list(range(n))
+    assert s.stats.lookup_failures == 1
+
+
+def test_epochs_differ_and_are_reproducible():
+    mk = lambda: SubstitutableBatchSampler(100, 10, None, seed=7)
+    a, b = mk(), mk()
+    ea1, ea2 = run_epoch(a)[1], run_epoch(a)[1]
+    assert ea1 != ea2
+    assert run_epoch(b)[1] == ea1
+    b.set_epoch(1)
+    assert run_epoch(b)[1] == ea2
+
+
+def test_prefer_loads_the_preferred_misses_first():
+    n, bs = 1000, 10
+    s = SubstitutableBatchSampler(n, bs, lambda idx: [False] * len(idx), seed=2,
+                                  prefer=lambda i: i < 100)
+    batches, _ = run_epoch(s)
+    early = [i for b in batches[:5] for i in b]
+    # windows of 100 random items hold ~10 preferred ones: most of each batch
+    assert sum(i < 100 for i in early) / len(early) > 0.7
+
+
+def test_drop_last_and_bad_args():
+    s = SubstitutableBatchSampler(25, 10, None, drop_last=True)
+    batches, flat = run_epoch(s)
+    assert [len(b) for b in batches] == [10, 10] and len(s) == 2
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        SubstitutableBatchSampler(10, 0, None)
+    with pytest.raises(RuntimeError, match="answered 1 flags for 10"):
+        list(SubstitutableBatchSampler(10, 5, lambda idx: [True]))
