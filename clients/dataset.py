@@ -4,6 +4,10 @@
     for batch in ds.loader(batch_size=256, num_workers=8):
         ...
 
+cache: None = the embedded default (an in-process server under cache_dir),
+"host:port,..." = a ring (one address is expanded to its --peers), False = no
+cache (read the store only; a baseline).
+
 Reads: batched get from the ring; each value is decrypted and verified
 (capability.py); a miss or a poisoned value is read from the store through
 fsspec, sealed, and inserted (overwriting a poisoned one). The object is
@@ -53,7 +57,7 @@ class _ProcessState:
 
 
 class CachedDataset(_TorchDataset):
-    def __init__(self, digest: str | os.PathLike | Digest, cache: str | None = None,
+    def __init__(self, digest: str | os.PathLike | Digest, cache: str | None | bool = None,
                  manager: str | None = None, job: str | None = None,
                  decode: Callable[[bytes], Any] | None = None,
                  storage_options: dict | None = None, *,
@@ -75,7 +79,9 @@ class CachedDataset(_TorchDataset):
         self.dataset_tag = self.digest.fingerprint.hex()[:16]
         self.manager = manager
         self.embedded: EmbeddedCache | None = None
-        if cache is None and manager is None:
+        if cache is False:  # no cache at all: every read goes to the store (a baseline)
+            cache = None
+        elif cache is None and manager is None:
             self.embedded = EmbeddedCache.shared(cache_dir, parse_size(capacity))
             cache = self.embedded.address
         self.cache_spec = cache
