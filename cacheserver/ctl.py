@@ -281,6 +281,8 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------- local-cluster ---
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        # As the servers bind: SO_REUSEADDR, so TIME_WAIT leftovers don't count as busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -328,6 +330,9 @@ class _Server:
         os.makedirs(data_dir, exist_ok=True)
         self._log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The servers import this same cacheserver package, wherever cachectl was started from.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         # Own session: a Ctrl-C on the terminal reaches cachectl only, which then
         # stops the servers in order; PDEATHSIG stops them if cachectl is killed.
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, env=env,
@@ -357,7 +362,7 @@ class _Server:
 
 
 def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .sizes import format_size, parse_size
+    from .sizes import parse_size
     n = args.servers
     if n < 1:
         parser.error("--servers must be >= 1")
@@ -425,7 +430,7 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
             print(f"local cluster: {n} server{'s' if n > 1 else ''} x {args.capacity} "
                   f"({capacity:,} bytes), data in {where}")
             for s in servers:
-                host, port = s.addr.rsplit(":", 1)
+                port = s.addr.rsplit(":", 1)[1]
                 extra = f", metrics :{args.metrics_base_port + s.index}" if args.metrics_base_port is not None else ""
                 print(f"  server {s.index}  {s.addr}  (data plane :{int(port) + 1}{extra}, pid {s.proc.pid}, "
                       f"log {s.log_path})")
@@ -486,6 +491,15 @@ def _stop_servers(servers: list[_Server], timeout: float, rc: int) -> int:
 
 
 # ------------------------------------------------------------------- main ---
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones (None, False) whose help already says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _add_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="client certificate (PEM), for servers run with TLS")
     p.add_argument("--tls-key", help="client private key (PEM)")
@@ -498,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
 
     c = sub.add_parser("certs", formatter_class=fmt,
                        help="create a CA and server/client certificates for mutual TLS",

@@ -19,6 +19,7 @@ from .core import CacheCore
 from .ids import ID_LEN, BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
+HANDSHAKE_SECONDS = 10.0
 _U16 = struct.Struct("<H")
 _I32 = struct.Struct("<i")
 
@@ -71,12 +72,9 @@ class DataPlaneServer:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.ssl_ctx is not None:
-                    try:
-                        conn = self.ssl_ctx.wrap_socket(conn, server_side=True)
-                    except (ssl.SSLError, OSError) as e:
-                        log.warning("dataplane TLS handshake failed: %s", e)
-                        conn.close()
-                        continue
+                    # The handshake runs in the connection's thread (see _serve): done here,
+                    # one idle peer would block every later connection.
+                    conn = self.ssl_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="dataplane-conn")
             with self._conns_lock:
                 self._conns.add(t)
@@ -84,6 +82,14 @@ class DataPlaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if isinstance(conn, ssl.SSLSocket):
+                conn.settimeout(HANDSHAKE_SECONDS)
+                try:
+                    conn.do_handshake()
+                except (ssl.SSLError, OSError) as e:
+                    log.warning("dataplane TLS handshake failed: %s", e)
+                    return
+                conn.settimeout(None)
             while not self._stopping.is_set():
                 # Wait for the next request without blocking shutdown.
                 if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):

@@ -81,3 +81,13 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
+    """A cachemanager daemon (not started), with test-speed intervals unless
+    `extra` overrides them (argparse keeps the last occurrence of a flag)."""
+    os.makedirs(state_dir, exist_ok=True)
+    listen = f"127.0.0.1:{port or free_port()}"
+    return Daemon(["manager.daemon", "--listen", listen, "--state-dir", state_dir,
+                   "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--log-format", "text", *extra],
+                  log_path=os.path.join(state_dir, "manager.log"))

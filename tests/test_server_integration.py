@@ -330,3 +330,23 @@ def test_health_service_and_sigterm_drain(tmp_path):
         t.join(10)
     assert code == 0 and elapsed < 10
     assert results and all(results)
+
+
+def test_prometheus_metrics_endpoint(tmp_path):
+    import urllib.request
+
+    from procs import free_port
+
+    port = free_port()
+    d = cacheserver(str(tmp_path / "m"), "1GB", 0, "--metrics-port", str(port)).start()
+    try:
+        with ServerClient(d.address) as c:
+            ks = ids(3, seed=30)
+            c.put([(k, b"v" * 10) for k in ks])
+            c.get(ks + ids(1, seed=31))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'mlcache_server_events_total{name="get_hits"} 3.0' in text
+        assert 'mlcache_server_events_total{name="get_misses"} 1.0' in text
+        assert "mlcache_server_items 3.0" in text
+    finally:
+        d.kill()
