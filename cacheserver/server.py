@@ -91,8 +91,15 @@ class CacheServer:
         if unix and len(unix.encode()) > 100:  # AF_UNIX path limit is 108 bytes
             log.warning("unix socket path too long, same-host fast path off: %s", unix)
             unix = None
-        self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix,
-                                         cfg.tls.server_context() if cfg.tls else None)
+        ssl_ctx = cfg.tls.server_context() if cfg.tls else None
+        try:
+            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx)
+        except OSError as e:
+            if cfg.data_listen != "auto" or tcp is None or tcp[1] == 0:
+                raise OSError(f"--data-listen: cannot bind {tcp[0]}:{tcp[1]}: {e}") from e
+            # gRPC port + 1 is taken: any port will do, clients learn it from Info.
+            log.warning("data plane port %d in use (%s); binding a free port instead", tcp[1], e)
+            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx)
         self.metrics_server = None
         self.manager_link = None
 

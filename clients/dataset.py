@@ -28,6 +28,7 @@ from cacheserver.sizes import parse_size
 
 from . import capability
 from .coalesce import HostCoalescer
+from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, read_item
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .stats import SharedCounters
@@ -63,7 +64,7 @@ class CachedDataset(_TorchDataset):
                  storage_options: dict | None = None, *,
                  cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
-                 coalesce: bool = True, down_backoff: float = 2.0) -> None:
+                 coalesce: bool = True, down_backoff: float = 2.0, n_gpus: int = 1) -> None:
         self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
@@ -78,10 +79,19 @@ class CachedDataset(_TorchDataset):
         self.down_backoff = down_backoff
         self.dataset_tag = self.digest.fingerprint.hex()[:16]
         self.manager = manager
+        self.plan = SharedPlan()  # without a manager: insert everything as chunk 0
+        self.coordinator: JobCoordinator | None = None
         self.embedded: EmbeddedCache | None = None
+        if manager is not None:
+            self.coordinator = JobCoordinator(self, manager, n_gpus)
+            if cache is None:
+                cache = self.coordinator.ring_spec()
+                if cache is None:
+                    raise ValueError(f"cache manager {manager} knows no cache servers yet, and no "
+                                     f"cache= addresses were given")
         if cache is False:  # no cache at all: every read goes to the store (a baseline)
             cache = None
-        elif cache is None and manager is None:
+        elif cache is None:
             self.embedded = EmbeddedCache.shared(cache_dir, parse_size(capacity))
             cache = self.embedded.address
         self.cache_spec = cache
@@ -93,6 +103,7 @@ class CachedDataset(_TorchDataset):
         state = dict(self.__dict__)
         state["_state"] = None
         state["embedded"] = None  # owned by the process that started it
+        state["coordinator"] = None  # the main process talks to the manager
         # Workers reload the digest from its file (fast), else from its bytes.
         state["digest"] = None if self._digest_path else self.digest.to_bytes()
         return state
@@ -209,15 +220,24 @@ class CachedDataset(_TorchDataset):
         """Seal and insert (index, item, replace) entries; returns how many were sent."""
         if not self.insert or st.ring is None or not entries:
             return 0
-        fresh, replace = [], []
+        groups: dict[tuple[int, bool], list] = {}
         for i, item, was_poisoned in entries:
+            chunk = self.plan.insert_chunk(i)
+            if chunk is None:  # the manager gives this part of the dataset no cache space now
+                continue
             item_id, _, value = capability.seal(item)
-            (replace if was_poisoned else fresh).append((item_id, value))
-        if fresh:
-            st.ring.put(fresh, self.job, self.dataset_tag, 0)
-        if replace:
-            st.ring.put(replace, self.job, self.dataset_tag, 0, replace=True)
-        return len(fresh) + len(replace)
+            groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
+        for (chunk, replace), items in groups.items():
+            st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
+        return sum(map(len, groups.values()))
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Fetch and insert items ahead of need (the loading chunk); not counted as reads."""
+        st = self._proc()
+        ids = self.ids_for(indices)
+        _, fill = self._fill(st, list(indices), ids, [False] * len(ids))
+        self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],
+                          prefetched=len(indices))
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
@@ -229,6 +249,9 @@ class CachedDataset(_TorchDataset):
                            substitute=substitute, **dataloader_kwargs)
 
     def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
         if self._state is not None:
             self._state.close()
             self._state = None

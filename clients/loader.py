@@ -24,9 +24,12 @@ class CachedLoader(DataLoader):
         self.batch_times: list[float] = []
         self.on_epoch_end: list[Callable[[EpochStats], None]] = []
         self.on_batch_time: list[Callable[[float, float], None]] = []
+        self.on_epoch_start: list[Callable[[], None]] = []
 
     def __iter__(self) -> Iterator:
         ds = self.dataset
+        for cb in self.on_epoch_start:
+            cb()
         before = ds.counters.totals()
         sampler: SubstitutableBatchSampler = self.batch_sampler
         epoch = sampler.epoch
@@ -58,15 +61,23 @@ class CachedLoader(DataLoader):
 
 def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
                 substitute: bool = True, **kwargs) -> CachedLoader:
+    coord = ds.coordinator
     sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup if substitute else None,
-                                        seed=seed, lookahead=lookahead)
+                                        seed=seed, lookahead=lookahead,
+                                        prefer=coord.prefer if coord else None,
+                                        on_batch=coord.consumed if coord else None)
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.
         kwargs.setdefault("multiprocessing_context", "spawn")
         kwargs.setdefault("persistent_workers", True)
     kwargs.setdefault("collate_fn", _as_list)
-    return CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
+    loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
+    if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
+        loader.on_batch_time.append(coord.batch_time)
+        loader.on_epoch_start.append(coord.epoch_start)
+        coord.start()
+    return loader
 
 
 def _as_list(batch: list) -> list:

@@ -9,7 +9,7 @@ import multiprocessing
 from dataclasses import dataclass
 
 FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
-          "coalesced", "cache_errors")
+          "coalesced", "cache_errors", "prefetched")
 MAX_ROWS = 129  # row 0: the main process; rows 1..: workers by id
 
 

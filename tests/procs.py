@@ -67,9 +67,9 @@ class Daemon:
 
 
 def cacheserver(data_dir: str, capacity: str = "1GB", port: int = 0, *extra: str) -> Daemon:
-    """A cacheserver daemon (not started). Port 0 picks a free port at bind time."""
+    """A cacheserver daemon (not started). Port 0: the OS picks one at bind time (no race)."""
     os.makedirs(data_dir, exist_ok=True)
-    listen = f"127.0.0.1:{port or free_port()}"
+    listen = f"127.0.0.1:{port}"
     return Daemon(["cacheserver.daemon", "--listen", listen, "--data-dir", data_dir,
                    "--capacity", capacity, "--log-format", "text", *extra],
                   log_path=os.path.join(data_dir, "server.log"))

@@ -21,7 +21,7 @@ from cacheserver.client import ServerClient
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from cacheserver.tls import TlsFiles
-from procs import ROOT, cacheserver
+from procs import free_port, ROOT, cacheserver
 
 BUNDLE = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem"]
 
@@ -45,9 +45,11 @@ def tls_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls_server(tls_dir, tmp_path_factory):
-    srv = cacheserver(str(tmp_path_factory.mktemp("tls-srv")), "1GB", 0,
+    dport = free_port()
+    srv = cacheserver(str(tmp_path_factory.mktemp("tls-srv")), "1GB", 0, "--data-listen", f"127.0.0.1:{dport}",
                       "--tls-cert", str(tls_dir / "server.pem"), "--tls-key", str(tls_dir / "server-key.pem"),
                       "--tls-ca", str(tls_dir / "ca.pem")).start()
+    srv.data_port = dport
     try:
         yield srv
         assert srv.stop() == 0  # drains and exits 0 after serving TLS clients
@@ -59,8 +61,8 @@ def client_tls(d) -> TlsFiles:
     return TlsFiles(str(d / "client.pem"), str(d / "client-key.pem"), str(d / "ca.pem"))
 
 
-def data_port(addr: str) -> int:
-    return int(addr.rsplit(":", 1)[1]) + 1  # --data-listen auto
+def data_port(srv) -> int:
+    return srv.data_port  # pinned by the fixture: a raw TLS peer cannot ask Info first
 
 
 # ---- certificates -----------------------------------------------------------------
@@ -173,7 +175,7 @@ def test_client_cert_from_another_ca_is_refused(tls_server, tls_dir, tmp_path):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     # And the data plane refuses the same certificate.
     ctx = tls.client_context()
-    with socket.create_connection(("127.0.0.1", data_port(tls_server.address)), timeout=5) as raw:
+    with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as raw:
         with pytest.raises((ssl.SSLError, ConnectionError)):
             with ctx.wrap_socket(raw) as s:
                 wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
@@ -182,7 +184,7 @@ def test_client_cert_from_another_ca_is_refused(tls_server, tls_dir, tmp_path):
 
 
 def test_plaintext_dataplane_is_refused(tls_server):
-    with socket.create_connection(("127.0.0.1", data_port(tls_server.address)), timeout=5) as s:
+    with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as s:
         s.sendall(wire.pack_header(wire.OP_PING, 0, 0, 0))
         try:
             reply = s.recv(64)
@@ -194,7 +196,7 @@ def test_plaintext_dataplane_is_refused(tls_server):
 def test_dataplane_without_client_cert_is_refused(tls_server, tls_dir):
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(tls_dir / "ca.pem"))
     ctx.check_hostname = False
-    with socket.create_connection(("127.0.0.1", data_port(tls_server.address)), timeout=5) as raw:
+    with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as raw:
         with pytest.raises((ssl.SSLError, ConnectionError)):
             with ctx.wrap_socket(raw) as s:  # TLS 1.3: the refusal arrives on the first read
                 wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
@@ -223,7 +225,7 @@ def test_cachectl_stats_over_tls(tls_server, tls_dir):
 
 
 def test_idle_connection_does_not_block_the_tls_dataplane(tls_server, tls_dir):
-    with socket.create_connection(("127.0.0.1", data_port(tls_server.address)), timeout=5):
+    with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5):
         with ServerClient(tls_server.address, tls=client_tls(tls_dir), local_read=False,
                           prefer_unix=False, timeout=3) as c:
             assert c.put([(ident(4242), b"v")]) == (1, 0, 0)

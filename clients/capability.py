@@ -1,0 +1,105 @@
+"""Content-addressed capabilities: what the cache stores and how clients check it.
+
+For an item with K = SHA-256(item) (the value a digest holds):
+
+* id    = SHA-256(b"mlcache/id/v1" || K)   the 32-byte key the servers see
+* key   = SHA-256(b"mlcache/key/v1" || K)  the AES-256-GCM key
+* value = version || u64 plaintext length || AES-256-GCM(key, nonce=0^96,
+          item, aad = id || version || length) ciphertext || 16-byte tag
+
+Convergent encryption: equal items give equal ids and values, so tenants
+share cache entries, yet only holders of K can find or decrypt them.  The
+fixed nonce is safe because a key only ever encrypts one plaintext (the one
+whose hash it is derived from).  See docs/security.md for the threat model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NamedTuple
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+ID_DOMAIN = b"mlcache/id/v1"
+KEY_DOMAIN = b"mlcache/key/v1"
+VALUE_VERSION = 1
+NONCE = bytes(12)  # fixed: one plaintext per key (see module docstring)
+TAG_SIZE = 16
+_HEADER = struct.Struct("<BQ")  # version, plaintext length
+OVERHEAD = _HEADER.size + TAG_SIZE  # stored bytes beyond the item itself
+
+Buffer = bytes | bytearray | memoryview
+
+
+class PoisonedValue(ValueError):
+    """A cached value failed authentication or does not match the digest."""
+
+
+class Sealed(NamedTuple):
+    id: bytes  # what the cache servers index by
+    K: bytes  # SHA-256 of the item: the capability, never sent to servers
+    value: bytes  # what the cache servers store
+
+
+def _check_k(K: bytes) -> None:
+    if len(K) != 32:
+        raise ValueError(f"K must be a 32-byte SHA-256, got {len(K)} bytes")
+
+
+def item_id(K: bytes) -> bytes:
+    """Cache id for content key K; one-way, so the id does not reveal K."""
+    _check_k(K)
+    return hashlib.sha256(ID_DOMAIN + K).digest()
+
+
+def value_key(K: bytes) -> bytes:
+    """AES-256 key for content key K (domain-separated from the id)."""
+    _check_k(K)
+    return hashlib.sha256(KEY_DOMAIN + K).digest()
+
+
+def value_size(item_size: int) -> int:
+    """Stored size of an item of ``item_size`` bytes."""
+    return item_size + OVERHEAD
+
+
+def seal(item: Buffer) -> Sealed:
+    """Encrypt an item for the cache; deterministic in the item alone."""
+    K = hashlib.sha256(item).digest()
+    ident = item_id(K)
+    header = _HEADER.pack(VALUE_VERSION, len(item))
+    ct = AESGCM(value_key(K)).encrypt(NONCE, item, ident + header)
+    return Sealed(ident, K, header + ct)
+
+
+def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = True) -> bytes:
+    """Decrypt and check a value fetched from the cache for content key K.
+
+    Raises PoisonedValue if the value is malformed, of another version, of
+    the wrong size, fails authentication (tampered, or stored under the wrong
+    id), or, with ``verify_hash``, if SHA-256(plaintext) != K.  The tag alone
+    only proves the value was made by someone holding K; the hash check also
+    stops a co-holder of K who stored different content (see docs/security.md),
+    so skip it only when every holder of the digest is trusted.
+    """
+    _check_k(K)
+    mv = memoryview(value)
+    if len(mv) < OVERHEAD:
+        raise PoisonedValue(f"value too short ({len(mv)} bytes)")
+    version, length = _HEADER.unpack_from(mv)
+    if version != VALUE_VERSION:
+        raise PoisonedValue(f"unsupported value version {version}")
+    if length != expected_size:
+        raise PoisonedValue(f"value is for {length} bytes, digest says {expected_size}")
+    if len(mv) != value_size(length):
+        raise PoisonedValue(f"value has {len(mv)} bytes, expected {value_size(length)}")
+    aad = item_id(K) + bytes(mv[: _HEADER.size])
+    try:
+        item = AESGCM(value_key(K)).decrypt(NONCE, mv[_HEADER.size:], aad)
+    except InvalidTag:
+        raise PoisonedValue("authentication failed (tampered value or wrong key)") from None
+    if verify_hash and hashlib.sha256(item).digest() != K:
+        raise PoisonedValue("content hash mismatch (value forged by a holder of the key)")
+    return item

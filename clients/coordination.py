@@ -1,0 +1,202 @@
+"""A training job's side of the cache manager (manager/), in the main process.
+
+- registers the job (dataset fingerprint, size, GPUs) and, when no cache
+  addresses were given, takes the ring from the manager;
+- reports mini-batch times in the background (probing compares them with and
+  without the cache; the servers apply bypass mode themselves);
+- keeps the chunk plan current and publishes it to DataLoader workers through
+  shared memory (`SharedPlan`): which items may be inserted, under which chunk;
+- releases a chunk once this job has consumed all its items this epoch, and
+  reports how much of the loading chunk is cached (a sampled Lookup);
+- prefetches missing items of the loading chunk at a capped rate (servers
+  cannot read stores or decrypt, so loading is the clients' work).
+Everything tolerates a manager that is down: the last plan holds.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import random
+import threading
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from manager.client import Plan
+
+    from .dataset import CachedDataset
+
+log = logging.getLogger("mlcache.client")
+OPTIONS = {"none": 0, "full": 1, "chunked": 2}
+MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
+
+
+class SharedPlan:
+    """The current plan in shared memory: [version, option, k, n_items, n_chunks, chunks...].
+
+    Without a manager it stays at version 0 = "full, one chunk": insert everything."""
+
+    def __init__(self) -> None:
+        self._arr = multiprocessing.get_context("spawn").RawArray("q", 5 + MAX_CHUNKS)
+        self._arr[1] = OPTIONS["full"]
+        self._arr[2] = 1
+
+    def publish(self, plan: "Plan") -> None:
+        chunks = list(plan.chunks)
+        if plan.loading is not None:
+            chunks.append(plan.loading)  # the chunk being loaded is inserted into too
+        chunks = sorted(set(chunks))[:MAX_CHUNKS]
+        a = self._arr
+        a[0] = 0  # readers seeing a version of 0 mid-update fall back to "insert all"
+        a[1], a[2], a[3], a[4] = OPTIONS.get(plan.option, 0), max(1, plan.k), plan.n_items, len(chunks)
+        for j, c in enumerate(chunks):
+            a[5 + j] = c
+        a[0] = plan.version or 1
+
+    def insert_chunk(self, i: int) -> int | None:
+        """Chunk tag to insert item i under, or None if the plan says not to insert it."""
+        a = self._arr
+        option, k, n = a[1], a[2], a[3]
+        if a[0] == 0 or option == OPTIONS["full"]:
+            return 0
+        if option == OPTIONS["none"]:
+            return None
+        from manager.policy import chunk_of
+
+        c = chunk_of(i, n, k)
+        return c if c in a[5:5 + a[4]] else None
+
+    def loading_first(self, i: int, loading: int | None) -> bool:
+        return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading
+
+
+class JobCoordinator:
+    def __init__(self, ds: "CachedDataset", manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
+                 prefetch_bandwidth: float = 20e6) -> None:
+        from manager.client import ManagerClient, ManagerUnavailable
+
+        self._unavailable = ManagerUnavailable
+        self.ds = ds
+        self.client = ManagerClient(manager)
+        self.dataset = ds.digest.fingerprint.hex()
+        self.plan: Plan | None = None
+        self.report_seconds = report_seconds
+        self.prefetch_bandwidth = prefetch_bandwidth
+        self._batches: deque = deque(maxlen=10_000)
+        self._consumed: Counter = Counter()
+        self._released: set[int] = set()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        try:
+            info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
+            self._set_plan(info.plan)
+        except self._unavailable as e:
+            log.warning("cache manager %s unavailable (%s): training without a plan", manager, e)
+        self._thread: threading.Thread | None = None
+
+    def ring_spec(self) -> str | None:
+        try:
+            ring = self.client.get_ring()
+        except self._unavailable:
+            ring = self.client.last_ring()
+        return ",".join(ring.addresses) if ring and ring.addresses else None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlcache-coordinator", daemon=True)
+            self._thread.start()
+
+    def _set_plan(self, plan: "Plan") -> None:
+        with self._lock:
+            if self.plan is None or plan.version != self.plan.version or plan.chunks != self.plan.chunks:
+                self.plan = plan
+                self.ds.plan.publish(plan)
+
+    # ---- hooks called by the loader and sampler (main process) ------------
+    def batch_time(self, end: float, duration: float) -> None:
+        self._batches.append((end, duration))
+
+    def consumed(self, batch: list[int]) -> None:
+        """Count items read per chunk; a chunk read to the end is released."""
+        plan = self.plan
+        if plan is None or plan.option != "chunked":
+            return
+        for i in batch:
+            self._consumed[plan.chunk_of(i)] += 1
+        for c in plan.chunks:
+            if c not in self._released and self._consumed[c] >= sum(len(r) for r in plan.members(c)):
+                self._released.add(c)
+                try:
+                    self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
+                except self._unavailable:
+                    self._released.discard(c)  # try again after the next batch
+
+    def epoch_start(self) -> None:
+        self._consumed.clear()
+        self._released.clear()
+
+    def prefer(self, i: int) -> bool:
+        plan = self.plan
+        return plan is not None and self.ds.plan.loading_first(i, plan.loading)
+
+    # ---- background work --------------------------------------------------
+    def _run(self) -> None:
+        last_loaded = 0.0
+        while not self._stop.wait(self.report_seconds):
+            try:
+                self._report()
+                if self.plan is not None and self.plan.loading is not None:
+                    if time.monotonic() - last_loaded > 2.0:
+                        last_loaded = time.monotonic()
+                        self._report_loaded(self.plan.loading)
+                    self._prefetch(self.plan.loading)
+            except self._unavailable:
+                continue  # the last plan holds
+            except Exception:  # never let coordination break training
+                log.exception("cache coordination step failed")
+
+    def _report(self) -> None:
+        batch = []
+        while self._batches and len(batch) < 1000:
+            batch.append(self._batches.popleft())
+        if not batch:
+            return
+        reply = self.client.report_batches(self.ds.job, batch)
+        if self.plan is None or reply.plan_version != self.plan.version:
+            self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
+
+    def _chunk_sample(self, chunk: int, n: int) -> list[int]:
+        members = [i for r in self.plan.members(chunk) for i in r]
+        return random.sample(members, min(n, len(members)))
+
+    def _report_loaded(self, chunk: int) -> None:
+        sample = self._chunk_sample(chunk, 256)
+        if sample:
+            present = self.ds.lookup(sample)
+            self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
+
+    def _prefetch(self, chunk: int) -> None:
+        """Insert a few missing items of the loading chunk, at most prefetch_bandwidth bytes/s."""
+        budget = self.prefetch_bandwidth * self.report_seconds
+        sample = self._chunk_sample(chunk, 64)
+        missing = [i for i, p in zip(sample, self.ds.lookup(sample)) if not p]
+        take, size = [], 0
+        for i in missing:
+            size += int(self.ds.digest.size(i))
+            if size > budget:
+                break
+            take.append(i)
+        if take:
+            self.ds.prefetch(take)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        try:
+            self._report()
+            self.client.unregister_job(self.ds.job)
+        except Exception:
+            pass
+        self.client.close()

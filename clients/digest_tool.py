@@ -1,0 +1,450 @@
+"""Implementation of ``tools/digest``: create, inspect and verify digest files.
+
+Exit codes: 0 success, 1 failure (unreadable or bad data, missing source,
+verification mismatch), 2 usage error (bad command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import concurrent.futures.process  # noqa: F401  (eager: keep imports out of timings)
+import datetime
+import fnmatch
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tqdm import tqdm
+
+from clients import crc32c
+from clients.digest import Digest, DigestBuilder, DigestError, Kind
+from clients.itemscan import (
+    REMOTE_BLOCK,
+    SMALL_REMOTE,
+    Item,
+    ScanError,
+    hash_stream,
+    scan_local_batch,
+    scan_remote,
+)
+
+TOOL = "mlcache tools/digest 1"
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+MAX_REPORTED = 50  # problems printed by verify before summarising
+
+
+class ToolError(Exception):
+    """A runtime failure, reported as 'digest: error: ...' with exit code 1."""
+
+
+class SourceFile(NamedTuple):
+    path: str  # as the filesystem names it
+    rel: str  # relative to the root, '/'-separated
+    size: int | None  # from the listing; None when the backend does not say
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _progress(total: int | None, quiet: bool, desc: str) -> tqdm:
+    # disable=None: tqdm hides itself when stderr is not a terminal.
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                desc=desc, disable=True if quiet else None, file=sys.stderr)
+
+
+# -- source access -------------------------------------------------------------
+
+
+def open_source(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """``(fs, base)`` for a local path or fsspec URL, with clear errors."""
+    import fsspec
+
+    try:
+        fs, base = fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as e:
+        hint = "install the fsspec backend, e.g. gcsfs for gs://"
+        raise ToolError(f"cannot open {url}: {e} ({hint})") from None
+    except (ValueError, TypeError) as e:
+        raise ToolError(f"cannot open {url}: {e}") from None
+    return fs, (base.rstrip("/") or base)
+
+
+def list_source(
+    fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
+) -> tuple[str, list[SourceFile]]:
+    """Root path and the sorted data files under it (SRC may be a single file).
+
+    Entries that are neither files nor directories (broken symlinks, FIFOs)
+    are errors rather than silently missing data, unless excluded."""
+    try:
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        raise ToolError(f"source not found: {src}") from None
+    except Exception as e:  # network / permission errors of any backend
+        raise ToolError(f"cannot list {src}: {type(e).__name__}: {e}") from None
+    if not found:
+        try:
+            exists = fs.exists(base)
+        except Exception:  # treat an unreachable source as missing
+            exists = False
+        raise ToolError(f"empty dataset: no files under {src}" if exists else f"source not found: {src}")
+    root = base
+    if list(found) == [base]:  # SRC is one file: its directory is the root
+        root = fs._parent(base)
+    prefix = root.rstrip("/") + "/"
+    files = []
+    for path, info in found.items():
+        kind = info.get("type", "file")
+        if kind == "directory":
+            continue
+        if not path.startswith(prefix):
+            raise ToolError(f"listing of {src} returned {path!r}, which is outside it")
+        rel = path[len(prefix):]
+        if includes and not any(fnmatch.fnmatchcase(rel, pat) for pat in includes):
+            continue
+        if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
+            continue
+        if kind != "file":
+            what = "a broken symlink" if info.get("islink") else f"not a regular file ({kind})"
+            raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
+        files.append(SourceFile(path, rel, info.get("size")))
+    if not files:
+        chosen = " ".join([*(f"--include {p}" for p in includes), *(f"--exclude {p}" for p in excludes)])
+        raise ToolError(f"empty dataset: no file under {src} is selected by {chosen}")
+    # Code-point order == UTF-8 byte order: the same on every machine.
+    files.sort(key=lambda f: f.rel)
+    return root, files
+
+
+# -- hashing -------------------------------------------------------------------
+
+
+def _batches(files: list[SourceFile], workers: int) -> list[list[int]]:
+    # Several batches per worker balance uneven files; batching many small
+    # files amortises the inter-process round trip.
+    total = sum(f.size or 0 for f in files)
+    target = min(max(total // (workers * 16), 1 << 20), 64 << 20)
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i, f in enumerate(files):
+        cur.append(i)
+        cur_bytes += f.size or 0
+        if cur_bytes >= target or len(cur) >= 1024:
+            out.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def scan_files(
+    fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool, quiet: bool
+) -> list[list[Item]]:
+    """Items of every file, in file order whatever the scheduling."""
+    results: list[list[Item] | None] = [None] * len(files)
+    total = None if any(f.size is None for f in files) else sum(f.size for f in files)  # type: ignore[misc]
+    local = _is_local(fs)
+    if local and workers == 1:
+        with _progress(total, quiet, "hashing") as bar:
+            for i, f in enumerate(files):
+                results[i] = scan_local_batch(kind, [(f.path, f.rel)], verify_crc)[0]
+                bar.update(f.size or 0)
+        return results  # type: ignore[return-value]
+
+    ex: cf.Executor
+    futures: dict[cf.Future[Any], list[int]] = {}
+    if local:
+        ex = cf.ProcessPoolExecutor(workers)
+        for batch in _batches(files, workers):
+            pairs = [(files[i].path, files[i].rel) for i in batch]
+            fut = ex.submit(scan_local_batch, kind, pairs, verify_crc)
+            futures[fut] = batch
+    else:
+        ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
+        for i, f in enumerate(files):
+            futures[ex.submit(scan_remote, fs, kind, f.path, f.rel, f.size, verify_crc)] = [i]
+    try:
+        # The bar starts after the pool has forked, so no tqdm thread is copied.
+        with _progress(total, quiet, "hashing") as bar:
+            for fut in cf.as_completed(futures):
+                batch = futures[fut]
+                res: Any = fut.result()
+                out: list[list[Item]] = res if local else [res]  # batch vs one file
+                for i, items in zip(batch, out, strict=True):
+                    results[i] = items
+                    bar.update(files[i].size if files[i].size is not None else sum(it[1] for it in items))
+    except ScanError as e:
+        raise ToolError(str(e)) from None
+    except cf.process.BrokenProcessPool:
+        raise ToolError("a hashing worker process died (killed, or out of memory?)") from None
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+    return results  # type: ignore[return-value]
+
+
+# -- verification ----------------------------------------------------------------
+
+
+def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) -> list[tuple[int, str]]:
+    """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
+    rel = digest.path(j)
+    full = f"{base}/{rel}"
+    problems: list[tuple[int, str]] = []
+
+    def compare(i: int, sha: bytes, n: int) -> None:
+        _, off, size = digest.location(i)
+        if n != size:
+            problems.append((i, f"item {i}: {rel} @ {off}+{size}: size mismatch (store has {n} bytes)"))
+        elif sha != digest.sha256(i):
+            problems.append((i, f"item {i}: {rel} @ {off}+{size}: sha256 mismatch"))
+
+    try:
+        if digest.kind is Kind.FILES or len(items) <= 4:
+            for i in items:
+                _, off, size = digest.location(i)
+                if digest.kind is Kind.FILES and size > SMALL_REMOTE:
+                    with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
+                        sha, n = hash_stream(f)
+                else:
+                    # Whole file for 'files' (so growth shows); a range otherwise.
+                    data = fs.cat_file(full) if digest.kind is Kind.FILES else (
+                        fs.cat_file(full, start=off, end=off + size) if size else b"")
+                    sha, n = hashlib.sha256(data).digest(), len(data)
+                compare(i, sha, n)
+        else:  # many records of one file: one sequential pass
+            with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
+                for i in sorted(items, key=lambda i: int(digest.offsets[i])):
+                    _, off, size = digest.location(i)
+                    f.seek(off)
+                    compare(i, *hash_stream(f, size))
+    except Exception as e:  # any backend error: report, keep verifying others
+        shown = ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
+        problems.append((items[0], f"item(s) {shown} ({rel}): cannot read: {type(e).__name__}: {e}"))
+    return problems
+
+
+def verify_digest(
+    digest: Digest, fs: Any, base: str, indices: Sequence[int], workers: int, quiet: bool
+) -> list[str]:
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(int(digest.path_index[i]), []).append(i)
+    problems: list[tuple[int, str]] = []
+    # Threads even for local files: hashlib and file reads release the GIL.
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="verify") as ex, \
+            _progress(sum(int(digest.sizes[i]) for i in indices), quiet, "verifying") as bar:
+        futs = {ex.submit(_check_path, fs, base, digest, j, items): items for j, items in groups.items()}
+        for fut in cf.as_completed(futs):
+            problems.extend(fut.result())
+            bar.update(sum(int(digest.sizes[i]) for i in futs[fut]))
+    return [msg for _, msg in sorted(problems)]
+
+
+# -- command line ----------------------------------------------------------------
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:  # JSON values allow anon=true, block_size=1024, client_kwargs={...}
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _add_storage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", "-s", metavar="KEY=VALUE", action="append", default=[],
+                   type=_storage_option,
+                   help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be, "
+                        "e.g. token=anon, anon=true, endpoint_url=http://...")
+
+
+def _create_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [create] SRC -o FILE [options]\n"
+              f"       {prog} info FILE [--json]\n"
+              f"       {prog} verify FILE [--sample N] [options]",
+        description="Hash every item of a dataset into a digest file "
+                    f"('{prog} info -h' and '{prog} verify -h' for the other commands).",
+        epilog="SRC is a local directory or an fsspec URL (gs://, s3://, http(s)://, memory://). "
+               "Exit codes: 0 ok, 1 failure, 2 usage error.")
+    p.add_argument("src", metavar="SRC", help="dataset directory, prefix or single file")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="digest file to write")
+    p.add_argument("--format", "-f", choices=[k.value for k in Kind], default="files",
+                   help="files: one item per file; tfrecord: one per record; tar: one per member "
+                        "(default: files)")
+    p.add_argument("--workers", "-j", type=_positive, default=None, metavar="N",
+                   help="parallel hashers: processes for local files (default: cores), "
+                        "threads for remote URLs (default: 4 x cores, at least 8)")
+    p.add_argument("--include", metavar="GLOB", action="append", default=[],
+                   help="only files whose relative path matches (repeatable; default for tar: *.tar)")
+    p.add_argument("--exclude", metavar="GLOB", action="append", default=[],
+                   help="skip files whose relative path matches (repeatable)")
+    p.add_argument("--no-crc", action="store_true", help="skip TFRecord data CRC checks")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    _add_storage_options(p)
+    return p
+
+
+def _info_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"{prog} info", description="Print a digest file's header and totals.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _verify_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"{prog} verify",
+        description="Re-read items from the store and compare their SHA-256 with the digest.",
+        epilog="Exit codes: 0 all match, 1 mismatches or errors (each named), 2 usage error.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--sample", type=_positive, metavar="N", help="check N random items instead of all")
+    p.add_argument("--seed", type=int, help="random seed for --sample")
+    p.add_argument("--workers", "-j", type=_positive, default=None, metavar="N",
+                   help="parallel readers (threads)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    _add_storage_options(p)
+    return p
+
+
+def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        parser.error(f"output directory {str(out.parent)!r} does not exist")
+    kind = Kind(args.format)
+    so = dict(args.storage_option)
+    fs, base = open_source(args.src, so)
+    includes = args.include or (["*.tar"] if kind is Kind.TAR else [])
+    root, files = list_source(fs, base, args.src, includes, args.exclude)
+    local = _is_local(fs)
+    workers = args.workers or (cpu_count() if local else max(8, 4 * cpu_count()))
+    workers = min(workers, len(files))
+    if kind is Kind.TFRECORD and not args.no_crc and not crc32c.FAST:
+        print("digest: warning: google-crc32c is not installed; checking TFRecord CRCs in pure "
+              "Python is slow (pip install google-crc32c, or pass --no-crc)", file=sys.stderr)
+    t0 = time.perf_counter()
+    per_file = scan_files(fs, files, kind.value, workers, not args.no_crc, args.quiet)
+    elapsed = time.perf_counter() - t0
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    builder = DigestBuilder(fs.unstrip_protocol(root), kind, {"created": created, "tool": TOOL})
+    for f, items in zip(files, per_file, strict=True):
+        for off, size, sha in items:
+            builder.add(sha, size, f.rel, off)
+    if not len(builder):
+        raise ToolError(f"empty dataset: {len(files)} file(s) under {args.src} hold no {kind.value} items")
+    digest = builder.build()
+    digest.save(out)
+    nbytes = digest.total_bytes
+    print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {_fmt_bytes(nbytes)} "
+          f"hashed in {elapsed:.3f} s ({_fmt_bytes(nbytes / max(elapsed, 1e-9))}/s, "
+          f"{workers} {'processes' if local and workers > 1 else 'threads' if not local else 'process'})",
+          file=sys.stderr)
+    return 0
+
+
+def _info_dict(path: str, d: Digest) -> dict[str, Any]:
+    return {"file": path, "format_version": 1, "kind": d.kind.value, "root": d.root,
+            "items": len(d), "paths": d.num_paths, "total_bytes": d.total_bytes,
+            "fingerprint": d.fingerprint.hex(), **{f"meta.{k}": v for k, v in sorted(d.meta.items())}}
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    d = Digest.load(args.file)
+    info = _info_dict(args.file, d)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    info["total_bytes"] = f"{_fmt_bytes(d.total_bytes)} ({d.total_bytes} bytes)"
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k + ':':<{width + 1}} {v}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    d = Digest.load(args.file)
+    fs, base = open_source(d.root, dict(args.storage_option))
+    n = len(d)
+    indices: Sequence[int] = range(n)
+    if args.sample is not None and args.sample < n:
+        indices = sorted(random.Random(args.seed).sample(range(n), args.sample))
+    workers = args.workers or (cpu_count() if _is_local(fs) else max(8, 4 * cpu_count()))
+    problems = verify_digest(d, fs, base, indices, workers, args.quiet)
+    if problems:
+        for p in problems[:MAX_REPORTED]:
+            print(f"verify: {p}", file=sys.stderr)
+        if len(problems) > MAX_REPORTED:
+            print(f"verify: ... and {len(problems) - MAX_REPORTED} more", file=sys.stderr)
+        print(f"verify: FAILED: {len(problems)} problem(s) in {len(indices)} checked items of {args.file}",
+              file=sys.stderr)
+        return EXIT_FAIL
+    print(f"verify: OK: {len(indices)} of {n} items match {d.root}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "digest") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands: dict[str, Callable[[str], argparse.ArgumentParser]] = {
+        "info": _info_parser, "verify": _verify_parser, "create": _create_parser}
+    cmd = argv[0] if argv and argv[0] in commands else "create"
+    if argv and argv[0] in commands:
+        argv = argv[1:]
+    parser = commands[cmd](prog)
+    try:
+        args = parser.parse_args(argv)
+        if cmd == "info":
+            return cmd_info(args)
+        if cmd == "verify":
+            return cmd_verify(args)
+        return cmd_create(args, parser)
+    except SystemExit as e:  # argparse: --help (0) or usage error (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except (ToolError, DigestError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except OSError as e:  # e.g. the digest file to read is missing
+        print(f"{prog}: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

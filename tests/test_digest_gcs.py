@@ -1,0 +1,113 @@
+"""tools/digest against gs:// through gcsfs and a local gcp-storage-emulator."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients.digest import Digest, read_item
+from clients.tfrecord import encode_record
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("gcp_storage_emulator") is None,
+    reason="gcp-storage-emulator is not installed (pip install gcp-storage-emulator)",
+)
+gcsfs_core = pytest.importorskip("gcsfs.core", reason="gcsfs is not installed (pip install gcsfs)")
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "digest"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    # A file, not a pipe: an unread pipe fills up and stalls the emulator.
+    log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "w+b")
+    exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or "gcp-storage-emulator"
+    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    err = log.read().decode(errors="replace")[-2000:] or "no output"
+                    pytest.fail(f"gcp-storage-emulator did not start: {err}")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture
+def gcs_env(emulator: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = {"STORAGE_EMULATOR_HOST": emulator, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return {**os.environ, **env}
+
+
+def run_tool(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=env)
+
+
+def test_gcs_files_and_tfrecord(gcs_env: dict[str, str], tmp_path: Path) -> None:
+    # The plain class: gcsfs.GCSFileSystem may be the gRPC "extended" one if
+    # gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set.
+    fs = gcsfs_core.GCSFileSystem(token="anon", skip_instance_cache=True)
+    fs.mkdir("mlcache-test")
+    files = {f"mlcache-test/imgs/{d}/{i}.jpg": os.urandom(500 + i) for i in range(6) for d in "ab"}
+    recs = [os.urandom(200 + i) for i in range(8)]
+    files["mlcache-test/tfr/part-0"] = b"".join(map(encode_record, recs[:5]))
+    files["mlcache-test/tfr/part-1"] = b"".join(map(encode_record, recs[5:]))
+    fs.pipe(files)
+
+    out = str(tmp_path / "g.dig")
+    p = run_tool(gcs_env, "gs://mlcache-test/imgs", "-o", out, "-s", "token=anon", "-q")
+    assert p.returncode == 0, p.stderr
+    d = Digest.load(out)
+    assert d.root == "gs://mlcache-test/imgs" and len(d) == 12
+    want = {k.removeprefix("mlcache-test/imgs/"): hashlib.sha256(v).digest()
+            for k, v in files.items() if "/imgs/" in k}
+    assert {d.location(i).path: d.sha256(i) for i in range(len(d))} == want
+    p = run_tool(gcs_env, "verify", out, "-s", "token=anon", "-q")
+    assert p.returncode == 0 and "OK: 12 of 12" in p.stdout, p.stderr
+
+    p = run_tool(gcs_env, "gs://mlcache-test/tfr", "-o", out, "-f", "tfrecord", "-s", "token=anon", "-q")
+    assert p.returncode == 0, p.stderr
+    d = Digest.load(out)
+    assert [read_item(d, i, fs) for i in range(len(d))] == recs  # range reads via gcsfs
+
+    fs.pipe("mlcache-test/tfr/part-1", b"".join(map(encode_record, [recs[5], b"other", recs[7]])))
+    p = run_tool(gcs_env, "verify", out, "-s", "token=anon", "-q")
+    assert p.returncode == 1 and "item 6: part-1 @ " in p.stderr, p.stderr
+
+    p = run_tool(gcs_env, "gs://mlcache-test/nothing-here", "-o", out, "-s", "token=anon", "-q")
+    assert p.returncode == 1 and "source not found: gs://mlcache-test/nothing-here" in p.stderr
