@@ -77,7 +77,7 @@ class CachedDataset(_TorchDataset):
         self.fetch_threads = fetch_threads
         self.coalesce = coalesce
         self.down_backoff = down_backoff
-        self.dataset_tag = self.digest.fingerprint.hex()[:16]
+        self.dataset_tag = self.digest.fingerprint.hex()  # the name the manager evicts by
         self.manager = manager
         self.plan = SharedPlan()  # without a manager: insert everything as chunk 0
         self.coordinator: JobCoordinator | None = None

@@ -1,0 +1,93 @@
+"""CachedDataset with a real cache manager: ring from the manager, job
+registration, batch-time reports, and training through a manager outage."""
+import time
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("torch")
+
+from cacheserver.client import ServerClient  # noqa: E402
+from clients.dataset import CachedDataset  # noqa: E402
+from manager.client import ManagerClient  # noqa: E402
+from procs import cachemanager, cacheserver  # noqa: E402
+from test_dataset import make_dataset  # noqa: E402
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    servers = [cacheserver(str(tmp_path / f"s{i}"), "256MB", 0, "--manager", m.address).start() for i in range(2)]
+    deadline = time.monotonic() + 15
+    with ManagerClient(m.address, timeout=2) as mc:
+        while len(mc.get_ring().addresses) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(mc.get_ring().addresses) == 2
+    yield m, servers
+    for s in servers:
+        s.kill()
+    m.kill()
+
+
+def test_ring_registration_and_batch_reports(tmp_path, cluster):
+    m, servers = cluster
+    path, items = make_dataset(tmp_path / "ds", n=200)
+    ds = CachedDataset(path, manager=m.address, job="job-a", n_gpus=2)
+    try:
+        assert sorted(ds.cache_spec.split(",")) == sorted(s.address for s in servers)
+        loader = ds.loader(batch_size=10, seed=1)
+        for _ in range(2):
+            got = [x for b in loader for x in b]
+            assert Counter(got) == Counter(items.values())
+        time.sleep(1.0)  # the coordinator reports every 0.5 s
+        with ManagerClient(m.address, timeout=2) as mc:
+            st = mc.status_dict()
+        job = next(j for j in st["jobs"] if j["job"] == "job-a")
+        assert job["dataset"] == ds.digest.fingerprint.hex() and job["n_gpus"] == 2
+        assert job["batches"] >= 30  # 2 epochs x 20 batches reported (minus warm-up)
+        inserted = 0
+        for s in servers:
+            with ServerClient(s.address) as c:
+                inserted += sum(ch.items for ch in c.stats().chunks if ch.dataset == ds.dataset_tag)
+        assert inserted > 0  # the plan allowed caching, tagged under the manager's dataset name
+    finally:
+        ds.close()
+
+
+def test_training_continues_while_the_manager_is_down(tmp_path, cluster):
+    m, servers = cluster
+    path, items = make_dataset(tmp_path / "ds2", n=200, seed=5)
+    ds = CachedDataset(path, manager=m.address, job="job-b")
+    try:
+        loader = ds.loader(batch_size=10, seed=2)
+        seen = []
+        t0 = time.monotonic()
+        for b, batch in enumerate(loader):
+            seen.extend(batch)
+            if b == 2:
+                m.proc.kill()  # SIGKILL the manager mid-epoch
+        assert Counter(seen) == Counter(items.values())
+        assert time.monotonic() - t0 < 60
+        seen = [x for b in loader for x in b]  # a whole epoch with no manager at all
+        assert Counter(seen) == Counter(items.values())
+    finally:
+        ds.close()
+
+
+def test_shared_plan_decides_what_to_insert():
+    from clients.coordination import SharedPlan
+    from manager.client import Plan
+    from manager.policy import chunk_of
+
+    sp = SharedPlan()
+    assert sp.insert_chunk(123) == 0  # no manager: everything, as chunk 0
+    n, k = 1000, 10
+    sp.publish(Plan("d", "chunked", k, n, 100, active=3, loading=4, chunks=(3,), version=7))
+    for i in range(n):
+        c = chunk_of(i, n, k)
+        assert sp.insert_chunk(i) == (c if c in (3, 4) else None)
+    assert sp.loading_first(next(i for i in range(n) if chunk_of(i, n, k) == 4), 4)
+    sp.publish(Plan("d", "none", 1, n, 0, active=None, loading=None, chunks=(), version=8))
+    assert sp.insert_chunk(5) is None
+    sp.publish(Plan("d", "full", 1, n, 0, active=0, loading=None, chunks=(0,), version=9))
+    assert sp.insert_chunk(999) == 0
