@@ -567,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--start-timeout", type=float, default=30.0, help="seconds to wait for all servers")
     lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
     lc.set_defaults(func=cmd_local_cluster, subparser=lc)
+
+    from manager.status import add_status_parser  # the manager's own view: `cachectl status`
+
+    add_status_parser(sub)
     return p
 
 

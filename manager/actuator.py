@@ -1,0 +1,212 @@
+"""Carries the manager's decisions out on the cache servers.
+
+One worker thread per server, each with its own queue: effects reach every
+server in the order they were decided, and a slow or dead server delays only
+its own queue. Failures are logged and counted, never retried in place:
+``reconcile`` (run by the decision loop, and on every worker's first contact)
+compares each server's Stats with the state and fixes what differs -- job
+modes, active chunks, chunks or datasets that must not be resident. That one
+mechanism covers lost RPCs, servers that were down when a decision was made,
+servers that join later, and a manager restarted from its journal (whose
+replay deliberately performs no side effects).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from cacheserver.client import BYPASS, NORMAL, ServerClient
+from cacheserver.counters import Counters
+from cacheserver.tls import TlsFiles
+
+from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, SetMode
+
+log = logging.getLogger("manager.actuator")
+
+
+@dataclass
+class Desired:
+    """What every server should look like (a copy taken under the state lock)."""
+    bypass: set[str] = field(default_factory=set)                  # jobs in bypass mode
+    option: dict[str, str] = field(default_factory=dict)           # dataset -> none/chunked/full
+    resident: dict[str, set[int]] = field(default_factory=dict)    # chunked datasets: allowed chunks
+    active: dict[str, int] = field(default_factory=dict)           # dataset -> active chunk
+
+
+def desired_from(m: Any) -> Desired:
+    """The servers' target state from a ManagerModel (call under the state lock)."""
+    d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode.value == "bypass"})
+    for ds in m.datasets:
+        d.option[ds] = m.option(ds).value
+    for ds, buf in m.buffers.items():
+        d.resident[ds] = set(buf.resident())
+        if buf.active is not None:
+            d.active[ds] = buf.active
+    return d
+
+
+def _apply(c: ServerClient, e: Effect) -> None:
+    if isinstance(e, SetMode):
+        c.set_job_mode(e.job, BYPASS if e.mode == "bypass" else NORMAL)
+    elif isinstance(e, ActivateChunk):
+        c.active_chunk(e.dataset, e.chunk)
+    elif isinstance(e, EvictChunk):
+        try:
+            c.evict_chunk(e.dataset, e.chunk, force=True)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: nothing of it stored there
+                raise
+    elif isinstance(e, EvictDataset):
+        c.evict_dataset(e.dataset)
+
+
+class _Worker:
+    def __init__(self, address: str, owner: "Actuator") -> None:
+        self.address = address
+        self.owner = owner
+        self.q: queue.Queue[Any] = queue.Queue()
+        self.client: ServerClient | None = None
+        self.failing = False
+        self.thread = threading.Thread(target=self._run, name=f"actuator-{address}", daemon=True)
+        self.thread.start()
+
+    def _client(self) -> ServerClient:
+        if self.client is None:
+            self.client = ServerClient(self.address, tls=self.owner.tls, timeout=self.owner.timeout,
+                                       use_dataplane=False)
+        return self.client
+
+    def _drop_client(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if item == "reconcile":
+                    self._reconcile()
+                else:
+                    _apply(self._client(), item)
+                    self.owner.counters.add("server_calls")
+                if self.failing:
+                    log.info("server %s reachable again", self.address)
+                    self.failing = False
+            except grpc.RpcError as e:
+                self.owner.counters.add("server_call_failures")
+                if not self.failing:  # once per outage: reconcile retries every decision round
+                    what = "reconcile" if item == "reconcile" else type(item).__name__
+                    log.warning("server %s: %s failed: %s %s", self.address, what, e.code(), e.details())
+                    self.failing = True
+                self._drop_client()  # a restarted server is a new connection
+            except Exception:
+                self.owner.counters.add("server_call_failures")
+                log.exception("server %s: %r failed", self.address, item)
+            finally:
+                self.q.task_done()
+
+    def _reconcile(self) -> None:
+        c = self._client()
+        st = c.stats()  # Stats first, then the state: the state is the newer of the two
+        want = self.owner.desired()
+        fixes: list[Effect] = []
+        on_server = {job for job, mode in st.job_modes.items() if mode == BYPASS}
+        fixes += [SetMode(j, "normal", "reconcile") for j in sorted(on_server - want.bypass)]
+        fixes += [SetMode(j, "bypass", "reconcile") for j in sorted(want.bypass - on_server)]
+        for ds, chunk in sorted(want.active.items()):
+            if st.active_chunks.get(ds, -1) != chunk:
+                fixes.append(ActivateChunk(ds, chunk))
+        held: dict[str, set[int]] = {}
+        for ch in st.chunks:
+            if ch.items or ch.refs:
+                held.setdefault(ch.dataset, set()).add(ch.chunk)
+        for ds, chunks in sorted(held.items()):
+            opt = want.option.get(ds)
+            if opt == "none":
+                fixes.append(EvictDataset(ds, "reconcile: not allocated"))
+            elif opt == "chunked":
+                for chunk in sorted(chunks - want.resident.get(ds, set())):
+                    if chunk >= 0:
+                        fixes.append(EvictChunk(ds, chunk, True, "reconcile: not resident in the plan"))
+            # full: everything may stay; unknown datasets: not the manager's to judge
+        for e in fixes:
+            log.info("reconcile %s: %s", self.address, e)
+            _apply(c, e)
+        self.owner.counters.add("reconcile_fixes", len(fixes))
+        self.owner.counters.add("reconciles")
+
+
+class Actuator:
+    def __init__(self, desired: Callable[[], Desired], addresses: Callable[[], list[str]], *,
+                 tls: TlsFiles | None = None, timeout: float = 2.0, counters: Counters | None = None) -> None:
+        self.desired = desired
+        self.addresses = addresses
+        self.tls = tls
+        self.timeout = timeout
+        self.counters = counters or Counters()
+        self._workers: dict[str, _Worker] = {}
+        self._lock = threading.Lock()
+
+    def _sync_workers(self) -> list[_Worker]:
+        want = set(self.addresses())
+        with self._lock:
+            for addr in sorted(set(self._workers) - want):
+                self._workers.pop(addr).q.put(None)
+            for addr in sorted(want - set(self._workers)):
+                w = self._workers[addr] = _Worker(addr, self)
+                w.q.put("reconcile")  # a (re)joining server catches up first
+            return [self._workers[a] for a in sorted(want)]
+
+    def submit(self, effects: list[Effect]) -> None:
+        """Log every effect; queue the server calls for every server in the ring.
+        Called under the state lock, so queues get effects in decision order."""
+        for e in effects:
+            if isinstance(e, Note):
+                # key=value in the message too: the text log format drops `fields`
+                kv = " ".join(f"{k}={v}" for k, v in e.fields)
+                log.info("%s %s", e.message, kv, extra={"fields": dict(e.fields)})
+            elif isinstance(e, RingChanged):
+                log.info("ring changed: version %d, %s", e.version, ", ".join(e.addresses))
+            else:
+                log.info("decision: %s", e)
+        calls = [e for e in effects if isinstance(e, (SetMode, ActivateChunk, EvictChunk, EvictDataset))]
+        changed = any(isinstance(e, RingChanged) for e in effects)
+        if not calls and not changed:
+            return
+        for w in self._sync_workers():
+            for e in calls:
+                w.q.put(e)
+
+    def reconcile(self) -> None:
+        for w in self._sync_workers():
+            if w.q.qsize() < 4:  # a stuck server must not pile up reconcile rounds
+                w.q.put("reconcile")
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued call has been tried (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            workers = list(self._workers.values())
+        for w in workers:
+            while w.q.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return all(not w.q.unfinished_tasks for w in workers)
+
+    def stop(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.q.put(None)
+        for w in workers:
+            w.thread.join(self.timeout + 1)
+            w._drop_client()

@@ -1,0 +1,258 @@
+"""Client of the cache manager, for cache clients (training jobs) and tools.
+
+Every call has a short deadline (``timeout``, 1 s by default) and fails with
+``ManagerUnavailable`` when the manager cannot be reached in time. Training
+must not depend on the manager being up: catch it, keep using the last plan
+(``last_plan``) and the last ring (``last_ring``), and try again later.
+Refusals (unknown job, bad arguments) raise ``ManagerError`` with the
+server's message.
+
+    mc = ManagerClient("manager:7000")
+    info = mc.register_job("job-1", fingerprint, dataset_bytes, n_items, n_gpus=4)
+    try:
+        mode = mc.report_batches("job-1", [(end, duration, hit_ratio), ...]).mode
+        plan = mc.release_chunk("job-1", fingerprint, chunk)
+    except ManagerUnavailable:
+        plan = mc.last_plan(fingerprint, "job-1")
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import grpc
+from google.protobuf import json_format
+
+from cacheserver.proto import cache_pb2 as pb
+from cacheserver.proto import manager_pb2 as mpb
+from cacheserver.proto import manager_pb2_grpc as mpb_grpc
+from cacheserver.tls import TlsFiles
+
+from .policy import Batch, ChunkPlan, chunk_members, chunk_of
+
+#: A reported mini-batch: (end, duration), (end, duration, hit_ratio) or a policy Batch.
+BatchLike = Union[tuple[float, float], tuple[float, float, Union[float, None]], Batch]
+
+# Reconnect quickly once the manager is back (gRPC's default back-off grows to 2 minutes).
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+OPTION_NAMES = {mpb.CACHE_OPTION_NONE: "none", mpb.CACHE_OPTION_CHUNKED: "chunked", mpb.CACHE_OPTION_FULL: "full"}
+MODE_NAMES = {pb.CACHE_MODE_NORMAL: "normal", pb.CACHE_MODE_BYPASS: "bypass"}
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class ManagerError(Exception):
+    """The manager refused the call; ``code`` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ManagerUnavailable(ManagerError):
+    """The manager did not answer in time. Safe to ignore: keep the last plan."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which chunk(s) a job reads. ``option``: "full", "chunked" or "none"
+    (none: read from the store and insert nothing). ``chunks``: the chunks this
+    job may read now; empty while ``waiting`` (read pending items from the
+    store) or when not chunked. Items of chunk c: ``members(c)``."""
+    dataset: str
+    option: str
+    k: int
+    n_items: int
+    chunk_size: int
+    active: int | None
+    loading: int | None
+    chunks: tuple[int, ...]
+    version: int
+    waiting: bool = False
+
+    @classmethod
+    def from_message(cls, p: mpb.Plan) -> "Plan":
+        return cls(p.dataset, OPTION_NAMES.get(p.option, "none"), max(1, p.k), p.n_items, p.chunk_size,
+                   None if p.active < 0 else p.active, None if p.loading < 0 else p.loading,
+                   tuple(p.chunks), p.version, p.waiting)
+
+    @property
+    def cached(self) -> bool:
+        return self.option != "none"
+
+    def chunk_of(self, i: int) -> int:
+        return chunk_of(i, self.n_items, self.k)
+
+    def members(self, c: int) -> list[range]:
+        return chunk_members(c, self.n_items, self.k)
+
+    def readable(self, i: int) -> bool:
+        """May item ``i`` be read from (and inserted into) the cache now?"""
+        return self.option == "full" or (self.option == "chunked" and self.chunk_of(i) in self.chunks)
+
+    def chunk_plan(self) -> ChunkPlan:
+        return ChunkPlan(self.dataset, self.n_items, self.k, self.active, self.loading, self.version)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job: str
+    dataset: str
+    mode: str                 # "normal" | "bypass" (the servers already apply it)
+    plan: Plan
+    ring_version: int
+
+
+@dataclass(frozen=True)
+class BatchReply:
+    mode: str
+    plan_version: int         # > your plan's version: call get_plan
+
+
+@dataclass(frozen=True)
+class Ring:
+    version: int
+    addresses: tuple[str, ...]
+
+
+@dataclass
+class _Cache:
+    plans: dict[tuple[str, str], Plan] = field(default_factory=dict)
+    ring: Ring | None = None
+
+
+def _int64_fields(msg: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """proto3 JSON writes 64-bit integers as strings; give them back as numbers."""
+    for f in msg.DESCRIPTOR.fields:
+        if f.name not in d:
+            continue
+        if f.message_type is not None:
+            subs = getattr(msg, f.name)
+            for sub, sd in (zip(subs, d[f.name]) if f.is_repeated else [(subs, d[f.name])]):
+                _int64_fields(sub, sd)
+        elif f.cpp_type in (f.CPPTYPE_INT64, f.CPPTYPE_UINT64):
+            d[f.name] = [int(x) for x in d[f.name]] if f.is_repeated else int(d[f.name])
+    return d
+
+
+class ManagerClient:
+    def __init__(self, address: str, *, tls: TlsFiles | None = None, timeout: float = 1.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        if tls:
+            self.channel = grpc.secure_channel(address, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        self.stub = mpb_grpc.ManagerStub(self.channel)
+        self._cache = _Cache()
+        self._jobs: dict[str, str] = {}  # dataset -> the job registered on it through this client
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else str(e)
+            if code in _DOWN:
+                raise ManagerUnavailable(f"manager {self.address} unavailable ({method}): {details}", code) from None
+            raise ManagerError(f"manager {self.address} refused {method}: {details}", code) from None
+
+    def _remember(self, plan: Plan, job: str) -> Plan:
+        with self._lock:
+            key = (plan.dataset, job)
+            old = self._cache.plans.get(key)
+            if old is None or plan.version >= old.version:  # never go back to an older plan
+                self._cache.plans[key] = plan
+            return self._cache.plans[key]
+
+    # ---------------------------------------------------------------- jobs
+    def register_job(self, job: str, dataset: str, dataset_bytes: int, n_items: int, n_gpus: int = 1) -> JobInfo:
+        r = self._call("RegisterJob", mpb.RegisterJobRequest(job=job, dataset=dataset, dataset_bytes=dataset_bytes,
+                                                             n_items=n_items, n_gpus=n_gpus))
+        plan = self._remember(Plan.from_message(r.plan), job)
+        with self._lock:
+            self._jobs[dataset] = job
+        return JobInfo(r.job, r.dataset, MODE_NAMES.get(r.mode, "normal"), plan, r.ring_version)
+
+    def report_batches(self, job: str, batches: Iterable[BatchLike]) -> BatchReply:
+        """``batches``: (end, duration[, hit_ratio]) tuples or policy ``Batch``es,
+        ``end`` from time.time() on this machine (the manager corrects for clock
+        offset). The reply's ``mode`` is what the servers apply to the job now."""
+        msgs = []
+        for b in batches:
+            end, dur, hit = (b.end, b.duration, b.hit_ratio) if isinstance(b, Batch) else (
+                b[0], b[1], b[2] if len(b) > 2 else None)
+            m = mpb.BatchTime(end=float(end), duration=float(dur))
+            if hit is not None:
+                m.hit_ratio = float(hit)
+            msgs.append(m)
+        r = self._call("ReportBatches", mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time()))
+        return BatchReply(MODE_NAMES.get(r.mode, "normal"), r.plan_version)
+
+    def get_plan(self, dataset: str, job: str = "") -> Plan:
+        return self._remember(Plan.from_message(self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job))),
+                              job)
+
+    def release_chunk(self, job: str, dataset: str, chunk: int) -> Plan:
+        """The job finished its pass over ``chunk``; returns its next plan."""
+        r = self._call("ReleaseChunk", mpb.ReleaseChunkRequest(job=job, dataset=dataset, chunk=chunk))
+        return self._remember(Plan.from_message(r), job)
+
+    def report_loaded(self, dataset: str, chunk: int, fraction: float, job: str | None = None) -> Plan:
+        """Share of the loading chunk's items now in the cache (>= 0.98 activates it).
+        Returns ``job``'s plan; by default that of the job this client registered
+        on ``dataset`` (the dataset-wide plan, without ``chunks``, if none)."""
+        if job is None:
+            with self._lock:
+                job = self._jobs.get(dataset, "")
+        r = self._call("ReportLoaded", mpb.ReportLoadedRequest(dataset=dataset, chunk=chunk, fraction=fraction,
+                                                               job=job))
+        return self._remember(Plan.from_message(r), job)
+
+    def unregister_job(self, job: str) -> None:
+        self._call("UnregisterJob", mpb.UnregisterJobRequest(job=job))
+        with self._lock:
+            for key in [k for k in self._cache.plans if k[1] == job]:
+                del self._cache.plans[key]
+            for ds in [d for d, j in self._jobs.items() if j == job]:
+                del self._jobs[ds]
+
+    def get_ring(self) -> Ring:
+        r = self._call("GetRing", mpb.GetRingRequest())
+        ring = Ring(r.version, tuple(r.addresses))
+        with self._lock:
+            self._cache.ring = ring
+        return ring
+
+    def status(self, timeout: float | None = None) -> mpb.StatusResponse:
+        return self._call("Status", mpb.StatusRequest(), timeout)
+
+    def status_dict(self, timeout: float | None = None) -> dict[str, Any]:
+        """Status as a JSON-ready dict (field names as in manager.proto; enums by name)."""
+        msg = self.status(timeout)
+        d = json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True)
+        return _int64_fields(msg, d)
+
+    # ---------------------------------------------------------------- fallbacks
+    def last_plan(self, dataset: str, job: str = "") -> Plan | None:
+        """The newest plan received for (dataset, job), or None."""
+        with self._lock:
+            return self._cache.plans.get((dataset, job))
+
+    def last_ring(self) -> Ring | None:
+        with self._lock:
+            return self._cache.ring
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "ManagerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,214 @@
+"""`cachemanager`: the cache manager daemon (docs/manager.md).
+
+Cache servers register and heartbeat; cache clients register jobs, report
+mini-batch times and follow the chunk plan. State is journaled under
+--state-dir and survives kill -9. Runs in the foreground; prints
+`READY host:port` once serving; SIGTERM or SIGINT drain and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cacheserver import logs
+from cacheserver.counters import Counters
+from cacheserver.logs import event
+from cacheserver.proto import manager_pb2_grpc as mpb_grpc
+from cacheserver.server import split_hostport
+from cacheserver.sizes import parse_size
+from cacheserver.tls import TlsFiles
+
+from .actuator import Actuator, desired_from
+from .decisions import DecisionLoop
+from .membership import Liveness
+from .metrics import gather, serve_metrics
+from .model import ManagerConfig
+from .policy import AllocConfig, BufferConfig, ProbeConfig
+from .service import ManagerService
+from .state import StateError, StateStore
+
+log = logging.getLogger("manager")
+SERVICE_NAME = "mlcache.v1.Manager"
+
+
+@dataclass
+class DaemonConfig:
+    listen: str
+    state_dir: str
+    model: ManagerConfig = field(default_factory=ManagerConfig)
+    metrics_port: int | None = None
+    tls: TlsFiles | None = None
+    heartbeat_s: float = 5.0
+    heartbeat_misses: int = 3
+    decision_s: float = 5.0
+    job_timeout_s: float = 900.0
+    server_timeout_s: float = 2.0
+    snapshot_every: int = 1000
+    fsync: bool = True
+
+
+class ManagerDaemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.counters = Counters()
+        self.clock = time.time  # wall clock: journaled times must mean the same after a restart
+        self.actuator = Actuator(lambda: self.store.read(desired_from),
+                                 lambda: self.store.read(lambda m: m.registry.addresses()),
+                                 tls=cfg.tls, timeout=cfg.server_timeout_s, counters=self.counters)
+        self.store = StateStore(cfg.state_dir, cfg.model, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync,
+                                clock=self.clock, on_effects=self.actuator.submit)
+        self.store.open()
+        self.liveness = Liveness(self.clock())
+        host, port = split_hostport(cfg.listen, "--listen")
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(32, thread_name_prefix="grpc"),
+                                options=[("grpc.so_reuseport", 0)])
+        self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
+                                      decision_s=cfg.decision_s, counters=self.counters)
+        mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if cfg.tls:
+            self.port = self.grpc.add_secure_port(bind, cfg.tls.grpc_server_credentials())
+        else:
+            self.port = self.grpc.add_insecure_port(bind)
+        if self.port == 0:
+            self.store.close(snapshot=False)
+            raise OSError(f"--listen: cannot bind {cfg.listen} (in use or not a local address)")
+        self.host = host
+        self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,
+                                 heartbeat_s=cfg.heartbeat_s, misses=cfg.heartbeat_misses,
+                                 job_timeout_s=cfg.job_timeout_s, clock=self.clock)
+        self.metrics_server = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.grpc.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.cfg.metrics_port is not None:
+            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host,
+                                                lambda: gather(self.store, self.counters))
+        self.loop.start()
+        self.actuator.reconcile()  # after a restart: make the servers match the replayed state
+        m = self.store.model
+        event(log, "cachemanager started", listen=self.address, state_dir=self.cfg.state_dir,
+              journal_seq=self.store.seq, replayed=self.store.replayed, servers=len(m.registry.servers),
+              ring_version=m.registry.version, jobs=len(m.jobs), datasets=len(m.datasets),
+              budget=m.budget(), tls=self.cfg.tls is not None)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Drain: refuse new calls, finish those in flight, push queued server calls, snapshot."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc.stop(grace).wait(grace)
+        self.loop.stop()
+        self.actuator.drain(grace)
+        self.actuator.stop()
+        if self.metrics_server is not None:
+            self.metrics_server[0].shutdown()
+        self.store.close(snapshot=True)
+        event(log, "cachemanager stopped", journal_seq=self.store.seq, counters=self.counters.snapshot())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachemanager", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--state-dir", required=True, help="directory for the journal and snapshots")
+    p.add_argument("--budget", type=parse_size, default=None,
+                   help="cache bytes to allocate (default: total capacity of the servers in the ring)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--tls-cert", default=None, help="certificate (PEM); enables mutual TLS, also towards servers")
+    p.add_argument("--tls-key", default=None, help="private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate of servers and clients (PEM)")
+    p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
+    p.add_argument("--heartbeat-misses", type=int, default=3,
+                   help="a server missing this many heartbeats leaves the ring")
+    p.add_argument("--decision-seconds", type=float, default=5.0,
+                   help="period of the decision loop (time-outs, allocation, reconciling servers)")
+    p.add_argument("--chunk-size", type=parse_size, default=15 * 10**9,
+                   help="largest chunk (a chunk is min(this, 10%% of the dataset))")
+    p.add_argument("--job-timeout-seconds", type=float, default=900.0,
+                   help="a job not heard from for this long is unregistered")
+    p.add_argument("--dataset-grace-seconds", type=float, default=300.0,
+                   help="a dataset keeps its space this long after its last job left")
+    p.add_argument("--straggler-seconds", type=float, default=600.0,
+                   help="forced-eviction timeout of a marked chunk before pass times are known")
+    p.add_argument("--straggler-min-seconds", type=float, default=60.0,
+                   help="lower clamp of the adaptive straggler timeout (1.5 x median pass time)")
+    p.add_argument("--max-marked-seconds", type=float, default=None,
+                   help="evict a marked chunk after this long regardless (default: off)")
+    p.add_argument("--policy-config", default=None, metavar="FILE",
+                   help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}} (docs/manager-policy.md)')
+    p.add_argument("--snapshot-every", type=int, default=1000, help="journal events between snapshots")
+    p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
+    p.add_argument("--server-timeout", type=float, default=2.0, help="seconds per call to a cache server")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="json", choices=["json", "text"])
+    p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for calls in flight at SIGTERM")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    over: dict = {}
+    if args.policy_config:
+        with open(args.policy_config) as f:
+            over = json.load(f)
+        unknown = set(over) - {"probe", "alloc", "buffer", "dataset_grace_s"}
+        if unknown:
+            raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
+    for name in ("heartbeat_seconds", "decision_seconds"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    buffer = dict(straggler_timeout_s=args.straggler_seconds, min_straggler_s=args.straggler_min_seconds,
+                  max_marked_s=args.max_marked_seconds)
+    model = ManagerConfig(
+        budget=args.budget, dataset_grace_s=float(over.get("dataset_grace_s", args.dataset_grace_seconds)),
+        probe=ProbeConfig(**over.get("probe", {})),
+        alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, **over.get("alloc", {})}),
+        buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}))
+    return DaemonConfig(
+        listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,
+        tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+        heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
+        decision_s=args.decision_seconds, job_timeout_s=args.job_timeout_seconds,
+        server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.setup(args.log_level, args.log_format)
+    try:
+        daemon = ManagerDaemon(config_from_args(args))
+    except (ValueError, TypeError, OSError, StateError) as e:
+        parser.exit(2, f"cachemanager: error: {e}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    daemon.start()
+    # Tests and scripts read this line to learn the bound port.
+    print(f"READY {daemon.address}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log.info("signal received, draining")
+    daemon.stop(grace=args.drain_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

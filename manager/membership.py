@@ -1,0 +1,149 @@
+"""Cache-server membership: who is in the ring.
+
+Two halves, kept apart on purpose:
+
+* ``Registry`` -- the durable part (journaled through manager.model): server
+  ids, addresses, capacities, alive or not, and the ring version. Every change
+  of the set of alive addresses bumps the version, so clients can tell a stale
+  ring from a current one. Pure: no clock, no I/O.
+* ``Liveness`` -- heartbeat times and reported usage, in memory only. It is
+  not journaled (a heartbeat every few seconds per server would dominate the
+  journal and says nothing a fresh heartbeat does not). After a manager
+  restart every registered server gets a grace period (``misses`` intervals,
+  at least ``restart_grace``) before it is declared dead; its decision to
+  leave the ring is journaled as an explicit event, so replay does not depend
+  on heartbeat timing.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass
+class ServerRecord:
+    server_id: str
+    address: str
+    capacity: int
+    alive: bool = True
+    joined_at: float = 0.0
+    left_at: float | None = None
+    joins: int = 1
+
+
+@dataclass
+class Registry:
+    servers: dict[str, ServerRecord] = field(default_factory=dict)
+    version: int = 0
+
+    def addresses(self) -> list[str]:
+        """The ring: alive servers' addresses, sorted (clients hash over this list)."""
+        return sorted({s.address for s in self.servers.values() if s.alive})
+
+    def alive(self) -> list[ServerRecord]:
+        return [self.servers[k] for k in sorted(self.servers) if self.servers[k].alive]
+
+    def capacity(self) -> int:
+        return sum(s.capacity for s in self.alive())
+
+    def needs_join(self, server_id: str, address: str, capacity: int) -> bool:
+        """Whether a register/heartbeat from this server changes the durable state."""
+        s = self.servers.get(server_id)
+        return s is None or not s.alive or s.address != address or s.capacity != capacity
+
+    def join(self, server_id: str, address: str, capacity: int, now: float) -> bool:
+        """Register or re-register; returns True if the ring (alive addresses) changed."""
+        before = self.addresses()
+        s = self.servers.get(server_id)
+        # One address, one server: a new server id on an old address (data dir
+        # wiped, or another process took the port) replaces the old record.
+        for other in self.servers.values():
+            if other.server_id != server_id and other.address == address and other.alive:
+                other.alive, other.left_at = False, now
+        if s is None:
+            self.servers[server_id] = ServerRecord(server_id, address, int(capacity), True, now)
+        else:
+            if not s.alive:
+                s.joins += 1
+                s.joined_at = now
+            s.address, s.capacity, s.alive, s.left_at = address, int(capacity), True, None
+        return self._bump_if_changed(before)
+
+    def leave(self, server_id: str, now: float) -> bool:
+        s = self.servers.get(server_id)
+        if s is None or not s.alive:
+            return False
+        before = self.addresses()
+        s.alive, s.left_at = False, now
+        return self._bump_if_changed(before)
+
+    def _bump_if_changed(self, before: list[str]) -> bool:
+        if self.addresses() != before:
+            self.version += 1
+            return True
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version,
+                "servers": {k: asdict(v) for k, v in sorted(self.servers.items())}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Registry":
+        return cls({k: ServerRecord(**v) for k, v in d.get("servers", {}).items()},
+                   int(d.get("version", 0)))
+
+
+@dataclass
+class Beat:
+    at: float            # daemon clock of the last heartbeat (or of the restart)
+    used: int = 0
+    items: int = 0
+    seen: bool = False   # a real heartbeat arrived since this process started
+
+
+class Liveness:
+    """Last heartbeat per server and per job (volatile; thread-safe)."""
+
+    def __init__(self, started: float, restart_grace: float = 10.0) -> None:
+        self._lock = threading.Lock()
+        self.started = started
+        # Servers reconnect to a restarted manager only after their channel's
+        # reconnect back-off: give them at least this long before the first beat.
+        self.restart_grace = restart_grace
+        self._servers: dict[str, Beat] = {}
+        self._jobs: dict[str, float] = {}
+
+    def beat(self, server_id: str, now: float, used: int = 0, items: int = 0) -> None:
+        with self._lock:
+            self._servers[server_id] = Beat(now, int(used), int(items), True)
+
+    def server(self, server_id: str) -> Beat | None:
+        with self._lock:
+            return self._servers.get(server_id)
+
+    def dead_servers(self, registry: Registry, now: float, timeout: float) -> list[str]:
+        """Alive servers whose last heartbeat (or the restart) is older than ``timeout``."""
+        with self._lock:
+            out = []
+            for s in registry.alive():
+                last = self._servers.get(s.server_id)
+                if last is not None:
+                    late = now - last.at > timeout
+                else:
+                    late = now - self.started > max(timeout, self.restart_grace)
+                if late:
+                    out.append(s.server_id)
+            return out
+
+    def touch_job(self, job: str, now: float) -> None:
+        with self._lock:
+            self._jobs[job] = now
+
+    def forget_job(self, job: str) -> None:
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def idle_jobs(self, jobs: list[str], now: float, timeout: float) -> list[str]:
+        with self._lock:
+            return [j for j in jobs if now - self._jobs.get(j, self.started) > timeout]

@@ -1,0 +1,319 @@
+"""The manager's durable state machine: every change is an *event* applied here.
+
+``ManagerModel.apply(event)`` is deterministic: the same events in the same
+order give the same state, byte for byte (time comes in the event as ``now``;
+the policy layer is pure). That is what makes the journal (state.py) exact:
+after ``kill -9`` the daemon reloads the last snapshot, re-applies the events
+journaled after it, and has the same decisions, chunk states and registries it
+had acknowledged. Side effects come back as ``Effect`` values (effects.py) for
+the caller to carry out -- or, during replay, to drop.
+
+Events (dicts; ``type`` and ``now`` always present):
+
+  server_join {server_id, address, capacity}   server_leave {server_id, reason}
+  job_register {job, dataset, dataset_bytes, n_items, n_gpus}
+  job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
+  release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
+  tick {}                                      configure {config}
+
+A request the model refuses raises ``Rejected`` before anything is mutated,
+so refused requests are never journaled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from .effects import ActivateChunk, Effect, EvictChunk, RingChanged, SetMode, note
+from .membership import Registry
+from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
+                     CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
+                     StartLoading, Transition)
+
+MAX_DECISIONS = 50  # decision history kept for `cachectl status`
+
+
+class Rejected(Exception):
+    """A request the state machine refuses; ``code`` names a gRPC status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    budget: int | None = None          # bytes; None: the alive servers' total capacity
+    dataset_grace_s: float = 300.0     # a dataset keeps its space this long after its last job left
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    alloc: AllocConfig = field(default_factory=AllocConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
+                "probe": asdict(self.probe), "alloc": asdict(self.alloc), "buffer": asdict(self.buffer)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ManagerConfig":
+        return cls(None if d.get("budget") is None else int(d["budget"]),
+                   float(d.get("dataset_grace_s", 300.0)),
+                   ProbeConfig(**d.get("probe", {})), AllocConfig(**d.get("alloc", {})),
+                   BufferConfig(**d.get("buffer", {})))
+
+
+@dataclass
+class JobRecord:
+    job: str
+    dataset: str
+    n_gpus: int
+    registered_at: float
+    batches: int = 0
+
+
+@dataclass
+class DatasetRecord:
+    name: str
+    bytes: int
+    n_items: int
+    idle_since: float | None = None   # when its last job left
+    plan_base: int = 0                # plan versions stay monotonic across buffer rebuilds
+
+
+@dataclass
+class ManagerModel:
+    config: ManagerConfig = field(default_factory=ManagerConfig)
+    now: float = 0.0
+    registry: Registry = field(default_factory=Registry)
+    board: ProbeBoard = field(default_factory=ProbeBoard)
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
+    datasets: dict[str, DatasetRecord] = field(default_factory=dict)
+    allocs: dict[str, Allocation] = field(default_factory=dict)
+    buffers: dict[str, DoubleBuffer] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.board.config != self.config.probe:
+            self.board.config = self.config.probe
+
+    # ---------------------------------------------------------------- events
+    def apply(self, ev: Mapping[str, Any]) -> list[Effect]:
+        handler = getattr(self, "_on_" + str(ev.get("type")), None)
+        if handler is None:
+            raise Rejected("INVALID_ARGUMENT", f"unknown event type {ev.get('type')!r}")
+        # The clock never runs backwards inside the state (wall-clock steps):
+        # timers in the policy layer compare against earlier `now`s.
+        now = max(float(ev["now"]), self.now)
+        out = handler(ev, now)
+        self.now = now
+        return out
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _on_configure(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        self.config = ManagerConfig.from_dict(ev["config"])
+        self.board.config = self.config.probe
+        for buf in self.buffers.values():  # new straggler / load thresholds apply at once
+            buf.config = self.config.buffer
+        return [note("configuration changed", budget=self.config.budget)] + self.reallocate(now)
+
+    def _on_server_join(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        sid, addr, cap = str(ev["server_id"]), str(ev["address"]), int(ev["capacity"])
+        if not sid or not addr:
+            raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
+        changed = self.registry.join(sid, addr, cap, now)
+        out: list[Effect] = [note("server joined", server_id=sid, address=addr, capacity=cap)]
+        if changed:
+            self._count("ring_changes")
+            out.append(RingChanged(self.registry.version, tuple(self.registry.addresses())))
+        return out
+
+    def _on_server_leave(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        sid = str(ev["server_id"])
+        if not self.registry.leave(sid, now):
+            return []
+        self._count("ring_changes")
+        return [note("server left the ring", server_id=sid, reason=ev.get("reason", "")),
+                RingChanged(self.registry.version, tuple(self.registry.addresses()))]
+
+    def _on_job_register(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        job, ds = str(ev["job"]), str(ev["dataset"])
+        size, n, gpus = int(ev["dataset_bytes"]), int(ev["n_items"]), int(ev["n_gpus"])
+        if not job or not ds:
+            raise Rejected("INVALID_ARGUMENT", "job and dataset must not be empty")
+        if gpus < 1 or size < 0 or n < 0:
+            raise Rejected("INVALID_ARGUMENT", f"need n_gpus >= 1 and sizes >= 0 (got {gpus}, {size}, {n})")
+        rec = self.datasets.get(ds)
+        if rec is not None and (rec.bytes, rec.n_items) != (size, n):
+            raise Rejected("INVALID_ARGUMENT", f"dataset {ds} is registered with {rec.bytes} bytes and "
+                                               f"{rec.n_items} items, not {size} and {n}")
+        old = self.jobs.get(job)
+        if old is not None:
+            if old.dataset != ds:
+                raise Rejected("FAILED_PRECONDITION",
+                               f"job {job} is registered on dataset {old.dataset}; unregister it first")
+            return []  # a client retrying, or re-attaching after a manager restart
+        if rec is None:
+            rec = self.datasets[ds] = DatasetRecord(ds, size, n)
+        rec.idle_since = None
+        self.jobs[job] = JobRecord(job, ds, gpus, now)
+        out: list[Effect] = [note("job registered", job=job, dataset=ds, n_gpus=gpus)]
+        out += self._transitions(self.board.add_job(job, ds, gpus, now))
+        if ds in self.buffers:
+            out += self.effects_of_actions(self.buffers[ds].attach(job, now))
+        return out + self.reallocate(now)
+
+    def _on_job_unregister(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        job = str(ev["job"])
+        rec = self.jobs.pop(job, None)
+        if rec is None:
+            return []
+        out: list[Effect] = [note("job unregistered", job=job, reason=ev.get("reason", ""))]
+        probe = self.board.jobs.get(job)
+        if probe is not None and probe.mode is CacheMode.BYPASS:
+            out.append(SetMode(job, CacheMode.NORMAL.value, "job left during a probe"))
+        out += self._transitions(self.board.remove_job(job, now))
+        if rec.dataset in self.buffers:
+            out += self.effects_of_actions(self.buffers[rec.dataset].detach(job, now))
+        if not any(j.dataset == rec.dataset for j in self.jobs.values()):
+            self.datasets[rec.dataset].idle_since = now
+        return out + self.reallocate(now)
+
+    def _job(self, job: str) -> JobRecord:
+        rec = self.jobs.get(job)
+        if rec is None:
+            raise Rejected("NOT_FOUND", f"unknown job {job!r} (expired or never registered): register it again")
+        return rec
+
+    def _on_batches(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        rec = self._job(str(ev["job"]))
+        batches = [Batch(float(b[0]), float(b[1]), None if b[2] is None else float(b[2]))
+                   for b in ev["batches"]]
+        rec.batches += len(batches)
+        return self._transitions(self.board.report(rec.job, batches, now))
+
+    def _buffer_for(self, job: str | None, ds: str, chunk: int) -> DoubleBuffer | None:
+        if job is not None and self._job(job).dataset != ds:
+            raise Rejected("INVALID_ARGUMENT", f"job {job} reads dataset {self.jobs[job].dataset}, not {ds}")
+        buf = self.buffers.get(ds)
+        if buf is not None and not 0 <= chunk < buf.k:
+            raise Rejected("INVALID_ARGUMENT", f"chunk {chunk} out of range: dataset {ds} has {buf.k} chunks")
+        return buf
+
+    def _on_release(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        buf = self._buffer_for(str(ev["job"]), str(ev["dataset"]), int(ev["chunk"]))
+        return [] if buf is None else self.effects_of_actions(buf.release(str(ev["job"]), int(ev["chunk"]), now))
+
+    def _on_loaded(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        buf = self._buffer_for(None, str(ev["dataset"]), int(ev["chunk"]))
+        if buf is None:
+            return []
+        return self.effects_of_actions(buf.loaded(int(ev["chunk"]), float(ev["fraction"]), now))
+
+    def _on_tick(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        out = self._transitions(self.board.tick(now))
+        for ds in sorted(self.buffers):
+            out += self.effects_of_actions(self.buffers[ds].tick(now))
+        return out + self.reallocate(now)
+
+    def reallocate(self, now: float) -> list[Effect]:
+        from .decisions import reallocate  # the allocation step lives with the decision loop
+        return reallocate(self, now)
+
+    # ---------------------------------------------------------------- policy outputs -> effects
+    def _transitions(self, ts: list[Transition]) -> list[Effect]:
+        out: list[Effect] = []
+        for t in ts:
+            if t.new is Phase.PROBE_BYPASS and t.old is not Phase.PROBE_BYPASS:
+                self._count("probes_started")
+            elif t.new is Phase.DECIDED and t.old is Phase.MEASURE_NORMAL:
+                self._count("probes_finished")
+            elif t.reason.startswith("probe aborted"):
+                self._count("probes_aborted")
+            was_bypass = t.old is Phase.PROBE_BYPASS
+            if was_bypass != (t.mode is CacheMode.BYPASS):
+                self._count("mode_switches")
+                out.append(SetMode(t.job_id, t.mode.value, t.reason))
+            out.append(note("probe", job=t.job_id, old=t.old.value, new=t.new.value, reason=t.reason))
+        return out
+
+    def effects_of_actions(self, actions: list[Action]) -> list[Effect]:
+        """DoubleBuffer actions -> effects (Assign/StartLoading are only logged: clients
+        learn them from their plan)."""
+        out: list[Effect] = []
+        for a in actions:
+            if isinstance(a, Activate):
+                out.append(ActivateChunk(a.dataset, a.chunk))
+            elif isinstance(a, Evict):
+                self._count("chunk_evictions_forced" if a.forced else "chunk_evictions")
+                out.append(EvictChunk(a.dataset, a.chunk, a.forced, a.reason))
+            elif isinstance(a, StartLoading):
+                out.append(note("chunk loading", dataset=a.dataset, chunk=a.chunk))
+            elif isinstance(a, Assign):
+                out.append(note("job assigned", dataset=a.dataset, job=a.job, chunk=a.chunk))
+        return out
+
+    # ---------------------------------------------------------------- queries
+    def option(self, ds: str) -> Option:
+        a = self.allocs.get(ds)
+        return Option.NONE if a is None else a.option
+
+    def plan_version(self, ds: str) -> int:
+        rec = self.datasets.get(ds)
+        buf = self.buffers.get(ds)
+        return (rec.plan_base if rec else 0) + (buf.version if buf else 0)
+
+    def plan(self, ds: str, job: str = "") -> dict[str, Any]:
+        """What a client needs: option, chunking, and the chunks ``job`` may read."""
+        rec = self.datasets.get(ds)
+        if rec is None:
+            raise Rejected("NOT_FOUND", f"unknown dataset {ds!r}: register a job on it first")
+        a = self.allocs.get(ds)
+        buf = self.buffers.get(ds)
+        chunks = buf.readable(job) if (buf is not None and job) else []
+        waiting = bool(buf is not None and job in buf.jobs and buf.jobs[job].chunk is None)
+        return {"dataset": ds, "option": self.option(ds).value, "k": buf.k if buf else 1,
+                "n_items": rec.n_items, "chunk_size": a.chunk_size if a else 0,
+                "active": -1 if buf is None or buf.active is None else buf.active,
+                "loading": -1 if buf is None or buf.loading is None else buf.loading,
+                "chunks": chunks, "version": self.plan_version(ds), "waiting": waiting}
+
+    def budget(self) -> int:
+        return self.config.budget if self.config.budget is not None else self.registry.capacity()
+
+    # ---------------------------------------------------------------- persistence
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(), "now": self.now,
+            "registry": self.registry.to_dict(), "board": self.board.to_dict(),
+            "jobs": {k: asdict(v) for k, v in sorted(self.jobs.items())},
+            "datasets": {k: asdict(v) for k, v in sorted(self.datasets.items())},
+            "allocs": {k: v.to_dict() for k, v in sorted(self.allocs.items())},
+            "buffers": {k: v.to_dict() for k, v in sorted(self.buffers.items())},
+            "decisions": list(self.decisions), "counters": dict(sorted(self.counters.items())),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ManagerModel":
+        cfg = ManagerConfig.from_dict(d.get("config", {}))
+        return cls(
+            config=cfg, now=float(d.get("now", 0.0)),
+            registry=Registry.from_dict(d.get("registry", {})),
+            board=ProbeBoard.from_dict(d.get("board", {"config": asdict(cfg.probe)})),
+            jobs={k: JobRecord(**v) for k, v in d.get("jobs", {}).items()},
+            datasets={k: DatasetRecord(**v) for k, v in d.get("datasets", {}).items()},
+            allocs={k: Allocation.from_dict(v) for k, v in d.get("allocs", {}).items()},
+            buffers={k: DoubleBuffer.from_dict(v) for k, v in d.get("buffers", {}).items()},
+            decisions=list(d.get("decisions", [])), counters=dict(d.get("counters", {})),
+        )
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON state: equal digests mean equal state."""
+        return hashlib.sha256(canonical(self.to_dict())).hexdigest()
+
+
+def canonical(d: Any) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

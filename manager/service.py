@@ -1,0 +1,223 @@
+"""gRPC adapter: Manager RPCs -> events on the state store (state.py) and
+answers read from the model. Mutating calls answer only after their event is
+journaled (fsynced), so an acknowledged registration, release or load report
+survives a crash."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from cacheserver.client import BYPASS, NORMAL
+from cacheserver.counters import Counters
+from cacheserver.proto import manager_pb2 as mpb
+from cacheserver.proto import manager_pb2_grpc as mpb_grpc
+
+from .membership import Liveness
+from .model import ManagerModel, Rejected
+from .policy import CacheMode, Option
+from .state import StateStore
+
+log = logging.getLogger("manager.service")
+HEX = frozenset("0123456789abcdef")  # lower-case: one spelling per dataset
+OPTIONS = {Option.NONE.value: mpb.CACHE_OPTION_NONE, Option.CHUNKED.value: mpb.CACHE_OPTION_CHUNKED,
+           Option.FULL.value: mpb.CACHE_OPTION_FULL}
+
+
+def _rpc(fn: Callable) -> Callable:
+    """Count calls; map refusals to precise status codes."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "ManagerService", request, context: grpc.ServicerContext):
+        self.counters.add("rpc_" + fn.__name__)
+        try:
+            return fn(self, request, context)
+        except Rejected as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        except OSError as e:  # the journal could not be written: nothing was decided
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"manager state not writable: {e}")
+
+    return wrapper
+
+
+def plan_message(p: dict[str, Any]) -> mpb.Plan:
+    return mpb.Plan(dataset=p["dataset"], option=OPTIONS[p["option"]], k=p["k"], n_items=p["n_items"],
+                    chunk_size=p["chunk_size"], active=p["active"], loading=p["loading"],
+                    chunks=p["chunks"], version=p["version"], waiting=p["waiting"])
+
+
+def _mode(m: ManagerModel, job: str) -> int:
+    j = m.board.jobs.get(job)
+    return BYPASS if j is not None and j.mode is CacheMode.BYPASS else NORMAL
+
+
+class ManagerService(mpb_grpc.ManagerServicer):
+    def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
+                 counters: Counters) -> None:
+        self.store = store
+        self.liveness = liveness
+        self.heartbeat_s = heartbeat_s
+        self.decision_s = decision_s
+        self.counters = counters
+
+    def _now(self) -> float:
+        return self.store.clock()
+
+    # ---------------------------------------------------------------- servers
+    def _join_if_needed(self, sid: str, address: str, capacity: int, now: float) -> None:
+        if self.store.read(lambda m: m.registry.needs_join(sid, address, capacity)):
+            self.store.submit({"type": "server_join", "server_id": sid, "address": address,
+                               "capacity": int(capacity), "now": now})
+
+    @_rpc
+    def RegisterServer(self, request: mpb.RegisterServerRequest, context) -> mpb.RegisterServerResponse:
+        if not request.server_id or not request.address:
+            raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
+        now = self._now()
+        with self.store.lock:
+            self.liveness.beat(request.server_id, now, request.used)
+            self._join_if_needed(request.server_id, request.address, request.capacity, now)
+            reg = self.store.model.registry
+            return mpb.RegisterServerResponse(ring_version=reg.version, heartbeat_seconds=self.heartbeat_s,
+                                              addresses=reg.addresses())
+
+    @_rpc
+    def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
+        now = self._now()
+        with self.store.lock:
+            reg = self.store.model.registry
+            if request.server_id not in reg.servers:
+                return mpb.HeartbeatResponse(registered=False, ring_version=reg.version,
+                                             heartbeat_seconds=self.heartbeat_s, addresses=reg.addresses())
+            self.liveness.beat(request.server_id, now, request.used, request.items)
+            cap = request.capacity or reg.servers[request.server_id].capacity
+            self._join_if_needed(request.server_id, request.address, cap, now)  # back from the dead
+            return mpb.HeartbeatResponse(registered=True, ring_version=reg.version,
+                                         heartbeat_seconds=self.heartbeat_s, addresses=reg.addresses())
+
+    @_rpc
+    def GetRing(self, request: mpb.GetRingRequest, context) -> mpb.RingResponse:
+        return self.store.read(lambda m: mpb.RingResponse(version=m.registry.version,
+                                                          addresses=m.registry.addresses()))
+
+    # ---------------------------------------------------------------- jobs
+    @_rpc
+    def RegisterJob(self, request: mpb.RegisterJobRequest, context) -> mpb.JobInfo:
+        ds = request.dataset
+        if len(ds) < 8 or len(ds) > 128 or any(c not in HEX for c in ds):
+            raise Rejected("INVALID_ARGUMENT", f"dataset must be a hex fingerprint (8-128 hex digits), got {ds!r}")
+        with self.store.lock:
+            self.store.submit({"type": "job_register", "job": request.job, "dataset": request.dataset,
+                               "dataset_bytes": request.dataset_bytes, "n_items": request.n_items,
+                               "n_gpus": request.n_gpus})
+            self.liveness.touch_job(request.job, self._now())
+            m = self.store.model
+            return mpb.JobInfo(job=request.job, dataset=request.dataset, mode=_mode(m, request.job),
+                               plan=plan_message(m.plan(request.dataset, request.job)),
+                               ring_version=m.registry.version)
+
+    @_rpc
+    def ReportBatches(self, request: mpb.ReportBatchesRequest, context) -> mpb.ReportBatchesResponse:
+        now = self._now()
+        # Map the client's clock onto ours: its batches ended (sent_at - end) before it sent them.
+        shift = now - request.sent_at if request.sent_at > 0 else 0.0
+        batches = [[b.end + shift, b.duration, b.hit_ratio if b.HasField("hit_ratio") else None]
+                   for b in request.batches]
+        with self.store.lock:
+            if batches:
+                self.store.submit({"type": "batches", "job": request.job, "batches": batches, "now": now})
+            m = self.store.model
+            if request.job not in m.jobs:
+                raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it again")
+            self.liveness.touch_job(request.job, now)
+            return mpb.ReportBatchesResponse(mode=_mode(m, request.job),
+                                             plan_version=m.plan_version(m.jobs[request.job].dataset))
+
+    @_rpc
+    def GetPlan(self, request: mpb.GetPlanRequest, context) -> mpb.Plan:
+        with self.store.lock:
+            if request.job in self.store.model.jobs:
+                self.liveness.touch_job(request.job, self._now())
+            return plan_message(self.store.model.plan(request.dataset, request.job))
+
+    @_rpc
+    def ReleaseChunk(self, request: mpb.ReleaseChunkRequest, context) -> mpb.Plan:
+        with self.store.lock:
+            self.store.submit({"type": "release", "job": request.job, "dataset": request.dataset,
+                               "chunk": request.chunk})
+            self.liveness.touch_job(request.job, self._now())
+            return plan_message(self.store.model.plan(request.dataset, request.job))
+
+    @_rpc
+    def ReportLoaded(self, request: mpb.ReportLoadedRequest, context) -> mpb.Plan:
+        if not 0.0 <= request.fraction <= 1.0:
+            raise Rejected("INVALID_ARGUMENT", f"fraction must be in [0, 1], got {request.fraction}")
+        with self.store.lock:
+            self.store.submit({"type": "loaded", "dataset": request.dataset, "chunk": request.chunk,
+                               "fraction": request.fraction})
+            return plan_message(self.store.model.plan(request.dataset, request.job))
+
+    @_rpc
+    def UnregisterJob(self, request: mpb.UnregisterJobRequest, context) -> mpb.UnregisterJobResponse:
+        self.store.submit({"type": "job_unregister", "job": request.job, "reason": "unregistered by client"})
+        self.liveness.forget_job(request.job)
+        return mpb.UnregisterJobResponse()
+
+    # ---------------------------------------------------------------- status
+    @_rpc
+    def Status(self, request: mpb.StatusRequest, context) -> mpb.StatusResponse:
+        now = self._now()
+        with self.store.lock:
+            return build_status(self.store.model, self.liveness, now, seq=self.store.seq,
+                                heartbeat_s=self.heartbeat_s, decision_s=self.decision_s)
+
+
+def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heartbeat_s: float,
+                 decision_s: float) -> mpb.StatusResponse:
+    r = mpb.StatusResponse(ring_version=m.registry.version, budget=m.budget(),
+                           budget_from_capacity=m.config.budget is None,
+                           allocated=sum(a.bytes for a in m.allocs.values()), journal_seq=seq,
+                           state_digest=m.digest(), heartbeat_seconds=heartbeat_s,
+                           decision_seconds=decision_s, now=now)
+    for sid in sorted(m.registry.servers):
+        s = m.registry.servers[sid]
+        beat = live.server(sid)
+        r.servers.add(server_id=sid, address=s.address, capacity=s.capacity, alive=s.alive,
+                      used=beat.used if beat else 0, items=beat.items if beat else 0,
+                      last_heartbeat_age=now - beat.at if beat else -1.0)
+    gains = m.board.dataset_gains()
+    for ds in sorted(m.datasets):
+        rec, a, buf = m.datasets[ds], m.allocs.get(ds), m.buffers.get(ds)
+        d = r.datasets.add(dataset=ds, bytes=rec.bytes, n_items=rec.n_items, option=OPTIONS[m.option(ds).value],
+                           allocated_bytes=a.bytes if a else 0, chunk_size=a.chunk_size if a else 0,
+                           value=a.value if a else 0.0, gain=gains.get(ds, 0.0), reason=a.reason if a else "",
+                           plan_version=m.plan_version(ds),
+                           jobs=sorted(j for j, x in m.jobs.items() if x.dataset == ds))
+        if buf is not None:
+            d.k, d.loaded_fraction, d.straggler_timeout = buf.k, buf.loaded_fraction, buf.straggler_timeout()
+            for name in ("active", "loading", "marked"):
+                v = getattr(buf, name)
+                setattr(d, name, -1 if v is None else v)
+            for c in buf.resident():
+                d.chunks.add(chunk=c, state=buf.state(c).value, jobs=buf.holders(c))
+            d.waiting.extend(buf.waiting())
+        else:
+            d.active = d.loading = d.marked = -1
+    for job in sorted(m.jobs):
+        jr, p = m.jobs[job], m.board.jobs.get(job)
+        buf = m.buffers.get(jr.dataset)
+        slot = buf.jobs.get(job) if buf is not None else None
+        js = r.jobs.add(job=job, dataset=jr.dataset, n_gpus=jr.n_gpus, mode=_mode(m, job),
+                        batches=jr.batches, chunk=-1 if slot is None or slot.chunk is None else slot.chunk)
+        if p is not None:
+            js.phase, js.inconclusive, js.probes, js.reason = p.phase.value, p.inconclusive, p.probes, p.reason
+            for name in ("benefit", "t_miss", "t_hit", "hit_ratio"):
+                if getattr(p, name) is not None:
+                    setattr(js, name, getattr(p, name))
+    for d in m.decisions:
+        r.decisions.add(at=d["at"], dataset=d["dataset"], option=OPTIONS[d["option"]], reason=d["reason"])
+    return r
+

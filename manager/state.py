@@ -1,0 +1,260 @@
+"""Durable manager state: snapshot + append-only journal under ``--state-dir``.
+
+Layout::
+
+    STATE_DIR/LOCK            flock: one manager per state directory
+    STATE_DIR/snapshot.json   {"seq": S, "digest": sha256, "state": {...}}
+    STATE_DIR/journal.jsonl   one {"seq": n, "ev": {...}} per line, n > S
+
+Every state change is an event (model.py). ``submit`` applies it, appends it
+to the journal and fsyncs *before* the caller answers the RPC, so whatever a
+client or server was told survives ``kill -9`` and power loss. Every
+``snapshot_every`` events the whole state is written to a temporary file,
+fsynced, and renamed over the snapshot (atomic), then the journal is
+truncated; a crash between rename and truncation only leaves events the
+loader skips by sequence number. Loading = snapshot + re-applying the
+journal's events in order, which gives the identical state because the model
+is deterministic. A torn last line (crash mid-write: never acknowledged) is
+cut off; damage anywhere else stops the manager rather than guessing.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from .effects import Effect
+from .model import ManagerConfig, ManagerModel, Rejected, canonical
+
+log = logging.getLogger("manager.state")
+T = TypeVar("T")
+
+
+class StateError(RuntimeError):
+    """The state directory cannot be used (locked, damaged)."""
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parse_journal(data: bytes, path: str) -> tuple[list[tuple[int, int, dict]], bytes]:
+    """(records as (line number, seq, event), the bytes to keep). Unparseable
+    lines are tolerated only at the end (a torn or zero-filled tail after a
+    crash: never acknowledged, since acknowledging waits for the fsync)."""
+    records: list[tuple[int, int, dict]] = []
+    bad_at: int | None = None  # byte offset of the first unparseable line
+    pos, lineno = 0, 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        line = data[pos:end].strip()
+        lineno += 1
+        if line:
+            try:
+                rec = json.loads(line)
+                item = (lineno, int(rec["seq"]), dict(rec["ev"]))
+            except (ValueError, KeyError, TypeError):
+                if bad_at is None:
+                    bad_at = pos
+            else:
+                if bad_at is not None:
+                    raise StateError(f"{path}: damaged record before line {lineno}")
+                records.append(item)
+        pos = end
+    keep = data if bad_at is None else data[:bad_at]
+    if keep and not keep.endswith(b"\n"):
+        keep += b"\n"  # a complete record that lost its newline: the next append starts a line
+    return records, keep
+
+
+class StateStore:
+    def __init__(self, state_dir: str, config: ManagerConfig, *, snapshot_every: int = 1000,
+                 fsync: bool = True, clock: Callable[[], float] = time.time,
+                 on_effects: Callable[[list[Effect]], None] | None = None) -> None:
+        self.dir = state_dir
+        self.config = config
+        self.snapshot_every = max(1, snapshot_every)
+        self.fsync = fsync
+        self.clock = clock
+        self.on_effects = on_effects
+        self.lock = threading.RLock()
+        self.model = ManagerModel(config)
+        self.seq = 0
+        self.replayed = 0
+        self.since_snapshot = 0
+        self.events_written = 0
+        self.snapshots = 0
+        self._journal_fd: int | None = None
+        self._lock_fd: int | None = None
+
+    @property
+    def snapshot_path(self) -> str:
+        return os.path.join(self.dir, "snapshot.json")
+
+    @property
+    def journal_path(self) -> str:
+        return os.path.join(self.dir, "journal.jsonl")
+
+    # ---------------------------------------------------------------- open / load
+    def open(self) -> "StateStore":
+        os.makedirs(self.dir, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateError(f"{self.dir} is in use by another cachemanager") from None
+        with self.lock:
+            self._load()
+            self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if self.model.config != self.config:
+                # Flags changed since the state was written: the change is an
+                # event like any other, so replay stays exact.
+                self.submit({"type": "configure", "config": self.config.to_dict(), "now": self.clock()})
+            self.snapshot()  # start from a compact journal
+        return self
+
+    def _load(self) -> None:
+        snap_seq = 0
+        if os.path.exists(self.snapshot_path):
+            with open(self.snapshot_path, "rb") as f:
+                doc = json.loads(f.read())
+            state = doc["state"]
+            if hashlib.sha256(canonical(state)).hexdigest() != doc.get("digest"):
+                raise StateError(f"{self.snapshot_path}: digest mismatch (damaged snapshot)")
+            self.model = ManagerModel.from_dict(state)
+            snap_seq = int(doc["seq"])
+        self.seq = snap_seq
+        if not os.path.exists(self.journal_path):
+            return
+        with open(self.journal_path, "rb") as f:
+            data = f.read()
+        records, keep = _parse_journal(data, self.journal_path)
+        for lineno, seq, ev in records:
+            if seq <= self.seq:
+                continue  # already in the snapshot
+            if seq != self.seq + 1:
+                raise StateError(f"{self.journal_path}: sequence gap at line {lineno} ({self.seq} -> {seq})")
+            try:
+                self.model.apply(ev)
+            except Rejected as e:  # a journaled event always applied once: refuse to diverge silently
+                raise StateError(f"journal event {seq} no longer applies: {e}") from None
+            self.seq = seq
+            self.replayed += 1
+        if keep != data:
+            log.warning("journal: dropping a torn tail of %d bytes", len(data) - len(keep.rstrip(b"\n")))
+            with open(self.journal_path, "wb") as f:
+                f.write(keep)
+                f.flush()
+                os.fsync(f.fileno())
+        log.info("state loaded: snapshot seq %d, %d journal events replayed", snap_seq, self.replayed)
+
+    # ---------------------------------------------------------------- changes
+    def submit(self, ev: Mapping[str, Any], only_if_changed: bool = False) -> list[Effect]:
+        """Apply an event and journal it (fsynced) before returning its effects.
+        ``only_if_changed``: skip the journal when the state did not change
+        (periodic ticks). Raises ``Rejected`` for refused requests."""
+        ev = dict(ev)
+        ev.setdefault("now", self.clock())
+        with self.lock:
+            prev_now = self.model.now
+            before = self._fingerprint() if only_if_changed else None
+            try:
+                effects = self.model.apply(ev)
+            except Rejected:
+                raise
+            except Exception:
+                # A bug half-way through an event would leave memory ahead of
+                # the journal: go back to what is durable, then report it.
+                log.exception("event %s failed; reloading the durable state", ev.get("type"))
+                self._reload()
+                raise
+            if before is not None and self._fingerprint() == before:
+                # Nothing but the clock moved: forget this event entirely (also
+                # its `now`, which clamps later events), so memory == replay.
+                self.model.now = prev_now
+            else:
+                try:
+                    self._append(ev)
+                except OSError:
+                    # Not durable, so it must not have happened: back to the disk state.
+                    log.critical("journal write failed; dropping the event", exc_info=True)
+                    self._reload()
+                    raise
+            if self.on_effects is not None and effects:
+                self.on_effects(effects)
+            if self.since_snapshot >= self.snapshot_every:
+                self.snapshot()
+            return effects
+
+    def _fingerprint(self) -> bytes:
+        d = self.model.to_dict()
+        d.pop("now")
+        return canonical(d)
+
+    def _append(self, ev: Mapping[str, Any]) -> None:
+        assert self._journal_fd is not None, "state store is not open"
+        line = json.dumps({"seq": self.seq + 1, "ev": ev}, sort_keys=True, separators=(",", ":")) + "\n"
+        data = line.encode()
+        written = os.write(self._journal_fd, data)
+        if written != len(data):  # disk full: fail-stop rather than diverge
+            raise OSError(f"short journal write ({written} of {len(data)} bytes)")
+        if self.fsync:
+            os.fsync(self._journal_fd)
+        self.seq += 1
+        self.since_snapshot += 1
+        self.events_written += 1
+
+    def _reload(self) -> None:
+        self.model = ManagerModel(self.config)
+        self.seq = 0
+        self.replayed = 0
+        self._load()
+
+    def snapshot(self) -> None:
+        with self.lock:
+            state = self.model.to_dict()
+            doc = {"seq": self.seq, "digest": hashlib.sha256(canonical(state)).hexdigest(),
+                   "written_at": time.time(), "state": state}
+            tmp = self.snapshot_path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(json.dumps(doc, sort_keys=True).encode())
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self.snapshot_path)
+            if self.fsync:
+                _fsync_dir(self.dir)  # the rename itself must be durable before the journal goes
+            if self._journal_fd is not None:
+                os.ftruncate(self._journal_fd, 0)
+                if self.fsync:
+                    os.fsync(self._journal_fd)
+            self.since_snapshot = 0
+            self.snapshots += 1
+
+    # ---------------------------------------------------------------- reads
+    def read(self, fn: Callable[[ManagerModel], T]) -> T:
+        """Run ``fn`` on the model under the lock (return copies, not live objects)."""
+        with self.lock:
+            return fn(self.model)
+
+    def close(self, snapshot: bool = True) -> None:
+        with self.lock:
+            if snapshot and self._journal_fd is not None:
+                self.snapshot()
+            if self._journal_fd is not None:
+                os.close(self._journal_fd)
+                self._journal_fd = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

@@ -1,0 +1,157 @@
+"""`cachectl status --manager ADDR [--json]`: the manager's view of the cluster.
+
+Wiring into cacheserver/ctl.py (two lines in build_parser)::
+
+    from manager.status import add_status_parser
+    add_status_parser(sub)
+
+``add_status_parser`` sets ``func``/``subparser`` the way ctl.main calls them;
+``run_status(args)`` can also be called directly and returns the exit code
+(0 ok, 1 manager unreachable or refused).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+PROG = "cachectl"
+
+
+def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "status", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="show the manager's servers, datasets, options, chunks, jobs and measured benefits",
+        description="Ask a cache manager for its Status: the ring, every dataset's cache option "
+                    "and chunk states (who reads which chunk), every job's probe phase and "
+                    "measured benefit, and recent allocation decisions.")
+    p.add_argument("--manager", required=True, metavar="ADDR", help="cache manager gRPC address HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--tls-cert", help="client certificate (PEM), for a manager run with TLS")
+    p.add_argument("--tls-key", help="client private key (PEM)")
+    p.add_argument("--tls-ca", help="CA certificate that signed the manager (PEM)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
+    return p
+
+
+def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from cacheserver.tls import TlsFiles
+
+    from .client import ManagerClient, ManagerError
+
+    out = out or sys.stdout
+    try:
+        tls = TlsFiles.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                                 getattr(args, "tls_ca", None))
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    try:
+        with ManagerClient(args.manager, tls=tls, timeout=args.timeout) as mc:
+            doc = mc.status_dict()
+    except ManagerError as e:
+        print(f"{PROG}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(doc, out, indent=2, sort_keys=True)
+        out.write("\n")
+    else:
+        out.write(render(doc, args.manager))
+    return 0
+
+
+# ---------------------------------------------------------------- rendering
+def _size(n: Any) -> str:
+    from cacheserver.sizes import format_size
+    return format_size(int(n or 0))
+
+
+def _num(v: Any, fmt: str = "{:.3g}") -> str:
+    return "-" if v is None else fmt.format(float(v))
+
+
+def _short(s: str, n: int = 16) -> str:
+    return s if len(s) <= n else s[:n - 1] + "…"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _opt(v: str) -> str:
+    return v.replace("CACHE_OPTION_", "").lower()
+
+
+def _mode(v: str) -> str:
+    return v.replace("CACHE_MODE_", "").lower()
+
+
+def _chunk(v: Any) -> str:
+    return "-" if v is None or int(v) < 0 else str(v)
+
+
+def render(d: dict[str, Any], address: str = "") -> str:
+    lines: list[str] = []
+    servers = d.get("servers", [])
+    alive = sum(1 for s in servers if s.get("alive"))
+    src = "servers' capacity" if d.get("budget_from_capacity") else "--budget"
+    lines.append(f"manager {address}  ring v{d.get('ring_version', 0)} ({alive} of {len(servers)} servers alive)  "
+                 f"budget {_size(d.get('budget'))} ({src})  allocated {_size(d.get('allocated'))}  "
+                 f"journal seq {d.get('journal_seq', 0)}")
+    lines.append("")
+    lines.append("SERVERS")
+    if servers:
+        rows = [["ADDRESS", "SERVER ID", "STATE", "CAPACITY", "USED", "ITEMS", "HEARTBEAT"]]
+        for s in servers:
+            age = s.get("last_heartbeat_age", -1)
+            rows.append([s["address"], s["server_id"][:12], "alive" if s.get("alive") else "down",
+                         _size(s.get("capacity")), _size(s.get("used")), str(s.get("items", 0)),
+                         "none yet" if age < 0 else f"{age:.1f}s ago"])
+        lines += _table(rows)
+    else:
+        lines.append("  (none registered)")
+    lines.append("")
+    lines.append("DATASETS")
+    datasets = d.get("datasets", [])
+    if datasets:
+        rows = [["DATASET", "SIZE", "ITEMS", "OPTION", "ALLOCATED", "K", "ACTIVE", "LOADING", "MARKED", "G", "VALUE"]]
+        for x in datasets:
+            rows.append([_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)), _opt(x["option"]),
+                         _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
+                         _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")),
+                         _num(x.get("value"))])
+        lines += _table(rows)
+        for x in datasets:
+            lines.append(f"  {_short(x['dataset'])}: {x.get('reason', '')}")
+            for c in x.get("chunks", []):
+                lines.append(f"    chunk {c['chunk']} {c['state']}: {', '.join(c.get('jobs', [])) or '(no readers)'}")
+            if x.get("waiting"):
+                lines.append(f"    waiting: {', '.join(x['waiting'])}")
+    else:
+        lines.append("  (none)")
+    lines.append("")
+    lines.append("JOBS")
+    jobs = d.get("jobs", [])
+    if jobs:
+        rows = [["JOB", "DATASET", "GPUS", "MODE", "PHASE", "BENEFIT", "T_MISS", "T_HIT", "HIT", "CHUNK", "BATCHES"]]
+        for j in jobs:
+            b = _num(j.get("benefit"), "{:.2f}") + ("?" if j.get("inconclusive") else "")
+            rows.append([j["job"], _short(j["dataset"]), str(j.get("n_gpus", 0)), _mode(j["mode"]),
+                         j.get("phase", ""), b, _num(j.get("t_miss")), _num(j.get("t_hit")),
+                         _num(j.get("hit_ratio"), "{:.2f}"), _chunk(j.get("chunk")), str(j.get("batches", 0))])
+        lines += _table(rows)
+        lines.append("  (benefit b = t_miss / t_hit; '?' = lower bound, measured with too few cache hits)")
+    else:
+        lines.append("  (none)")
+    decisions = d.get("decisions", [])
+    if decisions:
+        lines.append("")
+        lines.append("RECENT DECISIONS")
+        for x in decisions[-10:]:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.get("at", 0)))
+            lines.append(f"  {at}Z {_short(x['dataset'])} -> {_opt(x['option'])}: {x.get('reason', '')}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,198 @@
+"""Manager state machine and journal, in process (no daemons): replay after a
+crash gives back exactly the acknowledged state."""
+import json
+import os
+import random
+
+import pytest
+
+from manager.membership import Liveness, Registry
+from manager.model import ManagerConfig, ManagerModel, Rejected
+from manager.policy import AllocConfig, BufferConfig, ProbeConfig
+from manager.state import StateError, StateStore
+
+CFG = ManagerConfig(budget=400_000, dataset_grace_s=5.0,
+                    probe=ProbeConfig(warmup_batches=1, min_batches=3, max_batches=6, max_phase_s=30.0,
+                                      reprobe_interval_s=40.0, retry_after_abort_s=10.0),
+                    alloc=AllocConfig(chunk_bytes=100_000),
+                    buffer=BufferConfig(straggler_timeout_s=4.0, min_straggler_s=2.0, max_straggler_s=20.0))
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def random_events(seed, n=400, model=None):
+    """A plausible random workload: servers come and go, jobs register, report
+    batches, release chunks, chunks load, time passes. With ``model``, chunk
+    numbers mostly follow its plans (as real clients would)."""
+    rng = random.Random(seed)
+
+    def chunk(ds, job=None):
+        buf = model.buffers.get(ds) if model is not None else None
+        if buf is not None and rng.random() < 0.8:
+            c = buf.jobs[job].chunk if job in buf.jobs else buf.loading
+            if c is not None:
+                return c
+        return rng.randrange(10)
+
+    datasets = {"d1": (1_000_000, 100), "d2": (300_000, 40), "d3": (50_000, 10)}
+    jobs = {}
+    t = 1000.0
+    for _ in range(n):
+        t += rng.choice([0.0, 0.1, 0.5, 2.0])
+        r = rng.random()
+        if r < 0.08:
+            sid = rng.choice("abc")
+            yield {"type": "server_join", "server_id": sid, "address": f"10.0.0.{ord(sid)}:7000",
+                   "capacity": rng.choice([200_000, 300_000]), "now": t}
+        elif r < 0.11:
+            yield {"type": "server_leave", "server_id": rng.choice("abc"), "reason": "test", "now": t}
+        elif r < 0.2:
+            job = f"j{rng.randrange(6)}"
+            ds = jobs.get(job) or rng.choice(sorted(datasets))
+            jobs[job] = ds
+            size, items = datasets[ds]
+            yield {"type": "job_register", "job": job, "dataset": ds, "dataset_bytes": size, "n_items": items,
+                   "n_gpus": rng.choice([1, 4]), "now": t}
+        elif r < 0.25 and jobs:
+            job = rng.choice(sorted(jobs))
+            del jobs[job]
+            yield {"type": "job_unregister", "job": job, "reason": "done", "now": t}
+        elif r < 0.55 and jobs:
+            job = rng.choice(sorted(jobs))
+            dur = rng.choice([0.05, 0.1, 0.2])
+            yield {"type": "batches", "job": job, "now": t,
+                   "batches": [[t + i * dur, dur, rng.choice([None, 1.0, 0.5])] for i in range(3)]}
+        elif r < 0.7 and jobs:
+            job = rng.choice(sorted(jobs))
+            yield {"type": "release", "job": job, "dataset": jobs[job], "chunk": chunk(jobs[job], job), "now": t}
+        elif r < 0.85:
+            ds = rng.choice(sorted(datasets))
+            yield {"type": "loaded", "dataset": ds, "chunk": chunk(ds), "fraction": rng.choice([0.5, 1.0]),
+                   "now": t}
+        else:
+            yield {"type": "tick", "now": t}
+
+
+def run(store, events):
+    applied = 0
+    for ev in events:
+        try:
+            store.submit(ev, only_if_changed=ev["type"] == "tick")
+            applied += 1
+        except Rejected:
+            pass
+    return applied
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("snapshot_every", [1, 7, 100000])
+def test_replay_after_crash_gives_identical_state(tmp_path, seed, snapshot_every):
+    store = StateStore(str(tmp_path), CFG, snapshot_every=snapshot_every, fsync=False).open()
+    assert run(store, random_events(seed, model=store.model)) > 100
+    live = store.model.to_dict()
+    seq = store.seq
+    # Simulated kill -9: no close(), no final snapshot; just drop the lock.
+    os.close(store._lock_fd)
+    os.close(store._journal_fd)
+    again = StateStore(str(tmp_path), CFG, fsync=False).open()
+    assert again.model.to_dict() == live
+    assert again.model.digest() == ManagerModel.from_dict(live).digest()
+    assert again.seq == seq
+    again.close()
+
+
+def test_state_actually_exercises_the_policy(tmp_path):
+    store = StateStore(str(tmp_path), CFG, fsync=False).open()
+    run(store, random_events(3, 1500, store.model))
+    c = store.model.counters
+    assert c.get("decisions", 0) > 3 and c.get("probes_finished", 0) > 0 and c.get("ring_changes", 0) > 2
+    assert c.get("chunk_evictions", 0) + c.get("chunk_evictions_forced", 0) > 0
+    store.close()
+
+
+def test_torn_tail_is_dropped_and_damage_elsewhere_refused(tmp_path):
+    store = StateStore(str(tmp_path), CFG, fsync=False).open()
+    run(store, list(random_events(1, 60)))
+    live, seq = store.model.to_dict(), store.seq
+    store.close(snapshot=False)
+    path = os.path.join(tmp_path, "journal.jsonl")
+    with open(path, "ab") as f:
+        f.write(b'{"seq": 99999, "ev": {"type": "tick", "no')  # crash mid-write
+    again = StateStore(str(tmp_path), CFG, fsync=False).open()
+    assert again.model.to_dict() == live and again.seq == seq
+    for t in range(3):
+        again.submit({"type": "tick", "now": 1e9 + t})  # journal usable again
+    again.close(snapshot=False)
+    lines = open(path, "rb").read().split(b"\n")
+    assert all(json.loads(x) for x in lines if x)
+    lines.insert(1, b"garbage")
+    open(path, "wb").write(b"\n".join(lines))
+    with pytest.raises(StateError, match="damaged record"):
+        StateStore(str(tmp_path), CFG, fsync=False).open()
+
+
+def test_one_manager_per_state_dir_and_damaged_snapshot(tmp_path):
+    a = StateStore(str(tmp_path), CFG, fsync=False).open()
+    with pytest.raises(StateError, match="in use"):
+        StateStore(str(tmp_path), CFG, fsync=False).open()
+    a.close()
+    snap = os.path.join(tmp_path, "snapshot.json")
+    doc = json.load(open(snap))
+    doc["state"]["now"] = 5.0
+    json.dump(doc, open(snap, "w"))
+    with pytest.raises(StateError, match="digest mismatch"):
+        StateStore(str(tmp_path), CFG, fsync=False).open()
+
+
+def test_quiet_ticks_and_refusals_are_not_journaled(tmp_path):
+    clock = Clock()
+    store = StateStore(str(tmp_path), CFG, fsync=False, clock=clock).open()
+    store.submit({"type": "server_join", "server_id": "a", "address": "h:1", "capacity": 10})
+    seq = store.seq
+    for _ in range(5):
+        clock.t += 1
+        store.submit({"type": "tick"}, only_if_changed=True)
+    assert store.seq == seq and store.model.now == 1000.0
+    with pytest.raises(Rejected) as e:
+        store.submit({"type": "batches", "job": "nobody", "batches": []})
+    assert e.value.code == "NOT_FOUND" and store.seq == seq
+    with pytest.raises(Rejected):
+        store.submit({"type": "job_register", "job": "j", "dataset": "d", "dataset_bytes": 10, "n_items": 1,
+                      "n_gpus": 0})
+    assert store.seq == seq
+    store.close()
+
+
+def test_changed_flags_become_a_journaled_configure_event(tmp_path):
+    StateStore(str(tmp_path), CFG, fsync=False).open().close()
+    bigger = ManagerConfig(**{**CFG.__dict__, "budget": 10**9})
+    s = StateStore(str(tmp_path), bigger, fsync=False).open()
+    assert s.model.config == bigger and s.model.budget() == 10**9
+    s.close()
+    s = StateStore(str(tmp_path), bigger, fsync=False).open()
+    assert s.model.config == bigger
+    s.close()
+
+
+def test_registry_versions_and_liveness():
+    reg = Registry()
+    assert reg.join("a", "h:1", 100, 1.0) and reg.join("b", "h:2", 50, 1.0)
+    assert reg.version == 2 and reg.capacity() == 150
+    assert not reg.join("a", "h:1", 100, 2.0)            # re-register: no change
+    assert not reg.needs_join("a", "h:1", 100) and reg.needs_join("a", "h:1", 200)
+    assert reg.leave("a", 3.0) and reg.addresses() == ["h:2"] and reg.version == 3
+    assert reg.join("a", "h:1", 100, 4.0) and reg.servers["a"].joins == 2
+    assert not reg.join("c", "h:2", 70, 5.0)  # new id on b's address replaces b; same ring
+    assert reg.addresses() == ["h:1", "h:2"] and not reg.servers["b"].alive and reg.capacity() == 170
+    assert Registry.from_dict(reg.to_dict()) == reg
+    live = Liveness(started=100.0, restart_grace=5.0)
+    live.beat("a", 100.5)
+    assert live.dead_servers(reg, 101.0, timeout=1.0) == []
+    assert live.dead_servers(reg, 102.0, timeout=1.0) == ["a"]          # missed beats
+    assert live.dead_servers(reg, 106.0, timeout=1.0) == ["a", "c"]     # c: restart grace over
