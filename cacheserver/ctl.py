@@ -41,7 +41,7 @@ def _oneline(text: str) -> str:
 
 
 def _check_addr(addr: str) -> str:
-    from .server import split_hostport
+    from .runtime import split_hostport
     try:
         split_hostport(addr, "address")
     except ValueError as e:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from . import logs
 from .core import Limits
+from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
 from .sizes import parse_size
 from .tls import TlsFiles
@@ -66,17 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         server = CacheServer(config_from_args(args))
     except (ValueError, OSError) as e:
         parser.exit(2, f"cacheserver: error: {e}\n")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    server.start()
-    # Tests and scripts read this line to learn the bound ports.
-    print(f"READY {server.address}", flush=True)
-    while not stop.wait(0.5):
-        pass
-    log.info("signal received, draining")
-    server.stop(grace=args.drain_seconds)
-    return 0
+    return run_until_signal(server.start, lambda: server.stop(grace=args.drain_seconds),
+                            lambda: server.address)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,12 @@ from .logs import event
 from .metrics import serve_metrics
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
+from .runtime import bind_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
 
 log = logging.getLogger("cacheserver")
 SERVICE_NAME = "mlcache.v1.Cache"
-
-
-def split_hostport(addr: str, what: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"{what}: expected HOST:PORT, got {addr!r}")
-    return host.strip("[]"), int(port)
 
 
 @dataclass
@@ -64,7 +58,6 @@ class CacheServer:
         self.server_id = sid.decode()
         self.core = CacheCore(self.store, self.counters, cfg.limits)
 
-        host, port = split_hostport(cfg.listen, "--listen")
         opts = [("grpc.max_receive_message_length", cfg.limits.max_batch_bytes + (8 << 20)),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0)]
@@ -73,13 +66,8 @@ class CacheServer:
         pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id), self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if cfg.tls:
-            self.port = self.grpc.add_secure_port(bind, cfg.tls.grpc_server_credentials())
-        else:
-            self.port = self.grpc.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"--listen: cannot bind {cfg.listen} (in use or not a local address)")
+        host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
+        port = split_hostport(cfg.listen, "--listen")[1]
         self.host = host
 
         tcp = None

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ from cacheserver import logs
 from cacheserver.counters import Counters
 from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.server import split_hostport
+from cacheserver.runtime import bind_grpc, run_until_signal
 from cacheserver.sizes import parse_size
 from cacheserver.tls import TlsFiles
 
@@ -69,7 +67,6 @@ class ManagerDaemon:
                                 clock=self.clock, on_effects=self.actuator.submit)
         self.store.open()
         self.liveness = Liveness(self.clock())
-        host, port = split_hostport(cfg.listen, "--listen")
         self.grpc = grpc.server(futures.ThreadPoolExecutor(32, thread_name_prefix="grpc"),
                                 options=[("grpc.so_reuseport", 0)])
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
@@ -77,15 +74,11 @@ class ManagerDaemon:
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if cfg.tls:
-            self.port = self.grpc.add_secure_port(bind, cfg.tls.grpc_server_credentials())
-        else:
-            self.port = self.grpc.add_insecure_port(bind)
-        if self.port == 0:
+        try:
+            self.host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
+        except (OSError, ValueError):
             self.store.close(snapshot=False)
-            raise OSError(f"--listen: cannot bind {cfg.listen} (in use or not a local address)")
-        self.host = host
+            raise
         self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,
                                  heartbeat_s=cfg.heartbeat_s, misses=cfg.heartbeat_misses,
                                  job_timeout_s=cfg.job_timeout_s, clock=self.clock)
@@ -197,17 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         daemon = ManagerDaemon(config_from_args(args))
     except (ValueError, TypeError, OSError, StateError) as e:
         parser.exit(2, f"cachemanager: error: {e}\n")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    daemon.start()
-    # Tests and scripts read this line to learn the bound port.
-    print(f"READY {daemon.address}", flush=True)
-    while not stop.wait(0.5):
-        pass
-    log.info("signal received, draining")
-    daemon.stop(grace=args.drain_seconds)
-    return 0
+    return run_until_signal(daemon.start, lambda: daemon.stop(grace=args.drain_seconds),
+                            lambda: daemon.address)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""What both daemons (cacheserver, cachemanager) share: binding the gRPC port
+and running in the foreground until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from .tls import TlsFiles
+
+log = logging.getLogger("mlcache")
+
+
+def split_hostport(addr: str, what: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{what}: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def bind_grpc(server: grpc.Server, listen: str, tls: TlsFiles | None) -> tuple[str, int]:
+    """Bind `listen` (port 0: any free port); returns (host, bound port)."""
+    host, port = split_hostport(listen, "--listen")
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls:
+        bound = server.add_secure_port(bind, tls.grpc_server_credentials())
+    else:
+        bound = server.add_insecure_port(bind)
+    if bound == 0:
+        raise OSError(f"--listen: cannot bind {listen} (in use or not a local address)")
+    return host, bound
+
+
+def run_until_signal(start: Callable[[], None], stop: Callable[[], None], address: Callable[[], str]) -> int:
+    """Start, print `READY host:port` (scripts and tests read it), wait for
+    SIGTERM or SIGINT, then stop (drain). Returns the exit code, 0."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopping.set())
+    start()
+    print(f"READY {address()}", flush=True)
+    while not stopping.wait(0.5):
+        pass
+    log.info("signal received, draining")
+    stop()
+    return 0
