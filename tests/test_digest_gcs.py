@@ -111,3 +111,36 @@ def test_gcs_files_and_tfrecord(gcs_env: dict[str, str], tmp_path: Path) -> None
 
     p = run_tool(gcs_env, "gs://mlcache-test/nothing-here", "-o", out, "-s", "token=anon", "-q")
     assert p.returncode == 1 and "source not found: gs://mlcache-test/nothing-here" in p.stderr
+
+
+def test_cached_dataset_reads_gs_through_the_cache(gcs_env: dict[str, str], tmp_path: Path) -> None:
+    """A miss reads gs:// through gcsfs; the next epoch is served by the cache.
+    Runs in a subprocess so gcsfs is first imported with the emulator's env set."""
+    pytest.importorskip("torch")
+    fs = gcsfs_core.GCSFileSystem(token="anon", skip_instance_cache=True)
+    fs.mkdir("mlcache-ds")
+    items = {f"mlcache-ds/train/{i:03d}.jpg": os.urandom(1000 + 37 * i) for i in range(40)}
+    fs.pipe(items)
+    out = str(tmp_path / "ds.dig")
+    p = run_tool(gcs_env, "gs://mlcache-ds/train", "-o", out, "-s", "token=anon", "-q")
+    assert p.returncode == 0, p.stderr
+    script = f"""
+import hashlib, json
+from clients.dataset import CachedDataset
+ds = CachedDataset({out!r}, cache_dir={str(tmp_path / 'emb')!r}, capacity="16MB",
+                   storage_options={{"token": "anon"}})
+loader = ds.loader(batch_size=8, seed=0)
+epochs = [sorted(hashlib.sha256(x).hexdigest() for b in loader for x in b) for _ in range(2)]
+st = loader.epoch_stats
+print(json.dumps(dict(epochs=epochs, misses=[s.misses for s in st], hits=[s.hits for s in st])))
+ds.close()
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       cwd=REPO, env={**gcs_env, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    want = sorted(hashlib.sha256(v).hexdigest() for v in items.values())
+    assert res["epochs"] == [want, want]
+    assert res["misses"] == [40, 0] and res["hits"] == [0, 40]
