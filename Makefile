@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench bench-hitpath clean proto
+.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation clean proto
 
 venv: $(STAMP)
 
@@ -23,11 +23,24 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q tests
 
-bench: venv bench-hitpath
+# Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
+bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation
 
 bench-hitpath: venv
 	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
 	$(PY) tools/bench/hitpath
+
+bench-digest: venv
+	$(PY) tools/bench/digest
+
+bench-partial: venv
+	$(PY) tools/bench/partial
+
+bench-epoch: venv
+	$(PY) tools/bench/epoch
+
+bench-allocation: venv
+	$(PY) tools/bench/allocation
 
 proto: venv
 	$(PY) tools/gen_proto.py
