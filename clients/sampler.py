@@ -1,34 +1,85 @@
 """Batch sampler with substitutable hits and co-operative misses (Quiver §4.7, §5.2).
 
-Per epoch the sampler walks a seeded random permutation:
+Each batch is filled with items a cheap batched Lookup found cached first
+(substitutable hits); only the rest are misses, which the loader reads from
+the store and inserts, so that concurrent jobs on the same dataset find them
+as hits (co-operative misses). Per step, while fewer than a batch of known
+hits is ready, the sampler looks up L = lookahead x batch_size pending items:
 
-    pending  = the permutation (items not yet yielded this epoch)
-    step:    window = next L = lookahead x batch_size pending items
-             present = lookup(window)            # cheap batched Lookup
-             ready  += hits of the window, in order
-             misses go to the back of pending    # deferred to a later pass
-             batch  = batch_size items from ready;
-                      if ready runs short, the rest are window misses in
-                      random order (co-operative: concurrent jobs with other
-                      permutations pick other misses, fetch and insert them,
-                      and each finds the others' inserts as hits)
-    repeat until pending and ready are empty.
+    front    the pending items that come first in a circular order of the
+             dataset that every job shares (seeded by the item count only),
+             starting at this job's cursor; they are looked up again every
+             step, hits and misses alike
+    general  the next pending items of this job's own random order of the
+             epoch (rotating; misses go to the back), to find cached items
+             anywhere else
+
+    batch  = known hits first; then misses taken at random from the front
+             (then from the general part)
+
+Why a shared order: with a cache of ~10% of the dataset, an item one job
+fetched lives in the LRU cache for about as long as it takes each job to
+consume 10% of the dataset. If every job picked its misses from its own
+permutation (the paper's sampler), another job would find the item only if
+its own look-ahead happened to pass over it in that time, which with the
+default lookahead of 10 it does only about half the time: 4 jobs read 1.35x
+the dataset from the store per epoch (tools/bench/partial, "walk"). Here the
+jobs pick their misses from the same front of the shared order and
+re-examine that front every step, so they find each other's inserts within a
+step or two and nothing is evicted unread: 1.1-1.2x, the excess being two
+jobs picking the same miss while its read is in flight, which drops as the
+front grows relative to the reads in flight (~1.01x with 20,000 items in
+tools/bench/samplersim; docs/benchmarks.md). Which misses a job picks
+is random per sampler, not derived from the seed, so jobs of a sweep that
+share a seed still pick different ones.
+
+Joining the others: a job whose general look-ups find more hits than its
+front (it started late, or the others ran ahead) moves its front to where
+those hits cluster in the shared order, i.e. to where the others are loading,
+if that is more than two fronts ahead (a job a little behind still meets the
+others' inserts in its own front) and not in an epoch's first steps. An epoch
+starts where the front of the last one had got to, so jobs that went round
+together stay together. Jobs whose speeds differ by more than the cache's
+share of the dataset per epoch drift apart regardless; the front then helps
+less, and staggered jobs fare about as with the paper's sampler (simulated).
+
+Budget: the front gets 90% of the look-ups while re-examining it finds the
+others' inserts, 10% when the general look-ups find more (a cache filled
+earlier, no other job): then the sampler mostly substitutes hits found
+anywhere, as in the paper.
+
+Randomness: a job's epoch is a walk round a dataset-wide circular order,
+shuffled locally within the ~L items of the front (plus whatever hits the
+cache offers), like Quiver's per-chunk shuffling but at a finer grain: an
+item meets much the same neighbours in every epoch. `prefer` (a chunk hint
+from the cache manager: load these first) switches the shared order off and
+walks the job's own permutation as the paper does, taking preferred misses
+first; with no lookup (substitute=False) the epoch is a plain permutation.
 
 Invariants: every item is yielded exactly once per epoch, whatever the cache
 holds or loses; every batch but the last is full; a failed lookup counts as
-all-miss (progress never depends on the cache). Better than the paper's
-sampler in two ways: hits found beyond the current batch are kept for the next
-batches instead of being looked up again, and misses are preferred from the
-chunk being loaded (see `prefer`), so jobs load the next chunk together.
+all-miss (progress never depends on the cache).
 """
 from __future__ import annotations
 
+import os
 import random
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 Lookup = Callable[[Sequence[int]], Sequence[bool]]
+
+# item states within an epoch
+_PENDING, _SEEN, _READY, _DONE = 0, 1, 2, 3   # _SEEN: looked up, was a miss
+FRONT_SHARE = 0.9      # share of the look-ups that re-examine the front while it pays
+GENERAL_SHARE = 0.9    # share that goes to the general scan while the front does not
+SMOOTHING = 0.3        # weight of the latest step in the smoothed hit yields
+JUMP_AFTER = 2         # a jump needs this many general hits within one front's span
+JUMP_COOLDOWN = 2      # steps between jumps
+JUMP_MIN_FRONTS = 2    # and only to a place more than this many fronts ahead
+JUMP_WARMUP = 3        # and not in an epoch's first steps
 
 
 @dataclass
@@ -41,10 +92,11 @@ class SamplerStats:
     planned_hits: int = 0      # items yielded because a lookup found them cached
     planned_misses: int = 0    # items yielded as co-operative misses
     substituted: int = 0       # misses deferred so a cached item could take their place
-    passes: int = 0            # times the walk wrapped around the pending items
+    passes: int = 0            # times the walk wrapped around (front: the shared circle)
+    jumps: int = 0             # times the front moved to where the cache was warm
     lookup_failures: int = 0
     pending_at_end: int = 0
-    history: list = field(default_factory=list)
+    history: list = field(default_factory=list)  # notable events (jumps), as dicts
 
     @property
     def planned_hit_rate(self) -> float:
@@ -71,6 +123,11 @@ class SubstitutableBatchSampler:
         self.on_batch = on_batch
         self.epoch = 0
         self.stats = SamplerStats()
+        self._shared: tuple[array, array] | None = None
+        self._cursor = 0  # where the front had got to in the shared order (carried over)
+        # Which misses this job picks must differ from job to job even when their seeds are
+        # equal (a hyper-parameter sweep often fixes the seed): drawn per sampler, not seeded.
+        self._salt = int.from_bytes(os.urandom(8), "little")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -91,13 +148,56 @@ class SubstitutableBatchSampler:
             raise RuntimeError(f"lookup answered {len(present)} flags for {len(window)} items")
         return present
 
+    def shared_order(self) -> tuple[array, array]:
+        """(order, rank): the circular order all jobs on a dataset of this size share."""
+        if self._shared is None:
+            n = self.n_items
+            order = list(range(n))
+            random.Random(f"mlcache-sampler/shared-order/{n}").shuffle(order)
+            rank = array("q", bytes(8 * n))
+            for r, i in enumerate(order):
+                rank[i] = r
+            self._shared = (array("q", order), rank)
+        return self._shared
+
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
         self.epoch += 1  # a DataLoader that never calls set_epoch still reshuffles
         rng = random.Random(hash((self.seed, epoch)))
+        self.stats = SamplerStats(epoch=epoch)
+        if self.lookup is None:
+            batches = self._plain(rng)
+        elif self.prefer is not None:
+            batches = self._walk(rng)
+        else:
+            batches = self._front(rng)
+        for batch in batches:
+            # A batch is short only when nothing is left: windows hold >= B items otherwise.
+            if len(batch) < self.batch_size and self.drop_last:
+                self.stats.pending_at_end = len(batch)
+                return
+            self.stats.batches += 1
+            self.stats.items += len(batch)
+            if self.on_batch is not None:
+                self.on_batch(batch)
+            yield batch
+
+    # ---- no cache: a plain permutation ----------------------------------
+    def _plain(self, rng: random.Random) -> Iterator[list[int]]:
         order = list(range(self.n_items))
         rng.shuffle(order)
-        stats = self.stats = SamplerStats(epoch=epoch)
+        for k in range(0, len(order), self.batch_size):
+            batch = order[k:k + self.batch_size]
+            self.stats.planned_misses += len(batch)
+            yield batch
+
+    # ---- with a chunk hint: the paper's walk over this job's permutation --
+    def _walk(self, rng: random.Random) -> Iterator[list[int]]:
+        """Windows over the pending items in this job's order; hits are kept, misses
+        deferred to the back; preferred misses fill a short batch first."""
+        stats = self.stats
+        order = list(range(self.n_items))
+        rng.shuffle(order)
         pending: deque[int] = deque(order)
         ready: deque[int] = deque()
         B, L = self.batch_size, self.batch_size * self.lookahead
@@ -115,8 +215,7 @@ class SubstitutableBatchSampler:
                 stats.planned_hits += len(batch)
                 if len(batch) < B and misses:
                     rng.shuffle(misses)  # co-operative: jobs pick different misses
-                    if self.prefer is not None:  # stable sort keeps the random order per group
-                        misses.sort(key=lambda i: not self.prefer(i))
+                    misses.sort(key=lambda i: not self.prefer(i))  # stable: random within groups
                     take = B - len(batch)
                     batch += misses[:take]
                     stats.planned_misses += len(misses[:take])
@@ -129,12 +228,149 @@ class SubstitutableBatchSampler:
             else:
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
                 stats.planned_hits += len(batch)
-            # A batch is short only when nothing is left: windows hold >= B items otherwise.
-            if len(batch) < B and self.drop_last:
-                stats.pending_at_end = len(batch)
-                break
-            stats.batches += 1
-            stats.items += len(batch)
-            if self.on_batch is not None:
-                self.on_batch(batch)
             yield batch
+
+    # ---- default: a shared front plus a general scan ---------------------
+    def _front(self, rng: random.Random) -> Iterator[list[int]]:
+        stats = self.stats
+        n = self.n_items
+        B, L = self.batch_size, self.batch_size * self.lookahead
+        order, rank = self.shared_order()
+        own = list(range(n))
+        rng.shuffle(own)
+        picker = random.Random(f"{self.seed}/{self.stats.epoch}/{self._salt}")
+        general_q: deque[int] = deque(own)   # this job's own order, rotating
+        state = bytearray(n)
+        infront = bytearray(n)               # was taken into the front (stays set once it left)
+        ready: deque[int] = deque()          # known hits, not yet yielded
+        front: list[int] = []                # pending items in shared order from the cursor
+        # an epoch starts where the last one's front had got to: jobs that went round
+        # together stay together (and a new job starts at 0, where others started)
+        cursor = self._cursor % n if n else 0
+        nxt, pulled = cursor, 0              # where the front fills from; how far it went
+        left = n                             # items neither ready nor yielded
+        share = FRONT_SHARE
+        front_yield = general_yield = 0.0    # smoothed hits per look-up
+        since_jump = -JUMP_WARMUP  # epochs end at slightly different times: let the others arrive
+        a = SMOOTHING
+        while left or ready:
+            if len(ready) >= B or not left:
+                batch = [ready.popleft() for _ in range(min(B, len(ready)))]
+                stats.planned_hits += len(batch)
+                self._yielded(batch, state)
+                yield batch
+                continue
+            # front: the first pending items of the shared order from the cursor
+            front = [i for i in front if state[i] <= _SEEN]
+            nf = max(1, round(L * share))
+            while len(front) < nf and pulled < n:
+                i = order[nxt]
+                nxt += 1
+                pulled += 1
+                if nxt == n:
+                    nxt = 0
+                    stats.passes += 1
+                if state[i] <= _SEEN and not infront[i]:
+                    front.append(i)
+                    infront[i] = 1
+            self._cursor = nxt
+            window = front[:nf]
+            # general: the next pending items of this job's own order
+            general: list[int] = []
+            want = min(L - len(window), left - len(window))
+            spins = len(general_q)
+            while len(general) < want and spins > 0:
+                spins -= 1
+                i = general_q.popleft()
+                if state[i] > _SEEN:
+                    continue  # yielded meanwhile: drop it
+                general_q.append(i)  # examined now: to the back
+                if not infront[i]:
+                    general.append(i)
+            if len(general) < want:  # everything left is in the front: look at more of it
+                window = front[:L - len(general)]
+            nw = len(window)
+            looked = window + general
+            rescanned = [state[i] == _SEEN for i in window]
+            present = self._present(looked)
+            stats.looked_up += len(looked)
+            front_misses, general_misses, general_hits = [], [], []
+            rh = rn = gh = gn = 0
+            for k, (i, hit) in enumerate(zip(looked, present)):
+                if k < nw and rescanned[k]:
+                    rn += 1
+                    rh += bool(hit)
+                else:
+                    gn += 1
+                    gh += bool(hit)
+                if hit:
+                    state[i] = _READY
+                    ready.append(i)
+                    left -= 1
+                    if k >= nw:
+                        general_hits.append(i)
+                else:
+                    state[i] = _SEEN
+                    (front_misses if k < nw else general_misses).append(i)
+            # adapt: does re-examining the front pay (others insert there) or is the
+            # cache warm elsewhere (a filled cache, or the other jobs are elsewhere)?
+            if rn:
+                front_yield = (1 - a) * front_yield + a * rh / rn
+            if gn:
+                general_yield = (1 - a) * general_yield + a * gh / gn
+            since_jump += 1
+            elsewhere = general_yield > 2 * front_yield
+            share = 1 - GENERAL_SHARE if elsewhere else FRONT_SHARE
+            # jump only to others well ahead: a job just a little behind them still meets
+            # their inserts in its front, and leaving it would strand its pending items
+            if elsewhere and since_jump > JUMP_COOLDOWN and len(general_hits) >= JUMP_AFTER:
+                span = int(L * FRONT_SHARE * n / max(1, left))  # ranks a full front covers
+                # where the front is: its middle (a few old misses may linger at its start)
+                here = rank[front[len(front) // 2]] if front else cursor
+                to = self._cluster(general_hits, rank, here, n, span)
+                if to is not None and (to - here) % n > JUMP_MIN_FRONTS * span:
+                    stats.history.append(dict(event="jump", batch=stats.batches, left=left, at=here, to=to,
+                                              front_yield=round(front_yield, 4),
+                                              general_yield=round(general_yield, 4)))
+                    cursor = (to - nf // 2) % n  # join the others: the front restarts there
+                    for i in front:
+                        infront[i] = 0
+                    front = []
+                    nxt, pulled = cursor, 0
+                    front_yield = general_yield
+                    since_jump = 0
+                    stats.jumps += 1
+            batch = [ready.popleft() for _ in range(min(B, len(ready)))]
+            stats.planned_hits += len(batch)
+            if len(batch) < B:
+                # co-operative: jobs pick different misses, at random
+                picker.shuffle(front_misses)
+                picker.shuffle(general_misses)
+                misses = front_misses + general_misses
+                take = misses[:B - len(batch)]
+                left -= len(take)
+                batch += take
+                stats.planned_misses += len(take)
+                stats.substituted += len(misses) - len(take)
+            else:
+                stats.substituted += len(front_misses) + len(general_misses)
+            self._yielded(batch, state)
+            yield batch
+
+    @staticmethod
+    def _yielded(batch: list[int], state: bytearray) -> None:
+        for i in batch:
+            state[i] = _DONE
+
+    @staticmethod
+    def _cluster(hits: list[int], rank: array, cursor: int, n: int, span: int) -> int | None:
+        """Rank where most of `hits` lie within `span` ranks (the nearest such place ahead
+        of the cursor), or None if no two do."""
+        rel = sorted((rank[i] - cursor) % n for i in hits)
+        best, at, hi = 1, None, 0
+        for lo in range(len(rel)):
+            while hi < len(rel) and rel[hi] - rel[lo] <= span:
+                hi += 1
+            if hi - lo > best:
+                best, at = hi - lo, rel[lo]
+        return None if at is None else (cursor + at) % n
