@@ -351,7 +351,7 @@ def test_parse_rejects(bad):
 
 def test_token_bucket_paces_reservations():
     b = objstore.TokenBucket(rate=1_000_000, burst=100_000)
-    assert b.reserve(100_000) <= 0          # the burst goes at once
+    assert b.reserve(100_000) <= 1e-6       # the burst goes at once (float rounding aside)
     d = b.reserve(100_000)                  # the next 100 KB waits ~0.1 s
     assert 0.05 < d <= 0.1 + 1e-3
 
