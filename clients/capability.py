@@ -65,9 +65,14 @@ def value_size(item_size: int) -> int:
     return item_size + OVERHEAD
 
 
-def seal(item: Buffer) -> Sealed:
-    """Encrypt an item for the cache; deterministic in the item alone."""
-    K = hashlib.sha256(item).digest()
+def seal(item: Buffer, K: bytes | None = None) -> Sealed:
+    """Encrypt an item for the cache; deterministic in the item alone.
+
+    Pass K only when the caller has just checked SHA-256(item) == K (a store
+    read verified against the digest), to hash the item once, not twice."""
+    if K is None:
+        K = hashlib.sha256(item).digest()
+    _check_k(K)
     ident = item_id(K)
     header = _HEADER.pack(VALUE_VERSION, len(item))
     ct = AESGCM(value_key(K)).encrypt(NONCE, item, ident + header)

@@ -97,6 +97,7 @@ class CachedDataset(_TorchDataset):
         self.cache_spec = cache
         self.counters = SharedCounters()
         self._state: _ProcessState | None = None
+        self._ids: list[bytes | None] | None = None
 
     # ---- pickling: per-process state is rebuilt, the digest travels as bytes
     def __getstate__(self) -> dict:
@@ -104,6 +105,7 @@ class CachedDataset(_TorchDataset):
         state["_state"] = None
         state["embedded"] = None  # owned by the process that started it
         state["coordinator"] = None  # the main process talks to the manager
+        state["_ids"] = None  # cheap to derive again
         # Workers reload the digest from its file (fast), else from its bytes.
         state["digest"] = None if self._digest_path else self.digest.to_bytes()
         return state
@@ -121,8 +123,18 @@ class CachedDataset(_TorchDataset):
 
     # ---- ids ------------------------------------------------------------
     def ids_for(self, indices: Sequence[int]) -> list[bytes]:
-        h = self.digest.hashes
-        return [capability.item_id(h[i].tobytes()) for i in indices]
+        """Cache ids of items, derived once per process and kept (33 bytes an item):
+        the sampler looks each item up several times an epoch."""
+        if self._ids is None:
+            self._ids = [None] * len(self.digest)
+        ids, h = self._ids, self.digest.hashes
+        out = []
+        for i in indices:
+            v = ids[i]
+            if v is None:
+                v = ids[i] = capability.item_id(h[i].tobytes())
+            out.append(v)
+        return out
 
     def lookup(self, indices: Sequence[int]) -> list[bool]:
         """Which items are cached now (the sampler's cheap look-ahead)."""
@@ -142,7 +154,7 @@ class CachedDataset(_TorchDataset):
         st = self._proc()
         n = len(indices)
         keys = [self.digest.hashes[i].tobytes() for i in indices]
-        ids = [capability.item_id(k) for k in keys]
+        ids = self.ids_for(indices)
         out: list[Any] = [None] * n
         values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
         todo, poisoned, cache_bytes = [], set(), 0
@@ -225,7 +237,8 @@ class CachedDataset(_TorchDataset):
             chunk = self.plan.insert_chunk(i)
             if chunk is None:  # the manager gives this part of the dataset no cache space now
                 continue
-            item_id, _, value = capability.seal(item)
+            # _read_store checked SHA-256(item) against the digest when verify_hash is on.
+            item_id, _, value = capability.seal(item, self.digest.sha256(i) if self.verify_hash else None)
             groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
         for (chunk, replace), items in groups.items():
             st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
