@@ -17,8 +17,3 @@ def split_ids(blob: bytes | memoryview, what: str = "ids") -> list[bytes]:
     b = bytes(blob)
     return [b[i:i + ID_LEN] for i in range(0, n, ID_LEN)]
 
-
-def check_id(key: bytes, where: str = "id") -> bytes:
-    if len(key) != ID_LEN:
-        raise BadRequest(f"{where}: expected a {ID_LEN}-byte id, got {len(key)} bytes")
-    return bytes(key)

@@ -66,9 +66,6 @@ class RingClient:
         self.clients[node] = ServerClient(node, **self._client_kw)
         old.close()
 
-    def down(self) -> list[str]:
-        return [n for n in self.ring.nodes if not self._usable(n)]
-
     # ---- fan-out --------------------------------------------------------
     def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss) -> list:
         """Run `call` per server on its share of `keys`; a failed server's share answers `miss`."""
@@ -122,16 +119,6 @@ class RingClient:
 
         self._fanout(keys, call, None)
         return stored[0]
-
-    def for_each_server(self, fn: Callable[[ServerClient], object]) -> dict[str, object]:
-        """Apply a control call to every server; failures are returned, not raised."""
-        results: dict[str, object] = {}
-        for node, c in self.clients.items():
-            try:
-                results[node] = fn(c)
-            except TRANSIENT as e:
-                results[node] = e
-        return results
 
     def close(self) -> None:
         if self._iter_pool is not None:

@@ -33,8 +33,6 @@ from collections.abc import Sequence
 MAGIC = b"MLC1"
 HEADER = struct.Struct("<4sBBHIQ")
 OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL = 1, 2, 3, 4, 5
-OP_NAMES = {OP_LOOKUP: "lookup", OP_GET: "get", OP_PUT: "put", OP_PING: "ping",
-            OP_GET_LOCAL: "get_local"}
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)

@@ -202,7 +202,8 @@ class CachedDataset(_TorchDataset):
                 if claims is not None:
                     claims[p].release()
         store_bytes = sum(len(items[p]) for p in mine)
-        waited = [p for p in range(len(ids)) if p not in set(mine)]
+        won = set(mine)
+        waited = [p for p in range(len(ids)) if p not in won]
         coalesced = 0
         if waited:
             for p in waited:
