@@ -12,6 +12,8 @@ import os
 import queue
 import socket
 import struct
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,6 +23,7 @@ import grpc
 from . import wire
 from .ids import ID_LEN
 from .localread import LocalReader
+from .readpath import LOCAL, ReadPaths
 from .pipeline import pipelined
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
@@ -46,6 +49,9 @@ class ServerClient:
         self._use_dataplane = use_dataplane
         self._local_read = local_read
         self._local: LocalReader | None = None
+        self._db_path: str | None = None  # set when a follower may be opened
+        self._follower_lock = threading.Lock()
+        self.paths = ReadPaths()
         self._executor: ThreadPoolExecutor | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
@@ -76,11 +82,37 @@ class ServerClient:
     def _open_local(self, db_path: str) -> None:
         if not (self._local_read and db_path and os.access(db_path, os.R_OK | os.X_OK)):
             return
+        t = time.perf_counter()
         try:
             self._local = LocalReader(db_path)
-            self.transport = "local"
         except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
             self._local = None
+            return
+        self.paths.follower(time.perf_counter() - t)
+        self._db_path, self.transport = db_path, "local"
+
+    def _follower(self) -> LocalReader | None:
+        """The follower to read from now, per the measured-cost policy (readpath.py)."""
+        if self._db_path is None:
+            return None
+        if not self.paths.use_local():
+            # Dropped, not closed: a get in another thread may still hold it;
+            # the last reference closes it, and nothing is replayed meanwhile.
+            self._local = None
+            return None
+        local = self._local
+        if local is None:
+            with self._follower_lock:
+                if self._local is None:
+                    t = time.perf_counter()
+                    try:
+                        self._local = LocalReader(self._db_path)
+                    except Exception:  # the data dir went away: keep to the socket
+                        self._db_path = None
+                        return None
+                    self.paths.follower(time.perf_counter() - t)
+                local = self._local
+        return local
 
     def _connect(self, target: tuple[str, object]) -> socket.socket:
         kind, addr = target
@@ -153,9 +185,11 @@ class ServerClient:
         if not ids:
             return []
         self._check(ids)
-        if self._dataplane() and self._local is not None:
-            return self._get_local(ids, job)
-        return self._get_remote(ids, job)
+        if self._dataplane():
+            local = self._follower()
+            if local is not None:
+                return self._get_local(local, ids, job)
+        return self._get_timed(ids, job)
 
     def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
                  ) -> Iterator[list[memoryview | None]]:
@@ -164,20 +198,36 @@ class ServerClient:
             self._executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="cache-get")
         return pipelined(lambda b: self.get(b, job), batches, min(depth, MAX_IN_FLIGHT), self._executor)
 
-    def _get_local(self, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
+    def _get_local(self, local: LocalReader, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
         _, present = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)])
         want = [i for i, p in enumerate(present) if p]
         out: list[memoryview | None] = [None] * len(ids)
-        for i, v in zip(want, self._local.read([ids[i] for i in want])):
+        t = time.perf_counter()
+        for i, v in zip(want, local.read([ids[i] for i in want])):
             out[i] = v
         missing = [i for i in want if out[i] is None]
-        if missing and self._local.catch_up():
-            for i, v in zip(missing, self._local.read([ids[i] for i in missing])):
-                out[i] = v
-            missing = [i for i in missing if out[i] is None]
+        if missing:
+            t1 = time.perf_counter()
+            if local.catch_up():
+                t2 = time.perf_counter()
+                self.paths.follower(t2 - t1)
+                for i, v in zip(missing, local.read([ids[i] for i in missing])):
+                    out[i] = v
+                missing = [i for i in missing if out[i] is None]
+                t += t2 - t1  # the catch-up is follower cost, not read time
+                if self.paths.decide() != LOCAL:
+                    self._local = None
+        self.paths.local_read(time.perf_counter() - t, sum(len(out[i]) for i in want if out[i] is not None))
         if missing:  # not visible to the follower yet, or damaged: the server decides
-            for i, v in zip(missing, self._get_remote([ids[i] for i in missing], job, wire.FLAG_COUNTED)):
+            for i, v in zip(missing, self._get_timed([ids[i] for i in missing], job, wire.FLAG_COUNTED)):
                 out[i] = v
+        return out
+
+    def _get_timed(self, ids: Sequence[bytes], job: str, flags: int = 0) -> list[memoryview | None]:
+        t = time.perf_counter()
+        out = self._get_remote(ids, job, flags)
+        if self._db_path is not None:  # only worth measuring where a follower is an option
+            self.paths.remote_read(time.perf_counter() - t, sum(len(v) for v in out if v is not None))
         return out
 
     def _get_remote(self, ids: Sequence[bytes], job: str, flags: int = 0) -> list[memoryview | None]:

@@ -73,6 +73,29 @@ def test_local_reader_sees_writes_made_after_it_opened(server):
         assert [bytes(v) for v in reader.get(later)] == [b"b" * 100] * 5  # falls back or catches up
 
 
+def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(server):
+    # A follower replays every write made since its last catch-up, read or
+    # not (~3 ms/MB): under heavy inserts the socket is cheaper (readpath.py).
+    big = 1 << 20
+    with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
+        warm = ids(2, seed=20)
+        writer.put([(k, b"w" * 100) for k in warm])
+        assert [bytes(v) for v in reader.get(warm)] == [b"w" * 100] * 2
+        assert reader.transport == "local" and reader.paths.state == "local"
+        a, va = ids(40, seed=21), values(40, size=big, seed=21)
+        for i in range(0, 40, 10):
+            writer.put(list(zip(a[i:i + 10], va[i:i + 10])))
+        assert [bytes(v) for v in reader.get(a)] == va  # just opened: served over the socket
+        time.sleep(0.6)  # past the catch-up interval
+        b, vb = ids(40, seed=22), values(40, size=big, seed=22)
+        for i in range(0, 40, 10):
+            writer.put(list(zip(b[i:i + 10], vb[i:i + 10])))
+        assert [bytes(v) for v in reader.get(b[:1])] == vb[:1]  # replays 80 MB to serve 1 MB locally
+        assert reader.paths.state == "remote" and reader.paths.stats.switches == 1
+        assert [bytes(v) for v in reader.get(a + b)] == va + vb  # all over the socket now
+        assert reader.transport == "local"  # the fast path stays available for later
+
+
 def test_restart_keeps_data_and_chunk_refs(tmp_path):
     d = cacheserver(str(tmp_path / "s"))
     d.start()

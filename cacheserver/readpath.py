@@ -1,0 +1,113 @@
+"""Which same-host read path pays: the follower (local) or the socket (remote).
+
+Reading values straight from the server's files (localread.py) costs almost
+nothing per byte, but the follower must replay *every* write the server made
+since it last caught up, whether or not this client ever reads those values.
+Under a read-mostly load that is free. While jobs insert heavily (a partial
+cache, co-operative misses) each job's follower replays all inserts and
+serves few of them: in tools/bench/partial, 1.2 s of catch-up per job bought
+25 MB of local reads that the socket served at ~8 ms/MB. So the client
+measures both paths and keeps the follower only while it pays.
+
+States, per server client (ReadPaths):
+
+  LOCAL   gets ask the server which ids are present and read them from the
+          follower; values it cannot see yet are fetched over the socket
+          (which also measures the socket's cost per byte).
+  REMOTE  gets go over the socket; the follower is dropped, so nothing is
+          replayed.
+
+  LOCAL  -> LOCAL   a window ends (the follower cost MIN_FOLLOWER_S) and
+                    local_pays(): counters restart, hold back to MIN_HOLD
+  LOCAL  -> REMOTE  a window ends and the socket would have been cheaper;
+                    stay remote for `hold` seconds, then double it (to
+                    MAX_HOLD) in case the next try loses again
+  REMOTE -> LOCAL   the hold is over: reopen the follower (its opening replays
+                    the server's live log, and counts as follower cost)
+
+The policy itself, local_pays(), is a pure function of the measured costs.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+MIN_FOLLOWER_S = 0.05  # decide once the follower has cost this much wall time
+MIN_REMOTE_BYTES = 1 << 20  # below this the socket's cost per byte is not measured yet...
+PRIOR_REMOTE_S_PER_BYTE = 1e-9  # ...so assume 1 GB/s (tools/bench/hitpath: Unix socket, idle host)
+MIN_HOLD = 5.0  # reopening a follower replays the live log (~3 ms/MB measured): not too often
+MAX_HOLD = 60.0
+
+LOCAL, REMOTE = "local", "remote"
+
+
+def local_pays(follower_s: float, local_read_s: float, local_bytes: int,
+               remote_s: float, remote_bytes: int) -> bool:
+    """True if the follower (catch-ups + reads) cost no more than the socket
+    would have for the same bytes."""
+    per_byte = remote_s / remote_bytes if remote_bytes >= MIN_REMOTE_BYTES else PRIOR_REMOTE_S_PER_BYTE
+    return follower_s + local_read_s <= local_bytes * per_byte
+
+
+@dataclass
+class PathStats:
+    follower_s: float = 0.0  # opening the follower and catching up
+    local_read_s: float = 0.0
+    local_bytes: int = 0
+    remote_s: float = 0.0
+    remote_bytes: int = 0
+    switches: int = 0  # LOCAL -> REMOTE transitions so far
+
+
+class ReadPaths:
+    """The LOCAL/REMOTE state machine above; thread-safe."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state = LOCAL
+        self.stats = PathStats()
+        self._hold = MIN_HOLD
+        self._until = 0.0
+
+    def use_local(self) -> bool:
+        """Whether this get should try the follower (REMOTE -> LOCAL when the hold is over)."""
+        with self._lock:
+            if self.state == REMOTE and self._clock() >= self._until:
+                self.state = LOCAL
+            return self.state == LOCAL
+
+    def follower(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.follower_s += seconds
+
+    def local_read(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.stats.local_read_s += seconds
+            self.stats.local_bytes += nbytes
+
+    def remote_read(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.stats.remote_s += seconds
+            self.stats.remote_bytes += nbytes
+
+    def decide(self) -> str:
+        """End the window if the follower has cost enough; returns the state to use."""
+        with self._lock:
+            s = self.stats
+            if self.state != LOCAL or s.follower_s < MIN_FOLLOWER_S:
+                return self.state
+            if local_pays(s.follower_s, s.local_read_s, s.local_bytes, s.remote_s, s.remote_bytes):
+                self._hold = MIN_HOLD
+            else:
+                self.state = REMOTE
+                self._until = self._clock() + self._hold
+                self._hold = min(self._hold * 2, MAX_HOLD)
+                s.switches += 1
+            # A new window; the socket's cost is kept, halved, as a running estimate.
+            s.follower_s = s.local_read_s = 0.0
+            s.local_bytes = 0
+            s.remote_s /= 2
+            s.remote_bytes //= 2
+            return self.state

@@ -1,0 +1,86 @@
+"""The same-host read-path policy (cacheserver/readpath.py): pure, no servers."""
+from cacheserver import readpath
+from cacheserver.readpath import LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays
+
+MB = 1 << 20
+
+
+def test_local_pays_compares_follower_cost_with_socket_cost_for_the_same_bytes():
+    # The socket served 100 MB in 0.8 s (8 ms/MB).
+    assert local_pays(0.05, 0.01, 25 * MB, 0.8, 100 * MB) is True      # 60 ms < 200 ms
+    assert local_pays(1.2, 0.05, 25 * MB, 0.8, 100 * MB) is False      # 1.25 s > 200 ms
+    assert local_pays(1.0, 0.0, 0, 0.8, 100 * MB) is False             # nothing served locally
+
+
+def test_local_pays_assumes_a_fast_socket_until_one_is_measured():
+    per_mb = readpath.PRIOR_REMOTE_S_PER_BYTE * MB
+    assert local_pays(0.5 * per_mb * 10, 0.0, 10 * MB, 0.0, 0) is True
+    assert local_pays(2.0 * per_mb * 10, 0.0, 10 * MB, 0.0, 0) is False
+    # too few bytes measured: the prior, not the (slow) measurement
+    assert local_pays(2.0 * per_mb * 10, 0.0, 10 * MB, 100.0, readpath.MIN_REMOTE_BYTES - 1) is False
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_cheap_catch_ups_never_end_a_window():
+    p = ReadPaths(Clock())
+    for _ in range(100):
+        p.follower(MIN_FOLLOWER_S / 1000)
+        p.local_read(0.001, 10 * MB)
+        assert p.decide() == LOCAL
+    assert p.stats.switches == 0
+
+
+def test_costly_follower_switches_to_remote_holds_and_backs_off():
+    clock = Clock()
+    p = ReadPaths(clock)
+    p.remote_read(0.8, 100 * MB)
+    p.follower(1.2)
+    p.local_read(0.01, 25 * MB)
+    assert p.decide() == REMOTE and p.stats.switches == 1
+    assert p.stats.follower_s == 0 and p.stats.remote_bytes == 50 * MB  # new window, halved estimate
+    clock.t += MIN_HOLD - 0.1
+    assert not p.use_local()
+    clock.t += 0.2
+    assert p.use_local() and p.state == LOCAL  # hold over: try the follower again
+    p.follower(1.0)  # the reopen replays the log: it loses again
+    assert p.decide() == REMOTE
+    clock.t += MIN_HOLD + 0.1
+    assert not p.use_local()  # the hold doubled
+    clock.t += MIN_HOLD
+    assert p.use_local()
+    for _ in range(20):  # keeps doubling, up to MAX_HOLD
+        p.follower(1.0)
+        p.decide()
+        clock.t += MAX_HOLD + 0.1
+        assert p.use_local()
+
+
+def test_a_paying_window_resets_the_hold():
+    clock = Clock()
+    p = ReadPaths(clock)
+    p.remote_read(1.0, 10 * MB)
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    clock.t += MIN_HOLD + 0.1
+    assert p.use_local()
+    p.follower(0.1)
+    p.local_read(0.01, 100 * MB)  # the socket would have cost ~5 s for these
+    assert p.decide() == LOCAL
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    clock.t += MIN_HOLD + 0.1
+    assert p.use_local()  # the hold went back to MIN_HOLD
+
+
+def test_decide_waits_until_the_follower_has_cost_enough():
+    p = ReadPaths(Clock())
+    p.remote_read(1.0, 10 * MB)
+    p.follower(MIN_FOLLOWER_S / 2)
+    assert p.decide() == LOCAL and p.stats.follower_s > 0  # window still open
