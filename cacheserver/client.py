@@ -22,6 +22,7 @@ import grpc
 
 from . import wire
 from .ids import ID_LEN
+from .claims import FETCH
 from .localread import LocalReader
 from .readpath import LOCAL, ReadPaths
 from .pipeline import pipelined
@@ -170,15 +171,28 @@ class ServerClient:
             if len(k) != ID_LEN:
                 raise ValueError(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
 
-    def lookup(self, ids: Sequence[bytes], job: str = "") -> bytes:
-        """One byte per id: 1 if present."""
+    def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False) -> bytes:
+        """One byte per id: 1 if present; with `pending`, 2 if absent but another
+        job is reading it from the store (data plane only; gRPC answers 0)."""
         if not ids:
             return b""
         self._check(ids)
         if self._dataplane():
-            _, body = self._call(wire.OP_LOOKUP, job, len(ids), [b"".join(ids)])
+            _, body = self._call(wire.OP_LOOKUP, job, len(ids), [b"".join(ids)],
+                                 wire.FLAG_PENDING if pending else 0)
             return body
         return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).present
+
+    def claim(self, ids: Sequence[bytes], job: str = "") -> bytes:
+        """Claim misses before reading them from the store: one byte per id,
+        claims.FETCH / WAIT / PRESENT. Without the data plane: FETCH for all."""
+        if not ids:
+            return b""
+        self._check(ids)
+        if self._dataplane():
+            _, body = self._call(wire.OP_CLAIM, job, len(ids), [b"".join(ids)])
+            return body
+        return bytes([FETCH]) * len(ids)
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         """Values in id order (zero-copy views of one receive buffer), None for misses."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .chunks import ChunkTable
+from .claims import DEFAULT_TTL, FETCH, PRESENT, WAIT, ClaimTable
 from .counters import Counters
 from .ids import ID_LEN, BadRequest
 from .store import UNTAGGED, Store
@@ -26,7 +27,8 @@ class Limits:
 
 
 class CacheCore:
-    def __init__(self, store: Store, counters: Counters, limits: Limits = Limits()) -> None:
+    def __init__(self, store: Store, counters: Counters, limits: Limits = Limits(),
+                 claim_ttl: float = DEFAULT_TTL) -> None:
         self.store = store
         self.counters = counters
         self.limits = limits
@@ -35,6 +37,7 @@ class CacheCore:
         store.set_protector(self.chunks.is_protected)
         self._modes: dict[str, int] = {}
         self._modes_lock = threading.Lock()
+        self.claims = ClaimTable(claim_ttl)
 
     # ---- validation -----------------------------------------------------
     def _check_ids(self, ids: Sequence[bytes]) -> None:
@@ -48,14 +51,26 @@ class CacheCore:
         return bool(job) and self._modes.get(job, NORMAL) == BYPASS
 
     # ---- data operations ------------------------------------------------
-    def lookup(self, job: str, ids: Sequence[bytes]) -> bytes:
+    def lookup(self, job: str, ids: Sequence[bytes], pending: bool = False) -> bytes:
+        """1 present / 0 absent per id; with `pending`, 2 for absent ids another
+        job is reading from the store now (claims.py)."""
         self._check_ids(ids)
         if self.bypassed(job):
             self.counters.add_many({"lookups": len(ids), "bypassed": len(ids)})
             return bytes(len(ids))
         present = self.store.contains(ids)
         self.counters.add_many({"lookups": len(ids), "lookup_hits": present.count(1)})
-        return present
+        return self.claims.pending(job, ids, present) if pending else present
+
+    def claim(self, job: str, ids: Sequence[bytes]) -> bytes:
+        """Before reading misses from the store: FETCH/WAIT/PRESENT per id (claims.py)."""
+        self._check_ids(ids)
+        if self.bypassed(job):  # a bypassing job inserts nothing, so it claims nothing
+            return bytes([FETCH]) * len(ids)
+        out = self.claims.claim(job, ids, self.store.contains(ids))
+        self.counters.add_many({"claims_granted": out.count(FETCH), "claims_waited": out.count(WAIT),
+                                "claims_present": out.count(PRESENT)})
+        return out
 
     def get(self, job: str, ids: Sequence[bytes], count: bool = True) -> list[memoryview | None]:
         """Values or None; count=False for the fallback of a get already counted by get_local."""
@@ -107,7 +122,9 @@ class CacheCore:
         self.counters.add("puts", len(items))
         if replace:
             self.counters.add("put_replaced", len(items))
-        return self.store.put_many([(k, v) for k, _, v in items], tag, replace)
+        result = self.store.put_many([(k, v) for k, _, v in items], tag, replace)
+        self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
+        return result
 
     # ---- control --------------------------------------------------------
     def set_job_mode(self, job: str, mode: int) -> int:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from . import logs
+from .claims import DEFAULT_TTL
 from .core import Limits
 from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
@@ -14,6 +15,16 @@ from .sizes import parse_size
 from .tls import TlsFiles
 
 log = logging.getLogger("cacheserver")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-item-size", type=parse_size, default=64 << 20, help="largest accepted value")
     p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
     p.add_argument("--sync-writes", action="store_true", help="fsync each write (survive power loss)")
+    p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",
+                   help="how long a client's claim to be reading a miss from the store makes other "
+                        "jobs wait for its insert (default %(default)s)")
     p.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables mutual TLS")
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA certificate that signs clients (PEM)")
@@ -52,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
         data_listen=None if args.data_listen == "off" else args.data_listen,
         unix_socket=None if args.unix_socket == "off" else args.unix_socket,
-        eviction=args.eviction, sync_writes=args.sync_writes,
+        eviction=args.eviction, sync_writes=args.sync_writes, claim_ttl=args.claim_ttl,
         limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size),
     )
 

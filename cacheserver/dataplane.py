@@ -136,13 +136,16 @@ class DataPlaneServer:
                 raise BadRequest(f"job name length {aux_len} exceeds the body ({body_len} bytes)")
             job = bytes(body[:aux_len]).decode()
             rest = body[aux_len:]
-            if op in (wire.OP_LOOKUP, wire.OP_GET, wire.OP_GET_LOCAL):
+            if op in (wire.OP_LOOKUP, wire.OP_GET, wire.OP_GET_LOCAL, wire.OP_CLAIM):
                 if len(rest) != count * ID_LEN:
                     raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(rest)}")
                 raw = bytes(rest)
                 ids = [raw[i:i + ID_LEN] for i in range(0, len(raw), ID_LEN)]
                 if op != wire.OP_GET:
-                    present = (self.core.lookup if op == wire.OP_LOOKUP else self.core.get_local)(job, ids)
+                    if op == wire.OP_LOOKUP:
+                        present = self.core.lookup(job, ids, pending=bool(flags & wire.FLAG_PENDING))
+                    else:
+                        present = (self.core.get_local if op == wire.OP_GET_LOCAL else self.core.claim)(job, ids)
                     wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, count, count), present])
                 else:
                     self._send_values(conn, self.core.get(job, ids, count=not flags & wire.FLAG_COUNTED))

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from . import wire
+from .claims import FETCH
 from .client import ServerClient
 from .pipeline import pipelined
 from .ring import DEFAULT_VNODES, HashRing
@@ -94,6 +95,14 @@ class RingClient:
 
     def lookup(self, ids: Sequence[bytes], job: str = "") -> list[bool]:
         return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job)], False)
+
+    def lookup_pending(self, ids: Sequence[bytes], job: str = "") -> list[int]:
+        """0 absent / 1 present / 2 absent but being read by another job (claims.PENDING)."""
+        return self._fanout(ids, lambda c, idx: list(c.lookup([ids[i] for i in idx], job, pending=True)), 0)
+
+    def claim(self, ids: Sequence[bytes], job: str = "") -> list[int]:
+        """claims.FETCH / WAIT / PRESENT per id; a server that is down answers FETCH."""
+        return self._fanout(ids, lambda c, idx: list(c.claim([ids[i] for i in idx], job)), FETCH)
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .core import CacheCore, Limits
 from .counters import Counters
 from .dataplane import DataPlaneServer
+from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
 from .logs import event
@@ -42,6 +43,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     sync_writes: bool = False
     grpc_workers: int = 64
+    claim_ttl: float = DEFAULT_TTL
 
 
 class CacheServer:
@@ -56,7 +58,7 @@ class CacheServer:
             sid = uuid.uuid4().hex.encode()
             self.store.put_state("server_id", sid)
         self.server_id = sid.decode()
-        self.core = CacheCore(self.store, self.counters, cfg.limits)
+        self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
 
         opts = [("grpc.max_receive_message_length", cfg.limits.max_batch_bytes + (8 << 20)),
                 ("grpc.max_send_message_length", -1),

@@ -17,8 +17,13 @@ Requests (op):
   PING         body = empty
   GET_LOCAL    as LOOKUP; a same-host reader announces a get whose values it
                reads itself from the store files (cacheserver/localread.py)
+  CLAIM        as LOOKUP; the client is about to read these misses from the
+               store (cacheserver/claims.py)
 Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
-  LOOKUP       body = count bytes, 1 present / 0 absent (GET_LOCAL alike)
+  LOOKUP       body = count bytes, 1 present / 0 absent (GET_LOCAL alike);
+               flag PENDING: 2 for absent ids another job has claimed
+  CLAIM        body = count bytes, 1 FETCH (yours) / 2 WAIT (another job's) /
+               3 PRESENT (already cached)
   GET          body = count x u32 size (MISS = 0xFFFFFFFF) + present values
   PUT          body = 3 x u32: stored, already, rejected_full
   PING         body = the server's instance id (UTF-8)
@@ -32,10 +37,11 @@ from collections.abc import Sequence
 
 MAGIC = b"MLC1"
 HEADER = struct.Struct("<4sBBHIQ")
-OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL = 1, 2, 3, 4, 5
+OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL, OP_CLAIM = 1, 2, 3, 4, 5, 6
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
+FLAG_PENDING = 4  # LOOKUP: answer 2 for absent ids another job is reading from the store
 MISS = 0xFFFFFFFF
 PUT_ENTRY = struct.Struct("<32sQ")
 PUT_RESULT = struct.Struct("<III")

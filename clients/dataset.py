@@ -10,7 +10,11 @@ cache (read the store only; a baseline).
 
 Reads: batched get from the ring; each value is decrypted and verified
 (capability.py); a miss or a poisoned value is read from the store through
-fsspec, sealed, and inserted (overwriting a poisoned one). The object is
+fsspec, sealed, and inserted (overwriting a poisoned one); before reading,
+the misses are claimed on their servers, so that a miss another job is
+already reading is awaited rather than read twice (`claims`; across hosts:
+cacheserver/claims.py; `coalesce` is the same-host flock fallback when
+claims are off). The object is
 picklable: each process (main, every DataLoader worker) opens its own
 connections, filesystem and thread pool on first use.
 """
@@ -18,20 +22,27 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cacheserver.claims import FETCH
 from cacheserver.ringclient import RingClient
 from cacheserver.sizes import parse_size
 
 from . import capability
 from .coalesce import HostCoalescer
+from .sampler import HIT, PENDING
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, read_item
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .stats import SharedCounters
+
+# Longest wait for another job's insert of an item it claimed; a claim expires
+# sooner (claims.DEFAULT_TTL), after which the item is read here.
+CLAIM_WAIT_LIMIT = 30.0
 
 try:  # torch is an extra: the rest of the package works without it
     from torch.utils.data import Dataset as _TorchDataset
@@ -64,7 +75,8 @@ class CachedDataset(_TorchDataset):
                  storage_options: dict | None = None, *,
                  cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
-                 coalesce: bool = True, down_backoff: float = 2.0, n_gpus: int = 1) -> None:
+                 coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
+                 n_gpus: int = 1) -> None:
         self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
@@ -76,6 +88,7 @@ class CachedDataset(_TorchDataset):
         self.insert = insert
         self.fetch_threads = fetch_threads
         self.coalesce = coalesce
+        self.claims = claims
         self.down_backoff = down_backoff
         self.dataset_tag = self.digest.fingerprint.hex()  # the name the manager evicts by
         self.manager = manager
@@ -136,12 +149,15 @@ class CachedDataset(_TorchDataset):
             out.append(v)
         return out
 
-    def lookup(self, indices: Sequence[int]) -> list[bool]:
-        """Which items are cached now (the sampler's cheap look-ahead)."""
+    def lookup(self, indices: Sequence[int]) -> list[int]:
+        """Which items are cached now (the sampler's cheap look-ahead): 1 cached,
+        0 not, 2 (sampler.PENDING) not yet but another job is reading it."""
         ring = self._proc().ring
         if ring is None:
-            return [False] * len(indices)
-        return ring.lookup(self.ids_for(indices), self.job)
+            return [0] * len(indices)
+        if self.claims and self.insert:
+            return ring.lookup_pending(self.ids_for(indices), self.job)
+        return [int(p) for p in ring.lookup(self.ids_for(indices), self.job)]
 
     # ---- reads ----------------------------------------------------------
     def __len__(self) -> int:
@@ -188,8 +204,10 @@ class CachedDataset(_TorchDataset):
 
     def _fill(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
               ) -> tuple[list[bytes], dict[str, int]]:
-        """Fetch misses from the store in parallel and insert them; items read by
-        another process on this host meanwhile are taken from the cache instead."""
+        """Fetch misses from the store in parallel and insert them; items that
+        another job is reading meanwhile are taken from the cache instead."""
+        if self.claims and self.insert and st.ring is not None:
+            return self._fill_claimed(st, indices, ids, poisoned)
         claims = [st.coalescer.claim(k) for k in ids] if st.coalescer else None
         mine = [p for p in range(len(ids)) if claims is None or claims[p].first]
         items: list[bytes | None] = [None] * len(ids)
@@ -219,6 +237,54 @@ class CachedDataset(_TorchDataset):
                 store_bytes += len(data)
             inserted += self._insert(st, [(indices[p], items[p], poisoned[p]) for p in late])
         return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted)
+
+    def _fill_claimed(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
+                      ) -> tuple[list[bytes], dict[str, int]]:
+        """_fill across hosts: claim the misses on their servers (cacheserver/claims.py),
+        read and insert those this job won, and wait for the others' inserts."""
+        n = len(ids)
+        codes = [FETCH] * n
+        # A poisoned value is ours to replace; an item the manager gives no space
+        # will not be inserted, so claiming it would only make others wait.
+        ask = [p for p in range(n) if not poisoned[p] and self.plan.insert_chunk(indices[p]) is not None]
+        for p, c in zip(ask, st.ring.claim([ids[p] for p in ask], self.job)):
+            codes[p] = c
+        items: list[bytes | None] = [None] * n
+        mine = [p for p in range(n) if codes[p] == FETCH]
+        for p, data in zip(mine, self._read_store(st, [indices[p] for p in mine])):
+            items[p] = data
+        inserted = self._insert(st, [(indices[p], items[p], poisoned[p]) for p in mine])
+        store_bytes = sum(len(items[p]) for p in mine)
+        waited = [p for p in range(n) if codes[p] != FETCH]
+        bad = self._await_inserts(st, indices, ids, waited, items)
+        late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
+        for p, data in zip(late, self._read_store(st, [indices[p] for p in late])):
+            items[p] = data
+            store_bytes += len(data)
+        inserted += self._insert(st, [(indices[p], items[p], p in bad) for p in late])
+        return items, dict(store_bytes=store_bytes, coalesced=len(waited) - len(late), inserted=inserted)
+
+    def _await_inserts(self, st: _ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
+                       items: list[bytes | None]) -> set[int]:
+        """Take items from the cache as their claimants insert them; gives up on an
+        item once nobody holds its claim (claims expire). Returns poisoned positions."""
+        bad: set[int] = set()
+        deadline, delay = time.monotonic() + CLAIM_WAIT_LIMIT, 0.002
+        while todo:
+            codes = st.ring.lookup_pending([ids[p] for p in todo], self.job)
+            ready = [p for p, c in zip(todo, codes) if c == HIT]
+            if ready:
+                for p, v in zip(ready, st.ring.get([ids[p] for p in ready], self.job)):
+                    if v is not None:
+                        items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v)
+                        if items[p] is None:
+                            bad.add(p)
+            todo = [p for p, c in zip(todo, codes) if c == PENDING and items[p] is None]
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return bad
 
     def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, checked against the digest (ItemMismatch names a

@@ -69,7 +69,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-Lookup = Callable[[Sequence[int]], Sequence[bool]]
+# A look-up answers per item: 1 (or True) cached, 0 (False) not, PENDING not
+# cached but another job is reading it from the store now (it will be a hit
+# soon, so it is the last choice for a miss).
+Lookup = Callable[[Sequence[int]], Sequence[int]]
+HIT, PENDING = 1, 2
 
 # item states within an epoch
 _PENDING, _SEEN, _READY, _DONE = 0, 1, 2, 3   # _SEEN: looked up, was a miss
@@ -208,14 +212,20 @@ class SubstitutableBatchSampler:
                 pass_left -= len(window)
                 present = self._present(window)
                 stats.looked_up += len(window)
-                misses = []
-                for i, hit in zip(window, present):
-                    (ready if hit else misses).append(i)
+                misses, pending_ = [], set()
+                for i, code in zip(window, present):
+                    if code == HIT:
+                        ready.append(i)
+                    else:
+                        misses.append(i)
+                        if code == PENDING:
+                            pending_.add(i)
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
                 stats.planned_hits += len(batch)
                 if len(batch) < B and misses:
                     rng.shuffle(misses)  # co-operative: jobs pick different misses
-                    misses.sort(key=lambda i: not self.prefer(i))  # stable: random within groups
+                    # stable: random within groups; preferred first, others' reads last
+                    misses.sort(key=lambda i: (not self.prefer(i), i in pending_))
                     take = B - len(batch)
                     batch += misses[:take]
                     stats.planned_misses += len(misses[:take])
@@ -294,9 +304,10 @@ class SubstitutableBatchSampler:
             rescanned = [state[i] == _SEEN for i in window]
             present = self._present(looked)
             stats.looked_up += len(looked)
-            front_misses, general_misses, general_hits = [], [], []
+            front_misses, general_misses, general_hits, others = [], [], [], []
             rh = rn = gh = gn = 0
-            for k, (i, hit) in enumerate(zip(looked, present)):
+            for k, (i, code) in enumerate(zip(looked, present)):
+                hit = code == HIT
                 if k < nw and rescanned[k]:
                     rn += 1
                     rh += bool(hit)
@@ -311,7 +322,10 @@ class SubstitutableBatchSampler:
                         general_hits.append(i)
                 else:
                     state[i] = _SEEN
-                    (front_misses if k < nw else general_misses).append(i)
+                    if code == PENDING:
+                        others.append(i)  # another job is reading it: a hit soon
+                    else:
+                        (front_misses if k < nw else general_misses).append(i)
             # adapt: does re-examining the front pay (others insert there) or is the
             # cache warm elsewhere (a filled cache, or the other jobs are elsewhere)?
             if rn:
@@ -346,14 +360,15 @@ class SubstitutableBatchSampler:
                 # co-operative: jobs pick different misses, at random
                 picker.shuffle(front_misses)
                 picker.shuffle(general_misses)
-                misses = front_misses + general_misses
+                picker.shuffle(others)
+                misses = front_misses + general_misses + others
                 take = misses[:B - len(batch)]
                 left -= len(take)
                 batch += take
                 stats.planned_misses += len(take)
                 stats.substituted += len(misses) - len(take)
             else:
-                stats.substituted += len(front_misses) + len(general_misses)
+                stats.substituted += len(front_misses) + len(general_misses) + len(others)
             self._yielded(batch, state)
             yield batch
 

@@ -85,3 +85,18 @@ def test_drop_last_and_bad_args():
         SubstitutableBatchSampler(10, 0, None)
     with pytest.raises(RuntimeError, match="answered 1 flags for 10"):
         list(SubstitutableBatchSampler(10, 5, lambda idx: [True]))
+
+
+@pytest.mark.parametrize("walk", [False, True])
+def test_misses_another_job_is_reading_are_taken_last(walk):
+    # Look-ups answer 2 (PENDING) for items another job is reading from the store:
+    # they will be hits soon, so a batch that needs misses takes the others first.
+    n, bs = 40, 10
+    being_read = set(range(0, n, 2))
+    s = SubstitutableBatchSampler(n, bs, lambda idx: [2 if i in being_read else 0 for i in idx],
+                                  seed=1, prefer=(lambda i: False) if walk else None)
+    batches, flat = run_epoch(s)
+    assert sorted(flat) == list(range(n))
+    assert not being_read & set(batches[0]) and not being_read & set(batches[1])
+    assert set(batches[2]) | set(batches[3]) == being_read
+    assert s.stats.planned_hits == 0  # PENDING is not a hit

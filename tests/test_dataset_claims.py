@@ -1,0 +1,92 @@
+"""Co-operative misses across hosts: fetch claims on the cache servers
+(cacheserver/claims.py) through CachedDataset. The jobs run with coalesce=False,
+so nothing but the servers' claims can keep them from reading an item twice."""
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import objstore  # noqa: E402
+from test_dataset import make_dataset  # noqa: E402
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.digest import Digest  # noqa: E402
+from procs import cacheserver  # noqa: E402
+
+
+@pytest.fixture
+def slow_store(tmp_path):
+    path, items = make_dataset(tmp_path / "ds", n=40)
+    with objstore.ObjectStore(tmp_path / "ds", latency="300ms") as store:
+        d = Digest.load(path)
+        d.root = store.url  # the same files, served slowly over HTTP
+        url_digest = str(tmp_path / "http.digest")
+        d.save(url_digest)
+        yield store, url_digest, items
+
+
+@pytest.fixture
+def ring(tmp_path):
+    servers = [cacheserver(str(tmp_path / f"s{i}"), "64MB", 0, "--claim-ttl", "2").start() for i in range(2)]
+    yield ",".join(s.address for s in servers)
+    for s in servers:
+        s.kill()
+
+
+def read_together(datasets, indices):
+    """Every dataset reads the same misses at the same moment."""
+    out, barrier = {}, threading.Barrier(len(datasets))
+
+    def run(k, ds):
+        barrier.wait()
+        out[k] = ds.__getitems__(indices)
+
+    ts = [threading.Thread(target=run, args=(k, ds)) for k, ds in enumerate(datasets)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return [out[k] for k in range(len(datasets))]
+
+
+@pytest.mark.parametrize("claims", [True, False])
+def test_concurrent_misses_of_two_jobs_are_read_from_the_store_once(slow_store, ring, claims):
+    store, digest, items = slow_store
+    jobs = [CachedDataset(digest, cache=ring, job=f"j{k}", coalesce=False, claims=claims) for k in range(2)]
+    try:
+        store.reset_stats()
+        idx = list(range(20))
+        for got in read_together(jobs, idx):
+            assert got == [items[i] for i in idx]
+        reads = store.stats()["requests"]
+        if claims:
+            assert reads == 20  # one job read each, the other waited for its insert
+            assert sum(ds.counters.totals()["coalesced"] for ds in jobs) == 20
+        else:
+            assert reads == 40  # the baseline this guards against: both read everything
+    finally:
+        for ds in jobs:
+            ds.close()
+
+
+def test_a_claimant_that_never_inserts_delays_others_only_until_its_claim_expires(slow_store, ring):
+    store, digest, items = slow_store
+    ds = CachedDataset(digest, cache=ring, job="alive", coalesce=False)
+    try:
+        idx = [1, 2, 3]
+        ghost = ds._proc().ring
+        assert ghost.claim(ds.ids_for(idx), "ghost") == [1, 1, 1]  # FETCH: the ghost "reads" them
+        assert ds.lookup(idx) == [2, 2, 2]  # the sampler sees them as PENDING
+        t = time.monotonic()
+        assert ds.__getitems__(idx) == [items[i] for i in idx]
+        waited = time.monotonic() - t
+        assert 1.5 < waited < 10, waited  # --claim-ttl 2, then read here
+        assert ds.lookup(idx) == [1, 1, 1]  # and inserted
+    finally:
+        ds.close()
