@@ -94,3 +94,14 @@ def test_a_bypassing_job_claims_nothing(server):
 def test_without_the_data_plane_every_miss_is_fetched(server):
     with ServerClient(server.address, use_dataplane=False) as c:
         assert c.claim([bytes([7]) * 32], "j") == bytes([FETCH])
+
+
+@pytest.mark.parametrize("bad,why", [("0", "must be positive"), ("-1", "must be positive"),
+                                     ("soon", "expected seconds")])
+def test_claim_ttl_flag_refuses_bad_values_clearly(bad, why, capsys):
+    from cacheserver.daemon import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--data-dir", "d", "--capacity", "1MB", "--claim-ttl", bad])
+    err = capsys.readouterr().err
+    assert "--claim-ttl" in err and why in err
