@@ -85,12 +85,19 @@ class ServerClient:
             return
         t = time.perf_counter()
         try:
-            self._local = LocalReader(db_path)
+            self._local = self._new_follower(db_path)
         except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
             self._local = None
             return
         self.paths.follower(time.perf_counter() - t)
         self._db_path, self.transport = db_path, "local"
+
+    def _new_follower(self, db_path: str) -> LocalReader:
+        try:  # let the server shorten the log the follower replays on opening
+            self._call(wire.OP_OPEN_FOLLOWER, "", 0, [])
+        except wire.RemoteError:  # a server without the op: the replay is only slower
+            pass
+        return LocalReader(db_path)
 
     def _follower(self) -> LocalReader | None:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
@@ -107,7 +114,7 @@ class ServerClient:
                 if self._local is None:
                     t = time.perf_counter()
                     try:
-                        self._local = LocalReader(self._db_path)
+                        self._local = self._new_follower(self._db_path)
                     except Exception:  # the data dir went away: keep to the socket
                         self._db_path = None
                         return None

@@ -6,6 +6,7 @@ item is refused whole, so there are no partial writes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from .ids import ID_LEN, BadRequest
 from .store import UNTAGGED, Store
 
 NORMAL, BYPASS = 0, 1
+FOLLOWER_FLUSH_INTERVAL = 5.0  # seconds between flushes made for opening followers
 MODE_NAMES = {NORMAL: "normal", BYPASS: "bypass"}
 
 
@@ -38,6 +40,8 @@ class CacheCore:
         self._modes: dict[str, int] = {}
         self._modes_lock = threading.Lock()
         self.claims = ClaimTable(claim_ttl)
+        self._follower_lock = threading.Lock()
+        self._last_follower_flush = float("-inf")
 
     # ---- validation -----------------------------------------------------
     def _check_ids(self, ids: Sequence[bytes]) -> None:
@@ -125,6 +129,20 @@ class CacheCore:
         result = self.store.put_many([(k, v) for k, _, v in items], tag, replace)
         self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
         return result
+
+    def open_follower(self) -> bool:
+        """A same-host reader is about to open a follower (localread.py): make
+        its replay short. At most one flush per FOLLOWER_FLUSH_INTERVAL, so
+        readers that reopen often cannot turn the store into a flush loop."""
+        with self._follower_lock:
+            now = time.monotonic()
+            if now - self._last_follower_flush < FOLLOWER_FLUSH_INTERVAL:
+                return False
+            flushed = self.store.flush_for_followers()
+            if flushed:
+                self._last_follower_flush = now
+                self.counters.add("follower_flushes")
+            return flushed
 
     # ---- control --------------------------------------------------------
     def set_job_mode(self, job: str, mode: int) -> int:

@@ -154,6 +154,9 @@ class DataPlaneServer:
                                                           replace=bool(flags & wire.FLAG_REPLACE))
                 wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 3, wire.PUT_RESULT.size),
                                          wire.PUT_RESULT.pack(stored, already, rejected)])
+            elif op == wire.OP_OPEN_FOLLOWER:
+                flushed = bytes([self.core.open_follower()])
+                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 0, 1), flushed])
             elif op == wire.OP_PING:
                 inst = self.instance.encode()
                 wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 0, len(inst)), inst])

@@ -29,6 +29,7 @@ from .eviction import EvictionPolicy
 from .record import unwrap, wrap
 
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
+FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
 Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
 UNTAGGED: Tag = ("", -1)
@@ -297,6 +298,18 @@ class Store:
             return {self._tags[tid]: TagUsage(u.items, u.bytes) for tid, u in self._usage.items()}
 
     # ---- server-wide small state ---------------------------------------
+    def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
+        """Flush the memtables (every column family, so the log can go) if they
+        hold at least `min_bytes`. A follower that opens replays the live log
+        (~3 ms/MB measured) and so does every other one; one flush (~2 ms/MB)
+        makes each open ~5 ms instead. Returns whether it flushed."""
+        if self._db.property_int_value("rocksdb.cur-size-all-mem-tables") < min_bytes:
+            return False
+        self._db.flush()
+        self._meta.flush()
+        self._server.flush()
+        return True
+
     def get_state(self, key: str) -> bytes | None:
         return self._server.get(key.encode())
 

@@ -19,6 +19,8 @@ Requests (op):
                reads itself from the store files (cacheserver/localread.py)
   CLAIM        as LOOKUP; the client is about to read these misses from the
                store (cacheserver/claims.py)
+  OPEN_FOLLOWER body = empty; a same-host reader is about to open a follower:
+               the server flushes a large memtable so the follower's replay is short
 Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
   LOOKUP       body = count bytes, 1 present / 0 absent (GET_LOCAL alike);
                flag PENDING: 2 for absent ids another job has claimed
@@ -27,6 +29,7 @@ Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
   GET          body = count x u32 size (MISS = 0xFFFFFFFF) + present values
   PUT          body = 3 x u32: stored, already, rejected_full
   PING         body = the server's instance id (UTF-8)
+  OPEN_FOLLOWER body = 1 byte: 1 if the server flushed
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 
 MAGIC = b"MLC1"
 HEADER = struct.Struct("<4sBBHIQ")
-OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL, OP_CLAIM = 1, 2, 3, 4, 5, 6
+OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL, OP_CLAIM, OP_OPEN_FOLLOWER = 1, 2, 3, 4, 5, 6, 7
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)

@@ -96,6 +96,25 @@ def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costl
         assert reader.transport == "local"  # the fast path stays available for later
 
 
+def test_opening_a_follower_flushes_a_large_memtable_once(server):
+    # Each follower replays the live log when it opens; the server flushes
+    # instead, once, so later followers open without replaying it.
+    with ServerClient(server.address, local_read=False) as writer:
+        ks, vs = ids(12, seed=30), values(12, size=1 << 20, seed=30)
+        for i in range(0, 12, 4):
+            writer.put(list(zip(ks[i:i + 4], vs[i:i + 4])))
+        assert writer.stats().counters["follower_flushes"] == 0
+        with ServerClient(server.address) as one, ServerClient(server.address) as two:
+            assert [bytes(v) for v in one.get(ks)] == vs and one.transport == "local"
+            assert [bytes(v) for v in two.get(ks)] == vs and two.transport == "local"
+        assert writer.stats().counters["follower_flushes"] == 1  # 12 MB: flushed for the first only
+        small = ids(3, seed=31)
+        writer.put([(k, b"s" * 100) for k in small])
+        with ServerClient(server.address) as three:  # within the flush interval: replayed
+            assert [bytes(v) for v in three.get(small)] == [b"s" * 100] * 3
+        assert writer.stats().counters["follower_flushes"] == 1
+
+
 def test_restart_keeps_data_and_chunk_refs(tmp_path):
     d = cacheserver(str(tmp_path / "s"))
     d.start()

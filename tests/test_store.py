@@ -186,3 +186,28 @@ def test_replace_overwrites_and_reaccounts(tmp_path):
     assert bytes(s.get_many([k])[0]) == b"new" * 20
     assert s.items == 1 and s.used == 60 + OVERHEAD
     s.close()
+
+
+def test_flush_for_followers_only_when_the_memtable_is_large(tmp_path):
+    import glob
+
+    from cacheserver.localread import LocalReader
+    from cacheserver.store import FOLLOWER_FLUSH_MIN_BYTES
+
+    s = Store(str(tmp_path / "st"), 1 << 30, make_policy("lru"), Counters())
+    try:
+        s.put_many([(k, b"v" * 1000) for k in ids(10, seed=1)])
+        assert not s.flush_for_followers()  # a small log: a follower replays it quickly
+        big = ids(6, seed=2)
+        s.put_many([(k, os.urandom(FOLLOWER_FLUSH_MIN_BYTES // 4)) for k in big])
+        assert s.flush_for_followers()
+        assert not s.flush_for_followers()  # nothing left in memory
+        logs = glob.glob(os.path.join(s.db_path, "*.log"))
+        assert sum(os.path.getsize(f) for f in logs) < FOLLOWER_FLUSH_MIN_BYTES  # the log went too
+        reader = LocalReader(s.db_path)
+        try:
+            assert all(v is not None for v in reader.read(big))  # flushed data stays readable
+        finally:
+            reader.close()
+    finally:
+        s.close()
