@@ -22,12 +22,11 @@ import grpc
 
 from . import wire
 from .ids import ID_LEN
-from .claims import FETCH
 from .localread import LocalReader
-from .readpath import LOCAL, ReadPaths
 from .pipeline import pipelined
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
+from .readpath import LOCAL, ReadPaths
 from .tls import TlsFiles
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -180,7 +179,7 @@ class ServerClient:
 
     def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False) -> bytes:
         """One byte per id: 1 if present; with `pending`, 2 if absent but another
-        job is reading it from the store (data plane only; gRPC answers 0)."""
+        job is reading it from the store."""
         if not ids:
             return b""
         self._check(ids)
@@ -188,18 +187,19 @@ class ServerClient:
             _, body = self._call(wire.OP_LOOKUP, job, len(ids), [b"".join(ids)],
                                  wire.FLAG_PENDING if pending else 0)
             return body
-        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).present
+        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids), pending=pending),
+                                timeout=self.timeout).present
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> bytes:
         """Claim misses before reading them from the store: one byte per id,
-        claims.FETCH / WAIT / PRESENT. Without the data plane: FETCH for all."""
+        claims.FETCH / WAIT / PRESENT."""
         if not ids:
             return b""
         self._check(ids)
         if self._dataplane():
             _, body = self._call(wire.OP_CLAIM, job, len(ids), [b"".join(ids)])
             return body
-        return bytes([FETCH]) * len(ids)
+        return self.stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).codes
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         """Values in id order (zero-copy views of one receive buffer), None for misses."""

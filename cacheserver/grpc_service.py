@@ -44,7 +44,12 @@ class CacheService(pb_grpc.CacheServicer):
 
     @_statuses
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        return pb.LookupResponse(present=self.core.lookup(request.job, split_ids(request.ids)))
+        return pb.LookupResponse(present=self.core.lookup(request.job, split_ids(request.ids),
+                                                          pending=request.pending))
+
+    @_statuses
+    def Claim(self, request: pb.ClaimRequest, context) -> pb.ClaimResponse:
+        return pb.ClaimResponse(codes=self.core.claim(request.job, split_ids(request.ids)))
 
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetResponse]:
         # A generator cannot use the decorator's abort path before its first

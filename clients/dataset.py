@@ -34,10 +34,10 @@ from cacheserver.sizes import parse_size
 
 from . import capability
 from .coalesce import HostCoalescer
-from .sampler import HIT, PENDING
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, read_item
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
+from .sampler import HIT, PENDING
 from .stats import SharedCounters
 
 # Longest wait for another job's insert of an item it claimed; a claim expires

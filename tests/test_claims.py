@@ -2,10 +2,10 @@
 import time
 
 import pytest
+from procs import cacheserver
 
 from cacheserver.claims import FETCH, PENDING, PRESENT, WAIT, ClaimTable
 from cacheserver.client import ServerClient
-from procs import cacheserver
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 
@@ -67,7 +67,7 @@ def server(tmp_path):
     d.kill()
 
 
-@pytest.mark.parametrize("transport", [dict(), dict(prefer_unix=False)])
+@pytest.mark.parametrize("transport", [dict(), dict(prefer_unix=False), dict(use_dataplane=False)])
 def test_claims_over_the_data_plane(server, transport):
     ids = [bytes([i]) * 32 for i in range(1, 5)]
     with ServerClient(server.address, **transport) as one, ServerClient(server.address, **transport) as two:
@@ -89,11 +89,6 @@ def test_a_bypassing_job_claims_nothing(server):
         c.set_job_mode("bulk", 1)
         assert c.claim(ids, "bulk") == bytes([FETCH])
         assert c.claim(ids, "other") == bytes([FETCH])  # nothing was recorded
-
-
-def test_without_the_data_plane_every_miss_is_fetched(server):
-    with ServerClient(server.address, use_dataplane=False) as c:
-        assert c.claim([bytes([7]) * 32], "j") == bytes([FETCH])
 
 
 @pytest.mark.parametrize("bad,why", [("0", "must be positive"), ("-1", "must be positive"),

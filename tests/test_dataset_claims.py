@@ -13,11 +13,11 @@ pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import objstore  # noqa: E402
+from procs import cacheserver  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest import Digest  # noqa: E402
-from procs import cacheserver  # noqa: E402
 
 
 @pytest.fixture

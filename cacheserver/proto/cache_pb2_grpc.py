@@ -89,6 +89,11 @@ class CacheStub:
                 request_serializer=cacheserver_dot_proto_dot_cache__pb2.InfoRequest.SerializeToString,
                 response_deserializer=cacheserver_dot_proto_dot_cache__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/mlcache.v1.Cache/Claim',
+                request_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -160,6 +165,13 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Before reading misses from the store (cacheserver/claims.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +229,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=cacheserver_dot_proto_dot_cache__pb2.InfoRequest.FromString,
                     response_serializer=cacheserver_dot_proto_dot_cache__pb2.InfoResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.FromString,
+                    response_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +533,33 @@ class Cache:
             '/mlcache.v1.Cache/Info',
             cacheserver_dot_proto_dot_cache__pb2.InfoRequest.SerializeToString,
             cacheserver_dot_proto_dot_cache__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlcache.v1.Cache/Claim',
+            cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
+            cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
