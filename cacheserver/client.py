@@ -22,7 +22,7 @@ import grpc
 
 from . import wire
 from .ids import ID_LEN
-from .localread import LocalReader
+from .localread import LocalReader, log_bytes
 from .pipeline import pipelined
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
@@ -102,7 +102,8 @@ class ServerClient:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
         if self._db_path is None:
             return None
-        if not self.paths.use_local():
+        log_size = log_bytes(self._db_path) if self.paths.wants_log_size() else None
+        if not self.paths.use_local(log_size):
             # Dropped, not closed: a get in another thread may still hold it;
             # the last reference closes it, and nothing is replayed meanwhile.
             self._local = None

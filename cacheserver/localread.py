@@ -11,6 +11,7 @@ fails its checksum is left for the server to serve.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -22,6 +23,15 @@ from .record import unwrap
 from .store import hot_read_options, tuned_for_reads
 
 CATCH_UP_INTERVAL = 0.5  # seconds; catching up replays the primary's log, ~0.1 s
+
+
+def log_bytes(db_path: str) -> int:
+    """Size of the primary's write-ahead logs: what a follower would replay."""
+    try:
+        with os.scandir(db_path) as it:
+            return sum(e.stat().st_size for e in it if e.name.endswith(".log"))
+    except OSError:
+        return 0
 
 
 class LocalReader:

@@ -22,8 +22,11 @@ States, per server client (ReadPaths):
   LOCAL  -> REMOTE  a window ends and the socket would have been cheaper;
                     stay remote for `hold` seconds, then double it (to
                     MAX_HOLD) in case the next try loses again
-  REMOTE -> LOCAL   the hold is over: reopen the follower (its opening replays
-                    the server's live log, and counts as follower cost)
+  REMOTE -> LOCAL   the hold is over, or the writes stopped: the server's log
+                    grew by less than QUIET_BYTES in QUIET_CHECK seconds (the
+                    client stats the log files; a follower's replay is in
+                    proportion to that growth). Reopen the follower; its
+                    opening counts as follower cost.
 
 The policy itself, local_pays(), is a pure function of the measured costs.
 """
@@ -36,6 +39,8 @@ from dataclasses import dataclass
 MIN_FOLLOWER_S = 0.05  # decide once the follower has cost this much wall time
 MIN_REMOTE_BYTES = 1 << 20  # below this the socket's cost per byte is not measured yet...
 PRIOR_REMOTE_S_PER_BYTE = 1e-9  # ...so assume 1 GB/s (tools/bench/hitpath: Unix socket, idle host)
+QUIET_CHECK = 0.25  # seconds between looks at the server's log while REMOTE
+QUIET_BYTES = 1 << 20  # log growth per look below which the writes count as stopped
 MIN_HOLD = 5.0  # reopening a follower replays the live log (~3 ms/MB measured): not too often
 MAX_HOLD = 60.0
 
@@ -70,12 +75,26 @@ class ReadPaths:
         self.stats = PathStats()
         self._hold = MIN_HOLD
         self._until = 0.0
+        self._log_size: int | None = None  # the server's log size at the last look
+        self._looked_at = 0.0
 
-    def use_local(self) -> bool:
-        """Whether this get should try the follower (REMOTE -> LOCAL when the hold is over)."""
+    def wants_log_size(self) -> bool:
+        """Whether the next use_local() should be given the server's log size."""
+        return self.state == REMOTE and self._clock() - self._looked_at >= QUIET_CHECK
+
+    def use_local(self, log_size: int | None = None) -> bool:
+        """Whether this get should try the follower (REMOTE -> LOCAL, see above)."""
         with self._lock:
-            if self.state == REMOTE and self._clock() >= self._until:
-                self.state = LOCAL
+            if self.state == REMOTE:
+                now = self._clock()
+                if now >= self._until:
+                    self.state = LOCAL
+                elif log_size is not None and now - self._looked_at >= QUIET_CHECK:
+                    last, self._log_size, self._looked_at = self._log_size, log_size, now
+                    # a smaller log was rotated by a flush: all of it is new
+                    grown = None if last is None else log_size - last if log_size >= last else log_size
+                    if grown is not None and grown < QUIET_BYTES:
+                        self.state = LOCAL
             return self.state == LOCAL
 
     def follower(self, seconds: float) -> None:
@@ -102,6 +121,7 @@ class ReadPaths:
                 self._hold = MIN_HOLD
             else:
                 self.state = REMOTE
+                self._log_size, self._looked_at = None, 0.0
                 self._until = self._clock() + self._hold
                 self._hold = min(self._hold * 2, MAX_HOLD)
                 s.switches += 1

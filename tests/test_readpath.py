@@ -84,3 +84,21 @@ def test_decide_waits_until_the_follower_has_cost_enough():
     p.remote_read(1.0, 10 * MB)
     p.follower(MIN_FOLLOWER_S / 2)
     assert p.decide() == LOCAL and p.stats.follower_s > 0  # window still open
+
+
+def test_remote_returns_to_local_early_once_the_servers_log_stops_growing():
+    clock = Clock()
+    p = ReadPaths(clock)
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    assert p.wants_log_size()
+    assert not p.use_local(50 * MB)  # the first look only records the size
+    clock.t += readpath.QUIET_CHECK / 2
+    assert not p.wants_log_size()
+    clock.t += readpath.QUIET_CHECK
+    assert not p.use_local(60 * MB)  # still growing: 10 MB
+    clock.t += readpath.QUIET_CHECK
+    assert not p.use_local(2 * MB)  # rotated by a flush: 2 MB written since
+    clock.t += readpath.QUIET_CHECK
+    assert p.use_local(2 * MB + 1000)  # quiet: the writes stopped, long before the hold ends
+    assert p.state == LOCAL
