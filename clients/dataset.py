@@ -149,9 +149,16 @@ class CachedDataset(_TorchDataset):
             out.append(v)
         return out
 
-    def lookup(self, indices: Sequence[int]) -> list[int]:
-        """Which items are cached now (the sampler's cheap look-ahead): 1 cached,
-        0 not, 2 (sampler.PENDING) not yet but another job is reading it."""
+    def lookup(self, indices: Sequence[int]) -> list[bool]:
+        """Which items are cached now."""
+        ring = self._proc().ring
+        if ring is None:
+            return [False] * len(indices)
+        return ring.lookup(self.ids_for(indices), self.job)
+
+    def lookup_codes(self, indices: Sequence[int]) -> list[int]:
+        """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (sampler.PENDING)
+        not yet, but another job is reading it from the store now."""
         ring = self._proc().ring
         if ring is None:
             return [0] * len(indices)

@@ -62,7 +62,7 @@ class CachedLoader(DataLoader):
 def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
                 substitute: bool = True, **kwargs) -> CachedLoader:
     coord = ds.coordinator
-    sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup if substitute else None,
+    sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
                                         seed=seed, lookahead=lookahead,
                                         prefer=coord.prefer if coord else None,
                                         on_batch=coord.consumed if coord else None)
