@@ -82,21 +82,23 @@ class ServerClient:
     def _open_local(self, db_path: str) -> None:
         if not (self._local_read and db_path and os.access(db_path, os.R_OK | os.X_OK)):
             return
-        t = time.perf_counter()
         try:
             self._local = self._new_follower(db_path)
         except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
             self._local = None
             return
-        self.paths.follower(time.perf_counter() - t)
         self._db_path, self.transport = db_path, "local"
 
     def _new_follower(self, db_path: str) -> LocalReader:
+        """Open a follower; the time it takes counts as follower cost (readpath.py)."""
+        t = time.perf_counter()
         try:  # let the server shorten the log the follower replays on opening
             self._call(wire.OP_OPEN_FOLLOWER, "", 0, [])
         except wire.RemoteError:  # a server without the op: the replay is only slower
             pass
-        return LocalReader(db_path)
+        local = LocalReader(db_path)
+        self.paths.follower(time.perf_counter() - t)
+        return local
 
     def _follower(self) -> LocalReader | None:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
@@ -112,13 +114,11 @@ class ServerClient:
         if local is None:
             with self._follower_lock:
                 if self._local is None:
-                    t = time.perf_counter()
                     try:
                         self._local = self._new_follower(self._db_path)
                     except Exception:  # the data dir went away: keep to the socket
                         self._db_path = None
                         return None
-                    self.paths.follower(time.perf_counter() - t)
                 local = self._local
         return local
 
