@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import grpc
 
 from . import wire
+from .claims import FETCH
 from .ids import ID_LEN
 from .localread import LocalReader, log_bytes
 from .pipeline import pipelined
@@ -52,6 +53,7 @@ class ServerClient:
         self._db_path: str | None = None  # set when a follower may be opened
         self._follower_lock = threading.Lock()
         self.paths = ReadPaths()
+        self._claims_supported = True
         self._executor: ThreadPoolExecutor | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
@@ -197,10 +199,21 @@ class ServerClient:
         if not ids:
             return b""
         self._check(ids)
-        if self._dataplane():
-            _, body = self._call(wire.OP_CLAIM, job, len(ids), [b"".join(ids)])
-            return body
-        return self.stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).codes
+        if self._claims_supported:
+            try:
+                if self._dataplane():
+                    _, body = self._call(wire.OP_CLAIM, job, len(ids), [b"".join(ids)])
+                    return body
+                return self.stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).codes
+            except wire.RemoteError as e:
+                if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
+                    raise
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            # A server from before claims (a ring mid-upgrade): read everything ourselves.
+            self._claims_supported = False
+        return bytes([FETCH]) * len(ids)
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         """Values in id order (zero-copy views of one receive buffer), None for misses."""

@@ -100,3 +100,25 @@ def test_claim_ttl_flag_refuses_bad_values_clearly(bad, why, capsys):
         build_parser().parse_args(["--data-dir", "d", "--capacity", "1MB", "--claim-ttl", bad])
     err = capsys.readouterr().err
     assert "--claim-ttl" in err and why in err
+
+
+def test_a_server_from_before_claims_makes_the_client_read_everything_itself(server, monkeypatch):
+    # A ring mid-upgrade: the old server answers "unknown op" (data plane) or
+    # UNIMPLEMENTED (gRPC); claims then answer FETCH, so nothing waits and nothing fails.
+    from cacheserver import client as client_mod
+    from cacheserver.proto import cache_pb2 as pb
+
+    ids = [bytes([5]) * 32]
+    with ServerClient(server.address) as c:
+        monkeypatch.setattr(client_mod.wire, "OP_CLAIM", 99)  # an op this server does not know
+        assert c.claim(ids, "j") == bytes([FETCH])
+        assert c.claim(ids, "j") == bytes([FETCH])  # remembered: no further attempts
+    monkeypatch.undo()
+    with ServerClient(server.address, use_dataplane=False) as c:
+        c.stub.Claim = c.channel.unary_unary("/mlcache.v1.Cache/NoSuchCall",
+                                             request_serializer=pb.ClaimRequest.SerializeToString,
+                                             response_deserializer=pb.ClaimResponse.FromString)
+        assert c.claim(ids, "j") == bytes([FETCH])
+    with ServerClient(server.address) as c:
+        assert c.claim(ids, "j") == bytes([FETCH])  # the real op: recorded this time
+        assert c.claim(ids, "k") == bytes([WAIT])
