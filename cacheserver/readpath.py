@@ -41,7 +41,7 @@ MIN_REMOTE_BYTES = 1 << 20  # below this the socket's cost per byte is not measu
 PRIOR_REMOTE_S_PER_BYTE = 1e-9  # ...so assume 1 GB/s (tools/bench/hitpath: Unix socket, idle host)
 QUIET_CHECK = 0.25  # seconds between looks at the server's log while REMOTE
 QUIET_BYTES = 1 << 20  # log growth per look below which the writes count as stopped
-MIN_HOLD = 5.0  # reopening a follower replays the live log (~3 ms/MB measured): not too often
+MIN_HOLD = 5.0  # while the writes go on, each reopen starts another losing window: not too often
 MAX_HOLD = 60.0
 
 LOCAL, REMOTE = "local", "remote"
