@@ -219,14 +219,11 @@ class CachedDataset(_TorchDataset):
         mine = [p for p in range(len(ids)) if claims is None or claims[p].first]
         items: list[bytes | None] = [None] * len(ids)
         try:
-            for p, data in zip(mine, self._read_store(st, [indices[p] for p in mine])):
-                items[p] = data
-            inserted = self._insert(st, [(indices[p], items[p], poisoned[p]) for p in mine])
+            store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned)
         finally:
             for p in mine:
                 if claims is not None:
                     claims[p].release()
-        store_bytes = sum(len(items[p]) for p in mine)
         won = set(mine)
         waited = [p for p in range(len(ids)) if p not in won]
         coalesced = 0
@@ -239,10 +236,9 @@ class CachedDataset(_TorchDataset):
                 items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v) if v is not None else None
             coalesced = sum(items[p] is not None for p in waited)
             late = [p for p in waited if items[p] is None]
-            for p, data in zip(late, self._read_store(st, [indices[p] for p in late])):
-                items[p] = data
-                store_bytes += len(data)
-            inserted += self._insert(st, [(indices[p], items[p], poisoned[p]) for p in late])
+            late_bytes, late_inserted = self._read_insert(st, indices, items, late, poisoned)
+            store_bytes += late_bytes
+            inserted += late_inserted
         return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted)
 
     def _fill_claimed(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
@@ -258,18 +254,22 @@ class CachedDataset(_TorchDataset):
             codes[p] = c
         items: list[bytes | None] = [None] * n
         mine = [p for p in range(n) if codes[p] == FETCH]
-        for p, data in zip(mine, self._read_store(st, [indices[p] for p in mine])):
-            items[p] = data
-        inserted = self._insert(st, [(indices[p], items[p], poisoned[p]) for p in mine])
-        store_bytes = sum(len(items[p]) for p in mine)
+        store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned)
         waited = [p for p in range(n) if codes[p] != FETCH]
         bad = self._await_inserts(st, indices, ids, waited, items)
         late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
-        for p, data in zip(late, self._read_store(st, [indices[p] for p in late])):
+        late_bytes, late_inserted = self._read_insert(st, indices, items, late, [p in bad for p in range(n)])
+        return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late),
+                           inserted=inserted + late_inserted)
+
+    def _read_insert(self, st: _ProcessState, indices: list[int], items: list[bytes | None],
+                     positions: list[int], replace: list[bool]) -> tuple[int, int]:
+        """Read items[p] for these positions from the store and insert them (replacing
+        where replace[p]: a poisoned value). Returns (store bytes, inserted)."""
+        for p, data in zip(positions, self._read_store(st, [indices[p] for p in positions])):
             items[p] = data
-            store_bytes += len(data)
-        inserted += self._insert(st, [(indices[p], items[p], p in bad) for p in late])
-        return items, dict(store_bytes=store_bytes, coalesced=len(waited) - len(late), inserted=inserted)
+        inserted = self._insert(st, [(indices[p], items[p], replace[p]) for p in positions])
+        return sum(len(items[p]) for p in positions), inserted
 
     def _await_inserts(self, st: _ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
                        items: list[bytes | None]) -> set[int]:

@@ -212,20 +212,20 @@ class SubstitutableBatchSampler:
                 pass_left -= len(window)
                 present = self._present(window)
                 stats.looked_up += len(window)
-                misses, pending_ = [], set()
+                misses, being_read = [], set()
                 for i, code in zip(window, present):
                     if code == HIT:
                         ready.append(i)
                     else:
                         misses.append(i)
                         if code == PENDING:
-                            pending_.add(i)
+                            being_read.add(i)
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
                 stats.planned_hits += len(batch)
                 if len(batch) < B and misses:
                     rng.shuffle(misses)  # co-operative: jobs pick different misses
                     # stable: random within groups; preferred first, others' reads last
-                    misses.sort(key=lambda i: (not self.prefer(i), i in pending_))
+                    misses.sort(key=lambda i: (not self.prefer(i), i in being_read))
                     take = B - len(batch)
                     batch += misses[:take]
                     stats.planned_misses += len(misses[:take])
@@ -310,10 +310,10 @@ class SubstitutableBatchSampler:
                 hit = code == HIT
                 if k < nw and rescanned[k]:
                     rn += 1
-                    rh += bool(hit)
+                    rh += hit
                 else:
                     gn += 1
-                    gh += bool(hit)
+                    gh += hit
                 if hit:
                     state[i] = _READY
                     ready.append(i)
