@@ -12,6 +12,7 @@ from .core import Limits
 from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
 from .sizes import parse_size
+from .store import DURABILITY
 from .tls import TlsFiles
 
 log = logging.getLogger("cacheserver")
@@ -45,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fallback when full: evict least recently used unreferenced entries, or refuse")
     p.add_argument("--max-item-size", type=parse_size, default=64 << 20, help="largest accepted value")
     p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
-    p.add_argument("--sync-writes", action="store_true", help="fsync each write (survive power loss)")
+    p.add_argument("--durability", default="cache", choices=list(DURABILITY),
+                   help="what a killed server may lose: 'cache' the inserts of its last few seconds "
+                        "(refetched as misses; values skip the RocksDB log, ~2.5x less CPU per insert), "
+                        "'process' nothing acknowledged, 'power' nothing even on power loss (fsync)")
+    p.add_argument("--sync-writes", action="store_true", help="the same as --durability power")
     p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",
                    help="how long a client's claim to be reading a miss from the store makes other "
                         "jobs wait for its insert (default %(default)s)")
@@ -66,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
         data_listen=None if args.data_listen == "off" else args.data_listen,
         unix_socket=None if args.unix_socket == "off" else args.unix_socket,
-        eviction=args.eviction, sync_writes=args.sync_writes, claim_ttl=args.claim_ttl,
+        eviction=args.eviction,
+        durability="power" if args.sync_writes else args.durability, claim_ttl=args.claim_ttl,
         limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size),
     )
 

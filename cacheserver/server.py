@@ -41,7 +41,7 @@ class ServerConfig:
     unix_socket: str | None = "auto"   # "auto": DATA_DIR/data.sock; None: off
     eviction: str = "lru"
     limits: Limits = field(default_factory=Limits)
-    sync_writes: bool = False
+    durability: str = "cache"  # store.DURABILITY
     grpc_workers: int = 64
     claim_ttl: float = DEFAULT_TTL
 
@@ -52,7 +52,7 @@ class CacheServer:
         self.counters = Counters()
         self.instance = uuid.uuid4().hex
         self.store = Store(os.path.join(cfg.data_dir), cfg.capacity, make_policy(cfg.eviction),
-                           self.counters, sync_writes=cfg.sync_writes)
+                           self.counters, durability=cfg.durability)
         sid = self.store.get_state("server_id")
         if sid is None:
             sid = uuid.uuid4().hex.encode()

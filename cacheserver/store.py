@@ -6,9 +6,14 @@ Layout (column families of one RocksDB under DATA_DIR/db):
   meta     id -> size, sequence, chunk, dataset: small, so a restart rebuilds
            the in-memory index and usage without reading values.
   server   server-wide state (server id, chunk table).
-A value and its meta are written in one WriteBatch, so a kill -9 leaves either
-both or neither. Anything that fails its check on read is deleted, counted
-(`corrupt_dropped`) and answered as a miss: corrupt bytes are never served.
+Durability (DURABILITY, --durability): with "process" or "power" a value and
+its meta are written in one logged WriteBatch, so a kill -9 leaves either both
+or neither. With "cache" (the default) the meta is logged first and the value
+written without the log; flusher.py flushes soon after writes pause, and a
+restart drops metas whose value was never flushed (_recover_unflushed), so a
+kill -9 loses at most the last seconds of inserts, as misses. Anything that
+fails its check on read is deleted, counted (`corrupt_dropped`) and answered
+as a miss: corrupt bytes are never served.
 
 Capacity: every entry is charged len(value) + OVERHEAD. Room is reserved under
 a lock before a write starts, so used + reserved never exceeds capacity, also
@@ -19,6 +24,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +32,14 @@ import rocksdict
 
 from .counters import Counters
 from .eviction import EvictionPolicy
+from .flusher import Flusher
 from .record import unwrap, wrap
 
+# What a killed process may lose (--durability): "cache" the values of the last
+# few seconds of inserts (flusher.py; they are misses afterwards, never wrong
+# data), "process" nothing acknowledged, "power" nothing, even on power loss.
+DURABILITY = ("cache", "process", "power")
+DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
@@ -61,9 +73,12 @@ class TagUsage:
 
 class Store:
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
-                 counters: Counters, *, sync_writes: bool = False) -> None:
+                 counters: Counters, *, durability: str = "cache") -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
+        self.durability = durability
         os.makedirs(path, exist_ok=True)
         self.capacity = capacity
         self.policy = policy
@@ -77,6 +92,9 @@ class Store:
         opts.set_paranoid_checks(True)
         opts.set_max_background_jobs(2)
         opts.set_write_buffer_size(64 << 20)
+        # A memtable that fills up flushes every column family at once, so values
+        # and their index entries reach the table files together.
+        opts.set_atomic_flush(True)
         cf_opts = rocksdict.Options(raw_mode=True)
         self.db_path = os.path.abspath(os.path.join(path, "db"))
         self._db = rocksdict.Rdict(self.db_path, tuned_for_reads(opts),
@@ -85,8 +103,17 @@ class Store:
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
         self._meta_cf = self._db.get_column_family_handle("meta")
+        # Index entries, deletes and server state always go through the log; values
+        # skip it with durability "cache" (see DURABILITY and _recover_unflushed).
         self._wopts = rocksdict.WriteOptions()
-        self._wopts.sync = sync_writes
+        self._wopts.sync = durability == "power"
+        self._vopts = self._wopts
+        if durability == "cache":
+            self._vopts = rocksdict.WriteOptions()
+            self._vopts.disable_wal = True
+        self._writing: set[int] = set()  # first sequence numbers of puts being written
+        self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
+        self._last_write = 0.0
 
         # In-memory index: id -> (charge, tag index). Tags are interned.
         self._index: dict[bytes, tuple[int, int]] = {}
@@ -98,6 +125,10 @@ class Store:
         self._reserved = 0
         self._seq = 0
         self._recover()
+        self._flusher = None
+        if durability == "cache":
+            self._set_durable_mark(self._seq)  # all recovered values are in table files now
+            self._flusher = Flusher(self._dirty_state, self.flush)
 
     # ---- recovery -------------------------------------------------------
     def _recover(self) -> None:
@@ -112,6 +143,7 @@ class Store:
                 continue
             entries.append((seq, key, size, (dataset, chunk)))
         entries.sort()
+        entries = self._recover_unflushed(entries)
         for seq, key, size, tag in entries:
             self._index_add(key, size + OVERHEAD, self._tag_id(tag))
             self.policy.admitted(key)
@@ -119,6 +151,37 @@ class Store:
         self.counters.add("recovered_items", len(entries))
         if self.used > self.capacity:  # capacity lowered since last run
             self._evict_for(self.used - self.capacity)
+
+    def _recover_unflushed(self, entries: list) -> list:
+        """Drop index entries whose value a killed process never flushed.
+
+        With durability "cache" the index entry is logged before its value is
+        written unlogged; a value is safe once a flush that started after it
+        completed (the durable mark: every sequence number below it). Only the
+        entries from the mark on are checked, a few seconds of inserts."""
+        raw = self._server.get(DURABLE_MARK_KEY)
+        if raw is None or not entries:
+            return entries
+        mark = struct.unpack("<Q", raw)[0]
+        lost = []
+        for seq, key, _, _ in entries:
+            if seq < mark:
+                continue
+            try:
+                present = self._db.get(key) is not None
+            except Exception:  # RocksDB reports corruption as an exception
+                present = False
+            if not present:
+                lost.append(key)
+        if not lost:
+            return entries
+        self._delete_keys(lost)
+        self.counters.add("recovered_unflushed_dropped", len(lost))
+        gone = set(lost)
+        return [e for e in entries if e[1] not in gone]
+
+    def _set_durable_mark(self, seq: int) -> None:
+        self._server.put(DURABLE_MARK_KEY, struct.pack("<Q", seq), self._wopts)
 
     # ---- index helpers (call with the lock held, or before serving) -----
     def _tag_id(self, tag: Tag) -> int:
@@ -245,18 +308,16 @@ class Store:
             self._pending.update(k for k, _, _ in accepted)
             seq0 = self._seq
             self._seq += len(accepted)
+            if accepted:
+                self._writing.add(seq0)
         try:
             if accepted:
-                wb = rocksdict.WriteBatch(raw_mode=True)
-                ds = tag[0].encode()
-                for i, (key, value, _) in enumerate(accepted):
-                    wb.put(key, wrap(value))
-                    wb.put(key, _META.pack(len(value), seq0 + i, tag[1]) + ds, self._meta_cf)
-                self._db.write(wb, self._wopts)
+                self._write_values(accepted, seq0, tag)
         finally:
             with self._lock:
                 self._reserved -= reserve
                 self._pending.difference_update(k for k, _, _ in accepted)
+                self._writing.discard(seq0)
         with self._lock:
             for key, _, charge in accepted:
                 self._index_add(key, charge, tid)
@@ -265,6 +326,51 @@ class Store:
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
+
+    def _write_values(self, accepted: list, seq0: int, tag: Tag) -> None:
+        ds = tag[0].encode()
+        metas = [(key, _META.pack(len(value), seq0 + i, tag[1]) + ds) for i, (key, value, _) in enumerate(accepted)]
+        if self._vopts is self._wopts:  # one logged batch: both or neither survive a crash
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for (key, value, _), (_, meta) in zip(accepted, metas):
+                wb.put(key, wrap(value))
+                wb.put(key, meta, self._meta_cf)
+            self._db.write(wb, self._wopts)
+            return
+        # durability "cache": the index entry first, logged, so a crash leaves at most
+        # an entry without its value, which _recover_unflushed finds; then the value
+        # unlogged: the log is RocksDB's costliest part of a write (a CRC-32C of every
+        # byte, ~2.5x the CPU of a put here; docs/benchmarks.md).
+        mb = rocksdict.WriteBatch(raw_mode=True)
+        for key, meta in metas:
+            mb.put(key, meta, self._meta_cf)
+        self._db.write(mb, self._wopts)
+        vb = rocksdict.WriteBatch(raw_mode=True)
+        for key, value, _ in accepted:
+            vb.put(key, wrap(value))
+        self._db.write(vb, self._vopts)
+        now = time.monotonic()
+        with self._lock:
+            self._last_write = now
+            if self._dirty_since is None:
+                self._dirty_since = now
+
+    def _dirty_state(self) -> tuple[float | None, float]:
+        with self._lock:
+            return self._dirty_since, self._last_write
+
+    def flush(self) -> None:
+        """Write the memtables to table files; with durability "cache" this makes
+        every value written before the call safe from a crash."""
+        with self._lock:
+            mark = min(self._writing) if self._writing else self._seq
+            self._dirty_since = None  # a write from here on marks it again
+        self._db.flush()
+        self._meta.flush()
+        self._server.flush()
+        if self.durability == "cache":
+            self._set_durable_mark(mark)
+        self.counters.add("flushes")
 
     def _evict_for(self, need: int) -> int:
         """Free at least `need` bytes through the fallback policy (lock held)."""
@@ -305,9 +411,7 @@ class Store:
         makes each open ~5 ms instead. Returns whether it flushed."""
         if self._db.property_int_value("rocksdb.cur-size-all-mem-tables") < min_bytes:
             return False
-        self._db.flush()
-        self._meta.flush()
-        self._server.flush()
+        self.flush()
         return True
 
     def get_state(self, key: str) -> bytes | None:
@@ -317,9 +421,11 @@ class Store:
         self._server.put(key.encode(), value, self._wopts)
 
     def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+        self.flush()
         # Column-family views share the DB handle; drop them so the lock is released.
         self._meta.close()
         self._server.close()
         del self._meta, self._server, self._meta_cf
-        self._db.flush()
         self._db.close()

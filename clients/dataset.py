@@ -35,7 +35,7 @@ from cacheserver.sizes import parse_size
 from . import capability
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
-from .digest import Digest, read_item
+from .digest import Digest, read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .sampler import HIT, PENDING
 from .stats import SharedCounters
@@ -296,11 +296,8 @@ class CachedDataset(_TorchDataset):
     def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, checked against the digest (ItemMismatch names a
         changed item: stale data never reaches training)."""
-        def one(i: int) -> bytes:
-            return read_item(self.digest, i, st.fs, verify=self.verify_hash)
-        if len(indices) <= 1:
-            return [one(i) for i in indices]
-        return list(st.pool.map(one, indices))
+        return read_items(self.digest, indices, st.fs, verify=self.verify_hash,
+                          concurrency=self.fetch_threads, pool=st.pool)
 
     def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
         """Seal and insert (index, item, replace) entries; returns how many were sent."""

@@ -14,3 +14,12 @@ def server(tmp_path):
     d = cacheserver(str(tmp_path / "srv")).start()
     yield d
     d.kill()
+
+
+@pytest.fixture
+def logged_server(tmp_path):
+    """A cacheserver that logs every write (--durability process): its followers
+    replay the values too, which the read-path tests are about."""
+    d = cacheserver(str(tmp_path / "srv"), "1GB", 0, "--durability", "process").start()
+    yield d
+    d.kill()

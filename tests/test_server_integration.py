@@ -73,7 +73,8 @@ def test_local_reader_sees_writes_made_after_it_opened(server):
         assert [bytes(v) for v in reader.get(later)] == [b"b" * 100] * 5  # falls back or catches up
 
 
-def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(server):
+def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(logged_server):
+    server = logged_server
     # A follower replays every write made since its last catch-up, read or
     # not (~3 ms/MB): under heavy inserts the socket is cheaper (readpath.py).
     big = 1 << 20
@@ -96,7 +97,8 @@ def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costl
         assert reader.transport == "local"  # the fast path stays available for later
 
 
-def test_opening_a_follower_flushes_a_large_memtable_once(server):
+def test_opening_a_follower_flushes_a_large_memtable_once(logged_server):
+    server = logged_server
     # Each follower replays the live log when it opens; the server flushes
     # instead, once, so later followers open without replaying it.
     with ServerClient(server.address, local_read=False) as writer:
@@ -138,25 +140,31 @@ def test_restart_keeps_data_and_chunk_refs(tmp_path):
         d2.kill()
 
 
-def test_kill9_recovery_serves_only_whole_values(tmp_path):
-    d = cacheserver(str(tmp_path / "k")).start()
-    acked: dict[bytes, bytes] = {}
-    stop = threading.Event()
-
-    def writer(seed):
-        rng = random.Random(seed)
-        with ServerClient(d.address, local_read=False) as c:
-            for _ in range(2000):
-                if stop.is_set():
-                    return
-                batch = [(rng.randbytes(32), rng.randbytes(rng.randint(1, 50_000))) for _ in range(8)]
-                try:
-                    c.put(batch)
-                except Exception:
-                    return  # the server died under us: unacknowledged, may or may not be there
+def _put_until_stopped(address: str, seed: int, stop: threading.Event, tried: dict | None = None,
+                       acked: dict | None = None) -> None:
+    """Put random batches until stopped or the server dies; records what it tried and what was acknowledged."""
+    rng = random.Random(seed)
+    with ServerClient(address, local_read=False) as c:
+        for _ in range(2000):
+            if stop.is_set():
+                return
+            batch = [(rng.randbytes(32), rng.randbytes(rng.randint(1, 50_000))) for _ in range(8)]
+            if tried is not None:
+                tried.update(batch)
+            try:
+                c.put(batch)
+            except Exception:
+                return  # the server died under us: unacknowledged, may or may not be there
+            if acked is not None:
                 acked.update(batch)
 
-    threads = [threading.Thread(target=writer, args=(s,)) for s in range(4)]
+
+def test_kill9_recovery_serves_only_whole_values(tmp_path):
+    d = cacheserver(str(tmp_path / "k"), "1GB", 0, "--durability", "process").start()
+    acked: dict[bytes, bytes] = {}
+    stop = threading.Event()
+    threads = [threading.Thread(target=_put_until_stopped, args=(d.address, s, stop), kwargs={"acked": acked})
+               for s in range(4)]
     for t in threads:
         t.start()
     time.sleep(1.5)
@@ -166,7 +174,7 @@ def test_kill9_recovery_serves_only_whole_values(tmp_path):
     for t in threads:
         t.join(20)
     assert len(acked) > 50
-    d2 = cacheserver(str(tmp_path / "k")).start()
+    d2 = cacheserver(str(tmp_path / "k"), "1GB", 0, "--durability", "process").start()
     try:
         with ServerClient(d2.address, local_read=False) as c:
             keys = list(acked)
@@ -177,6 +185,51 @@ def test_kill9_recovery_serves_only_whole_values(tmp_path):
                     assert bytes(v) == acked[k]
             st = c.stats()
             assert st.items >= len(acked) and st.used_bytes <= st.capacity_bytes
+    finally:
+        d2.kill()
+
+
+def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
+    # The default (--durability cache) writes values without the RocksDB log:
+    # a kill -9 may lose the last seconds of inserts, never anything flushed,
+    # and never leaves an index entry without its value (store.py).
+    d = cacheserver(str(tmp_path / "c")).start()
+    early = dict(zip(ids(40, seed=50), values(40, seed=50)))
+    tried: dict[bytes, bytes] = dict(early)
+    stop = threading.Event()
+    with ServerClient(d.address, local_read=False) as c:
+        c.put(list(early.items()))
+        deadline = time.monotonic() + 10
+        while c.stats().counters["flushes"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # writes paused: the flusher writes them to a table file
+        assert c.stats().counters["flushes"] >= 1
+    threads = [threading.Thread(target=_put_until_stopped, args=(d.address, s, stop), kwargs={"tried": tried})
+               for s in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # less than flusher.MAX_AGE_S, with no pause: unflushed inserts at the kill
+    d.proc.kill()
+    d.proc.wait()
+    stop.set()
+    for t in threads:
+        t.join(20)
+    d2 = cacheserver(str(tmp_path / "c")).start()
+    try:
+        with ServerClient(d2.address, local_read=False) as c:
+            st0 = c.stats()
+            assert st0.counters["recovered_unflushed_dropped"] > 0
+            keys, present = list(tried), 0
+            for i in range(0, len(keys), 256):
+                for k, v in zip(keys[i:i + 256], c.get(keys[i:i + 256])):
+                    if k in early:
+                        assert v is not None, "a flushed put was lost"
+                    if v is not None:
+                        assert bytes(v) == tried[k]
+                        present += 1
+            st = c.stats()
+            assert st.counters["corrupt_dropped"] == 0  # no index entry lacked its value
+            assert st.items == present == st0.counters["recovered_items"]
+            assert 40 < present < len(tried) and st.used_bytes <= st.capacity_bytes
     finally:
         d2.kill()
 

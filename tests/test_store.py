@@ -211,3 +211,71 @@ def test_flush_for_followers_only_when_the_memtable_is_large(tmp_path):
             reader.close()
     finally:
         s.close()
+
+
+def test_durability_is_checked_and_named(tmp_path):
+    with pytest.raises(ValueError, match="durability must be one of cache, process, power"):
+        Store(str(tmp_path / "d"), 10**6, LRUPolicy(), Counters(), durability="fast")
+
+
+def test_recovery_drops_an_index_entry_whose_unlogged_value_was_lost(tmp_path):
+    # durability "cache": a kill -9 before the flush leaves the logged meta of a
+    # value that never reached a table file; only entries from the durable mark on
+    # are checked, and those without a value are dropped, not served or counted.
+    from cacheserver.store import _META
+
+    path = str(tmp_path / "u")
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    kept, lost = ids(3, seed=7), ids(1, seed=8)[0]
+    s.put_many([(k, b"k" * 100) for k in kept], tag=("ds", 0))
+    s._meta.put(lost, _META.pack(100, 10**9, 0) + b"ds")  # as if its value died with the process
+    s.close()
+    s = Store(path, 10**7, LRUPolicy(), Counters())
+    try:
+        assert s.counters["recovered_unflushed_dropped"] == 1 and s.counters["recovered_items"] == 3
+        assert s.contains(kept + [lost]) == b"\x01\x01\x01\x00"
+        assert s.used == 3 * (100 + OVERHEAD)
+        assert [bytes(v) for v in s.get_many(kept)] == [b"k" * 100] * 3
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("durability", ["process", "power"])
+def test_logged_durability_writes_value_and_meta_together(tmp_path, durability):
+    path = str(tmp_path / durability)
+    s = Store(path, 10**7, LRUPolicy(), Counters(), durability=durability)
+    ks = ids(4, seed=9)
+    s.put_many([(k, b"p" * 50) for k in ks])
+    assert s._flusher is None and s._wopts.sync == (durability == "power")
+    s.close()
+    s = Store(path, 10**7, LRUPolicy(), Counters(), durability=durability)
+    try:
+        assert [bytes(v) for v in s.get_many(ks)] == [b"p" * 50] * 4
+    finally:
+        s.close()
+
+
+def test_flush_policy_waits_for_a_pause_or_an_age():
+    from cacheserver.flusher import MAX_AGE_S, QUIET_S, should_flush
+
+    assert not should_flush(100.0, None, 99.0)  # nothing unflushed
+    assert not should_flush(100.0, 99.9, 99.95)  # writes going on, young
+    assert should_flush(100.0, 99.0, 100.0 - QUIET_S)  # writes paused
+    assert should_flush(100.0, 100.0 - MAX_AGE_S, 100.0)  # never paused, but old enough
+    assert not should_flush(100.0, 100.0 - MAX_AGE_S + 0.01, 99.99)
+
+
+def test_the_flusher_flushes_after_writes_pause(tmp_path):
+    import time
+
+    s = Store(str(tmp_path / "f"), 10**7, LRUPolicy(), Counters())
+    try:
+        s.put_many([(k, b"f" * 100) for k in ids(5, seed=10)])
+        deadline = time.monotonic() + 10
+        while s.counters["flushes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.counters["flushes"] == 1 and s._dirty_state()[0] is None
+        time.sleep(0.3)
+        assert s.counters["flushes"] == 1  # nothing new: no more flushes
+    finally:
+        s.close()
