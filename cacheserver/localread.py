@@ -6,8 +6,9 @@ the server still applies bypass mode, counts hits and orders eviction, while
 the bytes never cross a socket. Safe under the security model: the files hold
 only ciphertext under derived ids (docs/security.md), and the reader needs
 file access to the data dir, i.e. the same machine and the server's group.
-A value the follower cannot see yet (written after its last catch-up) or that
-fails its checksum is left for the server to serve.
+A value the follower cannot see yet (written after its last catch-up, or not
+yet flushed: with --durability cache values skip the log the follower
+replays) or that fails its checksum is left for the server to serve.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ Under a read-mostly load that is free. While jobs insert heavily (a partial
 cache, co-operative misses) each job's follower replays all inserts and
 serves few of them: in tools/bench/partial, 1.2 s of catch-up per job bought
 25 MB of local reads that the socket served at ~8 ms/MB. So the client
-measures both paths and keeps the follower only while it pays.
+measures both paths and keeps the follower only while it pays. (With the
+default --durability cache, values skip the log: the follower replays only
+the small index entries and sees values once the server flushes them, so
+catching up stays cheap and this mostly matters with --durability process.)
 
 States, per server client (ReadPaths):
 
