@@ -234,9 +234,18 @@ class ServerClient:
         return pipelined(lambda b: self.get(b, job), batches, min(depth, MAX_IN_FLIGHT), self._executor)
 
     def _get_local(self, local: LocalReader, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
-        _, present = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)])
-        want = [i for i, p in enumerate(present) if p]
+        _, body = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)], wire.FLAG_INLINE)
         out: list[memoryview | None] = [None] * len(ids)
+        if len(body) == len(ids):  # a server from before INLINE: presence bytes
+            want = [i for i, p in enumerate(body) if p]
+        else:  # values the follower cannot see yet (not flushed) came inline
+            want, mv, pos = [], memoryview(body), 4 * len(ids)
+            for i, size in enumerate(struct.unpack_from(f"<{len(ids)}I", body)):
+                if size == wire.LOCAL:
+                    want.append(i)
+                elif size != wire.MISS:
+                    out[i] = mv[pos:pos + size]
+                    pos += size
         t = time.perf_counter()
         for i, v in zip(want, local.read([ids[i] for i in want])):
             out[i] = v

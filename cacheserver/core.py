@@ -103,6 +103,27 @@ class CacheCore:
                                 "local_reads": hits})
         return present
 
+    def get_local_inline(self, job: str, ids: Sequence[bytes]) -> list[memoryview | bool | None]:
+        """get_local for a reader that takes values not flushed yet inline: True
+        for a value to read from the files, the value itself for one only in
+        the memtable (the follower cannot see it), None for a miss."""
+        self._check_ids(ids)
+        if self.bypassed(job):
+            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+            return [None] * len(ids)
+        present, late = self.store.touch_split(ids)
+        out: list[memoryview | bool | None] = [True if p else None for p in present]
+        inline = 0
+        if late:
+            for i, v in zip(late, self.store.get_many([ids[i] for i in late])):
+                out[i] = v  # None: evicted since the look: a miss
+                inline += len(v) if v is not None else 0
+        hits = sum(1 for v in out if v is not None)
+        self.counters.add_many({"gets": len(ids), "get_hits": hits, "get_misses": len(ids) - hits,
+                                "local_reads": present.count(1) - len(late), "local_inline": len(late),
+                                "get_bytes": inline})
+        return out
+
     def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],
             dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
         if len(items) > self.limits.max_batch_items:

@@ -142,6 +142,9 @@ class DataPlaneServer:
                 raw = bytes(rest)
                 ids = [raw[i:i + ID_LEN] for i in range(0, len(raw), ID_LEN)]
                 if op != wire.OP_GET:
+                    if op == wire.OP_GET_LOCAL and flags & wire.FLAG_INLINE:
+                        self._send_values(conn, self.core.get_local_inline(job, ids))
+                        return True
                     if op == wire.OP_LOOKUP:
                         present = self.core.lookup(job, ids, pending=bool(flags & wire.FLAG_PENDING))
                     else:
@@ -170,9 +173,11 @@ class DataPlaneServer:
             self._reply_error(conn, wire.INTERNAL, f"internal error: {e}")
         return True
 
-    def _send_values(self, conn: socket.socket, values: list[memoryview | None]) -> None:
-        sizes = struct.pack(f"<{len(values)}I", *(wire.MISS if v is None else len(v) for v in values))
-        present = [v for v in values if v is not None]
+    def _send_values(self, conn: socket.socket, values: list[memoryview | bool | None]) -> None:
+        """A GET body; True (GET_LOCAL INLINE) is sent as size LOCAL, with no bytes."""
+        sizes = struct.pack(f"<{len(values)}I", *(wire.MISS if v is None else wire.LOCAL if v is True
+                                                  else len(v) for v in values))
+        present = [v for v in values if v is not None and v is not True]
         body_len = len(sizes) + sum(len(v) for v in present)
         wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, len(values), body_len), sizes, *present])
 

@@ -113,6 +113,7 @@ class Store:
             self._vopts.disable_wal = True
         self._writing: set[int] = set()  # first sequence numbers of puts being written
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
+        self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
         self._last_write = 0.0
 
         # In-memory index: id -> (charge, tag index). Tags are interned.
@@ -210,6 +211,7 @@ class Store:
             del self._usage[tid]
         self.used -= charge
         self.policy.removed(key)
+        self._unflushed.pop(key, None)
         return charge
 
     def _delete_keys(self, keys: Iterable[bytes]) -> None:
@@ -234,12 +236,19 @@ class Store:
 
     def touch(self, keys: Sequence[bytes]) -> bytes:
         """Presence flags, counted as accesses by the eviction policy."""
+        return self.touch_split(keys)[0]
+
+    def touch_split(self, keys: Sequence[bytes]) -> tuple[bytes, list[int]]:
+        """touch(), and the positions of present values not flushed yet: a
+        same-host follower cannot read those from the files (durability "cache")."""
         with self._lock:
             present = bytes(1 if k in self._index else 0 for k in keys)
             for k, p in zip(keys, present):
                 if p:
                     self.policy.accessed(k)
-        return present
+            unflushed = self._unflushed
+            late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
+        return present, late
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         """Values (trailer stripped, zero-copy views) or None for misses."""
@@ -351,6 +360,8 @@ class Store:
         self._db.write(vb, self._vopts)
         now = time.monotonic()
         with self._lock:
+            for i, (key, _, _) in enumerate(accepted):
+                self._unflushed[key] = seq0 + i
             self._last_write = now
             if self._dirty_since is None:
                 self._dirty_since = now
@@ -370,6 +381,8 @@ class Store:
         self._server.flush()
         if self.durability == "cache":
             self._set_durable_mark(mark)
+            with self._lock:
+                self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
 
     def _evict_for(self, need: int) -> int:

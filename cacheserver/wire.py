@@ -16,7 +16,8 @@ Requests (op):
                       + count x (32-byte id + u64 size) + the values, concatenated
   PING         body = empty
   GET_LOCAL    as LOOKUP; a same-host reader announces a get whose values it
-               reads itself from the store files (cacheserver/localread.py)
+               reads itself from the store files (cacheserver/localread.py);
+               flag INLINE: send the values it cannot read there yet inline
   CLAIM        as LOOKUP; the client is about to read these misses from the
                store (cacheserver/claims.py)
   OPEN_FOLLOWER body = empty; a same-host reader is about to open a follower:
@@ -24,6 +25,10 @@ Requests (op):
 Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
   LOOKUP       body = count bytes, 1 present / 0 absent (GET_LOCAL alike);
                flag PENDING: 2 for absent ids another job has claimed
+  GET_LOCAL    flag INLINE: as GET, with size LOCAL for a present value the
+               reader is to read from the files; a present value not flushed
+               yet (--durability cache) comes inline. A server from before
+               the flag ignores it and answers count presence bytes.
   CLAIM        body = count bytes, 1 FETCH (yours) / 2 WAIT (another job's) /
                3 PRESENT (already cached)
   GET          body = count x u32 size (MISS = 0xFFFFFFFF) + present values
@@ -45,7 +50,9 @@ OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
 FLAG_PENDING = 4  # LOOKUP: answer 2 for absent ids another job is reading from the store
+FLAG_INLINE = 8  # GET_LOCAL: values not flushed yet come inline (a follower cannot see them)
 MISS = 0xFFFFFFFF
+LOCAL = 0xFFFFFFFE  # GET_LOCAL with INLINE: present, read it from the store files
 PUT_ENTRY = struct.Struct("<32sQ")
 PUT_RESULT = struct.Struct("<III")
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)

@@ -73,6 +73,43 @@ def test_local_reader_sees_writes_made_after_it_opened(server):
         assert [bytes(v) for v in reader.get(later)] == [b"b" * 100] * 5  # falls back or catches up
 
 
+def test_local_reader_gets_unflushed_values_inline_then_reads_them_from_the_files(server):
+    # --durability cache: values reach the files only at a flush; until then the
+    # server sends them with its GET_LOCAL answer, so the reader needs no second call.
+    with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
+        ks, vs = ids(20, seed=40), values(20, size=20_000, seed=40)
+        writer.put(list(zip(ks, vs)))
+        before = writer.stats().counters
+        assert [bytes(v) for v in reader.get(ks)] == vs and reader.transport == "local"
+        mid = writer.stats().counters
+        assert mid["local_inline"] - before["local_inline"] == 20
+        assert mid["get_hits"] - before["get_hits"] == 20 and mid["gets"] - before["gets"] == 20
+        deadline = time.monotonic() + 10
+        while writer.stats().counters["flushes"] == before["flushes"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the writes paused: the flusher writes them to the files
+        time.sleep(0.6)  # past the reader's catch-up interval
+        assert [bytes(v) for v in reader.get(ks)] == vs
+        after = writer.stats().counters
+        assert after["local_inline"] == mid["local_inline"]  # nothing inline any more
+        assert after["local_reads"] - mid["local_reads"] == 20
+        assert [bytes(v) if v is not None else None for v in reader.get(ks[:2] + ids(1, seed=41))] == \
+            vs[:2] + [None]
+
+
+def test_local_reader_understands_a_server_without_inline_values(server):
+    # A server from before FLAG_INLINE ignores the flag and answers presence bytes;
+    # this server does the same when the flag is not sent.
+    with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
+        ks, vs = ids(6, seed=42), values(6, seed=42)
+        writer.put(list(zip(ks, vs)))
+        call = reader._call
+        reader._call = lambda op, job, count, parts, flags=0: call(op, job, count, parts,
+                                                                    flags & ~wire.FLAG_INLINE)
+        got = reader.get(ks + ids(1, seed=43))
+        assert [bytes(v) for v in got[:6]] == vs and got[6] is None and reader.transport == "local"
+        assert writer.stats().counters["local_inline"] == 0
+
+
 def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(logged_server):
     server = logged_server
     # A follower replays every write made since its last catch-up, read or
