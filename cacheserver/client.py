@@ -14,9 +14,9 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -137,30 +137,57 @@ class ServerClient:
             s = self._tls.client_context().wrap_socket(s)
         return s
 
-    @contextmanager
-    def _conn(self):
+    def _send(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
+              flags: int = 0) -> socket.socket:
+        """Send one request on a pooled connection; _recv takes its answer."""
         try:
             s = self._pool.get_nowait()
         except queue.Empty:
             s = self._connect(self._target)
+        jb = job.encode()
+        body_len = len(jb) + sum(len(p) for p in parts)
         try:
-            yield s
+            wire.send_buffers(s, [wire.pack_header(op, len(jb), count, body_len, flags), jb, *parts])
         except BaseException:
             s.close()  # framing state unknown: never reuse
             raise
-        else:
-            self._pool.put(s)
+        return s
 
-    def _call(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
-              flags: int = 0) -> tuple[int, bytes]:
-        jb = job.encode()
-        body_len = len(jb) + sum(len(p) for p in parts)
-        with self._conn() as s:
-            wire.send_buffers(s, [wire.pack_header(op, len(jb), count, body_len, flags), jb, *parts])
+    def _recv(self, s: socket.socket) -> tuple[int, bytes]:
+        try:
             status, aux_len, rcount, rbody = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
             if status != wire.OK:
                 raise wire.RemoteError(status, wire.recv_exact(s, aux_len).decode(errors="replace"))
-            return rcount, wire.recv_exact(s, rbody)
+            body = wire.recv_exact(s, rbody)
+        except BaseException:
+            s.close()  # framing state unknown: never reuse
+            raise
+        self._pool.put(s)
+        return rcount, body
+
+    def _call(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
+              flags: int = 0) -> tuple[int, bytes]:
+        return self._recv(self._send(op, job, count, parts, flags))
+
+    def start(self, op: str, *args) -> "Call | None":
+        """Send the first request of a data-plane `op` ("lookup", "claim", "get" or
+        "put", with that method's arguments) without waiting for its answer:
+        RingClient puts one on every server before it waits for any, instead of
+        a thread per server. Call.result() finishes it. None on gRPC."""
+        if not self._dataplane():
+            return None
+        self._check([k for k, _ in args[0]] if op == "put" else args[0])
+        if op == "lookup":
+            return Call(self, self._lookup_steps(*args))
+        if op == "claim":
+            if not self._claims_supported:
+                return Call.done(bytes([FETCH]) * len(args[0]))
+            return Call(self, self._claim_steps(*args))
+        if op == "get":
+            return Call(self, self._get_steps(*args))
+        if op == "put":
+            return Call(self, self._put_steps(*args))
+        raise ValueError(f"unknown data-plane op {op!r}")
 
     def _ping(self, s: socket.socket) -> str:
         wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
@@ -187,9 +214,7 @@ class ServerClient:
             return b""
         self._check(ids)
         if self._dataplane():
-            _, body = self._call(wire.OP_LOOKUP, job, len(ids), [b"".join(ids)],
-                                 wire.FLAG_PENDING if pending else 0)
-            return body
+            return Call(self, self._lookup_steps(ids, job, pending)).result()
         return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids), pending=pending),
                                 timeout=self.timeout).present
 
@@ -200,14 +225,10 @@ class ServerClient:
             return b""
         self._check(ids)
         if self._claims_supported:
+            if self._dataplane():
+                return Call(self, self._claim_steps(ids, job)).result()
             try:
-                if self._dataplane():
-                    _, body = self._call(wire.OP_CLAIM, job, len(ids), [b"".join(ids)])
-                    return body
                 return self.stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).codes
-            except wire.RemoteError as e:
-                if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
-                    raise
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -221,10 +242,8 @@ class ServerClient:
             return []
         self._check(ids)
         if self._dataplane():
-            local = self._follower()
-            if local is not None:
-                return self._get_local(local, ids, job)
-        return self._get_timed(ids, job)
+            return Call(self, self._get_steps(ids, job)).result()
+        return self._get_grpc(ids, job)
 
     def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
                  ) -> Iterator[list[memoryview | None]]:
@@ -233,8 +252,37 @@ class ServerClient:
             self._executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="cache-get")
         return pipelined(lambda b: self.get(b, job), batches, min(depth, MAX_IN_FLIGHT), self._executor)
 
-    def _get_local(self, local: LocalReader, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
-        _, body = self._call(wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)], wire.FLAG_INLINE)
+    # ---- data-plane steps: generators that yield each request (op, job,
+    # count, parts, flags) and are sent its answer (count, body); Call runs them.
+    def _lookup_steps(self, ids: Sequence[bytes], job: str, pending: bool = False) -> Steps:
+        _, body = yield (wire.OP_LOOKUP, job, len(ids), [b"".join(ids)], wire.FLAG_PENDING if pending else 0)
+        return body
+
+    def _claim_steps(self, ids: Sequence[bytes], job: str) -> Steps:
+        try:
+            _, body = yield (wire.OP_CLAIM, job, len(ids), [b"".join(ids)], 0)
+            return body
+        except wire.RemoteError as e:
+            if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
+                raise
+        # A server from before claims (a ring mid-upgrade): read everything ourselves.
+        self._claims_supported = False
+        return bytes([FETCH]) * len(ids)
+
+    def _put_steps(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str, dataset: str,
+                   chunk: int, replace: bool) -> Steps:
+        ds = dataset.encode()
+        table = b"".join(wire.PUT_ENTRY.pack(k, len(v)) for k, v in items)
+        head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk if dataset else -1)
+        _, body = yield (wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)],
+                         wire.FLAG_REPLACE if replace else 0)
+        return wire.PUT_RESULT.unpack(body)
+
+    def _get_steps(self, ids: Sequence[bytes], job: str) -> Steps:
+        local = self._follower()
+        if local is None:
+            return (yield from self._remote_get_steps(ids, job))
+        _, body = yield (wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)], wire.FLAG_INLINE)
         out: list[memoryview | None] = [None] * len(ids)
         if len(body) == len(ids):  # a server from before INLINE: presence bytes
             want = [i for i, p in enumerate(body) if p]
@@ -263,29 +311,29 @@ class ServerClient:
                     self._local = None
         self.paths.local_read(time.perf_counter() - t, sum(len(out[i]) for i in want if out[i] is not None))
         if missing:  # not visible to the follower yet, or damaged: the server decides
-            for i, v in zip(missing, self._get_timed([ids[i] for i in missing], job, wire.FLAG_COUNTED)):
+            got = yield from self._remote_get_steps([ids[i] for i in missing], job, wire.FLAG_COUNTED)
+            for i, v in zip(missing, got):
                 out[i] = v
         return out
 
-    def _get_timed(self, ids: Sequence[bytes], job: str, flags: int = 0) -> list[memoryview | None]:
+    def _remote_get_steps(self, ids: Sequence[bytes], job: str, flags: int = 0) -> Steps:
+        # Timed from the send: in a ring's fan-out that includes waiting on other
+        # servers' answers, which errs towards keeping the follower.
         t = time.perf_counter()
-        out = self._get_remote(ids, job, flags)
+        count, body = yield (wire.OP_GET, job, len(ids), [b"".join(ids)], flags)
+        sizes = struct.unpack_from(f"<{count}I", body)
+        mv, pos, out = memoryview(body), 4 * count, []
+        for size in sizes:
+            if size == wire.MISS:
+                out.append(None)
+            else:
+                out.append(mv[pos:pos + size])
+                pos += size
         if self._db_path is not None:  # only worth measuring where a follower is an option
             self.paths.remote_read(time.perf_counter() - t, sum(len(v) for v in out if v is not None))
         return out
 
-    def _get_remote(self, ids: Sequence[bytes], job: str, flags: int = 0) -> list[memoryview | None]:
-        if self._target is not None:
-            count, body = self._call(wire.OP_GET, job, len(ids), [b"".join(ids)], flags)
-            sizes = struct.unpack_from(f"<{count}I", body)
-            mv, pos, out = memoryview(body), 4 * count, []
-            for size in sizes:
-                if size == wire.MISS:
-                    out.append(None)
-                else:
-                    out.append(mv[pos:pos + size])
-                    pos += size
-            return out
+    def _get_grpc(self, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
         out = [None] * len(ids)
         for msg in self.stub.Get(pb.GetRequest(job=job, ids=b"".join(ids)), timeout=self.timeout):
             mv, pos = memoryview(msg.data), 0
@@ -302,12 +350,7 @@ class ServerClient:
             return 0, 0, 0
         self._check([k for k, _ in items])
         if self._dataplane():
-            ds = dataset.encode()
-            table = b"".join(wire.PUT_ENTRY.pack(k, len(v)) for k, v in items)
-            head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk if dataset else -1)
-            _, body = self._call(wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)],
-                                 wire.FLAG_REPLACE if replace else 0)
-            return wire.PUT_RESULT.unpack(body)
+            return Call(self, self._put_steps(items, job, dataset, chunk, replace)).result()
         req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1, replace=replace,
                             items=[pb.PutItem(id=k, size=len(v), value=bytes(v)) for k, v in items])
         r = self.stub.Put(req, timeout=self.timeout)
@@ -363,3 +406,59 @@ class ServerClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+Steps = Generator[tuple, tuple[int, bytes], Any]
+
+
+class Call:
+    """One data-plane operation in flight: its first request is sent on creation;
+    result() waits for each answer and sends the next request its steps yield."""
+
+    def __init__(self, client: ServerClient | None, steps: Steps | None) -> None:
+        self._client, self._steps, self._sock = client, steps, None
+        self._done, self._value = False, None
+        if steps is None:
+            return
+        try:
+            req = next(steps)
+        except StopIteration as stop:  # answered without a call
+            self._done, self._value = True, stop.value
+            return
+        self._sock = client._send(*req)
+
+    @classmethod
+    def done(cls, value: Any) -> "Call":
+        c = cls(None, None)
+        c._done, c._value = True, value
+        return c
+
+    def result(self) -> Any:
+        if self._done:
+            return self._value
+        client, steps = self._client, self._steps
+        sock, self._sock = self._sock, None
+        while True:
+            try:
+                answer = client._recv(sock)
+            except wire.RemoteError as e:
+                try:
+                    req = steps.throw(e)  # the steps may handle it (claims on an old server)
+                except StopIteration as stop:
+                    value = stop.value
+                    break
+            else:
+                try:
+                    req = steps.send(answer)
+                except StopIteration as stop:
+                    value = stop.value
+                    break
+            sock = client._send(*req)
+        self._done, self._value = True, value
+        return value
+
+    def abandon(self) -> None:
+        """Drop a call whose answer will not be read: its connection cannot be reused."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

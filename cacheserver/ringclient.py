@@ -10,12 +10,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from . import wire
 from .claims import FETCH
-from .client import ServerClient
+from .client import Call, ServerClient
 from .pipeline import pipelined
 from .ring import DEFAULT_VNODES, HashRing
 
@@ -68,29 +69,60 @@ class RingClient:
         old.close()
 
     # ---- fan-out --------------------------------------------------------
-    def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss) -> list:
-        """Run `call` per server on its share of `keys`; a failed server's share answers `miss`."""
+    def _guarded(self, node: str, fn: Callable[[], None]) -> None:
+        """Run fn; a server that fails is marked down (its share stays a miss)."""
+        try:
+            fn()
+        except wire.RemoteError as e:
+            if e.status == wire.BAD_REQUEST:
+                raise ValueError(str(e)) from None
+            self._failed(node, e)
+        except TRANSIENT as e:
+            self._failed(node, e)
+
+    def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss,
+                start: Callable[[ServerClient, list[int]], Call | None] | None = None,
+                finish: Callable[[list[int], Any], list] | None = None) -> list:
+        """Run `call` per server on its share of `keys`; a failed server's share answers `miss`.
+
+        With `start` (ServerClient.start of the same op) and `finish` (its result
+        to per-id values), data-plane servers get their requests one after another
+        from this thread, and the answers are read after all are sent, so the
+        servers work in parallel without a thread per server."""
         out = [miss] * len(keys)
-        routed = self.ring.route(keys)
+        shares = [(n, idx) for n, idx in self.ring.route(keys).items() if self._usable(n)]
+        if not shares:
+            return out
+
+        def put_out(idx: list[int], values: list) -> None:
+            for i, v in zip(idx, values):
+                out[i] = v
+
+        if start is not None and len(shares) > 1:
+            calls: list[tuple[str, list[int], Call | None]] = []
+            try:
+                for node, idx in shares:
+                    holder: list[Call | None] = []
+                    self._guarded(node, lambda c=self.clients[node], idx=idx, h=holder: h.append(start(c, idx)))
+                    if holder:
+                        calls.append((node, idx, holder[0]))
+                for node, idx, handle in calls:
+                    if handle is None:  # this server is on gRPC: an ordinary call
+                        self._guarded(node, lambda c=self.clients[node], idx=idx: put_out(idx, call(c, idx)))
+                    else:
+                        self._guarded(node, lambda h=handle, idx=idx: put_out(idx, finish(idx, h.result())))
+            finally:
+                for _, _, handle in calls:
+                    if handle is not None:
+                        handle.abandon()  # only those whose answers were never read
+            return out
 
         def run(node: str, idx: list[int]) -> None:
-            if not self._usable(node):
-                return
-            try:
-                for i, v in zip(idx, call(self.clients[node], idx)):
-                    out[i] = v
-            except wire.RemoteError as e:
-                if e.status == wire.BAD_REQUEST:
-                    raise ValueError(str(e)) from None
-                self._failed(node, e)
-            except TRANSIENT as e:
-                self._failed(node, e)
+            self._guarded(node, lambda: put_out(idx, call(self.clients[node], idx)))
 
         # The calling thread serves the largest share itself: one hand-off to the
         # pool fewer per call (each costs a wake-up and a context switch).
-        shares = sorted(routed.items(), key=lambda kv: len(kv[1]))
-        if not shares:
-            return out
+        shares.sort(key=lambda kv: len(kv[1]))
         futures = [self._pool.submit(run, n, idx) for n, idx in shares[:-1]]
         try:
             run(*shares[-1])
@@ -100,18 +132,26 @@ class RingClient:
         return out
 
     def lookup(self, ids: Sequence[bytes], job: str = "") -> list[bool]:
-        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job)], False)
+        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job)], False,
+                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, False),
+                            lambda idx, body: [p == 1 for p in body])
 
     def lookup_pending(self, ids: Sequence[bytes], job: str = "") -> list[int]:
         """0 absent / 1 present / 2 absent but being read by another job (claims.PENDING)."""
-        return self._fanout(ids, lambda c, idx: list(c.lookup([ids[i] for i in idx], job, pending=True)), 0)
+        return self._fanout(ids, lambda c, idx: list(c.lookup([ids[i] for i in idx], job, pending=True)), 0,
+                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, True),
+                            lambda idx, body: list(body))
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> list[int]:
         """claims.FETCH / WAIT / PRESENT per id; a server that is down answers FETCH."""
-        return self._fanout(ids, lambda c, idx: list(c.claim([ids[i] for i in idx], job)), FETCH)
+        return self._fanout(ids, lambda c, idx: list(c.claim([ids[i] for i in idx], job)), FETCH,
+                            lambda c, idx: c.start("claim", [ids[i] for i in idx], job),
+                            lambda idx, body: list(body))
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
-        return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None)
+        return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None,
+                            lambda c, idx: c.start("get", [ids[i] for i in idx], job),
+                            lambda idx, values: values)
 
     def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
                  ) -> Iterator[list[memoryview | None]]:
@@ -132,7 +172,12 @@ class RingClient:
                 stored[0] += s
             return []
 
-        self._fanout(keys, call, None)
+        def finish(idx: list[int], result: tuple[int, int, int]) -> list:
+            stored[0] += result[0]  # this thread only: no lock
+            return []
+
+        self._fanout(keys, call, None,
+                     lambda c, idx: c.start("put", [items[i] for i in idx], job, dataset, chunk, replace), finish)
         return stored[0]
 
     def close(self) -> None:

@@ -102,8 +102,8 @@ def test_local_reader_understands_a_server_without_inline_values(server):
     with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
         ks, vs = ids(6, seed=42), values(6, seed=42)
         writer.put(list(zip(ks, vs)))
-        call = reader._call
-        reader._call = lambda op, job, count, parts, flags=0: call(op, job, count, parts,
+        send = reader._send
+        reader._send = lambda op, job, count, parts, flags=0: send(op, job, count, parts,
                                                                     flags & ~wire.FLAG_INLINE)
         got = reader.get(ks + ids(1, seed=43))
         assert [bytes(v) for v in got[:6]] == vs and got[6] is None and reader.transport == "local"
