@@ -9,6 +9,7 @@ import sys
 from . import logs
 from .claims import DEFAULT_TTL
 from .core import Limits
+from .malloc import keep_freed_memory
 from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
 from .sizes import parse_size
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format)
+    keep_freed_memory()  # before the buffers of the first requests
     try:
         server = CacheServer(config_from_args(args))
     except (ValueError, OSError) as e:
