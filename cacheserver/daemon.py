@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
     p.add_argument("--durability", default="cache", choices=list(DURABILITY),
                    help="what a killed server may lose: 'cache' the inserts of its last few seconds "
-                        "(refetched as misses; values skip the RocksDB log, ~2.5x less CPU per insert), "
+                        "(refetched as misses; values skip the RocksDB log, about half the CPU per insert), "
                         "'process' nothing acknowledged, 'power' nothing even on power loss (fsync)")
     p.add_argument("--sync-writes", action="store_true", help="the same as --durability power")
     p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",

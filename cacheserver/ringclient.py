@@ -81,54 +81,40 @@ class RingClient:
             self._failed(node, e)
 
     def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss,
-                start: Callable[[ServerClient, list[int]], Call | None] | None = None,
-                finish: Callable[[list[int], Any], list] | None = None) -> list:
-        """Run `call` per server on its share of `keys`; a failed server's share answers `miss`.
+                start: Callable[[ServerClient, list[int]], Call | None],
+                finish: Callable[[list[int], Any], list]) -> list:
+        """Each server answers for its share of `keys`; a failed server's share answers `miss`.
 
-        With `start` (ServerClient.start of the same op) and `finish` (its result
-        to per-id values), data-plane servers get their requests one after another
-        from this thread, and the answers are read after all are sent, so the
-        servers work in parallel without a thread per server."""
+        `start` (ServerClient.start of the op) puts the request of each data-plane
+        server on the wire, and `finish` turns the answers into per-id values once
+        all are sent, so those servers work in parallel without a thread each.
+        A server on gRPC (start gives None) gets `call` in a pool thread."""
         out = [miss] * len(keys)
-        shares = [(n, idx) for n, idx in self.ring.route(keys).items() if self._usable(n)]
-        if not shares:
-            return out
 
         def put_out(idx: list[int], values: list) -> None:
             for i, v in zip(idx, values):
                 out[i] = v
 
-        if start is not None and len(shares) > 1:
-            calls: list[tuple[str, list[int], Call | None]] = []
-            try:
-                for node, idx in shares:
-                    holder: list[Call | None] = []
-                    self._guarded(node, lambda c=self.clients[node], idx=idx, h=holder: h.append(start(c, idx)))
-                    if holder:
-                        calls.append((node, idx, holder[0]))
-                for node, idx, handle in calls:
-                    if handle is None:  # this server is on gRPC: an ordinary call
-                        self._guarded(node, lambda c=self.clients[node], idx=idx: put_out(idx, call(c, idx)))
-                    else:
-                        self._guarded(node, lambda h=handle, idx=idx: put_out(idx, finish(idx, h.result())))
-            finally:
-                for _, _, handle in calls:
-                    if handle is not None:
-                        handle.abandon()  # only those whose answers were never read
-            return out
-
-        def run(node: str, idx: list[int]) -> None:
-            self._guarded(node, lambda: put_out(idx, call(self.clients[node], idx)))
-
-        # The calling thread serves the largest share itself: one hand-off to the
-        # pool fewer per call (each costs a wake-up and a context switch).
-        shares.sort(key=lambda kv: len(kv[1]))
-        futures = [self._pool.submit(run, n, idx) for n, idx in shares[:-1]]
+        calls: list[tuple[str, list[int], Call]] = []
+        futures = []
         try:
-            run(*shares[-1])
-        finally:
+            for node, idx in self.ring.route(keys).items():
+                if not self._usable(node):
+                    continue
+                client, started = self.clients[node], []
+                self._guarded(node, lambda c=client, idx=idx: started.append(start(c, idx)))
+                if started and started[0] is not None:
+                    calls.append((node, idx, started[0]))
+                elif started:
+                    futures.append(self._pool.submit(
+                        self._guarded, node, lambda c=client, idx=idx: put_out(idx, call(c, idx))))
+            for node, idx, handle in calls:
+                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, finish(idx, h.result())))
             for f in futures:
                 f.result()
+        finally:
+            for _, _, handle in calls:
+                handle.abandon()  # only those whose answers were never read
         return out
 
     def lookup(self, ids: Sequence[bytes], job: str = "") -> list[bool]:

@@ -349,7 +349,7 @@ class Store:
         # durability "cache": the index entry first, logged, so a crash leaves at most
         # an entry without its value, which _recover_unflushed finds; then the value
         # unlogged: the log is RocksDB's costliest part of a write (a CRC-32C of every
-        # byte, ~2.5x the CPU of a put here; docs/benchmarks.md).
+        # byte: about 2x the server CPU of an insert; tools/bench/misspath).
         mb = rocksdict.WriteBatch(raw_mode=True)
         for key, meta in metas:
             mb.put(key, meta, self._meta_cf)

@@ -211,3 +211,26 @@ def test_loader_with_spawned_workers(tmp_path, data):
         assert loader.epoch_stats[1].hits == len(items)
     finally:
         ds.close()
+
+
+@pytest.mark.parametrize("client_kw", [{}, {"use_dataplane": False}], ids=["dataplane", "grpc"])
+def test_ring_client_fans_out_over_either_transport(ring3, client_kw):
+    # Data-plane servers get their requests pipelined from one thread; servers on
+    # gRPC only get a pool thread each. Either way every op answers per id, in order.
+    import random
+
+    from cacheserver.ringclient import RingClient
+
+    rng = random.Random(5)
+    ids = [rng.randbytes(32) for _ in range(60)]
+    vals = [rng.randbytes(rng.randint(1, 5000)) for _ in range(60)]
+    with RingClient([s.address for s in ring3], **client_kw) as ring:
+        assert len(ring.ring.route(ids)) == 3  # every server has a share
+        assert ring.put(list(zip(ids[:40], vals[:40])), job="j") == 40
+        assert ring.lookup(ids, "j") == [True] * 40 + [False] * 20
+        assert ring.lookup_pending(ids, "j") == [1] * 40 + [0] * 20
+        got = ring.get(ids, "j")
+        assert [bytes(v) for v in got[:40]] == vals[:40] and got[40:] == [None] * 20
+        assert ring.claim(ids, "j") == [3] * 40 + [1] * 20  # PRESENT, then FETCH
+        assert ring.claim(ids[40:], "k") == [2] * 20  # claimed by j: WAIT
+        assert ring.errors == 0
