@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from concurrent.futures import Executor
 from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
@@ -108,3 +109,24 @@ def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = 
     if verify_hash and hashlib.sha256(item).digest() != K:
         raise PoisonedValue("content hash mismatch (value forged by a holder of the key)")
     return item
+
+
+def hashes_match(pairs: list[tuple[bytes, Buffer]], pool: Executor | None = None, threads: int = 1,
+                 min_share_bytes: int = 1 << 20) -> list[bool]:
+    """SHA-256(item) == K for each (K, item). With a pool, the batch is split into
+    up to `threads` shares (this thread takes one) of at least `min_share_bytes`:
+    hashlib releases the GIL while it hashes, so the shares run on separate cores."""
+    def check(share: list[tuple[bytes, Buffer]]) -> list[bool]:
+        return [hashlib.sha256(item).digest() == K for K, item in share]
+
+    total = sum(len(item) for _, item in pairs)
+    n = 1 if pool is None else max(1, min(threads, total // min_share_bytes))
+    if n == 1 or len(pairs) < 2:
+        return check(pairs)
+    bounds = [round(len(pairs) * k / n) for k in range(n + 1)]
+    shares = [pairs[bounds[k]:bounds[k + 1]] for k in range(n)]
+    futures = [pool.submit(check, share) for share in shares[1:]]
+    out = check(shares[0])
+    for f in futures:
+        out += f.result()
+    return out

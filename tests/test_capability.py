@@ -17,6 +17,7 @@ from clients.capability import (
     OVERHEAD,
     PoisonedValue,
     Sealed,
+    hashes_match,
     item_id,
     open_value,
     seal,
@@ -124,3 +125,19 @@ def test_throughput() -> None:
     print(f"\n1 MiB items: seal {mb / t_seal:.0f} MiB/s, open {mb / t_open:.0f} MiB/s, "
           f"open without hash check {mb / t_fast:.0f} MiB/s")
     assert open_value(s.K, s.value, len(item)) == item
+
+
+def test_hashes_match_in_shares_keeps_order_and_finds_forgeries():
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = [os.urandom(1000 + i) for i in range(50)]
+    pairs = [(hashlib.sha256(x).digest(), x) for x in items]
+    pairs[7] = (pairs[7][0], b"forged" + items[7][6:])  # right size, wrong bytes
+    pairs[42] = (pairs[42][0], items[41])
+    want = [i not in (7, 42) for i in range(50)]
+    assert hashes_match(pairs) == want  # one thread
+    with ThreadPoolExecutor(3) as pool:
+        for threads in (1, 2, 4):  # split into up to 4 shares of >= 1 KB
+            assert hashes_match(pairs, pool, threads, min_share_bytes=1000) == want
+        assert hashes_match([], pool, 4) == []
+        assert hashes_match(pairs[:1], pool, 4, min_share_bytes=1) == [True]

@@ -139,6 +139,20 @@ def test_poisoned_entry_is_a_miss_repaired_and_counted(tmp_path, data):
         assert after["hits"] - before["hits"] == 2
         with ServerClient(d.address) as c:  # overwritten with the good value
             assert bytes(c.get([capability.item_id(key)])[0]) == good
+            # A holder of the key forges other bytes of the same size: the tag is
+            # valid, only the SHA-256 check (done in shares over threads) finds it.
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+            forged = bytes(len(items[1]))
+            ident = capability.item_id(key)
+            header = good[:9]
+            value = header + AESGCM(capability.value_key(key)).encrypt(capability.NONCE, forged, ident + header)
+            c.put([(ident, value)], replace=True)
+        before = ds.counters.totals()
+        assert ds.__getitems__([0, 1, 2]) == [items[0], items[1], items[2]]
+        after = ds.counters.totals()
+        assert after["poisoned"] - before["poisoned"] == 1 and after["hits"] - before["hits"] == 2
+        with ServerClient(d.address) as c:
+            assert bytes(c.get([capability.item_id(key)])[0]) == good
         ds.close()
     finally:
         d.kill()
