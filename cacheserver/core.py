@@ -76,11 +76,17 @@ class CacheCore:
                                 "claims_present": out.count(PRESENT)})
         return out
 
+    def _get_bypassed(self, job: str, n: int) -> bool:
+        """True (and counted as n missed gets) if the job is in bypass mode."""
+        if not self.bypassed(job):
+            return False
+        self.counters.add_many({"gets": n, "get_misses": n, "bypassed": n})
+        return True
+
     def get(self, job: str, ids: Sequence[bytes], count: bool = True) -> list[memoryview | None]:
         """Values or None; count=False for the fallback of a get already counted by get_local."""
         self._check_ids(ids)
-        if self.bypassed(job):
-            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+        if self._get_bypassed(job, len(ids)):
             return [None] * len(ids)
         values = self.store.get_many(ids)
         if not count:
@@ -94,8 +100,7 @@ class CacheCore:
         """A get whose values a same-host reader takes from the store files itself:
         answer presence, and count and order it exactly like a get."""
         self._check_ids(ids)
-        if self.bypassed(job):
-            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+        if self._get_bypassed(job, len(ids)):
             return bytes(len(ids))
         present = self.store.touch(ids)
         hits = present.count(1)
@@ -108,8 +113,7 @@ class CacheCore:
         for a value to read from the files, the value itself for one only in
         the memtable (the follower cannot see it), None for a miss."""
         self._check_ids(ids)
-        if self.bypassed(job):
-            self.counters.add_many({"gets": len(ids), "get_misses": len(ids), "bypassed": len(ids)})
+        if self._get_bypassed(job, len(ids)):
             return [None] * len(ids)
         present, late = self.store.touch_split(ids)
         out: list[memoryview | bool | None] = [True if p else None for p in present]

@@ -159,7 +159,8 @@ class RingClient:
             return []
 
         def finish(idx: list[int], result: tuple[int, int, int]) -> list:
-            stored[0] += result[0]  # this thread only: no lock
+            with self._lock:  # gRPC-only servers add theirs from pool threads
+                stored[0] += result[0]
             return []
 
         self._fanout(keys, call, None,

@@ -427,13 +427,13 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
 
     An async filesystem (http, gcs, s3) reads the whole batch in one call on its
     event loop (``cat_ranges``): per item that costs about half the client CPU
-    of one blocking ``cat_file`` per thread (tools/bench/storeread). Others
+    of one blocking ``cat_file`` per thread (tools/bench/misspath). Others
     (local) read in ``pool`` when given, else one after another."""
     indices = list(indices)
-    if len(indices) <= 1 or not (getattr(fs, "async_impl", False) or pool is not None):
+    if len(indices) <= 1 or not getattr(fs, "async_impl", False):
+        if len(indices) > 1 and pool is not None:
+            return list(pool.map(lambda i: read_item(digest, i, fs, verify=verify), indices))
         return [read_item(digest, i, fs, verify=verify) for i in indices]
-    if not getattr(fs, "async_impl", False):
-        return list(pool.map(lambda i: read_item(digest, i, fs, verify=verify), indices))
     base = fs._strip_protocol(digest.root)
     ranges = [_item_range(digest, i, base) for i in indices]
     want = [p for p, (_, s, e) in enumerate(ranges) if s is None or s != e]
