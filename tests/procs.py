@@ -1,12 +1,15 @@
 """Start and stop real daemon processes on loopback for integration tests."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,3 +94,34 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
     return Daemon(["manager.daemon", "--listen", listen, "--state-dir", state_dir,
                    "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--log-format", "text", *extra],
                   log_path=os.path.join(state_dir, "manager.log"))
+
+
+@contextlib.contextmanager
+def endpoint_process(argv: list[str], port: int, log_path: str, timeout: float = 30.0) -> Iterator[str]:
+    """Run a third-party storage endpoint (GCS emulator, moto's S3 server) on a
+    loopback port; yields its base URL once it accepts connections. Its output
+    goes to a file: an unread pipe fills up and stalls it."""
+    exe = shutil.which(argv[0], path=os.path.dirname(sys.executable)) or argv[0]
+    log = open(log_path, "w+b")
+    proc = subprocess.Popen([exe, *argv[1:]], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    err = log.read().decode(errors="replace")[-2000:] or "no output"
+                    raise RuntimeError(f"{argv[0]} did not start: {err}") from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()

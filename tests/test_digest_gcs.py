@@ -5,15 +5,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import endpoint_process, free_port
 
 from clients.digest import Digest, read_item
 from clients.tfrecord import encode_record
@@ -28,41 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "digest"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    # A file, not a pipe: an unread pipe fills up and stalls the emulator.
-    log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "w+b")
-    exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or "gcp-storage-emulator"
-    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
-                            stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    err = log.read().decode(errors="replace")[-2000:] or "no output"
-                    pytest.fail(f"gcp-storage-emulator did not start: {err}")
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+    port = free_port()
+    log = str(tmp_path_factory.mktemp("gcs") / "emulator.log")
+    argv = ["gcp-storage-emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
+    with endpoint_process(argv, port, log) as url:
+        yield url
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """The committed gRPC stubs must be exactly what the .proto generates."""
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 
