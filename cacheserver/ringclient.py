@@ -19,10 +19,37 @@ from .claims import FETCH
 from .client import Call, ServerClient
 from .pipeline import pipelined
 from .ring import DEFAULT_VNODES, HashRing
+from .runtime import split_hostport
 
 log = logging.getLogger("cacheserver.ring")
 # Failures that mean "this server is not usable now", not "the request is wrong".
 TRANSIENT = (ConnectionError, OSError, TimeoutError, grpc.RpcError)
+PEERS_TIMEOUT_S = 5.0  # asking one server for its ring at start-up
+
+
+def parse_spec(spec: str) -> list[str]:
+    """"host:port,host:port" -> addresses; a malformed entry is a ValueError naming it
+    (else gRPC fails later with "Failed to parse" or dials port 443)."""
+    addrs = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addrs:
+        raise ValueError(f"cache address list {spec!r} names no server (expected HOST:PORT[,HOST:PORT...])")
+    for a in addrs:
+        check_address(a)
+    return addrs
+
+
+def _why(err: Exception) -> str:
+    """One line for a log: gRPC errors carry their reason in details()."""
+    details = getattr(err, "details", None)
+    text = details() if callable(details) else str(err)
+    return " ".join(str(text).split())[:300]
+
+
+def check_address(addr: str) -> str:
+    _, port = split_hostport(addr, "cache server address")
+    if not 0 < port < 65536:
+        raise ValueError(f"cache server address: port out of range in {addr!r}")
+    return addr
 
 
 class RingClient:
@@ -30,6 +57,8 @@ class RingClient:
                  down_backoff: float = 2.0, **client_kw) -> None:
         if not addresses:
             raise ValueError("a ring needs at least one cache server address")
+        for a in addresses:
+            check_address(a)
         self.ring = HashRing(addresses, vnodes)
         self._client_kw = client_kw
         self.clients = {a: ServerClient(a, **client_kw) for a in self.ring.nodes}
@@ -42,11 +71,19 @@ class RingClient:
 
     @classmethod
     def from_spec(cls, spec: str, **kw) -> "RingClient":
-        """"host:port,host:port"; a single address is expanded to that server's --peers."""
-        addrs = [a.strip() for a in spec.split(",") if a.strip()]
+        """"host:port,host:port"; a single address is expanded to that server's --peers.
+        A single server that cannot answer is used alone (it is then all-miss until it
+        is back): a cache that is down must not stop training."""
+        addrs = parse_spec(spec)
         if len(addrs) == 1:
-            with ServerClient(addrs[0], **{k: v for k, v in kw.items() if k == "tls"}) as c:
-                peers = list(c.info().peers)
+            tls = {k: v for k, v in kw.items() if k == "tls"}
+            try:
+                with ServerClient(addrs[0], timeout=PEERS_TIMEOUT_S, **tls) as c:
+                    peers = list(c.info().peers)
+            except TRANSIENT as e:
+                log.warning("cache server %s did not answer (%s); using it alone, without its peers",
+                            addrs[0], _why(e))
+                peers = []
             if peers:
                 addrs = peers
         return cls(addrs, **kw)
@@ -62,7 +99,7 @@ class RingClient:
             first = self._usable(node)
             self._down_until[node] = time.monotonic() + self.down_backoff
         if first:
-            log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, err)
+            log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, _why(err))
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
         old = self.clients[node]
         self.clients[node] = ServerClient(node, **self._client_kw)

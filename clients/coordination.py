@@ -88,9 +88,11 @@ class JobCoordinator:
         self._released: set[int] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self.reached = False  # whether the manager has answered yet
         try:
             info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
             self._set_plan(info.plan)
+            self.reached = True
         except self._unavailable as e:
             log.warning("cache manager %s unavailable (%s): training without a plan", manager, e)
         self._thread: threading.Thread | None = None
@@ -98,6 +100,7 @@ class JobCoordinator:
     def ring_spec(self) -> str | None:
         try:
             ring = self.client.get_ring()
+            self.reached = True
         except self._unavailable:
             ring = self.client.last_ring()
         return ",".join(ring.addresses) if ring and ring.addresses else None

@@ -36,7 +36,8 @@ from typing import Any
 
 from cacheserver.claims import FETCH
 from cacheserver.malloc import keep_freed_memory
-from cacheserver.ringclient import RingClient
+from cacheserver.ringclient import RingClient, parse_spec
+from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 
 from . import capability
@@ -114,13 +115,17 @@ class CachedDataset(_TorchDataset):
         self.plan = SharedPlan()  # without a manager: insert everything as chunk 0
         self.coordinator: JobCoordinator | None = None
         self.embedded: EmbeddedCache | None = None
+        if isinstance(cache, str):
+            parse_spec(cache)  # a malformed address fails here, not at the first batch
         if manager is not None:
+            split_hostport(manager, "cache manager address")
             self.coordinator = JobCoordinator(self, manager, n_gpus)
             if cache is None:
                 cache = self.coordinator.ring_spec()
                 if cache is None:
-                    raise ValueError(f"cache manager {manager} knows no cache servers yet, and no "
-                                     f"cache= addresses were given")
+                    why = ("knows no cache servers yet" if self.coordinator.reached
+                           else "cannot be reached and no ring of it is saved")
+                    raise ValueError(f"cache manager {manager} {why}, and no cache= addresses were given")
         if cache is False:  # no cache at all: every read goes to the store (a baseline)
             cache = None
         elif cache is None:
@@ -216,6 +221,7 @@ class CachedDataset(_TorchDataset):
                                      [j in poisoned for j in todo])
             for j, item in zip(todo, items):
                 out[j] = item
+            counts["poisoned"] += fill.pop("poisoned")  # found while waiting for another reader
             counts.update(fill)
         self.counters.add(_worker_row(), **counts)
         if self.decode is not None:
@@ -268,19 +274,24 @@ class CachedDataset(_TorchDataset):
         won = set(mine)
         waited = [p for p in range(len(ids)) if p not in won]
         coalesced = 0
+        bad: set[int] = set()  # poisoned values found after waiting: replaced, counted
         if waited:
             for p in waited:
                 claims[p].wait(st.coalescer.wait_seconds)
                 claims[p].release()
             got = st.ring.get([ids[p] for p in waited], self.job) if st.ring is not None else [None] * len(waited)
             for p, v in zip(waited, got):
-                items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v) if v is not None else None
+                if v is not None:
+                    items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v)
+                    if items[p] is None:
+                        bad.add(p)
             coalesced = sum(items[p] is not None for p in waited)
             late = [p for p in waited if items[p] is None]
-            late_bytes, late_inserted = self._read_insert(st, indices, items, late, poisoned)
+            late_bytes, late_inserted = self._read_insert(st, indices, items, late,
+                                                          [poisoned[p] or p in bad for p in range(len(ids))])
             store_bytes += late_bytes
             inserted += late_inserted
-        return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted)
+        return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted, poisoned=len(bad))
 
     def _fill_claimed(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
                       ) -> tuple[list[bytes], dict[str, int]]:
@@ -301,7 +312,7 @@ class CachedDataset(_TorchDataset):
         late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
         late_bytes, late_inserted = self._read_insert(st, indices, items, late, [p in bad for p in range(n)])
         return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late),
-                           inserted=inserted + late_inserted)
+                           inserted=inserted + late_inserted, poisoned=len(bad))
 
     def _read_insert(self, st: _ProcessState, indices: list[int], items: list[bytes | None],
                      positions: list[int], replace: list[bool]) -> tuple[int, int]:
@@ -362,7 +373,7 @@ class CachedDataset(_TorchDataset):
         ids = self.ids_for(indices)
         _, fill = self._fill(st, list(indices), ids, [False] * len(ids))
         self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],
-                          prefetched=len(indices))
+                          poisoned=fill["poisoned"], prefetched=len(indices))
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,

@@ -10,6 +10,7 @@ import argparse
 import concurrent.futures as cf
 import concurrent.futures.process  # noqa: F401  (eager: keep imports out of timings)
 import datetime
+import difflib
 import fnmatch
 import hashlib
 import json
@@ -17,7 +18,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -322,8 +323,9 @@ def _create_parser(prog: str) -> argparse.ArgumentParser:
                    help="files: one item per file; tfrecord: one per record; tar: one per member "
                         "(default: files)")
     p.add_argument("--workers", "-j", type=_positive, default=None, metavar="N",
-                   help="parallel hashers: processes for local files (default: cores), "
-                        "threads for remote URLs (default: 4 x cores, at least 8)")
+                   help="parallel hashers (default: cores for local SRC, 4 x cores and at least "
+                        "8 for remote URLs): threads, except processes for local tfrecord/tar, "
+                        "whose record framing is parsed in Python under the GIL")
     p.add_argument("--include", metavar="GLOB", action="append", default=[],
                    help="only files whose relative path matches (repeatable; default for tar: *.tar)")
     p.add_argument("--exclude", metavar="GLOB", action="append", default=[],
@@ -437,15 +439,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _misspelled_command(word: str, commands: Collection[str]) -> str | None:
+    """The command `word` looks like a typo of, if it cannot be a SRC.
+
+    An existing path always wins, and URLs or anything with a path separator
+    are always sources: `digest ./inf -o x` with no `./inf` reports "source
+    not found", not a typo.
+    """
+    if word.startswith("-") or "://" in word or "/" in word or os.sep in word or os.path.lexists(word):
+        return None
+    close = difflib.get_close_matches(word, commands, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "digest") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands: dict[str, Callable[[str], argparse.ArgumentParser]] = {
         "info": _info_parser, "verify": _verify_parser, "create": _create_parser}
-    cmd = argv[0] if argv and argv[0] in commands else "create"
-    if argv and argv[0] in commands:
+    implied = not (argv and argv[0] in commands)
+    cmd = "create" if implied else argv[0]
+    if not implied:
         argv = argv[1:]
     parser = commands[cmd](prog)
     try:
+        if implied and argv:  # after an explicit `create`, argv[0] is a SRC whatever its name
+            typo = _misspelled_command(argv[0], commands)
+            if typo:
+                parser.error(f"unknown command {argv[0]!r} (did you mean {typo!r}?)")
         args = parser.parse_args(argv)
         if cmd == "info":
             return cmd_info(args)

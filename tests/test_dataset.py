@@ -177,6 +177,44 @@ def test_server_killed_mid_epoch_no_error_exactly_once(tmp_path, data, ring3):
         ds.close()
 
 
+def test_single_dead_cache_address_trains_from_the_store(tmp_path, data):
+    """One address whose server is down: no peers to expand to, every read a miss, no error."""
+    path, items = data
+    dead = cacheserver(str(tmp_path / "dead"), "64MB").start()
+    addr = dead.address
+    dead.kill()
+    ds = CachedDataset(path, cache=addr, down_backoff=60)
+    try:
+        assert ds[5] == items[5]
+        loader = ds.loader(batch_size=25, seed=1)
+        check_exactly_once(loader, items)
+        st = loader.epoch_stats[-1]
+        assert st.hits == 0 and st.misses == len(items)
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("cache,why", [
+    ("host:notaport", "expected HOST:PORT, got 'host:notaport'"),
+    ("localhost", "expected HOST:PORT, got 'localhost'"),  # gRPC would dial port 443
+    ("127.0.0.1:7000,host:x", "got 'host:x'"),
+    ("127.0.0.1:70000", "port out of range in '127.0.0.1:70000'"),
+    (" , ", "names no server"),
+])
+def test_malformed_cache_address_fails_at_construction(data, cache, why):
+    with pytest.raises(ValueError, match=why):
+        CachedDataset(data[0], cache=cache)
+
+
+def test_unreachable_manager_without_cache_says_so(data):
+    from procs import free_port
+
+    with pytest.raises(ValueError, match="cannot be reached"):
+        CachedDataset(data[0], manager=f"127.0.0.1:{free_port()}")
+    with pytest.raises(ValueError, match="cache manager address"):
+        CachedDataset(data[0], manager="nohost")
+
+
 def test_store_changed_since_digest_is_refused(tmp_path, data):
     path, items = data
     with open(tmp_path / "ds" / "img00007.bin", "wb") as f:

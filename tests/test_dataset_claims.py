@@ -92,3 +92,41 @@ def test_a_claimant_that_never_inserts_delays_others_only_until_its_claim_expire
         assert ds.lookup(idx) == [True] * 3  # and inserted
     finally:
         ds.close()
+
+
+def _garbage_for(ds, i: int) -> bytes:
+    """A value of the right length that fails the tag check: what a bad server could hand out."""
+    from clients import capability
+
+    return os.urandom(int(ds.digest.size(i)) + capability.OVERHEAD)
+
+
+@pytest.mark.parametrize("claims", [True, False])
+def test_a_poisoned_value_met_while_waiting_is_replaced_and_counted(slow_store, ring, claims):
+    """Another reader holds the item (a server claim, or the same-host lock with claims
+    off) and then leaves garbage in the cache: the waiter reads the store, overwrites
+    the garbage and counts it as poisoned."""
+    from clients import capability
+
+    store, digest, items = slow_store
+    ds = CachedDataset(digest, cache=ring, job="waiter", coalesce=not claims, claims=claims)
+    try:
+        i = 6
+        ident, r = ds.ids_for([i])[0], ds._proc().ring
+        if claims:
+            assert r.claim([ident], "ghost") == [1]
+        else:
+            lock = ds._proc().coalescer.claim(ident)
+            assert lock.first
+        poison = threading.Timer(0.5, lambda: (r.put([(ident, _garbage_for(ds, i))], "ghost"),
+                                               None if claims else lock.release()))
+        poison.start()
+        before = ds.counters.totals()
+        assert ds.__getitems__([i]) == [items[i]]
+        poison.join()
+        after = ds.counters.totals()
+        assert after["poisoned"] - before["poisoned"] == 1 and after["coalesced"] == before["coalesced"]
+        key = ds.digest.sha256(i)
+        assert capability.open_value(key, r.get([ident])[0], len(items[i])) == items[i]  # repaired
+    finally:
+        ds.close()

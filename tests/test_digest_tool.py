@@ -167,6 +167,31 @@ def test_usage_errors_exit_2(tmp_path: Path, argv: list[str], capsys: pytest.Cap
     assert "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("word", "meant"), [("inf", "info"), ("verfy", "verify"), ("crate", "create")])
+def test_misspelled_command_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, word: str, meant: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing named `word` here
+    (tmp_path / "x.dig").write_bytes(b"")
+    assert main([word, "x.dig"]) == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and f"unknown command '{word}' (did you mean '{meant}'?)" in err
+    assert "-o/--output" not in err
+
+
+def test_source_named_like_command_still_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    files = make_files(tmp_path / "inf", n=3)
+    assert main(["inf", "-o", "o.dig", "-q"]) == 0  # an existing path always wins
+    assert sorted(Digest.load(tmp_path / "o.dig").paths) == sorted(files)
+    capsys.readouterr()
+    # Paths and URLs are never taken for commands: they fail as sources, not as typos.
+    assert main(["./verfy", "-o", "o.dig", "-q"]) == 1
+    assert main(["memory://inf", "-o", "o.dig", "-q"]) == 1
+    assert main(["create", "verfy", "-o", "o.dig", "-q"]) == 1  # after `create` it is a SRC
+    assert "unknown command" not in capsys.readouterr().err
+
+
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["-h"]) == 0
     assert "info FILE" in capsys.readouterr().out
