@@ -26,6 +26,7 @@ then keeps its peak heap. Pass False to leave the allocator alone.
 """
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import time
@@ -199,6 +200,7 @@ class CachedDataset(_TorchDataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         st = self._proc()
+        indices = [self._index(i) for i in indices]
         n = len(indices)
         keys = [self.digest.hashes[i].tobytes() for i in indices]
         ids = self.ids_for(indices)
@@ -225,8 +227,22 @@ class CachedDataset(_TorchDataset):
             counts.update(fill)
         self.counters.add(_worker_row(), **counts)
         if self.decode is not None:
-            out = [self.decode(x) for x in out]
+            out = [self._decode(i, x) for i, x in zip(indices, out)]
         return out
+
+    def _index(self, i: Any) -> int:
+        try:
+            return self.digest._idx(operator.index(i))  # IndexError names the range
+        except TypeError:
+            raise TypeError(f"item index must be an integer, got {type(i).__name__} {i!r}") from None
+
+    def _decode(self, i: int, data: bytes) -> Any:
+        try:
+            return self.decode(data)
+        except Exception as e:  # the user's own error, kept, with which item it was
+            path, offset, length = self.digest.location(i)
+            e.add_note(f"while decoding item {i} of {self.digest.root} ({path} @ {offset}+{length})")
+            raise
 
     def _open_many(self, st: _ProcessState, indices: Sequence[int], keys: list[bytes],
                    values: list[memoryview | None]) -> list[bytes | None]:
@@ -377,12 +393,16 @@ class CachedDataset(_TorchDataset):
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
-               substitute: bool = True, **dataloader_kwargs):
-        """A torch DataLoader whose batch sampler fills batches with cached items first."""
+               substitute: bool = True, miss_seed: int | None = None, **dataloader_kwargs):
+        """A torch DataLoader whose batch sampler fills batches with cached items first.
+
+        `seed` fixes this job's order. Which misses it reads first is drawn afresh per
+        loader, so jobs with equal seeds still spread their store reads; `miss_seed`
+        fixes that too, for a run that repeats exactly given the same cache contents."""
         from .loader import make_loader
 
         return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,
-                           substitute=substitute, **dataloader_kwargs)
+                           substitute=substitute, miss_seed=miss_seed, **dataloader_kwargs)
 
     def close(self) -> None:
         if self.coordinator is not None:

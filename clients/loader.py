@@ -60,12 +60,12 @@ class CachedLoader(DataLoader):
 
 
 def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
-                substitute: bool = True, **kwargs) -> CachedLoader:
+                substitute: bool = True, miss_seed: int | None = None, **kwargs) -> CachedLoader:
     coord = ds.coordinator
     sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
                                         seed=seed, lookahead=lookahead,
                                         prefer=coord.prefer if coord else None,
-                                        on_batch=coord.consumed if coord else None)
+                                        on_batch=coord.consumed if coord else None, miss_seed=miss_seed)
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.

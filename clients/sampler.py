@@ -95,7 +95,7 @@ class SamplerStats:
     looked_up: int = 0
     planned_hits: int = 0      # items yielded because a lookup found them cached
     planned_misses: int = 0    # items yielded as co-operative misses
-    substituted: int = 0       # misses deferred so a cached item could take their place
+    substituted: int = 0       # hits yielded while a miss the sampler had met waited (<= planned_hits)
     passes: int = 0            # times the walk wrapped around (front: the shared circle)
     jumps: int = 0             # times the front moved to where the cache was warm
     lookup_failures: int = 0
@@ -113,7 +113,8 @@ class SubstitutableBatchSampler:
     def __init__(self, n_items: int, batch_size: int, lookup: Lookup | None, *, seed: int = 0,
                  lookahead: int = 10, drop_last: bool = False,
                  prefer: Callable[[int], bool] | None = None,
-                 on_batch: Callable[[list[int]], None] | None = None) -> None:
+                 on_batch: Callable[[list[int]], None] | None = None,
+                 miss_seed: int | None = None) -> None:
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
@@ -130,8 +131,9 @@ class SubstitutableBatchSampler:
         self._shared: tuple[array, array] | None = None
         self._cursor = 0  # where the front had got to in the shared order (carried over)
         # Which misses this job picks must differ from job to job even when their seeds are
-        # equal (a hyper-parameter sweep often fixes the seed): drawn per sampler, not seeded.
-        self._salt = int.from_bytes(os.urandom(8), "little")
+        # equal (a hyper-parameter sweep often fixes the seed): drawn per sampler unless
+        # miss_seed fixes it (a reproducible run, given the same cache contents).
+        self._salt = int.from_bytes(os.urandom(8), "little") if miss_seed is None else miss_seed
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -204,6 +206,7 @@ class SubstitutableBatchSampler:
         rng.shuffle(order)
         pending: deque[int] = deque(order)
         ready: deque[int] = deque()
+        deferred, waiting = bytearray(self.n_items), 0  # misses met and put back; how many
         B, L = self.batch_size, self.batch_size * self.lookahead
         pass_left = len(pending)  # items left to examine before this pass wraps
         while pending or ready:
@@ -216,12 +219,15 @@ class SubstitutableBatchSampler:
                 for i, code in zip(window, present):
                     if code == HIT:
                         ready.append(i)
+                        if deferred[i]:
+                            deferred[i], waiting = 0, waiting - 1
                     else:
                         misses.append(i)
                         if code == PENDING:
                             being_read.add(i)
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
-                stats.planned_hits += len(batch)
+                hits = len(batch)
+                stats.planned_hits += hits
                 if len(batch) < B and misses:
                     rng.shuffle(misses)  # co-operative: jobs pick different misses
                     # stable: random within groups; preferred first, others' reads last
@@ -229,8 +235,14 @@ class SubstitutableBatchSampler:
                     take = B - len(batch)
                     batch += misses[:take]
                     stats.planned_misses += len(misses[:take])
+                    for i in misses[:take]:
+                        if deferred[i]:
+                            deferred[i], waiting = 0, waiting - 1
                     misses = misses[take:]
-                stats.substituted += len(misses)
+                for i in misses:
+                    if not deferred[i]:
+                        deferred[i], waiting = 1, waiting + 1
+                stats.substituted += min(hits, waiting)  # each hit went ahead of a waiting miss
                 pending.extend(misses)  # deferred to a later pass
                 if pass_left <= 0:
                     stats.passes += 1
@@ -238,6 +250,7 @@ class SubstitutableBatchSampler:
             else:
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
                 stats.planned_hits += len(batch)
+                stats.substituted += min(len(batch), waiting)
             yield batch
 
     # ---- default: a shared front plus a general scan ---------------------
@@ -259,6 +272,7 @@ class SubstitutableBatchSampler:
         cursor = self._cursor % n if n else 0
         nxt, pulled = cursor, 0              # where the front fills from; how far it went
         left = n                             # items neither ready nor yielded
+        waiting = 0                          # items in state _SEEN: misses met, not yet yielded
         share = FRONT_SHARE
         front_yield = general_yield = 0.0    # smoothed hits per look-up
         since_jump = -JUMP_WARMUP  # epochs end at slightly different times: let the others arrive
@@ -267,6 +281,7 @@ class SubstitutableBatchSampler:
             if len(ready) >= B or not left:
                 batch = [ready.popleft() for _ in range(min(B, len(ready)))]
                 stats.planned_hits += len(batch)
+                stats.substituted += min(len(batch), waiting)
                 self._yielded(batch, state)
                 yield batch
                 continue
@@ -315,12 +330,14 @@ class SubstitutableBatchSampler:
                     gn += 1
                     gh += hit
                 if hit:
+                    waiting -= state[i] == _SEEN
                     state[i] = _READY
                     ready.append(i)
                     left -= 1
                     if k >= nw:
                         general_hits.append(i)
                 else:
+                    waiting += state[i] != _SEEN
                     state[i] = _SEEN
                     if code == PENDING:
                         others.append(i)  # another job is reading it: a hit soon
@@ -355,7 +372,8 @@ class SubstitutableBatchSampler:
                     since_jump = 0
                     stats.jumps += 1
             batch = [ready.popleft() for _ in range(min(B, len(ready)))]
-            stats.planned_hits += len(batch)
+            hits = len(batch)
+            stats.planned_hits += hits
             if len(batch) < B:
                 # co-operative: jobs pick different misses, at random
                 picker.shuffle(front_misses)
@@ -366,9 +384,8 @@ class SubstitutableBatchSampler:
                 left -= len(take)
                 batch += take
                 stats.planned_misses += len(take)
-                stats.substituted += len(misses) - len(take)
-            else:
-                stats.substituted += len(front_misses) + len(general_misses) + len(others)
+                waiting -= len(take)  # _SEEN items, yielded now
+            stats.substituted += min(hits, waiting)  # each hit went ahead of a waiting miss
             self._yielded(batch, state)
             yield batch
 

@@ -33,6 +33,9 @@ class SharedCounters:
 
 @dataclass
 class EpochStats:
+    """One epoch of one loader. `substituted`: cached items yielded while a miss the
+    sampler had already met waited for a later batch (a hit taking a miss's place;
+    at most the hits). `coalesced`: misses taken from another reader's insert."""
     epoch: int
     batches: int
     items: int

@@ -286,3 +286,25 @@ def test_ring_client_fans_out_over_either_transport(ring3, client_kw):
         assert ring.claim(ids, "j") == [3] * 40 + [1] * 20  # PRESENT, then FETCH
         assert ring.claim(ids[40:], "k") == [2] * 20  # claimed by j: WAIT
         assert ring.errors == 0
+
+
+def test_bad_index_and_failing_decode_name_the_item(tmp_path, data):
+    path, items = data
+
+    def decode(b: bytes) -> bytes:
+        if b == items[3]:
+            raise ValueError("cannot decode image")
+        return b
+
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"), capacity="16MB", decode=decode)
+    try:
+        assert ds[-1] == items[len(items) - 1] and ds[2] == items[2]
+        with pytest.raises(IndexError, match=f"item {len(items)} out of range for digest of {len(items)} items"):
+            ds[len(items)]
+        with pytest.raises(TypeError, match="item index must be an integer, got str 'a'"):
+            ds["a"]
+        with pytest.raises(ValueError, match="cannot decode image") as e:
+            ds.__getitems__([1, 3])
+        assert any("while decoding item 3 of" in n and "img00003.bin" in n for n in e.value.__notes__)
+    finally:
+        ds.close()

@@ -37,6 +37,22 @@ def test_hits_first_then_misses():
     assert s.stats.substituted > 0
 
 
+@pytest.mark.parametrize("walk", [False, True])
+def test_substituted_counts_hits_that_went_ahead_of_a_met_miss(walk):
+    """`substituted` is a count of hits, not of deferrals: none with an empty or a full
+    cache, and never more than the planned hits."""
+    n, bs = 1000, 32
+    prefer = (lambda i: False) if walk else None
+    for cached, expect_some in ((set(), False), (set(range(n)), False), (set(range(0, n, 10)), True)):
+        s = SubstitutableBatchSampler(n, bs, lambda idx, c=cached: [i in c for i in idx], seed=2, prefer=prefer)
+        run_epoch(s)
+        st = s.stats
+        assert st.planned_hits == len(cached)
+        assert (st.substituted > 0) == expect_some and st.substituted <= st.planned_hits, (len(cached), st)
+        if expect_some:  # with 10% cached, nearly every hit is taken ahead of some miss
+            assert st.substituted >= 0.8 * st.planned_hits
+
+
 def test_cache_changing_mid_epoch_and_failing_lookup():
     n, bs = 500, 20
     cached = set(range(50))
@@ -100,3 +116,15 @@ def test_misses_another_job_is_reading_are_taken_last(walk):
     assert not being_read & set(batches[0]) and not being_read & set(batches[1])
     assert set(batches[2]) | set(batches[3]) == being_read
     assert s.stats.planned_hits == 0  # PENDING is not a hit
+
+
+def test_miss_seed_makes_the_misses_order_repeat():
+    n, bs = 1000, 32
+    cached = set(range(0, n, 10))
+
+    def epoch(miss_seed):
+        s = SubstitutableBatchSampler(n, bs, lambda idx: [i in cached for i in idx], seed=5, miss_seed=miss_seed)
+        return run_epoch(s)[0]
+
+    assert epoch(7) == epoch(7)
+    assert epoch(None) != epoch(None)  # drawn per sampler: equal seeds still pick different misses
