@@ -308,3 +308,16 @@ def test_bad_index_and_failing_decode_name_the_item(tmp_path, data):
         assert any("while decoding item 3 of" in n and "img00003.bin" in n for n in e.value.__notes__)
     finally:
         ds.close()
+
+
+def test_cached_dataset_is_exported_by_the_package_lazily():
+    """`from clients import CachedDataset` as documented; `import clients` alone loads no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, clients; assert 'torch' not in sys.modules, 'torch imported early'; "
+            "from clients import CachedDataset; from clients.dataset import CachedDataset as C; "
+            "assert CachedDataset is C and 'CachedDataset' in clients.__all__")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+    assert r.returncode == 0, r.stderr
