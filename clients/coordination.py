@@ -149,11 +149,14 @@ class JobCoordinator:
         while not self._stop.wait(self.report_seconds):
             try:
                 self._report()
-                if self.plan is not None and self.plan.loading is not None:
+                # One read of the plan: the main thread may swap it meanwhile (a released
+                # chunk), and its `loading` may then be None.
+                plan = self.plan
+                if plan is not None and plan.loading is not None:
                     if time.monotonic() - last_loaded > 2.0:
                         last_loaded = time.monotonic()
-                        self._report_loaded(self.plan.loading)
-                    self._prefetch(self.plan.loading)
+                        self._report_loaded(plan, plan.loading)
+                    self._prefetch(plan, plan.loading)
             except self._unavailable:
                 continue  # the last plan holds
             except Exception:  # never let coordination break training
@@ -169,20 +172,21 @@ class JobCoordinator:
         if self.plan is None or reply.plan_version != self.plan.version:
             self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
 
-    def _chunk_sample(self, chunk: int, n: int) -> list[int]:
-        members = [i for r in self.plan.members(chunk) for i in r]
+    @staticmethod
+    def _chunk_sample(plan: "Plan", chunk: int, n: int) -> list[int]:
+        members = [i for r in plan.members(chunk) for i in r]
         return random.sample(members, min(n, len(members)))
 
-    def _report_loaded(self, chunk: int) -> None:
-        sample = self._chunk_sample(chunk, 256)
+    def _report_loaded(self, plan: "Plan", chunk: int) -> None:
+        sample = self._chunk_sample(plan, chunk, 256)
         if sample:
             present = self.ds.lookup(sample)
             self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
 
-    def _prefetch(self, chunk: int) -> None:
+    def _prefetch(self, plan: "Plan", chunk: int) -> None:
         """Insert a few missing items of the loading chunk, at most prefetch_bandwidth bytes/s."""
         budget = self.prefetch_bandwidth * self.report_seconds
-        sample = self._chunk_sample(chunk, 64)
+        sample = self._chunk_sample(plan, chunk, 64)
         missing = [i for i, p in zip(sample, self.ds.lookup(sample)) if not p]
         take, size = [], 0
         for i in missing:
