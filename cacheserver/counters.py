@@ -12,7 +12,7 @@ import threading
 NAMES = (
     "lookups", "lookup_hits", "gets", "get_hits", "get_misses", "get_bytes",
     "bypassed", "puts", "put_stored", "put_already", "put_bytes", "rejected_full",
-    "evicted_items", "evicted_bytes", "evicted_by_policy", "chunk_evictions",
+    "evicted_items", "evicted_bytes", "evicted_by_policy", "evicted_spare", "chunk_evictions",
     "dataset_evictions", "corrupt_dropped", "bad_requests", "dataplane_requests",
     "grpc_requests", "recovered_items", "local_reads", "put_replaced",
     "claims_granted", "claims_waited", "claims_present", "follower_flushes",

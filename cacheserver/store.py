@@ -25,6 +25,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,12 @@ FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
 Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
 UNTAGGED: Tag = ("", -1)
+
+
+def is_spare(tag: Tag) -> bool:
+    """A dataset's item outside any chunk the manager gave space (chunk -1): it may
+    only use room nobody else needs, so it is evicted first and evicts only its kind."""
+    return tag[1] < 0 and tag[0] != ""
 
 
 def tuned_for_reads(opts: rocksdict.Options) -> rocksdict.Options:
@@ -121,6 +128,7 @@ class Store:
         self._tags: list[Tag] = [UNTAGGED]
         self._tag_ids: dict[Tag, int] = {UNTAGGED: 0}
         self._usage: dict[int, TagUsage] = {}
+        self._spare: OrderedDict[bytes, None] = OrderedDict()  # spare entries, least recent first
         self._pending: set[bytes] = set()
         self.used = 0
         self._reserved = 0
@@ -194,6 +202,8 @@ class Store:
 
     def _index_add(self, key: bytes, charge: int, tid: int) -> None:
         self._index[key] = (charge, tid)
+        if is_spare(self._tags[tid]):
+            self._spare[key] = None
         u = self._usage.setdefault(tid, TagUsage())
         u.items += 1
         u.bytes += charge
@@ -211,6 +221,8 @@ class Store:
             del self._usage[tid]
         self.used -= charge
         self.policy.removed(key)
+        if self._spare:
+            self._spare.pop(key, None)
         self._unflushed.pop(key, None)
         return charge
 
@@ -243,9 +255,12 @@ class Store:
         same-host follower cannot read those from the files (durability "cache")."""
         with self._lock:
             present = bytes(1 if k in self._index else 0 for k in keys)
+            spare = self._spare
             for k, p in zip(keys, present):
                 if p:
                     self.policy.accessed(k)
+                    if spare and k in spare:
+                        spare.move_to_end(k)
             unflushed = self._unflushed
             late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
         return present, late
@@ -273,8 +288,11 @@ class Store:
             out.append(value)
         hits = [k for k, v in zip(keys, out) if v is not None]
         with self._lock:
+            spare = self._spare
             for k in hits:
                 self.policy.accessed(k)
+                if spare and k in spare:
+                    spare.move_to_end(k)
             for k in bad:
                 self._index_remove(k)
         if bad:
@@ -304,7 +322,7 @@ class Store:
             need = sum(c for _, _, c in todo)
             free = self.capacity - self.used - self._reserved
             if need > free:
-                self._evict_for(need - free)
+                self._evict_for(need - free, spare_only=is_spare(tag))
                 free = self.capacity - self.used - self._reserved
             accepted = []
             for key, value, charge in todo:
@@ -385,20 +403,27 @@ class Store:
                 self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
 
-    def _evict_for(self, need: int) -> int:
-        """Free at least `need` bytes through the fallback policy (lock held)."""
-        freed, victims = 0, []
-        protected = self._protected
-        for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
-                                       if k in self._index else False):
-            freed += self._index_remove(key)
+    def _evict_for(self, need: int, spare_only: bool = False) -> int:
+        """Free at least `need` bytes (lock held): spare entries first, least recently
+        used first, whatever the policy; then, unless spare_only, the fallback policy."""
+        freed, victims, spare = 0, [], self._spare
+        while spare and freed < need:
+            key = next(iter(spare))
+            freed += self._index_remove(key)  # drops it from spare too
             victims.append(key)
-            if freed >= need:
-                break
+        n_spare = len(victims)
+        if freed < need and not spare_only:
+            protected = self._protected
+            for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
+                                           if k in self._index else False):
+                freed += self._index_remove(key)
+                victims.append(key)
+                if freed >= need:
+                    break
         if victims:
             self._delete_keys(victims)
-            self.counters.add_many({"evicted_by_policy": len(victims), "evicted_items": len(victims),
-                                    "evicted_bytes": freed})
+            self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
+                                    "evicted_items": len(victims), "evicted_bytes": freed})
         return freed
 
     def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlcache.client")
 OPTIONS = {"none": 0, "full": 1, "chunked": 2}
 MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
+SPARE = -1  # the chunk tag of an item outside the plan's chunks
 
 
 class SharedPlan:
@@ -55,7 +56,12 @@ class SharedPlan:
         a[0] = plan.version or 1
 
     def insert_chunk(self, i: int) -> int | None:
-        """Chunk tag to insert item i under, or None if the plan says not to insert it."""
+        """Chunk tag to insert item i under, or None if the plan says not to insert it.
+
+        With a chunked plan, an item outside its chunks is inserted as SPARE: servers
+        keep such entries only in room no chunk needs (evicted first, evicting only
+        each other), so jobs still share their misses there while the chunks turn
+        over slower than the jobs read (cacheserver/store.py, is_spare)."""
         a = self._arr
         option, k, n = a[1], a[2], a[3]
         if a[0] == 0 or option == OPTIONS["full"]:
@@ -65,7 +71,7 @@ class SharedPlan:
         from manager.policy import chunk_of
 
         c = chunk_of(i, n, k)
-        return c if c in a[5:5 + a[4]] else None
+        return c if c in a[5:5 + a[4]] else SPARE
 
     def loading_first(self, i: int, loading: int | None) -> bool:
         return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading

@@ -75,7 +75,7 @@ def test_training_continues_while_the_manager_is_down(tmp_path, cluster):
 
 
 def test_shared_plan_decides_what_to_insert():
-    from clients.coordination import SharedPlan
+    from clients.coordination import SPARE, SharedPlan
     from manager.client import Plan
     from manager.policy import chunk_of
 
@@ -85,7 +85,7 @@ def test_shared_plan_decides_what_to_insert():
     sp.publish(Plan("d", "chunked", k, n, 100, active=3, loading=4, chunks=(3,), version=7))
     for i in range(n):
         c = chunk_of(i, n, k)
-        assert sp.insert_chunk(i) == (c if c in (3, 4) else None)
+        assert sp.insert_chunk(i) == (c if c in (3, 4) else SPARE)  # outside: spare room only
     assert sp.loading_first(next(i for i in range(n) if chunk_of(i, n, k) == 4), 4)
     sp.publish(Plan("d", "none", 1, n, 0, active=None, loading=None, chunks=(), version=8))
     assert sp.insert_chunk(5) is None

@@ -42,9 +42,8 @@ def test_substituted_counts_hits_that_went_ahead_of_a_met_miss(walk):
     """`substituted` is a count of hits, not of deferrals: none with an empty or a full
     cache, and never more than the planned hits."""
     n, bs = 1000, 32
-    prefer = (lambda i: False) if walk else None
     for cached, expect_some in ((set(), False), (set(range(n)), False), (set(range(0, n, 10)), True)):
-        s = SubstitutableBatchSampler(n, bs, lambda idx, c=cached: [i in c for i in idx], seed=2, prefer=prefer)
+        s = SubstitutableBatchSampler(n, bs, lambda idx, c=cached: [i in c for i in idx], seed=2, walk=walk)
         run_epoch(s)
         st = s.stats
         assert st.planned_hits == len(cached)
@@ -86,8 +85,9 @@ def test_epochs_differ_and_are_reproducible():
 def test_prefer_loads_the_preferred_misses_first():
     n, bs = 1000, 10
     s = SubstitutableBatchSampler(n, bs, lambda idx: [False] * len(idx), seed=2,
-                                  prefer=lambda i: i < 100)
-    batches, _ = run_epoch(s)
+                                  prefer=lambda i: i < 100, walk=True)
+    batches, flat = run_epoch(s)
+    assert sorted(flat) == list(range(n))
     early = [i for b in batches[:5] for i in b]
     # windows of 100 random items hold ~10 preferred ones: most of each batch
     assert sum(i < 100 for i in early) / len(early) > 0.7
@@ -110,7 +110,7 @@ def test_misses_another_job_is_reading_are_taken_last(walk):
     n, bs = 40, 10
     being_read = set(range(0, n, 2))
     s = SubstitutableBatchSampler(n, bs, lambda idx: [2 if i in being_read else 0 for i in idx],
-                                  seed=1, prefer=(lambda i: False) if walk else None)
+                                  seed=1, walk=walk)
     batches, flat = run_epoch(s)
     assert sorted(flat) == list(range(n))
     assert not being_read & set(batches[0]) and not being_read & set(batches[1])

@@ -26,7 +26,7 @@ def test_exactly_once_while_the_cache_churns(n, bs, lookahead):
         assert all(len(b) == bs for b in batches[:-1]) and len(batches) == len(s)
 
 
-def coop_store_reads(n, jobs, frac=0.1, seeds=None, epochs=1, prefer=None):
+def coop_store_reads(n, jobs, frac=0.1, seeds=None, epochs=1, walk=False, prefer=None):
     """Jobs in step over one LRU cache of `frac` x n items; a job's misses are inserted
     only after the other jobs' next batch (reads in flight). Returns store reads / n."""
     lru: OrderedDict[int, None] = OrderedDict()
@@ -41,7 +41,7 @@ def coop_store_reads(n, jobs, frac=0.1, seeds=None, epochs=1, prefer=None):
 
     lookup = lambda idx: [i in lru for i in idx]
     seeds = seeds or list(range(jobs))
-    samplers = [SubstitutableBatchSampler(n, 32, lookup, seed=sd, prefer=prefer) for sd in seeds]
+    samplers = [SubstitutableBatchSampler(n, 32, lookup, seed=sd, walk=walk, prefer=prefer) for sd in seeds]
     reads = 0
     for _ in range(epochs):
         its = [iter(s) for s in samplers]
@@ -69,10 +69,12 @@ def coop_store_reads(n, jobs, frac=0.1, seeds=None, epochs=1, prefer=None):
 def test_jobs_in_step_read_each_item_about_once():
     # the shared front: 1.19-1.26x in 200 runs (the excess: two jobs picking the same
     # miss while its read is in flight); the paper's walk over each job's own
-    # permutation (the `prefer` path) 1.35x: items are evicted before the others
+    # permutation (walk=True) 1.35x: items are evicted before the others
     # come across them
     assert coop_store_reads(2000, 4) < 1.3
-    assert coop_store_reads(2000, 4, prefer=lambda i: False) > 1.3
+    assert coop_store_reads(2000, 4, walk=True) > 1.3
+    # a chunk hint (the manager's loading chunk) leaves the shared front as it is
+    assert coop_store_reads(2000, 4, prefer=lambda i: i % 10 == 0) < 1.3
     assert coop_store_reads(2000, 4, epochs=2) < 1.3
 
 

@@ -78,6 +78,38 @@ def test_lru_fallback_evicts_oldest_unprotected(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "none"])
+def test_spare_entries_go_first_and_evict_only_their_kind(tmp_path, policy):
+    """(dataset, -1): a dataset's items outside the manager's chunks fill room nobody was
+    given; any put evicts them first (least recently used first), and they evict only each other."""
+    slot = 1000 + OVERHEAD
+    s = Store(str(tmp_path / "sp"), 10 * slot, make_policy(policy), Counters())
+    chunk = ids(4, seed=1)
+    spare = ids(6, seed=2)
+    assert s.put_many([(k, b"c" * 1000) for k in chunk], ("ds", 3)) == (4, 0, 0)
+    assert s.put_many([(k, b"s" * 1000) for k in spare], ("ds", -1)) == (6, 0, 0)  # full now
+    s.touch(spare[:2])  # recently used spares outlive the others
+    more = ids(3, seed=3)
+    assert s.put_many([(k, b"m" * 1000) for k in more], ("ds", -1)) == (3, 0, 0)
+    assert s.contains(spare) == b"\x01\x01" + b"\x00" * 3 + b"\x01" and s.contains(chunk) == b"\x01" * 4
+    # a spare put may not evict chunk entries, even under LRU: room left = spares only
+    many = ids(8, seed=4)
+    assert s.put_many([(k, b"x" * 1000) for k in many], ("ds", -1)) == (6, 0, 2)
+    assert s.contains(chunk) == b"\x01" * 4
+    # a chunk put (the loading chunk) takes spare room first, whatever the policy
+    loading = ids(5, seed=5)
+    assert s.put_many([(k, b"l" * 1000) for k in loading], ("ds", 4)) == (5, 0, 0)
+    assert s.contains(chunk) == b"\x01" * 4 and s.contains(loading) == b"\x01" * 5
+    assert s.counters["evicted_spare"] == 3 + 6 + 5 and s.counters["evicted_by_policy"] == 0
+    assert s.used == 10 * slot
+    s.close()
+    # spares are known again after a restart (rebuilt from the index)
+    s = Store(str(tmp_path / "sp"), 10 * slot, make_policy(policy), Counters())
+    assert len(s._spare) == 1 and s.put_many([(ids(1, seed=6)[0], b"y" * 1000)], ("ds", 5)) == (1, 0, 0)
+    assert s.contains(chunk + loading) == b"\x01" * 9
+    s.close()
+
+
 def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
     s = Store(str(tmp_path / "n"), 3 * (1000 + OVERHEAD), make_policy("none"), Counters())
     ks = ids(5)
