@@ -6,8 +6,11 @@ misses; docs/operations.md), and same-host followers (localread.py) cannot
 see them yet, so the server serves them over the socket. Flushing soon after
 the writes pause bounds both; flushing on every write would turn each insert
 into a tiny table file. RocksDB still flushes a full memtable by itself.
+Once unflushed values are being read (served over the socket because a
+follower cannot see them), a short pause is enough: an epoch of hits right
+after the fill epoch would otherwise go over the socket for QUIET_S.
 
-The policy, should_flush(), is a pure function of the write times.
+The policy, should_flush(), is a pure function of the write and read times.
 """
 from __future__ import annotations
 
@@ -17,24 +20,29 @@ import time
 from collections.abc import Callable
 
 QUIET_S = 0.5  # flush once no value was written for this long...
-MAX_AGE_S = 5.0  # ...or once the oldest unflushed value is this old
+MAX_AGE_S = 5.0  # ...or once the oldest unflushed value is this old...
+READ_QUIET_S = 0.05  # ...or, when unflushed values were read since the last write, after this
 CHECK_S = 0.1
 
 log = logging.getLogger(__name__)
 
 
-def should_flush(now: float, dirty_since: float | None, last_write: float,
-                 quiet: float = QUIET_S, max_age: float = MAX_AGE_S) -> bool:
-    """True if unflushed values exist and the writes paused, or the oldest waited too long."""
+def should_flush(now: float, dirty_since: float | None, last_write: float, last_unflushed_read: float = 0.0,
+                 quiet: float = QUIET_S, max_age: float = MAX_AGE_S, read_quiet: float = READ_QUIET_S) -> bool:
+    """True if unflushed values exist and the writes paused (briefly will do when those
+    values are being read), or the oldest waited too long."""
     if dirty_since is None:
         return False
-    return now - last_write >= quiet or now - dirty_since >= max_age
+    paused = now - last_write
+    return (paused >= quiet or now - dirty_since >= max_age
+            or (last_unflushed_read > last_write and paused >= read_quiet))
 
 
 class Flusher:
-    """A daemon thread that asks `dirty()` for (dirty_since, last_write) and calls `flush()`."""
+    """A daemon thread that asks `dirty()` for (dirty_since, last_write, last_unflushed_read)
+    and calls `flush()`."""
 
-    def __init__(self, dirty: Callable[[], tuple[float | None, float]], flush: Callable[[], None],
+    def __init__(self, dirty: Callable[[], tuple[float | None, float, float]], flush: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._dirty, self._flush, self._clock = dirty, flush, clock
         self._stop = threading.Event()
@@ -43,8 +51,7 @@ class Flusher:
 
     def _run(self) -> None:
         while not self._stop.wait(CHECK_S):
-            dirty_since, last_write = self._dirty()
-            if should_flush(self._clock(), dirty_since, last_write):
+            if should_flush(self._clock(), *self._dirty()):
                 try:
                     self._flush()
                 except Exception:  # a failed flush is retried on the next tick; keep serving

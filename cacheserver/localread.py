@@ -23,7 +23,12 @@ import rocksdict
 from .record import unwrap
 from .store import hot_read_options, tuned_for_reads
 
-CATCH_UP_INTERVAL = 0.5  # seconds; catching up replays the primary's log, ~0.1 s
+# Catching up replays the primary's log: ~0.1 s under heavy logged writes, ~1 ms
+# when values skip the log (--durability cache). Space catch-ups in proportion to
+# their cost, so they take at most ~1/CATCH_UP_SPACING of the time, within bounds.
+CATCH_UP_SPACING = 5.0
+MIN_CATCH_UP_INTERVAL = 0.02  # seconds
+MAX_CATCH_UP_INTERVAL = 0.5
 
 
 def log_bytes(db_path: str) -> int:
@@ -35,8 +40,14 @@ def log_bytes(db_path: str) -> int:
         return 0
 
 
+def catch_up_interval(cost_s: float) -> float:
+    """Seconds to wait after a catch-up that took cost_s before the next one."""
+    return min(MAX_CATCH_UP_INTERVAL, max(MIN_CATCH_UP_INTERVAL, CATCH_UP_SPACING * cost_s))
+
+
 class LocalReader:
     def __init__(self, db_path: str) -> None:
+        t = time.monotonic()
         self._scratch = tempfile.TemporaryDirectory(prefix="mlcache-secondary-")
         cf = rocksdict.Options(raw_mode=True)
         self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
@@ -45,6 +56,8 @@ class LocalReader:
         self._db.set_read_options(hot_read_options())
         self._lock = threading.Lock()
         self._last_catch_up = time.monotonic()
+        # opening replays the log as a catch-up does, and more: a conservative first cost
+        self._interval = catch_up_interval(self._last_catch_up - t)
 
     def read(self, ids: Sequence[bytes]) -> list[memoryview | None]:
         get = self._db.get
@@ -58,12 +71,15 @@ class LocalReader:
         return out
 
     def catch_up(self) -> bool:
-        """Follow the primary's newest writes, at most every CATCH_UP_INTERVAL."""
+        """Follow the primary's newest writes, unless the last catch-up was too recent
+        for its cost (catch_up_interval)."""
         with self._lock:
-            if time.monotonic() - self._last_catch_up < CATCH_UP_INTERVAL:
+            t = time.monotonic()
+            if t - self._last_catch_up < self._interval:
                 return False
             self._db.try_catch_up_with_primary()
             self._last_catch_up = time.monotonic()
+            self._interval = catch_up_interval(self._last_catch_up - t)
             return True
 
     def close(self) -> None:

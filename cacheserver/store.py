@@ -122,6 +122,7 @@ class Store:
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
         self._last_write = 0.0
+        self._last_unflushed_read = 0.0  # an unflushed value was served (flusher.py)
 
         # In-memory index: id -> (charge, tag index). Tags are interned.
         self._index: dict[bytes, tuple[int, int]] = {}
@@ -263,6 +264,8 @@ class Store:
                         spare.move_to_end(k)
             unflushed = self._unflushed
             late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
+            if late:
+                self._last_unflushed_read = time.monotonic()
         return present, late
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
@@ -384,9 +387,9 @@ class Store:
             if self._dirty_since is None:
                 self._dirty_since = now
 
-    def _dirty_state(self) -> tuple[float | None, float]:
+    def _dirty_state(self) -> tuple[float | None, float, float]:
         with self._lock:
-            return self._dirty_since, self._last_write
+            return self._dirty_since, self._last_write, self._last_unflushed_read
 
     def flush(self) -> None:
         """Write the memtables to table files; with durability "cache" this makes

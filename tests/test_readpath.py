@@ -102,3 +102,12 @@ def test_remote_returns_to_local_early_once_the_servers_log_stops_growing():
     clock.t += readpath.QUIET_CHECK
     assert p.use_local(2 * MB + 1000)  # quiet: the writes stopped, long before the hold ends
     assert p.state == LOCAL
+
+
+def test_catch_ups_are_spaced_by_their_cost():
+    from cacheserver.localread import (CATCH_UP_SPACING, MAX_CATCH_UP_INTERVAL, MIN_CATCH_UP_INTERVAL,
+                                       catch_up_interval)
+
+    assert catch_up_interval(0.0) == MIN_CATCH_UP_INTERVAL  # cheap (values outside the log): soon
+    assert catch_up_interval(0.01) == CATCH_UP_SPACING * 0.01
+    assert catch_up_interval(1.0) == MAX_CATCH_UP_INTERVAL  # heavy log replay: rarely

@@ -288,13 +288,30 @@ def test_logged_durability_writes_value_and_meta_together(tmp_path, durability):
 
 
 def test_flush_policy_waits_for_a_pause_or_an_age():
-    from cacheserver.flusher import MAX_AGE_S, QUIET_S, should_flush
+    from cacheserver.flusher import MAX_AGE_S, QUIET_S, READ_QUIET_S, should_flush
 
     assert not should_flush(100.0, None, 99.0)  # nothing unflushed
     assert not should_flush(100.0, 99.9, 99.95)  # writes going on, young
     assert should_flush(100.0, 99.0, 100.0 - QUIET_S)  # writes paused
     assert should_flush(100.0, 100.0 - MAX_AGE_S, 100.0)  # never paused, but old enough
     assert not should_flush(100.0, 100.0 - MAX_AGE_S + 0.01, 99.99)
+    # unflushed values read since the last write (followers cannot see them): a short pause will do
+    assert should_flush(100.0, 99.0, 100.0 - 1.5 * READ_QUIET_S, 99.99)
+    assert not should_flush(100.0, 99.0, 100.0 - READ_QUIET_S / 2, 99.99)  # writes still going on
+    assert not should_flush(100.0, 99.0, 100.0 - 1.5 * READ_QUIET_S, 99.0)  # read before the last write
+
+
+def test_reading_unflushed_values_is_noted_for_the_flusher(tmp_path):
+    s = Store(str(tmp_path / "r"), 10**7, LRUPolicy(), Counters())
+    try:
+        ks = ids(3, seed=11)
+        s.put_many([(k, b"r" * 100) for k in ks])
+        dirty_since, last_write, last_read = s._dirty_state()
+        assert dirty_since is not None and last_read < last_write
+        assert s.touch_split(ks[:2] + ids(1, seed=12)) == (b"\x01\x01\x00", [0, 1])  # both unflushed
+        assert s._dirty_state()[2] > last_write  # -> should_flush's short pause applies
+    finally:
+        s.close()
 
 
 def test_the_flusher_flushes_after_writes_pause(tmp_path):
