@@ -207,15 +207,17 @@ class ServerClient:
             if len(k) != ID_LEN:
                 raise ValueError(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
 
-    def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False) -> bytes:
+    def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False,
+               not_spare: bool = False) -> bytes:
         """One byte per id: 1 if present; with `pending`, 2 if absent but another
-        job is reading it from the store."""
+        job is reading it from the store; with `not_spare`, 0 for ids held only as
+        spare entries (a server from before spare entries ignores it)."""
         if not ids:
             return b""
         self._check(ids)
         if self._dataplane():
-            return Call(self, self._lookup_steps(ids, job, pending)).result()
-        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids), pending=pending),
+            return Call(self, self._lookup_steps(ids, job, pending, not_spare)).result()
+        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids), pending=pending, not_spare=not_spare),
                                 timeout=self.timeout).present
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> bytes:
@@ -254,8 +256,10 @@ class ServerClient:
 
     # ---- data-plane steps: generators that yield each request (op, job,
     # count, parts, flags) and are sent its answer (count, body); Call runs them.
-    def _lookup_steps(self, ids: Sequence[bytes], job: str, pending: bool = False) -> Steps:
-        _, body = yield (wire.OP_LOOKUP, job, len(ids), [b"".join(ids)], wire.FLAG_PENDING if pending else 0)
+    def _lookup_steps(self, ids: Sequence[bytes], job: str, pending: bool = False,
+                      not_spare: bool = False) -> Steps:
+        flags = (wire.FLAG_PENDING if pending else 0) | (wire.FLAG_NOT_SPARE if not_spare else 0)
+        _, body = yield (wire.OP_LOOKUP, job, len(ids), [b"".join(ids)], flags)
         return body
 
     def _claim_steps(self, ids: Sequence[bytes], job: str) -> Steps:

@@ -55,14 +55,15 @@ class CacheCore:
         return bool(job) and self._modes.get(job, NORMAL) == BYPASS
 
     # ---- data operations ------------------------------------------------
-    def lookup(self, job: str, ids: Sequence[bytes], pending: bool = False) -> bytes:
+    def lookup(self, job: str, ids: Sequence[bytes], pending: bool = False, not_spare: bool = False) -> bytes:
         """1 present / 0 absent per id; with `pending`, 2 for absent ids another
-        job is reading from the store now (claims.py)."""
+        job is reading from the store now (claims.py); with `not_spare`, ids held
+        only as spare entries count as absent (store.is_spare)."""
         self._check_ids(ids)
         if self.bypassed(job):
             self.counters.add_many({"lookups": len(ids), "bypassed": len(ids)})
             return bytes(len(ids))
-        present = self.store.contains(ids)
+        present = self.store.contains(ids, not_spare)
         self.counters.add_many({"lookups": len(ids), "lookup_hits": present.count(1)})
         return self.claims.pending(job, ids, present) if pending else present
 

@@ -15,7 +15,7 @@ NAMES = (
     "evicted_items", "evicted_bytes", "evicted_by_policy", "evicted_spare", "chunk_evictions",
     "dataset_evictions", "corrupt_dropped", "bad_requests", "dataplane_requests",
     "grpc_requests", "recovered_items", "local_reads", "put_replaced",
-    "claims_granted", "claims_waited", "claims_present", "follower_flushes",
+    "claims_granted", "claims_waited", "claims_present", "follower_flushes", "put_retagged",
 )
 
 

@@ -146,7 +146,8 @@ class DataPlaneServer:
                         self._send_values(conn, self.core.get_local_inline(job, ids))
                         return True
                     if op == wire.OP_LOOKUP:
-                        present = self.core.lookup(job, ids, pending=bool(flags & wire.FLAG_PENDING))
+                        present = self.core.lookup(job, ids, pending=bool(flags & wire.FLAG_PENDING),
+                                                   not_spare=bool(flags & wire.FLAG_NOT_SPARE))
                     else:
                         present = (self.core.get_local if op == wire.OP_GET_LOCAL else self.core.claim)(job, ids)
                     wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, count, count), present])

@@ -22,20 +22,22 @@ from collections.abc import Callable
 QUIET_S = 0.5  # flush once no value was written for this long...
 MAX_AGE_S = 5.0  # ...or once the oldest unflushed value is this old...
 READ_QUIET_S = 0.05  # ...or, when unflushed values were read since the last write, after this
+READ_FLUSH_GAP_S = 0.5  # (those early flushes at most this often: no storm of tiny table files)
 CHECK_S = 0.1
 
 log = logging.getLogger(__name__)
 
 
 def should_flush(now: float, dirty_since: float | None, last_write: float, last_unflushed_read: float = 0.0,
-                 quiet: float = QUIET_S, max_age: float = MAX_AGE_S, read_quiet: float = READ_QUIET_S) -> bool:
+                 last_flush: float = float("-inf"), quiet: float = QUIET_S, max_age: float = MAX_AGE_S,
+                 read_quiet: float = READ_QUIET_S, read_gap: float = READ_FLUSH_GAP_S) -> bool:
     """True if unflushed values exist and the writes paused (briefly will do when those
-    values are being read), or the oldest waited too long."""
+    values are being read, unless such a flush was just made), or the oldest waited too long."""
     if dirty_since is None:
         return False
     paused = now - last_write
     return (paused >= quiet or now - dirty_since >= max_age
-            or (last_unflushed_read > last_write and paused >= read_quiet))
+            or (last_unflushed_read > last_write and paused >= read_quiet and now - last_flush >= read_gap))
 
 
 class Flusher:
@@ -45,13 +47,15 @@ class Flusher:
     def __init__(self, dirty: Callable[[], tuple[float | None, float, float]], flush: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._dirty, self._flush, self._clock = dirty, flush, clock
+        self._last_flush = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-flusher", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(CHECK_S):
-            if should_flush(self._clock(), *self._dirty()):
+            if should_flush(self._clock(), *self._dirty(), self._last_flush):
+                self._last_flush = self._clock()
                 try:
                     self._flush()
                 except Exception:  # a failed flush is retried on the next tick; keep serving

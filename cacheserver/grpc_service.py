@@ -45,7 +45,7 @@ class CacheService(pb_grpc.CacheServicer):
     @_statuses
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         return pb.LookupResponse(present=self.core.lookup(request.job, split_ids(request.ids),
-                                                          pending=request.pending))
+                                                          pending=request.pending, not_spare=request.not_spare))
 
     @_statuses
     def Claim(self, request: pb.ClaimRequest, context) -> pb.ClaimResponse:

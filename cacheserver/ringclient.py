@@ -69,16 +69,17 @@ class RingClient:
         self.down_backoff = down_backoff
         self.errors = 0
 
-    @classmethod
-    def from_spec(cls, spec: str, **kw) -> "RingClient":
-        """"host:port,host:port"; a single address is expanded to that server's --peers.
-        A single server that cannot answer is used alone (it is then all-miss until it
-        is back): a cache that is down must not stop training."""
+    @staticmethod
+    def resolve(spec: str, tls: Any = None) -> list[str]:
+        """"host:port,host:port" -> addresses; a single address is expanded to that
+        server's --peers. A single server that cannot answer is used alone (it is
+        then all-miss until it is back): a cache that is down must not stop training.
+        Resolve once per job and hand the result to every process, so that they all
+        route over the same ring."""
         addrs = parse_spec(spec)
         if len(addrs) == 1:
-            tls = {k: v for k, v in kw.items() if k == "tls"}
             try:
-                with ServerClient(addrs[0], timeout=PEERS_TIMEOUT_S, **tls) as c:
+                with ServerClient(addrs[0], timeout=PEERS_TIMEOUT_S, tls=tls) as c:
                     peers = list(c.info().peers)
             except TRANSIENT as e:
                 log.warning("cache server %s did not answer (%s); using it alone, without its peers",
@@ -86,7 +87,11 @@ class RingClient:
                 peers = []
             if peers:
                 addrs = peers
-        return cls(addrs, **kw)
+        return addrs
+
+    @classmethod
+    def from_spec(cls, spec: str, **kw) -> "RingClient":
+        return cls(cls.resolve(spec, kw.get("tls")), **kw)
 
     # ---- health ---------------------------------------------------------
     def _usable(self, node: str) -> bool:
@@ -154,9 +159,11 @@ class RingClient:
                 handle.abandon()  # only those whose answers were never read
         return out
 
-    def lookup(self, ids: Sequence[bytes], job: str = "") -> list[bool]:
-        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job)], False,
-                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, False),
+    def lookup(self, ids: Sequence[bytes], job: str = "", not_spare: bool = False) -> list[bool]:
+        """Present per id; with not_spare, ids held only as spare entries count as absent."""
+        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job,
+                                                                          not_spare=not_spare)], False,
+                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, False, not_spare),
                             lambda idx, body: [p == 1 for p in body])
 
     def lookup_pending(self, ids: Sequence[bytes], job: str = "") -> list[int]:

@@ -243,8 +243,13 @@ class Store:
     def items(self) -> int:
         return len(self._index)
 
-    def contains(self, keys: Sequence[bytes]) -> bytes:
+    def contains(self, keys: Sequence[bytes], not_spare: bool = False) -> bytes:
+        """Presence flags; with not_spare, entries held only as spare count as absent
+        (a client loading a chunk puts those again under the chunk, which retags them)."""
         index = self._index
+        if not_spare and self._spare:
+            spare = self._spare
+            return bytes(1 if k in index and k not in spare else 0 for k in keys)
         return bytes(1 if k in index else 0 for k in keys)
 
     def touch(self, keys: Sequence[bytes]) -> bytes:
@@ -316,6 +321,9 @@ class Store:
                 for key, _ in items:
                     if key not in self._pending:
                         self._index_remove(key)  # the write below overwrites the record
+            retag = [] if is_spare(tag) or not self._spare else [k for k, _ in items if k in self._spare]
+            if retag:  # spare entries whose chunk now has room: they take the put's tag
+                self._retag(retag, tag, tid)
             for key, value in items:
                 if key in self._index or key in self._pending or key in seen:
                     already += 1
@@ -356,6 +364,21 @@ class Store:
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
+
+    def _retag(self, keys: list[bytes], tag: Tag, tid: int) -> None:
+        """Move present entries to `tag` (lock held): index, usage and, logged, their
+        index records (a fresh sequence: recovery keeps them only with their value)."""
+        ds = tag[0].encode()
+        mb = rocksdict.WriteBatch(raw_mode=True)
+        for key in keys:
+            charge, old = self._index[key]
+            self._index_remove(key)
+            self._index_add(key, charge, tid)
+            self.policy.admitted(key)
+            mb.put(key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds, self._meta_cf)
+            self._seq += 1
+        self._db.write(mb, self._wopts)
+        self.counters.add("put_retagged", len(keys))
 
     def _write_values(self, accepted: list, seq0: int, tag: Tag) -> None:
         ds = tag[0].encode()

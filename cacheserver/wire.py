@@ -51,6 +51,7 @@ FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
 FLAG_PENDING = 4  # LOOKUP: answer 2 for absent ids another job is reading from the store
 FLAG_INLINE = 8  # GET_LOCAL: values not flushed yet come inline (a follower cannot see them)
+FLAG_NOT_SPARE = 16  # LOOKUP: ids held only as spare entries count as absent
 MISS = 0xFFFFFFFF
 LOCAL = 0xFFFFFFFE  # GET_LOCAL with INLINE: present, read it from the store files
 PUT_ENTRY = struct.Struct("<32sQ")

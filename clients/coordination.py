@@ -186,14 +186,14 @@ class JobCoordinator:
     def _report_loaded(self, plan: "Plan", chunk: int) -> None:
         sample = self._chunk_sample(plan, chunk, 256)
         if sample:
-            present = self.ds.lookup(sample)
+            present = self.ds.lookup(sample, not_spare=True)  # spare entries are not the chunk's room
             self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
 
     def _prefetch(self, plan: "Plan", chunk: int) -> None:
         """Insert a few missing items of the loading chunk, at most prefetch_bandwidth bytes/s."""
         budget = self.prefetch_bandwidth * self.report_seconds
         sample = self._chunk_sample(plan, chunk, 64)
-        missing = [i for i, p in zip(sample, self.ds.lookup(sample)) if not p]
+        missing = [i for i, p in zip(sample, self.ds.lookup(sample, not_spare=True)) if not p]
         take, size = [], 0
         for i in missing:
             size += int(self.ds.digest.size(i))

@@ -117,6 +117,9 @@ class CachedDataset(_TorchDataset):
         self.coordinator: JobCoordinator | None = None
         self.embedded: EmbeddedCache | None = None
         if isinstance(cache, str):
+            if not cache.strip(" ,"):
+                raise ValueError(f"cache={cache!r} names no server: pass 'host:port[,host:port...]', "
+                                 f"cache=None for the embedded cache or cache=False for none")
             parse_spec(cache)  # a malformed address fails here, not at the first batch
         if manager is not None:
             split_hostport(manager, "cache manager address")
@@ -132,7 +135,8 @@ class CachedDataset(_TorchDataset):
         elif cache is None:
             self.embedded = EmbeddedCache.shared(cache_dir, parse_size(capacity))
             cache = self.embedded.address
-        self.cache_spec = cache
+        # one ring for the main process and every DataLoader worker
+        self.cache_spec = ",".join(RingClient.resolve(cache)) if cache else cache
         self.counters = SharedCounters()
         self._state: _ProcessState | None = None
         self._ids: list[bytes | None] | None = None
@@ -174,12 +178,13 @@ class CachedDataset(_TorchDataset):
             out.append(v)
         return out
 
-    def lookup(self, indices: Sequence[int]) -> list[bool]:
-        """Which items are cached now."""
+    def lookup(self, indices: Sequence[int], not_spare: bool = False) -> list[bool]:
+        """Which items are cached now (with not_spare: other than as spare entries,
+        which any insert evicts first; see cacheserver/store.py)."""
         ring = self._proc().ring
         if ring is None:
             return [False] * len(indices)
-        return ring.lookup(self.ids_for(indices), self.job)
+        return ring.lookup(self.ids_for(indices), self.job, not_spare)
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:
         """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (sampler.PENDING)
@@ -299,7 +304,7 @@ class CachedDataset(_TorchDataset):
             for p, v in zip(waited, got):
                 if v is not None:
                     items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v)
-                    if items[p] is None:
+                    if items[p] is None and not poisoned[p]:  # poisoned[p]: counted already
                         bad.add(p)
             coalesced = sum(items[p] is not None for p in waited)
             late = [p for p in waited if items[p] is None]
@@ -384,10 +389,25 @@ class CachedDataset(_TorchDataset):
         return sum(map(len, groups.values()))
 
     def prefetch(self, indices: Sequence[int]) -> None:
-        """Fetch and insert items ahead of need (the loading chunk); not counted as reads."""
+        """Fetch and insert items ahead of need (the loading chunk); not counted as reads.
+        Items the cache holds as spare entries are put again as they are (ciphertext,
+        from the cache), which moves them into their chunk; the rest come from the store."""
         st = self._proc()
+        indices = list(indices)
         ids = self.ids_for(indices)
-        _, fill = self._fill(st, list(indices), ids, [False] * len(ids))
+        if st.ring is not None and self.insert:
+            held = st.ring.get(ids, self.job)
+            groups: dict[int, list] = {}
+            for i, ident, v in zip(indices, ids, held):
+                chunk = self.plan.insert_chunk(i) if v is not None else None
+                if chunk is not None and chunk >= 0:
+                    groups.setdefault(chunk, []).append((ident, bytes(v)))
+            for chunk, items in groups.items():
+                st.ring.put(items, self.job, self.dataset_tag, chunk)
+            moved = {ident for items in groups.values() for ident, _ in items}
+            keep = [p for p, ident in enumerate(ids) if ident not in moved]
+            indices, ids = [indices[p] for p in keep], [ids[p] for p in keep]
+        _, fill = self._fill(st, indices, ids, [False] * len(ids))
         self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],
                           poisoned=fill["poisoned"], prefetched=len(indices))
 

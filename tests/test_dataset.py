@@ -199,7 +199,8 @@ def test_single_dead_cache_address_trains_from_the_store(tmp_path, data):
     ("localhost", "expected HOST:PORT, got 'localhost'"),  # gRPC would dial port 443
     ("127.0.0.1:7000,host:x", "got 'host:x'"),
     ("127.0.0.1:70000", "port out of range in '127.0.0.1:70000'"),
-    (" , ", "names no server"),
+    (" , ", "names no server: pass 'host:port"),
+    ("", "cache=None for the embedded cache or cache=False for none"),
 ])
 def test_malformed_cache_address_fails_at_construction(data, cache, why):
     with pytest.raises(ValueError, match=why):

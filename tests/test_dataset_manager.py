@@ -91,3 +91,35 @@ def test_shared_plan_decides_what_to_insert():
     assert sp.insert_chunk(5) is None
     sp.publish(Plan("d", "full", 1, n, 0, active=0, loading=None, chunks=(0,), version=9))
     assert sp.insert_chunk(999) == 0
+
+
+def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):
+    """A miss outside the plan goes in as a spare entry; once its chunk is loading, the
+    prefetcher puts the cached ciphertext again under the chunk (no store read), and
+    only then do chunk-room lookups count it."""
+    from clients.coordination import SPARE
+    from manager.client import Plan
+    from manager.policy import chunk_of
+
+    path, items = make_dataset(tmp_path / "ds", n=40)
+    d = cacheserver(str(tmp_path / "s"), "64MB").start()
+    ds = CachedDataset(path, cache=d.address, job="j")
+    try:
+        n, k = len(items), 4
+        i = next(i for i in range(n) if chunk_of(i, n, k) == 2)
+        ds.plan.publish(Plan("d", "chunked", k, n, 0, active=0, loading=None, chunks=(0,), version=1))
+        assert ds.plan.insert_chunk(i) == SPARE
+        assert ds[i] == items[i]  # a miss, inserted as spare
+        assert ds.lookup([i]) == [True] and ds.lookup([i], not_spare=True) == [False]
+        ds.plan.publish(Plan("d", "chunked", k, n, 0, active=0, loading=2, chunks=(0,), version=2))
+        before = ds.counters.totals()["store_bytes"]
+        ds.prefetch([i])
+        assert ds.counters.totals()["store_bytes"] == before  # moved from the cache, not refetched
+        assert ds.lookup([i], not_spare=True) == [True]
+        with ServerClient(d.address) as c:
+            tags = {(ch.dataset, ch.chunk): ch.items for ch in c.stats().chunks}
+            assert tags.get((ds.dataset_tag, 2)) == 1 and not tags.get((ds.dataset_tag, -1))
+        assert ds[i] == items[i]  # and it still opens
+    finally:
+        ds.close()
+        d.kill()

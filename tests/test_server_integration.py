@@ -482,3 +482,19 @@ def test_prometheus_metrics_endpoint(tmp_path):
         assert "mlcache_server_items 3.0" in text
     finally:
         d.kill()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lookup_not_spare_and_retag_over_the_wire(tmp_path, transport):
+    d = cacheserver(str(tmp_path / "sp"), "64MB").start()
+    try:
+        with ServerClient(d.address, **TRANSPORTS[transport]) as c:
+            ks = [os.urandom(32) for _ in range(4)]
+            c.put([(k, b"v" * 500) for k in ks], dataset="ds", chunk=-1)
+            assert c.lookup(ks) == b"\x01" * 4
+            assert c.lookup(ks, not_spare=True) == b"\x00" * 4
+            assert c.put([(k, b"v" * 500) for k in ks[:2]], dataset="ds", chunk=2)[:2] == (0, 2)
+            assert c.lookup(ks, not_spare=True) == b"\x01\x01\x00\x00"
+            assert c.stats().counters["put_retagged"] == 2
+    finally:
+        d.kill()

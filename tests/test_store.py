@@ -110,6 +110,30 @@ def test_spare_entries_go_first_and_evict_only_their_kind(tmp_path, policy):
     s.close()
 
 
+def test_a_spare_entry_put_again_under_a_chunk_joins_it(tmp_path):
+    """Spare first (its chunk had no room then), then the chunk is loaded: the put
+    retags it, so chunk protection and accounting cover it, also after a restart."""
+    slot = 1000 + OVERHEAD
+    s = Store(str(tmp_path / "rt"), 10 * slot, make_policy("lru"), Counters())
+    ks = ids(5, seed=7)
+    s.put_many([(k, b"s" * 1000) for k in ks], ("ds", -1))
+    assert s.contains(ks, not_spare=True) == b"\x00" * 5 and s.contains(ks) == b"\x01" * 5
+    assert s.put_many([(k, b"s" * 1000) for k in ks[:3]], ("ds", 3)) == (0, 3, 0)  # present: retagged
+    assert s.counters["put_retagged"] == 3
+    assert s.contains(ks, not_spare=True) == b"\x01\x01\x01\x00\x00"
+    usage = s.usage_by_tag()
+    assert usage[("ds", 3)].items == 3 and usage[("ds", -1)].items == 2
+    s.set_protector(lambda tag: tag == ("ds", 3))
+    for b in range(3):  # spare churn evicts only the two that stayed spare
+        s.put_many([(k, b"x" * 1000) for k in ids(4, seed=100 + b)], ("ds", -1))
+    assert s.contains(ks) == b"\x01\x01\x01\x00\x00" and s.used <= 10 * slot
+    s.close()
+    s = Store(str(tmp_path / "rt"), 10 * slot, make_policy("lru"), Counters())
+    assert s.usage_by_tag()[("ds", 3)].items == 3  # the new tag was logged
+    assert [bytes(v) for v in s.get_many(ks[:3])] == [b"s" * 1000] * 3
+    s.close()
+
+
 def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
     s = Store(str(tmp_path / "n"), 3 * (1000 + OVERHEAD), make_policy("none"), Counters())
     ks = ids(5)
@@ -288,7 +312,7 @@ def test_logged_durability_writes_value_and_meta_together(tmp_path, durability):
 
 
 def test_flush_policy_waits_for_a_pause_or_an_age():
-    from cacheserver.flusher import MAX_AGE_S, QUIET_S, READ_QUIET_S, should_flush
+    from cacheserver.flusher import MAX_AGE_S, QUIET_S, READ_FLUSH_GAP_S, READ_QUIET_S, should_flush
 
     assert not should_flush(100.0, None, 99.0)  # nothing unflushed
     assert not should_flush(100.0, 99.9, 99.95)  # writes going on, young
@@ -299,10 +323,12 @@ def test_flush_policy_waits_for_a_pause_or_an_age():
     assert should_flush(100.0, 99.0, 100.0 - 1.5 * READ_QUIET_S, 99.99)
     assert not should_flush(100.0, 99.0, 100.0 - READ_QUIET_S / 2, 99.99)  # writes still going on
     assert not should_flush(100.0, 99.0, 100.0 - 1.5 * READ_QUIET_S, 99.0)  # read before the last write
+    assert not should_flush(100.0, 99.0, 100.0 - 1.5 * READ_QUIET_S, 99.99, 100.0 - READ_FLUSH_GAP_S / 2)  # just flushed
 
 
 def test_reading_unflushed_values_is_noted_for_the_flusher(tmp_path):
     s = Store(str(tmp_path / "r"), 10**7, LRUPolicy(), Counters())
+    s._flusher.stop()  # a stalled host must not let it flush between the put and the read
     try:
         ks = ids(3, seed=11)
         s.put_many([(k, b"r" * 100) for k in ks])
