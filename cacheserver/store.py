@@ -321,7 +321,8 @@ class Store:
                 for key, _ in items:
                     if key not in self._pending:
                         self._index_remove(key)  # the write below overwrites the record
-            retag = [] if is_spare(tag) or not self._spare else [k for k, _ in items if k in self._spare]
+            # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
+            retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
             if retag:  # spare entries whose chunk now has room: they take the put's tag
                 self._retag(retag, tag, tid)
             for key, value in items:
@@ -348,18 +349,22 @@ class Store:
             self._seq += len(accepted)
             if accepted:
                 self._writing.add(seq0)
+        written = False
         try:
             if accepted:
                 self._write_values(accepted, seq0, tag)
+            written = True
         finally:
+            # One lock section: between leaving _pending and entering the index a
+            # concurrent put of the same id would store it a second time.
             with self._lock:
                 self._reserved -= reserve
                 self._pending.difference_update(k for k, _, _ in accepted)
                 self._writing.discard(seq0)
-        with self._lock:
-            for key, _, charge in accepted:
-                self._index_add(key, charge, tid)
-                self.policy.admitted(key)
+                if written:
+                    for key, _, charge in accepted:
+                        self._index_add(key, charge, tid)
+                        self.policy.admitted(key)
         self.counters.add_many({"put_stored": len(accepted), "put_already": already,
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
@@ -371,9 +376,12 @@ class Store:
         ds = tag[0].encode()
         mb = rocksdict.WriteBatch(raw_mode=True)
         for key in keys:
-            charge, old = self._index[key]
+            charge, _ = self._index[key]
+            unflushed = self._unflushed.get(key)
             self._index_remove(key)
             self._index_add(key, charge, tid)
+            if unflushed is not None:  # the value itself is still only in the memtable
+                self._unflushed[key] = unflushed
             self.policy.admitted(key)
             mb.put(key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds, self._meta_cf)
             self._seq += 1

@@ -70,7 +70,8 @@ class _ProcessState:
         self.pid = os.getpid()
         if ds.keep_freed_memory:  # batches of values would otherwise page-fault afresh (cacheserver/malloc.py)
             keep_freed_memory()
-        self.ring = RingClient.from_spec(ds.cache_spec, down_backoff=ds.down_backoff) if ds.cache_spec else None
+        # resolved once in CachedDataset.__init__: every process routes over the same ring
+        self.ring = RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff) if ds.cache_spec else None
         self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
         self.pool = ThreadPoolExecutor(ds.fetch_threads, thread_name_prefix="store-fetch")
         # DataLoader workers already check in parallel, one process each: only the
@@ -394,12 +395,15 @@ class CachedDataset(_TorchDataset):
         from the cache), which moves them into their chunk; the rest come from the store."""
         st = self._proc()
         indices = list(indices)
+        n = len(indices)
         ids = self.ids_for(indices)
         if st.ring is not None and self.insert:
             held = st.ring.get(ids, self.job)
+            keys = [self.digest.sha256(i) for i in indices]
+            good = self._open_many(st, indices, keys, held)  # a poisoned value is not moved
             groups: dict[int, list] = {}
-            for i, ident, v in zip(indices, ids, held):
-                chunk = self.plan.insert_chunk(i) if v is not None else None
+            for i, ident, v, ok in zip(indices, ids, held, good):
+                chunk = self.plan.insert_chunk(i) if ok is not None else None
                 if chunk is not None and chunk >= 0:
                     groups.setdefault(chunk, []).append((ident, bytes(v)))
             for chunk, items in groups.items():
@@ -409,7 +413,7 @@ class CachedDataset(_TorchDataset):
             indices, ids = [indices[p] for p in keep], [ids[p] for p in keep]
         _, fill = self._fill(st, indices, ids, [False] * len(ids))
         self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],
-                          poisoned=fill["poisoned"], prefetched=len(indices))
+                          poisoned=fill["poisoned"], prefetched=n)
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,

@@ -134,6 +134,22 @@ def test_a_spare_entry_put_again_under_a_chunk_joins_it(tmp_path):
     s.close()
 
 
+def test_retag_keeps_unflushed_state_and_needs_a_chunk(tmp_path):
+    s = Store(str(tmp_path / "ru"), 10**7, LRUPolicy(), Counters())
+    s._flusher.stop()  # keep the values unflushed
+    try:
+        ks = ids(3, seed=21)
+        s.put_many([(k, b"u" * 100) for k in ks], ("ds", -1))
+        s.put_many([(k, b"u" * 100) for k in ks[:1]])  # untagged: leaves it spare
+        s.put_many([(k, b"u" * 100) for k in ks[1:2] * 2], ("ds", 4))  # the same id twice: once
+        assert s.counters["put_retagged"] == 1
+        assert s.contains(ks, not_spare=True) == b"\x00\x01\x00"
+        # a follower still cannot see the retagged value: it must still come inline
+        assert s.touch_split(ks) == (b"\x01" * 3, [0, 1, 2])
+    finally:
+        s.close()
+
+
 def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
     s = Store(str(tmp_path / "n"), 3 * (1000 + OVERHEAD), make_policy("none"), Counters())
     ks = ids(5)
