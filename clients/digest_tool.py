@@ -372,8 +372,11 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     so = dict(args.storage_option)
     fs, base = open_source(args.src, so)
     includes = args.include or (["*.tar"] if kind is Kind.TAR else [])
-    root, files = list_source(fs, base, args.src, includes, args.exclude)
     local = _is_local(fs)
+    if not local and not args.quiet and sys.stderr.isatty():
+        # a remote listing can take long (large buckets, or retries when unreachable)
+        print(f"digest: listing {args.src} ...", file=sys.stderr, flush=True)
+    root, files = list_source(fs, base, args.src, includes, args.exclude)
     workers = args.workers or (cpu_count() if local else max(8, 4 * cpu_count()))
     workers = min(workers, len(files))
     if kind is Kind.TFRECORD and not args.no_crc and not crc32c.FAST:
