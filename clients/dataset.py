@@ -238,7 +238,7 @@ class CachedDataset(_TorchDataset):
 
     def _index(self, i: Any) -> int:
         try:
-            return self.digest._idx(operator.index(i))  # IndexError names the range
+            return self.digest.index(operator.index(i))
         except TypeError:
             raise TypeError(f"item index must be an integer, got {type(i).__name__} {i!r}") from None
 

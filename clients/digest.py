@@ -182,6 +182,10 @@ class Digest:
     def __repr__(self) -> str:
         return f"<Digest {self.kind.value} {self.root!r} items={len(self)} bytes={self.total_bytes}>"
 
+    def index(self, i: int) -> int:
+        """Item i as an index in range (negative counts from the end); IndexError names the range."""
+        return self._idx(i)
+
     def _idx(self, i: int) -> int:
         n = len(self)
         j = i + n if i < 0 else i
