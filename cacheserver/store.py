@@ -210,6 +210,14 @@ class Store:
         u.bytes += charge
         self.used += charge
 
+    def _accessed(self, keys: Iterable[bytes]) -> None:
+        """Hits, for the eviction order: the policy's, and the spare entries' own (lock held)."""
+        accessed, spare = self.policy.accessed, self._spare
+        for k in keys:
+            accessed(k)
+            if spare and k in spare:
+                spare.move_to_end(k)
+
     def _index_remove(self, key: bytes) -> int:
         entry = self._index.pop(key, None)
         if entry is None:
@@ -261,12 +269,7 @@ class Store:
         same-host follower cannot read those from the files (durability "cache")."""
         with self._lock:
             present = bytes(1 if k in self._index else 0 for k in keys)
-            spare = self._spare
-            for k, p in zip(keys, present):
-                if p:
-                    self.policy.accessed(k)
-                    if spare and k in spare:
-                        spare.move_to_end(k)
+            self._accessed([k for k, p in zip(keys, present) if p])
             unflushed = self._unflushed
             late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
             if late:
@@ -296,11 +299,7 @@ class Store:
             out.append(value)
         hits = [k for k, v in zip(keys, out) if v is not None]
         with self._lock:
-            spare = self._spare
-            for k in hits:
-                self.policy.accessed(k)
-                if spare and k in spare:
-                    spare.move_to_end(k)
+            self._accessed(hits)
             for k in bad:
                 self._index_remove(k)
         if bad:
