@@ -54,6 +54,7 @@ class ServerClient:
         self._follower_lock = threading.Lock()
         self.paths = ReadPaths()
         self._claims_supported = True
+        self._adopt_supported = True
         self._executor: ThreadPoolExecutor | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
@@ -170,8 +171,8 @@ class ServerClient:
         return self._recv(self._send(op, job, count, parts, flags))
 
     def start(self, op: str, *args) -> "Call | None":
-        """Send the first request of a data-plane `op` ("lookup", "claim", "get" or
-        "put", with that method's arguments) without waiting for its answer:
+        """Send the first request of a data-plane `op` ("lookup", "claim", "get",
+        "adopt" or "put", with that method's arguments) without waiting for its answer:
         RingClient puts one on every server before it waits for any, instead of
         a thread per server. Call.result() finishes it. None on gRPC."""
         if not self._dataplane():
@@ -185,6 +186,10 @@ class ServerClient:
             return Call(self, self._claim_steps(*args))
         if op == "get":
             return Call(self, self._get_steps(*args))
+        if op == "adopt":
+            if not self._adopt_supported:
+                return Call.done(bytes(len(args[0])))
+            return Call(self, self._adopt_steps(*args))
         if op == "put":
             return Call(self, self._put_steps(*args))
         raise ValueError(f"unknown data-plane op {op!r}")
@@ -238,6 +243,26 @@ class ServerClient:
             self._claims_supported = False
         return bytes([FETCH]) * len(ids)
 
+    def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> bytes:
+        """Take ids held as spare entries into chunk `chunk` of `dataset` where
+        their values lie: one byte per id, 1 held other than as spare now, 0
+        absent. A server from before the call answers all 0: the caller reads
+        those items from the store, as it would have before."""
+        if not ids:
+            return b""
+        self._check(ids)
+        if self._adopt_supported:
+            if self._dataplane():
+                return Call(self, self._adopt_steps(ids, job, dataset, chunk)).result()
+            try:
+                return self.stub.Adopt(pb.AdoptRequest(job=job, dataset=dataset, chunk=chunk, ids=b"".join(ids)),
+                                       timeout=self.timeout).held
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            self._adopt_supported = False
+        return bytes(len(ids))
+
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         """Values in id order (zero-copy views of one receive buffer), None for misses."""
         if not ids:
@@ -272,6 +297,18 @@ class ServerClient:
         # A server from before claims (a ring mid-upgrade): read everything ourselves.
         self._claims_supported = False
         return bytes([FETCH]) * len(ids)
+
+    def _adopt_steps(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> Steps:
+        ds = dataset.encode()
+        head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk)
+        try:
+            _, body = yield (wire.OP_ADOPT, job, len(ids), [head, b"".join(ids)], 0)
+            return body
+        except wire.RemoteError as e:
+            if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
+                raise
+        self._adopt_supported = False  # a server from before adopt: all absent
+        return bytes(len(ids))
 
     def _put_steps(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str, dataset: str,
                    chunk: int, replace: bool) -> Steps:

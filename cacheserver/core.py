@@ -156,6 +156,20 @@ class CacheCore:
         self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
         return result
 
+    def adopt(self, job: str, ids: Sequence[bytes], dataset: str, chunk: int) -> bytes:
+        """A job loading chunk `chunk` of `dataset` takes the ids held as spare
+        entries into it, values staying where they are (store.adopt): 1 held
+        other than as spare afterwards, 0 absent (the job reads those itself).
+        A bypassing job adopts nothing, as it inserts nothing."""
+        self._check_ids(ids)
+        if not dataset:
+            raise BadRequest("adopt needs a dataset")
+        if chunk < 0:
+            raise BadRequest(f"adopt needs a chunk >= 0, got {chunk}")
+        if self.bypassed(job):
+            return bytes(len(ids))
+        return self.store.adopt(ids, (dataset, chunk))
+
     def open_follower(self) -> bool:
         """A same-host reader is about to open a follower (localread.py): make
         its replay short. At most one flush per FOLLOWER_FLUSH_INTERVAL, so

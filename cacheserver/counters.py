@@ -16,6 +16,7 @@ NAMES = (
     "dataset_evictions", "corrupt_dropped", "bad_requests", "dataplane_requests",
     "grpc_requests", "recovered_items", "local_reads", "put_replaced",
     "claims_granted", "claims_waited", "claims_present", "follower_flushes", "put_retagged",
+    "adopted",
 )
 
 

@@ -158,6 +158,9 @@ class DataPlaneServer:
                                                           replace=bool(flags & wire.FLAG_REPLACE))
                 wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 3, wire.PUT_RESULT.size),
                                          wire.PUT_RESULT.pack(stored, already, rejected)])
+            elif op == wire.OP_ADOPT:
+                held = self.core.adopt(job, *_parse_adopt(rest, count))
+                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, count, count), held])
             elif op == wire.OP_OPEN_FOLLOWER:
                 flushed = bytes([self.core.open_follower()])
                 wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 0, 1), flushed])
@@ -194,16 +197,29 @@ class DataPlaneServer:
             t.join(timeout=grace)
 
 
-def _parse_put(rest: memoryview, count: int) -> tuple[list[tuple[bytes, int, memoryview]], str, int]:
+def _parse_tag(rest: memoryview, what: str) -> tuple[str, int, int]:
+    """The (dataset, chunk) tag that heads put and adopt bodies, and where it ends."""
     if len(rest) < 2:
-        raise BadRequest("put frame too short for the dataset name")
+        raise BadRequest(f"{what} frame too short for the dataset name")
     (ds_len,) = _U16.unpack_from(rest, 0)
     pos = 2 + ds_len
     if len(rest) < pos + 4:
-        raise BadRequest("put frame too short for the chunk tag")
+        raise BadRequest(f"{what} frame too short for the chunk tag")
     dataset = bytes(rest[2:pos]).decode()
     (chunk,) = _I32.unpack_from(rest, pos)
-    pos += 4
+    return dataset, chunk, pos + 4
+
+
+def _parse_adopt(rest: memoryview, count: int) -> tuple[list[bytes], str, int]:
+    dataset, chunk, pos = _parse_tag(rest, "adopt")
+    if len(rest) - pos != count * ID_LEN:
+        raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(rest) - pos}")
+    raw = bytes(rest[pos:])
+    return [raw[i:i + ID_LEN] for i in range(0, len(raw), ID_LEN)], dataset, chunk
+
+
+def _parse_put(rest: memoryview, count: int) -> tuple[list[tuple[bytes, int, memoryview]], str, int]:
+    dataset, chunk, pos = _parse_tag(rest, "put")
     table_len = count * wire.PUT_ENTRY.size
     if len(rest) < pos + table_len:
         raise BadRequest(f"put frame too short for {count} item headers")

@@ -81,6 +81,11 @@ class CacheService(pb_grpc.CacheServicer):
         return pb.PutResponse(stored=stored, already=already, rejected_full=rejected)
 
     @_statuses
+    def Adopt(self, request: pb.AdoptRequest, context) -> pb.AdoptResponse:
+        return pb.AdoptResponse(held=self.core.adopt(request.job, split_ids(request.ids),
+                                                     request.dataset, request.chunk))
+
+    @_statuses
     def SetJobMode(self, request: pb.SetJobModeRequest, context) -> pb.SetJobModeResponse:
         return pb.SetJobModeResponse(previous=self.core.set_job_mode(request.job, int(request.mode)))
 

@@ -178,6 +178,13 @@ class RingClient:
                             lambda c, idx: c.start("claim", [ids[i] for i in idx], job),
                             lambda idx, body: list(body))
 
+    def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> list[bool]:
+        """Spare entries join chunk `chunk` where they lie (ServerClient.adopt):
+        True per id held other than as spare now; a server that is down answers False."""
+        return self._fanout(ids, lambda c, idx: [h == 1 for h in c.adopt([ids[i] for i in idx], job, dataset, chunk)],
+                            False, lambda c, idx: c.start("adopt", [ids[i] for i in idx], job, dataset, chunk),
+                            lambda idx, body: [h == 1 for h in body])
+
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None,
                             lambda c, idx: c.start("get", [ids[i] for i in idx], job),

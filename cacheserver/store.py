@@ -260,6 +260,19 @@ class Store:
             return bytes(1 if k in index and k not in spare else 0 for k in keys)
         return bytes(1 if k in index else 0 for k in keys)
 
+    def adopt(self, keys: Sequence[bytes], tag: Tag) -> bytes:
+        """Move entries held as spare into the chunk `tag` (no value travels: a job
+        loading a chunk would otherwise get and put back bytes the server has).
+        Presence flags after the move: 1 held other than as spare, 0 absent."""
+        if tag[1] < 0 or not tag[0]:
+            raise ValueError(f"adopt needs a chunk tag (dataset, chunk >= 0), got {tag!r}")
+        with self._lock:
+            index, spare = self._index, self._spare
+            move = list(dict.fromkeys(k for k in keys if k in spare)) if spare else []
+            if move:
+                self._retag(move, tag, self._tag_id(tag), "adopted")
+            return bytes(1 if k in index else 0 for k in keys)
+
     def touch(self, keys: Sequence[bytes]) -> bytes:
         """Presence flags, counted as accesses by the eviction policy."""
         return self.touch_split(keys)[0]
@@ -369,7 +382,7 @@ class Store:
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
 
-    def _retag(self, keys: list[bytes], tag: Tag, tid: int) -> None:
+    def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
         """Move present entries to `tag` (lock held): index, usage and, logged, their
         index records (a fresh sequence: recovery keeps them only with their value)."""
         ds = tag[0].encode()
@@ -385,7 +398,7 @@ class Store:
             mb.put(key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds, self._meta_cf)
             self._seq += 1
         self._db.write(mb, self._wopts)
-        self.counters.add("put_retagged", len(keys))
+        self.counters.add(counter, len(keys))
 
     def _write_values(self, accepted: list, seq0: int, tag: Tag) -> None:
         ds = tag[0].encode()

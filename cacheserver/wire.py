@@ -22,6 +22,9 @@ Requests (op):
                store (cacheserver/claims.py)
   OPEN_FOLLOWER body = empty; a same-host reader is about to open a follower:
                the server flushes a large memtable so the follower's replay is short
+  ADOPT        body = job[aux_len] + u16 dataset_len + dataset + i32 chunk (>= 0)
+                      + count x 32-byte ids: ids held as spare entries join the
+                      chunk where they lie (no value travels)
 Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
   LOOKUP       body = count bytes, 1 present / 0 absent (GET_LOCAL alike);
                flag PENDING: 2 for absent ids another job has claimed
@@ -35,6 +38,7 @@ Responses (status OK, else aux_len bytes of UTF-8 error message, no body):
   PUT          body = 3 x u32: stored, already, rejected_full
   PING         body = the server's instance id (UTF-8)
   OPEN_FOLLOWER body = 1 byte: 1 if the server flushed
+  ADOPT        body = count bytes, 1 held other than as spare now / 0 absent
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from collections.abc import Sequence
 
 MAGIC = b"MLC1"
 HEADER = struct.Struct("<4sBBHIQ")
-OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL, OP_CLAIM, OP_OPEN_FOLLOWER = 1, 2, 3, 4, 5, 6, 7
+OP_LOOKUP, OP_GET, OP_PUT, OP_PING, OP_GET_LOCAL, OP_CLAIM, OP_OPEN_FOLLOWER, OP_ADOPT = 1, 2, 3, 4, 5, 6, 7, 8
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)

@@ -391,25 +391,23 @@ class CachedDataset(_TorchDataset):
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch and insert items ahead of need (the loading chunk); not counted as reads.
-        Items the cache holds as spare entries are put again as they are (ciphertext,
-        from the cache), which moves them into their chunk; the rest come from the store."""
+        Items the cache holds as spare entries join their chunk where they lie
+        (adopt: no value travels); the rest come from the store."""
         st = self._proc()
         indices = list(indices)
         n = len(indices)
         ids = self.ids_for(indices)
         if st.ring is not None and self.insert:
-            held = st.ring.get(ids, self.job)
-            keys = [self.digest.sha256(i) for i in indices]
-            good = self._open_many(st, indices, keys, held)  # a poisoned value is not moved
-            groups: dict[int, list] = {}
-            for i, ident, v, ok in zip(indices, ids, held, good):
-                chunk = self.plan.insert_chunk(i) if ok is not None else None
+            groups: dict[int, list[int]] = {}
+            for p, i in enumerate(indices):
+                chunk = self.plan.insert_chunk(i)
                 if chunk is not None and chunk >= 0:
-                    groups.setdefault(chunk, []).append((ident, bytes(v)))
-            for chunk, items in groups.items():
-                st.ring.put(items, self.job, self.dataset_tag, chunk)
-            moved = {ident for items in groups.values() for ident, _ in items}
-            keep = [p for p, ident in enumerate(ids) if ident not in moved]
+                    groups.setdefault(chunk, []).append(p)
+            held: set[int] = set()
+            for chunk, ps in groups.items():
+                got = st.ring.adopt([ids[p] for p in ps], self.job, self.dataset_tag, chunk)
+                held.update(p for p, h in zip(ps, got) if h)
+            keep = [p for p in range(n) if p not in held]
             indices, ids = [indices[p] for p in keep], [ids[p] for p in keep]
         _, fill = self._fill(st, indices, ids, [False] * len(ids))
         self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],

@@ -95,8 +95,8 @@ def test_shared_plan_decides_what_to_insert():
 
 def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):
     """A miss outside the plan goes in as a spare entry; once its chunk is loading, the
-    prefetcher puts the cached ciphertext again under the chunk (no store read), and
-    only then do chunk-room lookups count it."""
+    prefetcher has the server adopt it into the chunk (no store read, no value sent),
+    and only then do chunk-room lookups count it."""
     from clients.coordination import SPARE
     from manager.client import Plan
     from manager.policy import chunk_of
@@ -113,11 +113,15 @@ def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):
         assert ds.lookup([i]) == [True] and ds.lookup([i], not_spare=True) == [False]
         ds.plan.publish(Plan("d", "chunked", k, n, 0, active=0, loading=2, chunks=(0,), version=2))
         before = ds.counters.totals()["store_bytes"]
+        with ServerClient(d.address) as c:
+            put_bytes = c.stats().counters["put_bytes"]
         ds.prefetch([i])
-        assert ds.counters.totals()["store_bytes"] == before  # moved from the cache, not refetched
+        assert ds.counters.totals()["store_bytes"] == before  # moved in the cache, not refetched
         assert ds.lookup([i], not_spare=True) == [True]
         with ServerClient(d.address) as c:
-            tags = {(ch.dataset, ch.chunk): ch.items for ch in c.stats().chunks}
+            st = c.stats()
+            assert st.counters["adopted"] == 1 and st.counters["put_bytes"] == put_bytes
+            tags = {(ch.dataset, ch.chunk): ch.items for ch in st.chunks}
             assert tags.get((ds.dataset_tag, 2)) == 1 and not tags.get((ds.dataset_tag, -1))
         assert ds[i] == items[i]  # and it still opens
     finally:

@@ -498,3 +498,46 @@ def test_lookup_not_spare_and_retag_over_the_wire(tmp_path, transport):
             assert c.stats().counters["put_retagged"] == 2
     finally:
         d.kill()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_adopt_moves_spare_entries_into_a_chunk_without_their_values(tmp_path, transport):
+    d = cacheserver(str(tmp_path / "ad"), "64MB").start()
+    try:
+        with ServerClient(d.address, **TRANSPORTS[transport]) as c:
+            spare, chunked, absent = ids(3, seed=40), ids(1, seed=41), ids(1, seed=42)
+            c.put([(k, b"s" * 700) for k in spare], dataset="ds", chunk=-1)
+            c.put([(k, b"c" * 700) for k in chunked], dataset="ds", chunk=1)
+            put_bytes = c.stats().counters["put_bytes"]
+            assert c.adopt(spare[:2] + chunked + absent, "j", "ds", 2) == b"\x01\x01\x01\x00"
+            st = c.stats()
+            assert st.counters["adopted"] == 2 and st.counters["put_bytes"] == put_bytes  # no value moved
+            tags = {(ch.dataset, ch.chunk): ch.items for ch in st.chunks}
+            assert tags == {("ds", -1): 1, ("ds", 1): 1, ("ds", 2): 2}
+            assert c.lookup(spare, not_spare=True) == b"\x01\x01\x00"
+            assert [bytes(v) for v in c.get(spare)] == [b"s" * 700] * 3
+            c.set_job_mode("probe", BYPASS)  # a bypassing job sees nothing, so adopts nothing
+            assert c.adopt(spare[2:], "probe", "ds", 2) == b"\x00"
+            assert c.lookup(spare[2:], not_spare=True) == b"\x00"
+            bad = grpc.RpcError if transport == "grpc" else wire.RemoteError
+            with pytest.raises(bad, match="chunk >= 0"):
+                c.adopt(spare, "j", "ds", -1)
+            with pytest.raises(bad, match="needs a dataset"):
+                c.adopt(spare, "j", "", 3)
+    finally:
+        d.kill()
+
+
+def test_adopt_against_a_server_without_it_reports_all_absent(server):
+    """A ring mid-upgrade: an old server answers the unknown op with BAD_REQUEST;
+    the client then reads those items from the store, as before adopt existed."""
+    with ServerClient(server.address, prefer_unix=False) as c:
+        k = ids(1, seed=43)
+        c.put([(k[0], b"s" * 10)], dataset="ds", chunk=-1)
+        old_op, wire.OP_ADOPT = wire.OP_ADOPT, 99  # what an old server sees: an op it does not know
+        try:
+            assert c.adopt(k, "j", "ds", 0) == b"\x00"
+        finally:
+            wire.OP_ADOPT = old_op
+        assert not c._adopt_supported and c.adopt(k, "j", "ds", 0) == b"\x00"  # not asked again
+        assert c.lookup(k, not_spare=True) == b"\x00"

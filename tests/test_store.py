@@ -150,6 +150,25 @@ def test_retag_keeps_unflushed_state_and_needs_a_chunk(tmp_path):
         s.close()
 
 
+def test_adopt_retags_spare_entries_in_place_and_logs_it(tmp_path):
+    slot = 1000 + OVERHEAD
+    s = Store(str(tmp_path / "ad"), 10 * slot, make_policy("lru"), Counters())
+    ks = ids(4, seed=8)
+    s.put_many([(k, b"a" * 1000) for k in ks[:3]], ("ds", -1))
+    s.put_many([(ks[3], b"b" * 1000)], ("ds", 0))
+    assert s.adopt(ks[:2] + ks[:1] + ks[3:] + ids(1, seed=9), ("ds", 6)) == b"\x01\x01\x01\x01\x00"
+    assert s.counters["adopted"] == 2 and s.counters["put_retagged"] == 0
+    usage = s.usage_by_tag()
+    assert usage[("ds", 6)].items == 2 and usage[("ds", -1)].items == 1 and usage[("ds", 0)].items == 1
+    with pytest.raises(ValueError, match="chunk tag"):
+        s.adopt(ks, ("ds", -1))
+    s.close()
+    s = Store(str(tmp_path / "ad"), 10 * slot, make_policy("lru"), Counters())
+    assert s.usage_by_tag()[("ds", 6)].items == 2 and len(s._spare) == 1  # the new tags were logged
+    assert [bytes(v) for v in s.get_many(ks[:2])] == [b"a" * 1000] * 2
+    s.close()
+
+
 def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
     s = Store(str(tmp_path / "n"), 3 * (1000 + OVERHEAD), make_policy("none"), Counters())
     ks = ids(5)

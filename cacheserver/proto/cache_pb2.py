@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63heserver/proto/cache.proto\x12\nmlcache.v1\"M\n\rLookupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12\x11\n\tnot_spare\x18\x04 \x01(\x08\"!\n\x0eLookupResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"(\n\x0c\x43laimRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"\x1e\n\rClaimResponse\x12\r\n\x05\x63odes\x18\x01 \x01(\x0c\"&\n\nGetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"9\n\x0bGetResponse\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05sizes\x18\x02 \x03(\x12\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"2\n\x07PutItem\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"n\n\nPutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\r\n\x05\x63hunk\x18\x03 \x01(\x05\x12\"\n\x05items\x18\x04 \x03(\x0b\x32\x13.mlcache.v1.PutItem\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"E\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x61lready\x18\x02 \x01(\r\x12\x15\n\rrejected_full\x18\x03 \x01(\r\"E\n\x11SetJobModeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12#\n\x04mode\x18\x02 \x01(\x0e\x32\x15.mlcache.v1.CacheMode\"=\n\x12SetJobModeResponse\x12\'\n\x08previous\x18\x01 \x01(\x0e\x32\x15.mlcache.v1.CacheMode\"*\n\x08\x43hunkRef\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\"4\n\x12\x41\x63tiveChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\"%\n\x13\x41\x63tiveChunkResponse\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x05\">\n\x0fRefChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\x0b\n\x03job\x18\x03 \x01(\t\" \n\x10RefChunkResponse\x12\x0c\n\x04refs\x18\x01 \x01(\r\"B\n\x11\x45victChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"&\n\x13\x45victDatasetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\"-\n\rEvictResponse\x12\r\n\x05items\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"f\n\nChunkStats\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05items\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0c\n\x04refs\x18\x05 \x01(\r\x12\x0c\n\x04jobs\x18\x06 \x03(\t\"\xee\x03\n\rStatsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05items\x18\x04 \x01(\x04\x12\x39\n\x08\x63ounters\x18\x05 \x03(\x0b\x32\'.mlcache.v1.StatsResponse.CountersEntry\x12&\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x16.mlcache.v1.ChunkStats\x12\x42\n\ractive_chunks\x18\x07 \x03(\x0b\x32+.mlcache.v1.StatsResponse.ActiveChunksEntry\x12:\n\tjob_modes\x18\x08 \x03(\x0b\x32\'.mlcache.v1.StatsResponse.JobModesEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x41\x63tiveChunksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x46\n\rJobModesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0e\x32\x15.mlcache.v1.CacheMode:\x02\x38\x01\"\r\n\x0bInfoRequest\"\xbc\x01\n\x0cInfoResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x13\n\x0bunix_socket\x18\x04 \x01(\t\x12\x17\n\x0fmax_batch_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03tls\x18\x06 \x01(\x08\x12\r\n\x05peers\x18\x07 \x03(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x62_path\x18\t \x01(\t*9\n\tCacheMode\x12\x15\n\x11\x43\x41\x43HE_MODE_NORMAL\x10\x00\x12\x15\n\x11\x43\x41\x43HE_MODE_BYPASS\x10\x01\x32\xb2\x06\n\x05\x43\x61\x63he\x12?\n\x06Lookup\x12\x19.mlcache.v1.LookupRequest\x1a\x1a.mlcache.v1.LookupResponse\x12\x38\n\x03Get\x12\x16.mlcache.v1.GetRequest\x1a\x17.mlcache.v1.GetResponse0\x01\x12\x36\n\x03Put\x12\x16.mlcache.v1.PutRequest\x1a\x17.mlcache.v1.PutResponse\x12K\n\nSetJobMode\x12\x1d.mlcache.v1.SetJobModeRequest\x1a\x1e.mlcache.v1.SetJobModeResponse\x12N\n\x0b\x41\x63tiveChunk\x12\x1e.mlcache.v1.ActiveChunkRequest\x1a\x1f.mlcache.v1.ActiveChunkResponse\x12\x45\n\x08RefChunk\x12\x1b.mlcache.v1.RefChunkRequest\x1a\x1c.mlcache.v1.RefChunkResponse\x12G\n\nUnrefChunk\x12\x1b.mlcache.v1.RefChunkRequest\x1a\x1c.mlcache.v1.RefChunkResponse\x12\x46\n\nEvictChunk\x12\x1d.mlcache.v1.EvictChunkRequest\x1a\x19.mlcache.v1.EvictResponse\x12J\n\x0c\x45victDataset\x12\x1f.mlcache.v1.EvictDatasetRequest\x1a\x19.mlcache.v1.EvictResponse\x12<\n\x05Stats\x12\x18.mlcache.v1.StatsRequest\x1a\x19.mlcache.v1.StatsResponse\x12\x39\n\x04Info\x12\x17.mlcache.v1.InfoRequest\x1a\x18.mlcache.v1.InfoResponse\x12<\n\x05\x43laim\x12\x18.mlcache.v1.ClaimRequest\x1a\x19.mlcache.v1.ClaimResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63\x61\x63heserver/proto/cache.proto\x12\nmlcache.v1\"M\n\rLookupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12\x11\n\tnot_spare\x18\x04 \x01(\x08\"!\n\x0eLookupResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"(\n\x0c\x43laimRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"\x1e\n\rClaimResponse\x12\r\n\x05\x63odes\x18\x01 \x01(\x0c\"&\n\nGetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"9\n\x0bGetResponse\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\r\n\x05sizes\x18\x02 \x03(\x12\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"2\n\x07PutItem\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"n\n\nPutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\r\n\x05\x63hunk\x18\x03 \x01(\x05\x12\"\n\x05items\x18\x04 \x03(\x0b\x32\x13.mlcache.v1.PutItem\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"E\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x61lready\x18\x02 \x01(\r\x12\x15\n\rrejected_full\x18\x03 \x01(\r\"H\n\x0c\x41\x64optRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\r\n\x05\x63hunk\x18\x03 \x01(\x05\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\"\x1d\n\rAdoptResponse\x12\x0c\n\x04held\x18\x01 \x01(\x0c\"E\n\x11SetJobModeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12#\n\x04mode\x18\x02 \x01(\x0e\x32\x15.mlcache.v1.CacheMode\"=\n\x12SetJobModeResponse\x12\'\n\x08previous\x18\x01 \x01(\x0e\x32\x15.mlcache.v1.CacheMode\"*\n\x08\x43hunkRef\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\"4\n\x12\x41\x63tiveChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\"%\n\x13\x41\x63tiveChunkResponse\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x05\">\n\x0fRefChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\x0b\n\x03job\x18\x03 \x01(\t\" \n\x10RefChunkResponse\x12\x0c\n\x04refs\x18\x01 \x01(\r\"B\n\x11\x45victChunkRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"&\n\x13\x45victDatasetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\"-\n\rEvictResponse\x12\r\n\x05items\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"f\n\nChunkStats\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05items\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0c\n\x04refs\x18\x05 \x01(\r\x12\x0c\n\x04jobs\x18\x06 \x03(\t\"\xee\x03\n\rStatsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05items\x18\x04 \x01(\x04\x12\x39\n\x08\x63ounters\x18\x05 \x03(\x0b\x32\'.mlcache.v1.StatsResponse.CountersEntry\x12&\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x16.mlcache.v1.ChunkStats\x12\x42\n\ractive_chunks\x18\x07 \x03(\x0b\x32+.mlcache.v1.StatsResponse.ActiveChunksEntry\x12:\n\tjob_modes\x18\x08 \x03(\x0b\x32\'.mlcache.v1.StatsResponse.JobModesEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11\x41\x63tiveChunksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x46\n\rJobModesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0e\x32\x15.mlcache.v1.CacheMode:\x02\x38\x01\"\r\n\x0bInfoRequest\"\xbc\x01\n\x0cInfoResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x13\n\x0bunix_socket\x18\x04 \x01(\t\x12\x17\n\x0fmax_batch_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03tls\x18\x06 \x01(\x08\x12\r\n\x05peers\x18\x07 \x03(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x62_path\x18\t \x01(\t*9\n\tCacheMode\x12\x15\n\x11\x43\x41\x43HE_MODE_NORMAL\x10\x00\x12\x15\n\x11\x43\x41\x43HE_MODE_BYPASS\x10\x01\x32\xf0\x06\n\x05\x43\x61\x63he\x12?\n\x06Lookup\x12\x19.mlcache.v1.LookupRequest\x1a\x1a.mlcache.v1.LookupResponse\x12\x38\n\x03Get\x12\x16.mlcache.v1.GetRequest\x1a\x17.mlcache.v1.GetResponse0\x01\x12\x36\n\x03Put\x12\x16.mlcache.v1.PutRequest\x1a\x17.mlcache.v1.PutResponse\x12K\n\nSetJobMode\x12\x1d.mlcache.v1.SetJobModeRequest\x1a\x1e.mlcache.v1.SetJobModeResponse\x12N\n\x0b\x41\x63tiveChunk\x12\x1e.mlcache.v1.ActiveChunkRequest\x1a\x1f.mlcache.v1.ActiveChunkResponse\x12\x45\n\x08RefChunk\x12\x1b.mlcache.v1.RefChunkRequest\x1a\x1c.mlcache.v1.RefChunkResponse\x12G\n\nUnrefChunk\x12\x1b.mlcache.v1.RefChunkRequest\x1a\x1c.mlcache.v1.RefChunkResponse\x12\x46\n\nEvictChunk\x12\x1d.mlcache.v1.EvictChunkRequest\x1a\x19.mlcache.v1.EvictResponse\x12J\n\x0c\x45victDataset\x12\x1f.mlcache.v1.EvictDatasetRequest\x1a\x19.mlcache.v1.EvictResponse\x12<\n\x05Stats\x12\x18.mlcache.v1.StatsRequest\x1a\x19.mlcache.v1.StatsResponse\x12\x39\n\x04Info\x12\x17.mlcache.v1.InfoRequest\x1a\x18.mlcache.v1.InfoResponse\x12<\n\x05\x43laim\x12\x18.mlcache.v1.ClaimRequest\x1a\x19.mlcache.v1.ClaimResponse\x12<\n\x05\x41\x64opt\x12\x18.mlcache.v1.AdoptRequest\x1a\x19.mlcache.v1.AdoptResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSRESPONSE_ACTIVECHUNKSENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_JOBMODESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_JOBMODESENTRY']._serialized_options = b'8\001'
-  _globals['_CACHEMODE']._serialized_start=1914
-  _globals['_CACHEMODE']._serialized_end=1971
+  _globals['_CACHEMODE']._serialized_start=2019
+  _globals['_CACHEMODE']._serialized_end=2076
   _globals['_LOOKUPREQUEST']._serialized_start=45
   _globals['_LOOKUPREQUEST']._serialized_end=122
   _globals['_LOOKUPRESPONSE']._serialized_start=124
@@ -57,42 +57,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREQUEST']._serialized_end=494
   _globals['_PUTRESPONSE']._serialized_start=496
   _globals['_PUTRESPONSE']._serialized_end=565
-  _globals['_SETJOBMODEREQUEST']._serialized_start=567
-  _globals['_SETJOBMODEREQUEST']._serialized_end=636
-  _globals['_SETJOBMODERESPONSE']._serialized_start=638
-  _globals['_SETJOBMODERESPONSE']._serialized_end=699
-  _globals['_CHUNKREF']._serialized_start=701
-  _globals['_CHUNKREF']._serialized_end=743
-  _globals['_ACTIVECHUNKREQUEST']._serialized_start=745
-  _globals['_ACTIVECHUNKREQUEST']._serialized_end=797
-  _globals['_ACTIVECHUNKRESPONSE']._serialized_start=799
-  _globals['_ACTIVECHUNKRESPONSE']._serialized_end=836
-  _globals['_REFCHUNKREQUEST']._serialized_start=838
-  _globals['_REFCHUNKREQUEST']._serialized_end=900
-  _globals['_REFCHUNKRESPONSE']._serialized_start=902
-  _globals['_REFCHUNKRESPONSE']._serialized_end=934
-  _globals['_EVICTCHUNKREQUEST']._serialized_start=936
-  _globals['_EVICTCHUNKREQUEST']._serialized_end=1002
-  _globals['_EVICTDATASETREQUEST']._serialized_start=1004
-  _globals['_EVICTDATASETREQUEST']._serialized_end=1042
-  _globals['_EVICTRESPONSE']._serialized_start=1044
-  _globals['_EVICTRESPONSE']._serialized_end=1089
-  _globals['_STATSREQUEST']._serialized_start=1091
-  _globals['_STATSREQUEST']._serialized_end=1105
-  _globals['_CHUNKSTATS']._serialized_start=1107
-  _globals['_CHUNKSTATS']._serialized_end=1209
-  _globals['_STATSRESPONSE']._serialized_start=1212
-  _globals['_STATSRESPONSE']._serialized_end=1706
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1534
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1581
-  _globals['_STATSRESPONSE_ACTIVECHUNKSENTRY']._serialized_start=1583
-  _globals['_STATSRESPONSE_ACTIVECHUNKSENTRY']._serialized_end=1634
-  _globals['_STATSRESPONSE_JOBMODESENTRY']._serialized_start=1636
-  _globals['_STATSRESPONSE_JOBMODESENTRY']._serialized_end=1706
-  _globals['_INFOREQUEST']._serialized_start=1708
-  _globals['_INFOREQUEST']._serialized_end=1721
-  _globals['_INFORESPONSE']._serialized_start=1724
-  _globals['_INFORESPONSE']._serialized_end=1912
-  _globals['_CACHE']._serialized_start=1974
-  _globals['_CACHE']._serialized_end=2792
+  _globals['_ADOPTREQUEST']._serialized_start=567
+  _globals['_ADOPTREQUEST']._serialized_end=639
+  _globals['_ADOPTRESPONSE']._serialized_start=641
+  _globals['_ADOPTRESPONSE']._serialized_end=670
+  _globals['_SETJOBMODEREQUEST']._serialized_start=672
+  _globals['_SETJOBMODEREQUEST']._serialized_end=741
+  _globals['_SETJOBMODERESPONSE']._serialized_start=743
+  _globals['_SETJOBMODERESPONSE']._serialized_end=804
+  _globals['_CHUNKREF']._serialized_start=806
+  _globals['_CHUNKREF']._serialized_end=848
+  _globals['_ACTIVECHUNKREQUEST']._serialized_start=850
+  _globals['_ACTIVECHUNKREQUEST']._serialized_end=902
+  _globals['_ACTIVECHUNKRESPONSE']._serialized_start=904
+  _globals['_ACTIVECHUNKRESPONSE']._serialized_end=941
+  _globals['_REFCHUNKREQUEST']._serialized_start=943
+  _globals['_REFCHUNKREQUEST']._serialized_end=1005
+  _globals['_REFCHUNKRESPONSE']._serialized_start=1007
+  _globals['_REFCHUNKRESPONSE']._serialized_end=1039
+  _globals['_EVICTCHUNKREQUEST']._serialized_start=1041
+  _globals['_EVICTCHUNKREQUEST']._serialized_end=1107
+  _globals['_EVICTDATASETREQUEST']._serialized_start=1109
+  _globals['_EVICTDATASETREQUEST']._serialized_end=1147
+  _globals['_EVICTRESPONSE']._serialized_start=1149
+  _globals['_EVICTRESPONSE']._serialized_end=1194
+  _globals['_STATSREQUEST']._serialized_start=1196
+  _globals['_STATSREQUEST']._serialized_end=1210
+  _globals['_CHUNKSTATS']._serialized_start=1212
+  _globals['_CHUNKSTATS']._serialized_end=1314
+  _globals['_STATSRESPONSE']._serialized_start=1317
+  _globals['_STATSRESPONSE']._serialized_end=1811
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1639
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1686
+  _globals['_STATSRESPONSE_ACTIVECHUNKSENTRY']._serialized_start=1688
+  _globals['_STATSRESPONSE_ACTIVECHUNKSENTRY']._serialized_end=1739
+  _globals['_STATSRESPONSE_JOBMODESENTRY']._serialized_start=1741
+  _globals['_STATSRESPONSE_JOBMODESENTRY']._serialized_end=1811
+  _globals['_INFOREQUEST']._serialized_start=1813
+  _globals['_INFOREQUEST']._serialized_end=1826
+  _globals['_INFORESPONSE']._serialized_start=1829
+  _globals['_INFORESPONSE']._serialized_end=2017
+  _globals['_CACHE']._serialized_start=2079
+  _globals['_CACHE']._serialized_end=2959
 # @@protoc_insertion_point(module_scope)

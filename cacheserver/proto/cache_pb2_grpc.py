@@ -94,6 +94,11 @@ class CacheStub:
                 request_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/mlcache.v1.Cache/Adopt',
+                request_serializer=cacheserver_dot_proto_dot_cache__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=cacheserver_dot_proto_dot_cache__pb2.AdoptResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -172,6 +177,13 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """Spare entries join the chunk being loaded (cacheserver/store.py, adopt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +246,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.FromString,
                     response_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=cacheserver_dot_proto_dot_cache__pb2.AdoptRequest.FromString,
+                    response_serializer=cacheserver_dot_proto_dot_cache__pb2.AdoptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +577,33 @@ class Cache:
             '/mlcache.v1.Cache/Claim',
             cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
             cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlcache.v1.Cache/Adopt',
+            cacheserver_dot_proto_dot_cache__pb2.AdoptRequest.SerializeToString,
+            cacheserver_dot_proto_dot_cache__pb2.AdoptResponse.FromString,
             options,
             channel_credentials,
             insecure,
