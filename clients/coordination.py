@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .dataset import CachedDataset
 
 log = logging.getLogger("mlcache.client")
-OPTIONS = {"none": 0, "full": 1, "chunked": 2}
+OPTIONS = {"none": 0, "full": 1, "chunked": 2, "spare": 3}  # spare: "none" whose misses go in as spare
 MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 
@@ -50,7 +50,8 @@ class SharedPlan:
         chunks = sorted(set(chunks))[:MAX_CHUNKS]
         a = self._arr
         a[0] = 0  # readers seeing a version of 0 mid-update fall back to "insert all"
-        a[1], a[2], a[3], a[4] = OPTIONS.get(plan.option, 0), max(1, plan.k), plan.n_items, len(chunks)
+        option = "spare" if plan.option == "none" and plan.spare else plan.option
+        a[1], a[2], a[3], a[4] = OPTIONS.get(option, 0), max(1, plan.k), plan.n_items, len(chunks)
         for j, c in enumerate(chunks):
             a[5 + j] = c
         a[0] = plan.version or 1
@@ -58,7 +59,8 @@ class SharedPlan:
     def insert_chunk(self, i: int) -> int | None:
         """Chunk tag to insert item i under, or None if the plan says not to insert it.
 
-        With a chunked plan, an item outside its chunks is inserted as SPARE: servers
+        With a chunked plan, an item outside its chunks is inserted as SPARE (with a
+        "none" plan that allows spare entries, every item is): servers
         keep such entries only in room no chunk needs (evicted first, evicting only
         each other), so jobs still share their misses there while the chunks turn
         over slower than the jobs read (cacheserver/store.py, is_spare)."""
@@ -68,6 +70,8 @@ class SharedPlan:
             return 0
         if option == OPTIONS["none"]:
             return None
+        if option == OPTIONS["spare"]:  # no room of its own: share misses in the room nobody needs
+            return SPARE
         from manager.policy import chunk_of
 
         c = chunk_of(i, n, k)

@@ -59,7 +59,8 @@ class ManagerUnavailable(ManagerError):
 @dataclass(frozen=True)
 class Plan:
     """Which chunk(s) a job reads. ``option``: "full", "chunked" or "none"
-    (none: read from the store and insert nothing). ``chunks``: the chunks this
+    (none: no room of its own; with ``spare``, misses go in as spare entries,
+    else read from the store and insert nothing). ``chunks``: the chunks this
     job may read now; empty while ``waiting`` (read pending items from the
     store) or when not chunked. Items of chunk c: ``members(c)``."""
     dataset: str
@@ -72,12 +73,15 @@ class Plan:
     chunks: tuple[int, ...]
     version: int
     waiting: bool = False
+    spare: bool = False  # insert items outside the chunks as spare entries (also with "none")
 
     @classmethod
     def from_message(cls, p: mpb.Plan) -> "Plan":
-        return cls(p.dataset, OPTION_NAMES.get(p.option, "none"), max(1, p.k), p.n_items, p.chunk_size,
+        option = OPTION_NAMES.get(p.option, "none")
+        spare = p.spare or option == "chunked"  # chunked plans of an older manager did too
+        return cls(p.dataset, option, max(1, p.k), p.n_items, p.chunk_size,
                    None if p.active < 0 else p.active, None if p.loading < 0 else p.loading,
-                   tuple(p.chunks), p.version, p.waiting)
+                   tuple(p.chunks), p.version, p.waiting, spare)
 
     @property
     def cached(self) -> bool:

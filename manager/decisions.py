@@ -45,7 +45,7 @@ def reallocate(m: "ManagerModel", now: float) -> list[Effect]:
                 and rec.idle_since is not None and now - rec.idle_since < cfg.dataset_grace_s):
             why = "idle: kept during the grace period after its last job left; "
             kept[ds] = a if a.reason.startswith(why) else Allocation(
-                a.dataset, a.option, a.bytes, a.chunk_size, a.value, why + a.reason)
+                a.dataset, a.option, a.bytes, a.chunk_size, a.value, why + a.reason, a.spare)
             reserved += a.bytes
         else:
             sizes[ds] = rec.bytes
@@ -55,8 +55,8 @@ def reallocate(m: "ManagerModel", now: float) -> list[Effect]:
     out: list[Effect] = []
     for ds in sorted(new):
         old, a = m.allocs.get(ds), new[ds]
-        if old is None or old.option is not a.option or (a.option is Option.CHUNKED
-                                                           and old.chunk_size != a.chunk_size):
+        if (old is None or old.option is not a.option or old.spare != a.spare
+                or (a.option is Option.CHUNKED and old.chunk_size != a.chunk_size)):
             out += _reconfigure(m, ds, old, a, now)
     m.allocs = new
     # Forget datasets nobody used for a whole grace period (their space is already freed).
@@ -80,7 +80,10 @@ def _reconfigure(m: "ManagerModel", ds: str, old: Allocation | None, a: Allocati
     buf = m.buffers.pop(ds, None)
     rec.plan_base = rec.plan_base + (buf.version if buf else 0) + 1
     if a.option is Option.NONE:
-        if old_opt is not Option.NONE:
+        # Leaving chunks or full: NONE holds no chunk, so free the dataset (its jobs
+        # insert spare entries again if allowed). Spare turned off: its jobs gain
+        # nothing from the cache, so their spare entries go too.
+        if old_opt is not Option.NONE or (old is not None and old.spare and not a.spare):
             out.append(EvictDataset(ds, a.reason))
         return out
     # Going from chunks to FULL keeps what is resident (everything is wanted

@@ -275,7 +275,8 @@ class ManagerModel:
         buf = self.buffers.get(ds)
         chunks = buf.readable(job) if (buf is not None and job) else []
         waiting = bool(buf is not None and job in buf.jobs and buf.jobs[job].chunk is None)
-        return {"dataset": ds, "option": self.option(ds).value, "k": buf.k if buf else 1,
+        return {"dataset": ds, "option": self.option(ds).value, "spare": bool(a and a.spare),
+                "k": buf.k if buf else 1,
                 "n_items": rec.n_items, "chunk_size": a.chunk_size if a else 0,
                 "active": -1 if buf is None or buf.active is None else buf.active,
                 "loading": -1 if buf is None or buf.loading is None else buf.loading,

@@ -46,7 +46,7 @@ def _rpc(fn: Callable) -> Callable:
 def plan_message(p: dict[str, Any]) -> mpb.Plan:
     return mpb.Plan(dataset=p["dataset"], option=OPTIONS[p["option"]], k=p["k"], n_items=p["n_items"],
                     chunk_size=p["chunk_size"], active=p["active"], loading=p["loading"],
-                    chunks=p["chunks"], version=p["version"], waiting=p["waiting"])
+                    chunks=p["chunks"], version=p["version"], waiting=p["waiting"], spare=p["spare"])
 
 
 def _mode(m: ManagerModel, job: str) -> int:
@@ -194,7 +194,7 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
         d = r.datasets.add(dataset=ds, bytes=rec.bytes, n_items=rec.n_items, option=OPTIONS[m.option(ds).value],
                            allocated_bytes=a.bytes if a else 0, chunk_size=a.chunk_size if a else 0,
                            value=a.value if a else 0.0, gain=gains.get(ds, 0.0), reason=a.reason if a else "",
-                           plan_version=m.plan_version(ds),
+                           plan_version=m.plan_version(ds), spare=bool(a and a.spare),
                            jobs=sorted(j for j, x in m.jobs.items() if x.dataset == ds))
         if buf is not None:
             d.k, d.loaded_fraction, d.straggler_timeout = buf.k, buf.loaded_fraction, buf.straggler_timeout()

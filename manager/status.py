@@ -120,7 +120,8 @@ def render(d: dict[str, Any], address: str = "") -> str:
     if datasets:
         rows = [["DATASET", "SIZE", "ITEMS", "OPTION", "ALLOCATED", "K", "ACTIVE", "LOADING", "MARKED", "G", "VALUE"]]
         for x in datasets:
-            rows.append([_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)), _opt(x["option"]),
+            rows.append([_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)),
+                         _opt(x["option"]) + ("+spare" if x.get("spare") else ""),
                          _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
                          _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")),
                          _num(x.get("value"))])

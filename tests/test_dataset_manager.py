@@ -88,9 +88,20 @@ def test_shared_plan_decides_what_to_insert():
         assert sp.insert_chunk(i) == (c if c in (3, 4) else SPARE)  # outside: spare room only
     assert sp.loading_first(next(i for i in range(n) if chunk_of(i, n, k) == 4), 4)
     sp.publish(Plan("d", "none", 1, n, 0, active=None, loading=None, chunks=(), version=8))
-    assert sp.insert_chunk(5) is None
-    sp.publish(Plan("d", "full", 1, n, 0, active=0, loading=None, chunks=(0,), version=9))
+    assert sp.insert_chunk(5) is None  # the jobs gain nothing: insert nothing
+    sp.publish(Plan("d", "none", 1, n, 0, active=None, loading=None, chunks=(), version=9, spare=True))
+    assert {sp.insert_chunk(i) for i in range(n)} == {SPARE}  # no room of its own: share misses as spare
+    sp.publish(Plan("d", "full", 1, n, 0, active=0, loading=None, chunks=(0,), version=10))
     assert sp.insert_chunk(999) == 0
+
+
+def test_plan_messages_from_before_the_spare_flag():
+    from cacheserver.proto import manager_pb2 as mpb
+    from manager.client import Plan
+
+    assert Plan.from_message(mpb.Plan(option=mpb.CACHE_OPTION_CHUNKED, k=4)).spare  # they inserted spare
+    assert not Plan.from_message(mpb.Plan(option=mpb.CACHE_OPTION_NONE)).spare
+    assert Plan.from_message(mpb.Plan(option=mpb.CACHE_OPTION_NONE, spare=True)).spare
 
 
 def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):

@@ -347,3 +347,23 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
     finally:
         s.kill()
         m.kill()
+
+
+def test_dataset_without_room_keeps_spare_entries_and_loses_chunk_entries(cluster):
+    """Two chunks do not fit the budget: the plan is NONE with spare entries, so
+    concurrent jobs still share their misses in room nobody needs. Reconciling the
+    servers keeps those spare entries and evicts anything under a chunk tag."""
+    m = cluster.manager("--budget", "100kB", "--chunk-size", "100kB")
+    s = cluster.server("s1", m)
+    with ManagerClient(m.address) as mc, ServerClient(s.address) as sc:
+        wait_for(lambda: len(ring(mc).addresses) == 1, what="server registered")
+        for job in ("j1", "j2"):
+            plan = mc.register_job(job, DS_CH, 1_000_000, 100, n_gpus=1).plan
+        assert (plan.option, plan.spare) == ("none", True)
+        assert "misses shared as spare entries" in by(status(mc)["datasets"], "dataset")[DS_CH]["reason"]
+        spare, chunked = ids(5, seed=7), ids(3, seed=8)
+        sc.put([(k, b"s" * 1000) for k in spare], dataset=DS_CH, chunk=-1)
+        sc.put([(k, b"c" * 1000) for k in chunked], dataset=DS_CH, chunk=0)
+        wait_for(lambda: sc.lookup(chunked) == b"\0" * 3, what="chunk entries of a NONE dataset evicted")
+        time.sleep(0.5)  # a few more reconcile rounds
+        assert sc.lookup(spare) == b"\1" * 5

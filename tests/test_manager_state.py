@@ -196,3 +196,33 @@ def test_registry_versions_and_liveness():
     assert live.dead_servers(reg, 101.0, timeout=1.0) == []
     assert live.dead_servers(reg, 102.0, timeout=1.0) == ["a"]          # missed beats
     assert live.dead_servers(reg, 106.0, timeout=1.0) == ["a", "c"]     # c: restart grace over
+
+
+def test_a_dataset_without_room_shares_misses_as_spare_until_its_jobs_gain_nothing():
+    """Two chunks do not fit: NONE, but the jobs may insert spare entries (room
+    nobody needs). Once probing shows the jobs gain nothing, spare is turned off:
+    a new plan version, and the dataset's entries are evicted."""
+    from dataclasses import replace
+
+    from manager.effects import EvictDataset
+
+    m = ManagerModel(replace(CFG, budget=150_000))
+    m.apply({"type": "job_register", "job": "a", "dataset": "big", "dataset_bytes": 5_000_000, "n_items": 500,
+             "n_gpus": 1, "now": 1000.0})
+    m.apply({"type": "job_register", "job": "b", "dataset": "big", "dataset_bytes": 5_000_000, "n_items": 500,
+             "n_gpus": 1, "now": 1000.0})
+    plan = m.plan("big", "a")
+    assert (plan["option"], plan["spare"]) == ("none", True)
+    v0, t, effects = plan["version"], 1000.0, []
+    for _ in range(40):  # compute-bound: just as fast in bypass as with the cache
+        for job in ("a", "b"):
+            t += 0.1
+            effects += m.apply({"type": "batches", "job": job, "now": t, "batches": [[t, 0.1, 1.0]]})
+        effects += m.apply({"type": "tick", "now": t})
+        if not m.allocs["big"].spare:
+            break
+    plan = m.plan("big", "a")
+    assert (plan["option"], plan["spare"]) == ("none", False) and plan["version"] > v0
+    assert "no job benefits" in m.allocs["big"].reason
+    assert any(isinstance(e, EvictDataset) and e.dataset == "big" for e in effects)
+    assert ManagerModel.from_dict(m.to_dict()).allocs["big"].spare is False

@@ -119,6 +119,9 @@ def test_single_job_dataset_too_big_gets_nothing():
     a = allocate([ds("solo", 1000 * GB, (8, 4.0))], 500 * GB)
     assert a["solo"].option is Option.NONE
     assert "single job" in a["solo"].reason
+    # ... no room of its own, but its misses may use room nobody needs (spare entries):
+    # substitutable hits then serve it what the last epoch left there
+    assert a["solo"].spare and "misses shared as spare entries" in a["solo"].reason
 
 
 def test_zero_size_and_no_jobs():
@@ -131,6 +134,7 @@ def test_no_benefit_gets_no_space():
     a = allocate([ds("compute", 10 * GB, (8, 1.02), (8, 1.04))], 1000 * GB)
     assert a["compute"].option is Option.NONE
     assert "no job benefits (max b=1.040 < 1.05)" in a["compute"].reason
+    assert not a["compute"].spare  # inserting would cost CPU for nothing
 
 
 def test_equal_benefits_tie_break_by_name_and_input_order_irrelevant():
@@ -167,6 +171,24 @@ def test_exploration_of_unmeasured_datasets():
     assert a["new"].option is Option.CHUNKED and "exploration" in a["new"].reason
     assert used(a) == 130 * GB     # 100 + 2 x 15GB chunks
     assert allocate([known, new], 150 * GB, AllocConfig(explore=False))["new"].option is Option.NONE
+
+
+def test_spare_entries_for_every_dataset_whose_jobs_benefit():
+    a = allocate(paper_datasets(), 0)  # nothing fits: all NONE, all still share misses
+    assert all(x.option is Option.NONE and x.spare for x in a.values())
+    a = allocate([ds("huge", 10_000 * GB, *[(8, 4.0)] * 5), ds("new", 50 * GB, (4, None)),
+                  ds("cpu", 50 * GB, (4, 1.0))], 30 * GB)
+    assert (a["huge"].option, a["huge"].spare) == (Option.CHUNKED, True)
+    assert (a["new"].option, a["new"].spare) == (Option.NONE, True)  # the prior: it may benefit
+    assert (a["cpu"].option, a["cpu"].spare) == (Option.NONE, False)
+    a = allocate([ds("small", 10 * GB, (4, 3.0))], 100 * GB)
+    assert (a["small"].option, a["small"].spare) == (Option.FULL, False)  # everything has room
+
+
+def test_allocations_from_before_spare_entries_load():
+    old = {"dataset": "d", "bytes": 2, "chunk_size": 1, "value": 1.0, "reason": "r"}
+    assert Allocation.from_dict({**old, "option": "chunked"}).spare  # chunked plans inserted them
+    assert not Allocation.from_dict({**old, "option": "none"}).spare
 
 
 def test_budget_from_capacities_and_roundtrip():

@@ -38,6 +38,15 @@ Algorithm (multiple-choice knapsack):
    nothing are given CHUNKED from leftover space, smallest first, so they can
    be probed (exploration).
 
+Spare entries (beyond the paper). A dataset's items outside its chunks are
+inserted as spare entries, which servers keep only in room nobody's chunks
+need (cacheserver/store.py, is_spare). They cost no reserved space, so a NONE
+dataset whose jobs do benefit from the cache (it did not fit, or was
+outranked) still gets ``spare=True``: its jobs insert their misses there and
+concurrent jobs share them, as with a plain LRU cache, instead of every job
+reading everything from the store. Only a dataset whose jobs gain nothing
+(b below ``min_benefit``) inserts nothing, which saves the inserts' CPU.
+
 Hysteresis: options matching ``current`` get ``incumbent_bonus`` (10%) extra
 value when ranking, so small measurement noise does not flap a dataset between
 options (each change costs a reload from the remote store). Ties are broken by
@@ -104,15 +113,19 @@ class Allocation:
     chunk_size: int       # bytes per chunk (FULL: the dataset size; NONE: 0)
     value: float          # estimated GPU-equivalents saved
     reason: str
+    spare: bool = False   # jobs insert items outside the chunks as spare entries
 
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "option": self.option.value, "bytes": self.bytes,
-                "chunk_size": self.chunk_size, "value": self.value, "reason": self.reason}
+                "chunk_size": self.chunk_size, "value": self.value, "reason": self.reason,
+                "spare": self.spare}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Allocation":
-        return cls(str(d["dataset"]), Option(d["option"]), int(d["bytes"]),
-                   int(d["chunk_size"]), float(d["value"]), str(d["reason"]))
+        # state from before spare entries: chunked plans inserted them already
+        opt = Option(d["option"])
+        return cls(str(d["dataset"]), opt, int(d["bytes"]), int(d["chunk_size"]), float(d["value"]),
+                   str(d["reason"]), bool(d.get("spare", opt is Option.CHUNKED)))
 
 
 def budget_from_capacities(capacities: Iterable[int], reserve_fraction: float = 0.0) -> int:
@@ -300,19 +313,22 @@ def _explain(d: DatasetDemand, p: _Plan | None, opt: Option, explored: bool,
         if explored:
             return Allocation(d.name, opt, p.cost_c, chunk, p.v_c,
                               f"exploration: benefit not measured conclusively yet; 2x{_gb(chunk)} chunks"
-                              f" from spare space; {btxt}")
+                              f" from spare space; {btxt}", spare=True)
         why_not_full = (f"full (+{_gb(p.cost_f - p.cost_c)}, +{p.v_f - p.v_c:.2f}) did not fit or ranked lower"
                         if p.v_f > p.v_c else "full adds nothing over chunked")
         return Allocation(d.name, opt, p.cost_c, chunk, p.v_c,
-                          f"chunked: saves {p.v_c:.2f} GPU-eq for 2x{_gb(chunk)}; {why_not_full}; {btxt}")
+                          f"chunked: saves {p.v_c:.2f} GPU-eq for 2x{_gb(chunk)}; {why_not_full}; {btxt}",
+                          spare=True)
     # NONE
     if max(bs) < cfg.min_benefit or (p.v_f <= 0 and p.v_c <= 0):
         why = f"no job benefits (max b={max(bs):.3f} < {cfg.min_benefit})"
-    elif min(p.cost_c if p.v_c > 0 else math.inf, p.cost_f) > budget:
+        return Allocation(d.name, Option.NONE, 0, 0, 0.0, f"none: {why}; {btxt}")
+    if min(p.cost_c if p.v_c > 0 else math.inf, p.cost_f) > budget:
         why = (f"smallest useful option ({_gb(min(p.cost_c if p.v_c > 0 else math.inf, p.cost_f))})"
                f" exceeds the whole budget ({_gb(budget)})")
     else:
         why = "outranked: other datasets save more GPU time per byte"
     if p.v_c <= 0 < p.v_f and len(d.jobs) == 1:
         why += "; a single job gains nothing from chunked caching"
-    return Allocation(d.name, Option.NONE, 0, 0, 0.0, f"none: {why}; {btxt}")
+    return Allocation(d.name, Option.NONE, 0, 0, 0.0,
+                      f"none: {why}; misses shared as spare entries; {btxt}", spare=True)
