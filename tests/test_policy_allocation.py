@@ -185,6 +185,20 @@ def test_spare_entries_for_every_dataset_whose_jobs_benefit():
     assert (a["small"].option, a["small"].spare) == (Option.FULL, False)  # everything has room
 
 
+def test_no_chunks_shares_the_room_as_spare_entries_but_still_counts_it():
+    cfg = AllocConfig(chunked=False)
+    a = allocate(paper_datasets(), 100 * GB, cfg)  # all CHUNKED with chunks on
+    assert all(x.option is Option.NONE and x.spare and x.chunk_size == 0 for x in a.values())
+    assert "shared (--no-chunks)" in a["imagenet"].reason and used(a) == used(allocate(paper_datasets(), 100 * GB))
+    a = allocate(paper_datasets(), 205 * GB, cfg)  # FULL is unchanged; the rest share what it leaves
+    assert a["imagenet"].option is Option.FULL and not a["imagenet"].spare
+    assert a["openimages"].option is Option.NONE and a["openimages"].spare
+    from manager.daemon import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--listen", "127.0.0.1:0", "--state-dir", "x", "--no-chunks"])
+    assert config_from_args(args).model.alloc.chunked is False
+
+
 def test_allocations_from_before_spare_entries_load():
     old = {"dataset": "d", "bytes": 2, "chunk_size": 1, "value": 1.0, "reason": "r"}
     assert Allocation.from_dict({**old, "option": "chunked"}).spare  # chunked plans inserted them

@@ -103,6 +103,12 @@ class AllocConfig:
     prior_benefit: float = DEFAULT_PRIOR_BENEFIT
     incumbent_bonus: float = 0.10
     explore: bool = True
+    # False (--no-chunks): a dataset allocated CHUNKED gets no chunks; it is
+    # NONE with spare entries instead, so its jobs share the room FULL datasets
+    # leave, as an LRU with substitutable hits. The knapsack still counts two
+    # chunks of budget for it, so it keeps out FULL datasets worth less.
+    # (tools/bench/allocation: better than double buffering at small budgets.)
+    chunked: bool = True
 
 
 @dataclass(frozen=True)
@@ -287,8 +293,12 @@ def allocate(datasets: Iterable[DatasetDemand], budget_bytes: int,
 
     out: dict[str, Allocation] = {}
     for d in ds:
-        out[d.name] = _explain(d, plans.get(d.name), chosen.get(d.name, Option.NONE),
-                               d.name in explored, budget, cfg)
+        a = _explain(d, plans.get(d.name), chosen.get(d.name, Option.NONE), d.name in explored, budget, cfg)
+        if a.option is Option.CHUNKED and not cfg.chunked:
+            a = Allocation(d.name, Option.NONE, a.bytes, 0, a.value,
+                           f"shared (--no-chunks): counts {_gb(a.bytes)} of the budget, held as spare "
+                           f"entries, no chunks; as {a.reason}", spare=True)
+        out[d.name] = a
     return out
 
 
