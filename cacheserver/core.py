@@ -70,7 +70,7 @@ class CacheCore:
     def claim(self, job: str, ids: Sequence[bytes]) -> bytes:
         """Before reading misses from the store: FETCH/WAIT/PRESENT per id (claims.py)."""
         self._check_ids(ids)
-        if self.bypassed(job):  # a bypassing job inserts nothing, so it claims nothing
+        if self.bypassed(job):  # it reads everything itself (what probing measures): nothing to wait for
             return bytes([FETCH]) * len(ids)
         out = self.claims.claim(job, ids, self.store.contains(ids))
         self.counters.add_many({"claims_granted": out.count(FETCH), "claims_waited": out.count(WAIT),
@@ -160,7 +160,8 @@ class CacheCore:
         """A job loading chunk `chunk` of `dataset` takes the ids held as spare
         entries into it, values staying where they are (store.adopt): 1 held
         other than as spare afterwards, 0 absent (the job reads those itself).
-        A bypassing job adopts nothing, as it inserts nothing."""
+        A bypassing job adopts nothing: it sees no cache (every lookup answers
+        absent), so it reads those items from the store itself."""
         self._check_ids(ids)
         if not dataset:
             raise BadRequest("adopt needs a dataset")

@@ -36,7 +36,6 @@ class Desired:
     """What every server should look like (a copy taken under the state lock)."""
     bypass: set[str] = field(default_factory=set)                  # jobs in bypass mode
     option: dict[str, str] = field(default_factory=dict)           # dataset -> none/chunked/full
-    spare: set[str] = field(default_factory=set)                   # datasets whose jobs insert spare entries
     resident: dict[str, set[int]] = field(default_factory=dict)    # chunked datasets: allowed chunks
     active: dict[str, int] = field(default_factory=dict)           # dataset -> active chunk
 
@@ -46,9 +45,6 @@ def desired_from(m: Any) -> Desired:
     d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode.value == "bypass"})
     for ds in m.datasets:
         d.option[ds] = m.option(ds).value
-        a = m.allocs.get(ds)
-        if a is not None and a.spare:
-            d.spare.add(ds)
     for ds, buf in m.buffers.items():
         d.resident[ds] = set(buf.resident())
         if buf.active is not None:
@@ -136,9 +132,7 @@ class _Worker:
                 held.setdefault(ch.dataset, set()).add(ch.chunk)
         for ds, chunks in sorted(held.items()):
             opt = want.option.get(ds)
-            if opt == "none" and ds not in want.spare:
-                fixes.append(EvictDataset(ds, "reconcile: not allocated"))
-            elif opt == "none":  # spare entries may stay; chunk entries may not
+            if opt == "none":  # no chunk entries; spare ones take only room nobody needs
                 fixes += [EvictChunk(ds, c, True, "reconcile: not allocated") for c in sorted(chunks) if c >= 0]
             elif opt == "chunked":
                 for chunk in sorted(chunks - want.resident.get(ds, set())):

@@ -94,7 +94,8 @@ class Plan:
         return chunk_members(c, self.n_items, self.k)
 
     def readable(self, i: int) -> bool:
-        """May item ``i`` be read from (and inserted into) the cache now?"""
+        """Is item ``i`` in a chunk this job may read now (FULL: every item)? Items
+        outside it are still inserted as spare entries when ``spare`` is set."""
         return self.option == "full" or (self.option == "chunked" and self.chunk_of(i) in self.chunks)
 
     def chunk_plan(self) -> ChunkPlan:

@@ -38,10 +38,10 @@ def reallocate(m: "ManagerModel", now: float) -> list[Effect]:
     reserved = 0
     for ds, rec in sorted(m.datasets.items()):
         a = m.allocs.get(ds)
-        # A dataset whose jobs all left keeps its space for a grace period: a job
-        # restarting (or the next one of a pipeline) would otherwise find its
-        # fully cached dataset evicted and reload it from the store.
-        if (ds not in gains and a is not None and a.option is not Option.NONE
+        # A dataset whose jobs all left keeps its space (or its spare entries) for a
+        # grace period: a job restarting (or the next one of a pipeline) would
+        # otherwise find its cached dataset evicted and reload it from the store.
+        if (ds not in gains and a is not None and (a.option is not Option.NONE or a.spare)
                 and rec.idle_since is not None and now - rec.idle_since < cfg.dataset_grace_s):
             why = "idle: kept during the grace period after its last job left; "
             kept[ds] = a if a.reason.startswith(why) else Allocation(
@@ -49,7 +49,7 @@ def reallocate(m: "ManagerModel", now: float) -> list[Effect]:
             reserved += a.bytes
         else:
             sizes[ds] = rec.bytes
-    current = {ds: a.option for ds, a in m.allocs.items()}
+    current = {ds: a.knapsack_option for ds, a in m.allocs.items()}  # hysteresis, also under --no-chunks
     new = allocate(demands(gains, sizes), max(0, m.budget() - reserved), cfg.alloc, current)
     new.update(kept)
     out: list[Effect] = []
@@ -59,11 +59,13 @@ def reallocate(m: "ManagerModel", now: float) -> list[Effect]:
                 or (a.option is Option.CHUNKED and old.chunk_size != a.chunk_size)):
             out += _reconfigure(m, ds, old, a, now)
     m.allocs = new
-    # Forget datasets nobody used for a whole grace period (their space is already freed).
+    # Forget datasets nobody used for a whole grace period (their space is already
+    # freed; spare entries they left go too, as nobody will read them).
     for ds, rec in sorted(m.datasets.items()):
         if (rec.idle_since is not None and now - rec.idle_since >= cfg.dataset_grace_s
                 and m.option(ds) is Option.NONE and ds not in gains):
             del m.datasets[ds]
+            out.append(EvictDataset(ds, "forgotten: no job for a whole grace period"))
             m.allocs.pop(ds, None)
     return out
 
@@ -81,9 +83,11 @@ def _reconfigure(m: "ManagerModel", ds: str, old: Allocation | None, a: Allocati
     rec.plan_base = rec.plan_base + (buf.version if buf else 0) + 1
     if a.option is Option.NONE:
         # Leaving chunks or full: NONE holds no chunk, so free the dataset (its jobs
-        # insert spare entries again if allowed). Spare turned off: its jobs gain
-        # nothing from the cache, so their spare entries go too.
-        if old_opt is not Option.NONE or (old is not None and old.spare and not a.spare):
+        # insert spare entries again if allowed). Spare turning on or off only
+        # changes the plan: spare entries left behind take room nobody needs, and
+        # evicting them would make a flip (a new job's prior, then its measured
+        # benefit) cost a reload.
+        if old_opt is not Option.NONE:
             out.append(EvictDataset(ds, a.reason))
         return out
     # Going from chunks to FULL keeps what is resident (everything is wanted

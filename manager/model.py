@@ -52,8 +52,11 @@ class ManagerConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        alloc = asdict(self.alloc)
+        if alloc["chunked"]:  # the default: left out, so a manager from before the flag can read this state
+            del alloc["chunked"]
         return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
-                "probe": asdict(self.probe), "alloc": asdict(self.alloc), "buffer": asdict(self.buffer)}
+                "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ManagerConfig":

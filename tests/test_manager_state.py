@@ -201,7 +201,9 @@ def test_registry_versions_and_liveness():
 def test_a_dataset_without_room_shares_misses_as_spare_until_its_jobs_gain_nothing():
     """Two chunks do not fit: NONE, but the jobs may insert spare entries (room
     nobody needs). Once probing shows the jobs gain nothing, spare is turned off:
-    a new plan version, and the dataset's entries are evicted."""
+    a new plan version, but no eviction (a new job's prior would turn it on
+    again, and each flip would cost a reload). The entries go when the dataset
+    is forgotten, after its grace period; until then it keeps them."""
     from dataclasses import replace
 
     from manager.effects import EvictDataset
@@ -224,5 +226,59 @@ def test_a_dataset_without_room_shares_misses_as_spare_until_its_jobs_gain_nothi
     plan = m.plan("big", "a")
     assert (plan["option"], plan["spare"]) == ("none", False) and plan["version"] > v0
     assert "no job benefits" in m.allocs["big"].reason
-    assert any(isinstance(e, EvictDataset) and e.dataset == "big" for e in effects)
+    assert not any(isinstance(e, EvictDataset) for e in effects)
     assert ManagerModel.from_dict(m.to_dict()).allocs["big"].spare is False
+    # a new job brings the prior back: spare on again, and still nothing evicted
+    effects = m.apply({"type": "job_register", "job": "c", "dataset": "big", "dataset_bytes": 5_000_000,
+                       "n_items": 500, "n_gpus": 1, "now": t + 1})
+    assert m.plan("big", "c")["spare"] and not any(isinstance(e, EvictDataset) for e in effects)
+    for job in ("a", "b", "c"):
+        effects += m.apply({"type": "job_unregister", "job": job, "reason": "done", "now": t + 2})
+    assert m.allocs["big"].spare and not any(isinstance(e, EvictDataset) for e in effects)  # grace period
+    effects = m.apply({"type": "tick", "now": t + 2 + CFG.dataset_grace_s + 1})
+    assert "big" not in m.datasets
+    assert [e.dataset for e in effects if isinstance(e, EvictDataset)] == ["big"]
+
+
+def test_no_chunks_keeps_its_incumbent_and_its_grace_period():
+    """--no-chunks turns CHUNKED into NONE + spare holding budget: it must still get
+    the incumbent's bonus, and keep its entries while a restarting job comes back."""
+    from dataclasses import replace
+
+    from manager.effects import EvictDataset
+    from manager.policy import AllocConfig, Option, allocate
+    from manager.policy.allocation import GB, DatasetDemand
+    from manager.policy.probing import JobGain
+
+    a_ds = DatasetDemand("A", 100 * GB, (JobGain("a", 1, 1 + 7.2 * 1.05),))      # FULL worth 7.56
+    b_ds = DatasetDemand("B", 1000 * GB, tuple(JobGain(f"b{i}", 1, 3.0) for i in range(4)))  # chunks: 7.2
+    for chunked in (True, False):  # B first holds the room; A, 5% more valuable, must not take it
+        cfg = AllocConfig(chunked=chunked)
+        current = {n: x.knapsack_option for n, x in allocate([b_ds], 100 * GB, cfg).items()}
+        assert current == {"B": Option.CHUNKED}
+        nxt = allocate([a_ds, b_ds], 100 * GB, cfg, current)
+        assert nxt["A"].option is Option.NONE and nxt["B"].knapsack_option is Option.CHUNKED
+
+    m = ManagerModel(replace(CFG, budget=250_000, alloc=AllocConfig(chunk_bytes=100_000, chunked=False)))
+    for job in ("x", "y"):
+        m.apply({"type": "job_register", "job": job, "dataset": "big", "dataset_bytes": 1_000_000, "n_items": 100,
+                 "n_gpus": 1, "now": 1000.0})
+    a = m.allocs["big"]
+    assert (a.option, a.spare, a.bytes, a.knapsack_option) == (Option.NONE, True, 200_000, Option.CHUNKED)
+    effects = []
+    for job in ("x", "y"):
+        effects += m.apply({"type": "job_unregister", "job": job, "reason": "done", "now": 1001.0})
+    assert m.allocs["big"].spare and m.allocs["big"].bytes > 0  # kept, and its budget with it
+    assert not any(isinstance(e, EvictDataset) for e in effects)
+
+
+def test_config_state_stays_readable_by_a_manager_from_before_no_chunks():
+    from dataclasses import replace
+
+    from manager.policy import AllocConfig
+
+    d = ManagerConfig().to_dict()
+    assert "chunked" not in d["alloc"]  # an older AllocConfig(**alloc) would refuse the key
+    assert ManagerConfig.from_dict(d).alloc.chunked
+    off = replace(ManagerConfig(), alloc=AllocConfig(chunked=False))
+    assert ManagerConfig.from_dict(off.to_dict()).alloc.chunked is False

@@ -121,6 +121,14 @@ class Allocation:
     reason: str
     spare: bool = False   # jobs insert items outside the chunks as spare entries
 
+    @property
+    def knapsack_option(self) -> Option:
+        """The option the knapsack chose: CHUNKED for one that --no-chunks turned
+        into NONE with spare entries (it still holds budget), for hysteresis."""
+        if self.option is Option.NONE and self.spare and self.bytes > 0:
+            return Option.CHUNKED
+        return self.option
+
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "option": self.option.value, "bytes": self.bytes,
                 "chunk_size": self.chunk_size, "value": self.value, "reason": self.reason,
