@@ -165,8 +165,9 @@ def test_invalidate():
     assert tr == []
     tr = board.invalidate(t + 5, "store load changed", dataset="d")
     assert tr[-1].new is Phase.PROBE_BYPASS
-    # mid-probe: restart with fresh samples
-    bs, t2 = batches(t + 5, 20, 0.3)
+    # mid-probe (fewer batches than the phase needs): restart with fresh samples
+    cfg = board.config
+    bs, t2 = batches(t + 5, cfg.warmup_batches + cfg.min_batches - 3, 0.3)
     board.report("j", bs, t2)
     assert board.jobs["j"].samples
     tr = board.invalidate(t2, "job mix changed")

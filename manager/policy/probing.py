@@ -100,7 +100,11 @@ class Batch:
 @dataclass(frozen=True)
 class ProbeConfig:
     warmup_batches: int = 5          # dropped after every mode switch
-    min_batches: int = 20            # steady samples before a phase may end early
+    # Every bypass batch runs at the store's speed: a steady job may stop after 10
+    # (20 before; tools/bench/allocation, docs/benchmarks.md). Noisy jobs still run
+    # until rel_precision holds; 2% there misjudged noisy jobs by 9% in
+    # tests/test_policy_trace.py, so it stays 1%.
+    min_batches: int = 10            # steady samples before a phase may end early
     max_batches: int = 100           # the paper's P
     rel_precision: float = 0.01      # stop when std-error/median <= this
     trim: float = 0.1                # trimmed-mean cut per side (>= 0.5: median)
