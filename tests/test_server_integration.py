@@ -412,6 +412,11 @@ def test_malformed_data_plane_frames(server):
         assert status == wire.BAD_REQUEST and "runs past the end" in msg
         s.sendall(wire.pack_header(9, 0, 0, 0))
         assert _reply(s) == (wire.BAD_REQUEST, "unknown data-plane op 9")
+        s.sendall(wire.pack_header(wire.OP_ADOPT, 0, 1, 1) + b"\0")  # no room for the dataset name
+        assert _reply(s) == (wire.BAD_REQUEST, "adopt frame too short for the dataset name")
+        tag = b"\2\0ds" + struct.pack("<i", 3)
+        s.sendall(wire.pack_header(wire.OP_ADOPT, 0, 2, len(tag) + 32) + tag + b"i" * 32)
+        assert _reply(s) == (wire.BAD_REQUEST, "2 ids need 64 bytes, frame has 32")
     with _raw(server.address) as s:  # truncated frame then disconnect: server survives
         s.sendall(wire.pack_header(wire.OP_GET, 0, 2, 64) + b"i" * 10)
     with ServerClient(server.address) as c:
