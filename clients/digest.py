@@ -25,16 +25,21 @@ from typing import Any, NamedTuple
 import numpy as np
 
 MAGIC = b"MLCDIGST"
-VERSION = 1
+VERSION = 2  # the newest this module reads and writes; see VERSIONS
+VERSIONS = (1, 2)  # 2 adds the optional targets and names columns
 # magic, version, kind, flags, root_len, count, npaths, strings_len,
-# meta_len, reserved, total_len, reserved, header_crc32  (64 bytes)
+# meta_len, classes_len, total_len, names_len, header_crc32  (64 bytes;
+# in version 1 classes_len and names_len are reserved, 0)
 _HEADER = struct.Struct("<8sHBBIQQQIIQII")
+FLAG_TARGETS = 1  # version 2: a per-item i8 target column and the class names
+FLAG_NAMES = 2    # version 2: a per-item name (the tar member name) column
 _VERSION_END = 10  # magic + version: the only bytes every version keeps
 TRAILER_SIZE = 32
 FINGERPRINT_DOMAIN = b"mlcache/fingerprint/v1\x00"
 
 _U8 = np.dtype("<u8")
 _U4 = np.dtype("<u4")
+_I8 = np.dtype("<i8")
 
 
 class DigestError(ValueError):
@@ -78,11 +83,16 @@ class _Layout(NamedTuple):
     path_index: int
     path_offsets: int
     strings: int
+    targets: int
+    classes: int
+    name_offsets: int
+    names: int
     trailer: int
     total: int
 
 
-def _layout(root_len: int, meta_len: int, count: int, npaths: int, strings_len: int) -> _Layout:
+def _layout(root_len: int, meta_len: int, count: int, npaths: int, strings_len: int,
+            flags: int = 0, classes_len: int = 0, names_len: int = 0) -> _Layout:
     # Section offsets follow from the header alone; arrays start 8-aligned.
     root = _HEADER.size
     meta = root + root_len
@@ -92,14 +102,61 @@ def _layout(root_len: int, meta_len: int, count: int, npaths: int, strings_len: 
     path_index = offsets + 8 * count
     path_offsets = _pad8(path_index + 4 * count)
     strings = path_offsets + 8 * (npaths + 1)
-    trailer = _pad8(strings + strings_len)
+    end = _pad8(strings + strings_len)
+    targets = classes = end
+    if flags & FLAG_TARGETS:
+        classes = targets + 8 * count
+        end = _pad8(classes + classes_len)
+    name_offsets = names = end
+    if flags & FLAG_NAMES:
+        names = name_offsets + 8 * (count + 1)
+        end = _pad8(names + names_len)
     return _Layout(root, meta, hashes, sizes, offsets, path_index, path_offsets,
-                   strings, trailer, trailer + TRAILER_SIZE)
+                   strings, targets, classes, name_offsets, names, end, end + TRAILER_SIZE)
+
+
+class Extras(NamedTuple):
+    """Version 2's optional per-item columns (None when absent)."""
+
+    targets: np.ndarray | None = None  # i8 per item
+    classes: tuple[str, ...] = ()  # name of each target value, when it names a class
+    name_offsets: np.ndarray | None = None  # u8, n + 1 bounds into names
+    names: bytes | memoryview = b""  # UTF-8 names (tar member names) concatenated
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_TARGETS if self.targets is not None else 0) | (
+            FLAG_NAMES if self.name_offsets is not None else 0)
+
+    def check(self, n: int) -> None:
+        if self.targets is not None and self.targets.shape != (n,):
+            raise DigestError("corrupt digest: target column differs in length")
+        if self.targets is not None and self.classes and n and (
+                int(self.targets.min()) < 0 or int(self.targets.max()) >= len(self.classes)):
+            raise DigestError("corrupt digest: a target is not a class index")
+        no = self.name_offsets
+        if no is not None and (no.shape != (n + 1,) or int(no[0]) != 0 or int(no[-1]) != len(self.names)
+                               or (n and np.any(no[1:] < no[:-1]))):
+            raise DigestError("corrupt digest: bad name table bounds")
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+def _extras(targets: Sequence[int] | np.ndarray | None, classes: Sequence[str],
+            names: Sequence[str] | None) -> Extras:
+    t = None if targets is None else _readonly(np.ascontiguousarray(targets, _I8))
+    no, blob = None, b""
+    if names is not None:
+        encoded = [nm.encode("utf-8") for nm in names]
+        no = np.zeros(len(encoded) + 1, _U8)
+        np.cumsum(np.fromiter((len(e) for e in encoded), _U8, len(encoded)), out=no[1:])
+        no, blob = _readonly(no), b"".join(encoded)
+    if classes and t is None:
+        raise ValueError("classes given without targets")
+    return Extras(t, tuple(classes), no, blob)
 
 
 class Digest:
@@ -116,9 +173,11 @@ class Digest:
         path_offsets: np.ndarray,
         strings: bytes | memoryview,
         meta: Mapping[str, str] | None = None,
+        extras: Extras | None = None,
     ) -> None:
         # Low level: prefer Digest.load / Digest.from_arrays / DigestBuilder.
         self.root = root
+        self._extras = extras or Extras()
         self.kind = Kind(kind)
         self._meta = dict(meta or {})
         self._hashes = hashes
@@ -137,6 +196,7 @@ class Digest:
             raise DigestError("corrupt digest: path table offsets not increasing")
         if n and int(path_index.max()) >= npaths:
             raise DigestError("corrupt digest: item refers to a missing path")
+        self._extras.check(n)
 
     # -- construction -------------------------------------------------------
 
@@ -151,9 +211,16 @@ class Digest:
         path_index: Sequence[int] | np.ndarray,
         paths: Sequence[str],
         meta: Mapping[str, str] | None = None,
+        *,
+        targets: Sequence[int] | np.ndarray | None = None,
+        classes: Sequence[str] = (),
+        names: Sequence[str] | None = None,
     ) -> Digest:
         """Build from columns: ``hashes`` is (n, 32) uint8 (or n*32 bytes),
-        ``path_index[i]`` indexes ``paths`` (de-duplicated relative paths)."""
+        ``path_index[i]`` indexes ``paths`` (de-duplicated relative paths).
+        Optional (format version 2): ``targets`` per item (class indices into
+        ``classes`` when classes are given, else the user's integers) and
+        ``names`` per item (tar member names)."""
         if isinstance(hashes, (bytes, bytearray)):
             h = np.frombuffer(hashes, np.uint8)
         else:
@@ -167,7 +234,7 @@ class Digest:
             _readonly(np.ascontiguousarray(sizes, _U8)),
             _readonly(np.ascontiguousarray(offsets, _U8)),
             _readonly(np.ascontiguousarray(path_index, _U4)),
-            _readonly(poff), b"".join(encoded), meta,
+            _readonly(poff), b"".join(encoded), meta, _extras(targets, classes, names),
         )
 
     # -- item access ----------------------------------------------------------
@@ -240,6 +307,39 @@ class Digest:
         """Creation metadata (created, tool, ...); informational only."""
         return dict(self._meta)
 
+    @property
+    def version(self) -> int:
+        """The format version this digest is written in: 1 unless it has targets or names."""
+        return 2 if self._extras.flags else 1
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """Read-only i8 column of per-item targets (version 2), or None."""
+        return self._extras.targets
+
+    def target(self, i: int) -> int:
+        t = self._extras.targets
+        if t is None:
+            raise LookupError("this digest records no targets (make it with tools/digest --targets)")
+        return int(t[self._idx(i)])
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names, indexed by target (empty when targets are the user's own integers)."""
+        return list(self._extras.classes)
+
+    @property
+    def has_names(self) -> bool:
+        return self._extras.name_offsets is not None
+
+    def name(self, i: int) -> str:
+        """Item ``i``'s name within its file (a tar member's name), version 2."""
+        no = self._extras.name_offsets
+        if no is None:
+            raise LookupError("this digest records no item names (made before format version 2)")
+        i = self._idx(i)
+        return bytes(memoryview(self._extras.names)[int(no[i]):int(no[i + 1])]).decode("utf-8")
+
     @cached_property
     def total_bytes(self) -> int:
         return int(self._sizes.sum(dtype=np.uint64))
@@ -257,14 +357,20 @@ class Digest:
     # -- serialisation --------------------------------------------------------
 
     def to_bytes(self) -> bytes:
+        """The file's bytes: version 1 when there are no targets or names (so older
+        readers still read it), else version 2."""
         root = self.root.encode("utf-8")
         meta = json.dumps(self._meta, sort_keys=True, separators=(",", ":")).encode("utf-8")
         strings = self._strings
+        ex = self._extras
+        classes = json.dumps(list(ex.classes)).encode("utf-8") if ex.targets is not None else b""
+        if len(classes) > 0xFFFFFFFF or len(ex.names) > 0xFFFFFFFF:
+            raise ValueError("class or item names exceed the format's 4 GiB limit")
         n, npaths = len(self), self.num_paths
-        lay = _layout(len(root), len(meta), n, npaths, len(strings))
+        lay = _layout(len(root), len(meta), n, npaths, len(strings), ex.flags, len(classes), len(ex.names))
         buf = bytearray(lay.total)
-        head = _HEADER.pack(MAGIC, VERSION, _KIND_CODE[self.kind], 0, len(root), n, npaths,
-                            len(strings), len(meta), 0, lay.total, 0, 0)
+        head = _HEADER.pack(MAGIC, self.version, _KIND_CODE[self.kind], ex.flags, len(root), n, npaths,
+                            len(strings), len(meta), len(classes), lay.total, len(ex.names), 0)
         head = head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
         out = np.frombuffer(buf, np.uint8)
         for pos, blob in (
@@ -272,7 +378,11 @@ class Digest:
             (lay.hashes, self._hashes), (lay.sizes, self._sizes),
             (lay.offsets, self._offsets), (lay.path_index, self._path_index),
             (lay.path_offsets, self._path_offsets), (lay.strings, strings),
+            (lay.targets, ex.targets), (lay.classes, classes),
+            (lay.name_offsets, ex.name_offsets), (lay.names, ex.names),
         ):
+            if blob is None:
+                continue
             if isinstance(blob, np.ndarray):
                 b = blob.view(np.uint8).reshape(-1)
             else:
@@ -309,18 +419,21 @@ class Digest:
         if n < _VERSION_END:
             raise DigestError(f"truncated digest file {name}: {n} bytes")
         (version,) = struct.unpack_from("<H", data, len(MAGIC))
-        if version != VERSION:
-            raise DigestError(
-                f"unsupported version {version} of digest file {name} (this reader supports {VERSION})"
-            )
+        if version not in VERSIONS:
+            raise DigestError(f"unsupported version {version} of digest file {name} "
+                              f"(this reader supports {', '.join(map(str, VERSIONS))})")
         if n < _HEADER.size:
             raise DigestError(f"truncated digest file {name}: {n} bytes, header needs {_HEADER.size}")
         (_, _, kind_code, flags, root_len, count, npaths, strings_len, meta_len,
-         _r1, total_len, _r2, head_crc) = _HEADER.unpack_from(data)
+         classes_len, total_len, names_len, head_crc) = _HEADER.unpack_from(data)
         if zlib.crc32(data[: _HEADER.size - 4]) != head_crc:
             raise DigestError(f"corrupt digest file {name}: header checksum mismatch")
-        lay = _layout(root_len, meta_len, count, npaths, strings_len)
-        if lay.total != total_len or flags or kind_code not in _CODE_KIND:
+        known = 0 if version == 1 else FLAG_TARGETS | FLAG_NAMES
+        if (flags & ~known or (classes_len and not flags & FLAG_TARGETS)
+                or (names_len and not flags & FLAG_NAMES)):
+            raise DigestError(f"corrupt digest file {name}: inconsistent header")
+        lay = _layout(root_len, meta_len, count, npaths, strings_len, flags, classes_len, names_len)
+        if lay.total != total_len or kind_code not in _CODE_KIND:
             raise DigestError(f"corrupt digest file {name}: inconsistent header")
         if n < total_len:
             raise DigestError(f"truncated digest file {name}: {n} of {total_len} bytes")
@@ -330,25 +443,42 @@ class Digest:
         if hashlib.sha256(mv[: lay.trailer]).digest() != data[lay.trailer:]:
             raise DigestError(f"corrupt digest file {name}: checksum mismatch")
         try:
-            root = bytes(mv[lay.root: lay.root + root_len]).decode("utf-8")
-            meta = json.loads(bytes(mv[lay.meta: lay.meta + meta_len]))
-            if not isinstance(meta, dict):
-                raise ValueError("metadata is not an object")
-
-            def arr(dtype: Any, pos: int, count_: int) -> np.ndarray:
-                return np.frombuffer(data, dtype, count_, pos)  # zero-copy, read-only
-
-            return cls(
-                root, _CODE_KIND[kind_code],
-                arr(np.uint8, lay.hashes, 32 * count).reshape(count, 32),
-                arr(_U8, lay.sizes, count), arr(_U8, lay.offsets, count),
-                arr(_U4, lay.path_index, count), arr(_U8, lay.path_offsets, npaths + 1),
-                mv[lay.strings: lay.strings + strings_len], meta,
-            )
+            return cls._parse(data, lay, _CODE_KIND[kind_code], flags,
+                              (root_len, meta_len, count, npaths, strings_len, classes_len, names_len))
         except DigestError as e:
             raise DigestError(f"{e} ({name})") from None
         except ValueError as e:  # bad UTF-8 / JSON: only a buggy writer gets here
             raise DigestError(f"corrupt digest file {name}: {e}") from None
+
+    @classmethod
+    def _parse(cls, data: bytes, lay: _Layout, kind: Kind, flags: int, lens: tuple[int, ...]) -> Digest:
+        """The sections of a file whose header and checksums passed."""
+        root_len, meta_len, count, npaths, strings_len, classes_len, names_len = lens
+        mv = memoryview(data)
+        root = bytes(mv[lay.root: lay.root + root_len]).decode("utf-8")
+        meta = json.loads(bytes(mv[lay.meta: lay.meta + meta_len]))
+        if not isinstance(meta, dict):
+            raise ValueError("metadata is not an object")
+
+        def arr(dtype: Any, pos: int, count_: int) -> np.ndarray:
+            return np.frombuffer(data, dtype, count_, pos)  # zero-copy, read-only
+
+        extras = Extras()
+        if flags & FLAG_TARGETS:
+            classes = json.loads(bytes(mv[lay.classes: lay.classes + classes_len]))
+            if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+                raise ValueError("class names are not a list of strings")
+            extras = extras._replace(targets=arr(_I8, lay.targets, count), classes=tuple(classes))
+        if flags & FLAG_NAMES:
+            extras = extras._replace(name_offsets=arr(_U8, lay.name_offsets, count + 1),
+                                     names=mv[lay.names: lay.names + names_len])
+        return cls(
+            root, kind,
+            arr(np.uint8, lay.hashes, 32 * count).reshape(count, 32),
+            arr(_U8, lay.sizes, count), arr(_U8, lay.offsets, count),
+            arr(_U4, lay.path_index, count), arr(_U8, lay.path_offsets, npaths + 1),
+            mv[lay.strings: lay.strings + strings_len], meta, extras,
+        )
 
 
 class DigestBuilder:
@@ -363,11 +493,15 @@ class DigestBuilder:
         self._offsets: list[int] = []
         self._pidx: list[int] = []
         self._paths: dict[str, int] = {}
+        self._names: list[str] = []
 
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def add(self, sha256: bytes, size: int, path: str, offset: int = 0) -> None:
+    def add(self, sha256: bytes, size: int, path: str, offset: int = 0, name: str | None = None) -> None:
+        """Append an item; ``name`` (a tar member's name) is given for all items or none."""
+        if (name is None) != (not self._names) and self._sizes:
+            raise ValueError("give a name for every item or for none")
         if len(sha256) != 32:
             raise ValueError("sha256 must be 32 bytes")
         if size < 0 or offset < 0:
@@ -376,11 +510,19 @@ class DigestBuilder:
         self._sizes.append(size)
         self._offsets.append(offset)
         self._pidx.append(self._paths.setdefault(path, len(self._paths)))
+        if name is not None:
+            self._names.append(name)
 
-    def build(self) -> Digest:
+    def item_paths(self) -> list[str]:
+        """Each item's relative path, in order (e.g. to derive targets from)."""
+        paths = list(self._paths)
+        return [paths[j] for j in self._pidx]
+
+    def build(self, targets: Sequence[int] | None = None, classes: Sequence[str] = ()) -> Digest:
         return Digest.from_arrays(
             self.root, self.kind, bytes(self._hashes), self._sizes, self._offsets,
-            self._pidx, list(self._paths), self.meta,
+            self._pidx, list(self._paths), self.meta, targets=targets, classes=classes,
+            names=self._names if self._names else None,
         )
 
 
@@ -398,6 +540,9 @@ def _check_item(digest: Digest, i: int, data: bytes, verify: bool) -> bytes:
     length = int(digest.size(i))
     if verify and (len(data) != length or hashlib.sha256(data).digest() != digest.sha256(i)):
         path, offset, _ = digest.location(i)
+        if digest.kind is not Kind.FILES and len(data) > length:
+            raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}): the store returned {len(data)} "
+                               f"bytes for a {length}-byte range; does it ignore range requests?")
         raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}) does not match the digest")
     return data
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
-from clients import crc32c
+from clients import crc32c, targets
 from clients.digest import Digest, DigestBuilder, DigestError, Kind
 from clients.itemscan import (
     REMOTE_BLOCK,
@@ -219,6 +219,27 @@ def scan_files(
     return results  # type: ignore[return-value]
 
 
+def check_range_support(fs: Any, root: str, files: list[SourceFile], per_file: list[list[Item]]) -> None:
+    """Records are read back by range: a store that answers a range request with the
+    whole file (an HTTP server ignoring Range) would fail every read later with a
+    misleading mismatch. Ask for one item that is not its whole file, now."""
+    for f, items in zip(files, per_file):
+        for off, size, sha, _ in items:
+            if size and (off or f.size is None or size != f.size):
+                try:
+                    data = fs.cat_file(f.path, start=off, end=off + size)
+                except Exception as e:  # any backend: say it, as the scan would
+                    raise ToolError(f"cannot range-read {f.rel}: {type(e).__name__}: {e}") from None
+                if len(data) != size or hashlib.sha256(data).digest() != sha:
+                    raise ToolError(
+                        f"the store at {fs.unstrip_protocol(root)} ignores range requests: asked for "
+                        f"bytes {off}-{off + size - 1} of {f.rel}, got {len(data)} bytes. Records and "
+                        "tar members are read back by range, so this digest could not be read; "
+                        "serve the data from a store that honours HTTP Range (python -m http.server "
+                        "does not; tools/objstore.py, GCS, S3 do) or use --format files")
+                return
+
+
 # -- verification ----------------------------------------------------------------
 
 
@@ -331,6 +352,10 @@ def _create_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--exclude", metavar="GLOB", action="append", default=[],
                    help="skip files whose relative path matches (repeatable)")
     p.add_argument("--no-crc", action="store_true", help="skip TFRecord data CRC checks")
+    p.add_argument("--targets", metavar="dir|FILE", default=None,
+                   help="record a target (label) per item: 'dir' = the item's top-level directory "
+                        "is its class (torchvision ImageFolder: classes sorted by name); FILE = a JSON "
+                        "object {relpath: label} or a CSV of path,label rows")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _add_storage_options(p)
     return p
@@ -388,11 +413,17 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     builder = DigestBuilder(fs.unstrip_protocol(root), kind, {"created": created, "tool": TOOL})
     for f, items in zip(files, per_file, strict=True):
-        for off, size, sha in items:
-            builder.add(sha, size, f.rel, off)
+        for off, size, sha, name in items:
+            builder.add(sha, size, f.rel, off, name)
     if not len(builder):
         raise ToolError(f"empty dataset: {len(files)} file(s) under {args.src} hold no {kind.value} items")
-    digest = builder.build()
+    if not local and kind is not Kind.FILES:
+        check_range_support(fs, root, files, per_file)
+    try:
+        tg, classes = targets.derive(args.targets, builder.item_paths()) if args.targets else (None, [])
+    except targets.TargetError as e:
+        raise ToolError(str(e)) from None
+    digest = builder.build(tg, classes)
     digest.save(out)
     nbytes = digest.total_bytes
     print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {_fmt_bytes(nbytes)} "
@@ -403,8 +434,13 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _info_dict(path: str, d: Digest) -> dict[str, Any]:
-    return {"file": path, "format_version": 1, "kind": d.kind.value, "root": d.root,
-            "items": len(d), "paths": d.num_paths, "total_bytes": d.total_bytes,
+    extra: dict[str, Any] = {}
+    if d.targets is not None:
+        extra["targets"] = f"{len(d.classes)} classes" if d.classes else "integers"
+    if d.has_names:
+        extra["names"] = "yes"
+    return {"file": path, "format_version": d.version, "kind": d.kind.value, "root": d.root,
+            "items": len(d), "paths": d.num_paths, "total_bytes": d.total_bytes, **extra,
             "fingerprint": d.fingerprint.hex(), **{f"meta.{k}": v for k, v in sorted(d.meta.items())}}
 
 

@@ -1,8 +1,9 @@
 """Find and hash the items inside one data file: the unit of work of tools/digest.
 
-An item is ``(offset, size, sha256)``: the whole file for the ``files`` kind,
-the data of each record for ``tfrecord``, the data of each regular member for
-``tar``.  Everything here works on any seekable binary file object, so the
+An item is ``(offset, size, sha256, name)``: the whole file for the ``files``
+kind, the data of each record for ``tfrecord``, the data of each regular member
+for ``tar`` (whose member name is kept, for WebDataset sample grouping; None
+otherwise).  Everything here works on any seekable binary file object, so the
 same code serves local files (in worker processes) and fsspec files (in
 threads).  This module stays free of heavy imports because worker processes
 import it.
@@ -18,7 +19,7 @@ from typing import Any, BinaryIO
 
 from clients.tfrecord import RecordError, iter_records
 
-Item = tuple[int, int, bytes]  # (offset, size, sha256)
+Item = tuple[int, int, bytes, str | None]  # (offset, size, sha256, tar member name)
 
 CHUNK = 1024 * 1024  # measured: 1 MiB reads beat 64-256 KiB (fewer syscalls)
 SMALL_REMOTE = 32 * 1024 * 1024  # remote files up to this size: one GET
@@ -65,12 +66,12 @@ def hash_stream(f: BinaryIO, limit: int | None = None) -> tuple[bytes, int]:
 
 def scan_whole(f: BinaryIO, name: str) -> list[Item]:
     sha, size = hash_stream(f)
-    return [(0, size, sha)]
+    return [(0, size, sha, None)]
 
 
 def scan_tfrecord(f: BinaryIO, name: str, verify_data_crc: bool = True) -> list[Item]:
     return [
-        (off, len(data), hashlib.sha256(data).digest())
+        (off, len(data), hashlib.sha256(data).digest(), None)
         for off, data in iter_records(f, name, verify_data_crc)
     ]
 
@@ -97,7 +98,7 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
             raise ScanError(
                 f"{name}: truncated member {m.name!r} at offset {m.offset_data}"
             )
-        items.append((m.offset_data, m.size, sha))
+        items.append((m.offset_data, m.size, sha, m.name))
     # tarfile silently stops at a bad or missing header; a real archive ends
     # with a zero block, so anything else means truncation or garbage.
     f.seek(end)

@@ -57,6 +57,15 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
+def compression(head: bytes) -> str | None:
+    """'GZIP' or 'ZLIB' when a file's first bytes are that format's header."""
+    if head[:2] == b"\x1f\x8b":
+        return "GZIP"
+    if len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0:
+        return "ZLIB"
+    return None
+
+
 def iter_records(
     f: BinaryIO, name: str = "<stream>", verify_data_crc: bool = True
 ) -> Iterator[tuple[int, bytes]]:
@@ -75,6 +84,12 @@ def iter_records(
             raise RecordError(f"{name}: truncated record header at offset {pos}")
         length, length_crc = _HEADER.unpack(header)
         if masked_crc(header[:8]) != length_crc:
+            if pos == 0 and compression(header):
+                raise RecordError(
+                    f"{name}: {compression(header)}-compressed (TFRecordWriter with "
+                    f"compression_type={compression(header)!r}); compressed records cannot be "
+                    "range-read: write the TFRecords uncompressed, or decompress the files first"
+                )
             raise RecordError(
                 f"{name}: bad length crc at offset {pos} (corrupt or not a TFRecord file)"
             )

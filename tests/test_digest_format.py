@@ -81,7 +81,7 @@ def digest_of(root: Path, kind: str) -> Digest:
     for p in sorted(q for q in root.rglob("*") if q.is_file()):
         rel = p.relative_to(root).as_posix()
         with open(p, "rb") as f:
-            for off, size, sha in scan(kind, f, rel):
+            for off, size, sha, _ in scan(kind, f, rel):
                 b.add(sha, size, rel, off)
     return b.build()
 
@@ -242,8 +242,8 @@ def test_wrong_version(raw: bytes) -> None:
     with pytest.raises(DigestError, match="unsupported version 7"):
         Digest.from_bytes(bad)
     # Version is judged before anything else, even on a short file.
-    with pytest.raises(DigestError, match="unsupported version 2"):
-        Digest.from_bytes(MAGIC + struct.pack("<H", 2))
+    with pytest.raises(DigestError, match="unsupported version 3"):
+        Digest.from_bytes(MAGIC + struct.pack("<H", 3))
 
 
 @pytest.mark.parametrize("where", [70, 150, 200, -40, -5])

@@ -1,0 +1,101 @@
+"""Per-item targets (labels) for a digest: from class directories, as torchvision's
+ImageFolder does, or from the user's own file mapping paths to labels.
+
+Both give ``(targets, classes)``: an integer per item and the class names the
+integers index. Integer labels in a user file are kept as they are, with no class
+names (``classes`` empty)."""
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+DIR = "dir"  # --targets dir: the class is the item's top-level directory
+
+
+class TargetError(ValueError):
+    """Targets cannot be derived; the message names the path or label at fault."""
+
+
+def from_dirs(paths: Sequence[str]) -> tuple[list[int], list[str]]:
+    """ImageFolder's convention: ``root/<class>/.../file``; classes sorted by name,
+    class_to_idx = position. Only directories holding a selected file are classes."""
+    tops = []
+    for p in paths:
+        top, sep, _ = p.partition("/")
+        if not sep:
+            raise TargetError(f"--targets dir: {p!r} is not inside a class directory "
+                              "(expected ROOT/CLASS/FILE, as torchvision's ImageFolder)")
+        tops.append(top)
+    classes = sorted(set(tops))
+    index = {c: k for k, c in enumerate(classes)}
+    return [index[t] for t in tops], classes
+
+
+def load_labels(path: str | Path) -> dict[str, str | int]:
+    """A user's labels: a JSON object {relpath: label} or a CSV of ``path,label`` rows
+    (a header row ``path,label`` is allowed)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TargetError(f"cannot read labels file {path}: {e.strerror or e}") from None
+    if p.suffix.lower() == ".json":
+        try:
+            labels = json.loads(text)
+        except ValueError as e:
+            raise TargetError(f"labels file {path} is not valid JSON: {e}") from None
+        if not isinstance(labels, dict):
+            raise TargetError(f"labels file {path}: expected a JSON object {{path: label}}")
+    else:
+        labels = {}
+        for k, row in enumerate(csv.reader(text.splitlines()), 1):
+            if not row or (k == 1 and [c.strip().lower() for c in row] == ["path", "label"]):
+                continue
+            if len(row) != 2:
+                raise TargetError(f"labels file {path}, line {k}: expected 'path,label', got {row!r}")
+            labels[row[0].strip()] = row[1].strip()
+    for key, v in labels.items():
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise TargetError(f"labels file {path}: label of {key!r} must be a string or an integer, got {v!r}")
+    return labels
+
+
+def from_labels(paths: Sequence[str], labels: Mapping[str, str | int],
+                source: str = "labels file") -> tuple[list[int], list[str]]:
+    """Each item's label by its path (every record of a file shares the file's label).
+    All-integer labels (JSON ints, or CSV cells that parse as integers) are the targets;
+    otherwise labels are class names, sorted, and targets index them."""
+    missing = sorted({p for p in paths if p not in labels})
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise TargetError(f"{source} has no label for {', '.join(map(repr, missing[:3]))}{more}")
+    values = [labels[p] for p in paths]
+    ints = _as_ints(values)
+    if ints is not None:
+        return ints, []
+    names = [str(v) for v in values]
+    classes = sorted(set(names))
+    index = {c: k for k, c in enumerate(classes)}
+    return [index[v] for v in names], classes
+
+
+def _as_ints(values: Sequence[str | int]) -> list[int] | None:
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            return None
+    return out
+
+
+def derive(spec: str, paths: Sequence[str]) -> tuple[list[int], list[str]]:
+    """``--targets SPEC``: 'dir' or a labels file."""
+    if spec == DIR:
+        return from_dirs(paths)
+    return from_labels(paths, load_labels(spec), f"labels file {spec}")
