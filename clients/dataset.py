@@ -44,8 +44,10 @@ from cacheserver.sizes import parse_size
 from . import capability
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
-from .digest import Digest, read_items
+from . import itemview
+from .digest import Digest, Kind, read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
+from .samples import Samples
 from .sampler import HIT, PENDING
 from .stats import SharedCounters
 
@@ -92,8 +94,10 @@ class _ProcessState:
 class CachedDataset(_TorchDataset):
     def __init__(self, digest: str | os.PathLike | Digest, cache: str | None | bool = None,
                  manager: str | None = None, job: str | None = None,
-                 decode: Callable[[bytes], Any] | None = None,
+                 decode: Callable[..., Any] | None = None,
                  storage_options: dict | None = None, *,
+                 target: str | Callable[[itemview.Entry], Any] | None = None,
+                 samples: bool | None = None,
                  cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
                  coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
@@ -102,7 +106,18 @@ class CachedDataset(_TorchDataset):
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
             raise ValueError(f"digest {digest} holds no items")
+        itemview.check_target(target, self.digest, str(digest))
+        self.target = target
         self.decode = decode
+        self._decode_entry = decode is not None and itemview.takes_entry(decode)
+        # tar shards: WebDataset samples (members sharing a key) unless samples=False;
+        # digests made before format 2 lack member names: one item per member, as before
+        if samples is None:
+            samples = self.digest.kind is Kind.TAR and self.digest.has_names
+        if samples and self.digest.kind is not Kind.TAR:
+            raise ValueError(f"samples=True groups tar members into WebDataset samples; digest {digest} "
+                             f"is of kind {self.digest.kind.value}")
+        self.samples = Samples(self.digest) if samples else None
         self.storage_options = dict(storage_options or {})
         self.job = job or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.verify_hash = verify_hash
@@ -189,24 +204,86 @@ class CachedDataset(_TorchDataset):
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:
         """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (sampler.PENDING)
-        not yet, but another job is reading it from the store now."""
+        not yet, but another job is reading it from the store now. Indices are the
+        dataset's: WebDataset samples are cached when all their members are."""
         ring = self._proc().ring
         if ring is None:
             return [0] * len(indices)
+        items = indices if self.samples is None else self.samples.flatten(indices)
         if self.claims and self.insert:
-            return ring.lookup_pending(self.ids_for(indices), self.job)
-        return [int(p) for p in ring.lookup(self.ids_for(indices), self.job)]
+            codes = ring.lookup_pending(self.ids_for(items), self.job)
+        else:
+            codes = [int(p) for p in ring.lookup(self.ids_for(items), self.job)]
+        return codes if self.samples is None else self.samples.combine_codes(indices, codes, HIT, PENDING)
+
+    def plan_hooks(self) -> tuple[Callable[[int], bool] | None, Callable[[list[int]], None] | None]:
+        """The manager's chunk plan, on dataset indices: (prefer, consumed) for the sampler."""
+        coord, smp = self.coordinator, self.samples
+        if coord is None:
+            return None, None
+        if smp is None:
+            return coord.prefer, coord.consumed
+        return (lambda s: coord.prefer(smp.first_member(s))), (lambda b: coord.consumed(smp.flatten(b)))
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names by target, as torchvision's ImageFolder (tools/digest --targets dir)."""
+        return self.digest.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {c: k for k, c in enumerate(self.digest.classes)}
+
+    def entry(self, index: int) -> itemview.Entry:
+        """Metadata of dataset index `index` (an item, or a WebDataset sample)."""
+        if self.samples is None:
+            return itemview.entry(self.digest, self._index(index), [self._index(index)])
+        s = self._sample_index(index)
+        return itemview.entry(self.digest, s, self.samples.flatten([s]), self.samples.keys[s])
 
     # ---- reads ----------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.digest)
+        return len(self.digest) if self.samples is None else len(self.samples)
 
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Items (or sample dicts), decoded, as (sample, target) pairs when target= is set."""
+        if self.samples is None:
+            indices = [self._index(i) for i in indices]
+            out = self._read(indices)
+            entries = [[i] for i in indices] if self.decode or self.target else []
+        else:
+            indices = [self._sample_index(i) for i in indices]
+            out = self.samples.assemble(self.digest, indices, self._read(self.samples.flatten(indices)))
+            entries = [self.samples.flatten([s]) for s in indices] if self.decode or self.target else []
+        if self.decode is None and self.target is None:
+            return out
+        ents = [self._entry(i, items) for i, items in zip(indices, entries)]
+        if self.decode is not None:
+            out = [self._decode(e, x) for e, x in zip(ents, out)]
+        if self.target is not None:
+            out = [(x, itemview.target_of(self.target, e)) for e, x in zip(ents, out)]
+        return out
+
+    def _entry(self, i: int, items: list[int]) -> itemview.Entry:
+        return itemview.entry(self.digest, i, items, None if self.samples is None else self.samples.keys[i])
+
+    def _sample_index(self, i: Any) -> int:
+        n = len(self.samples)
+        try:
+            j = operator.index(i)
+        except TypeError:
+            raise TypeError(f"sample index must be an integer, got {type(i).__name__} {i!r}") from None
+        j = j + n if j < 0 else j
+        if not 0 <= j < n:
+            raise IndexError(f"sample {i} out of range for {n} WebDataset samples")
+        return j
+
+    def _read(self, indices: list[int]) -> list[bytes]:
+        """Digest items' bytes: from the cache, else the store (inserted), verified."""
         st = self._proc()
-        indices = [self._index(i) for i in indices]
         n = len(indices)
         keys = [self.digest.hashes[i].tobytes() for i in indices]
         ids = self.ids_for(indices)
@@ -232,8 +309,6 @@ class CachedDataset(_TorchDataset):
             counts["poisoned"] += fill.pop("poisoned")  # found while waiting for another reader
             counts.update(fill)
         self.counters.add(_worker_row(), **counts)
-        if self.decode is not None:
-            out = [self._decode(i, x) for i, x in zip(indices, out)]
         return out
 
     def _index(self, i: Any) -> int:
@@ -242,12 +317,13 @@ class CachedDataset(_TorchDataset):
         except TypeError:
             raise TypeError(f"item index must be an integer, got {type(i).__name__} {i!r}") from None
 
-    def _decode(self, i: int, data: bytes) -> Any:
+    def _decode(self, e: itemview.Entry, data: Any) -> Any:
         try:
-            return self.decode(data)
-        except Exception as e:  # the user's own error, kept, with which item it was
-            path, offset, length = self.digest.location(i)
-            e.add_note(f"while decoding item {i} of {self.digest.root} ({path} @ {offset}+{length})")
+            return self.decode(data, e) if self._decode_entry else self.decode(data)
+        except Exception as err:  # the user's own error, kept, with which item it was
+            what = "item" if self.samples is None else "sample"
+            err.add_note(f"while decoding {what} {e.index} of {self.digest.root} "
+                         f"({e.path} @ {e.offset}+{e.length})")
             raise
 
     def _open_many(self, st: _ProcessState, indices: Sequence[int], keys: list[bytes],
@@ -415,16 +491,20 @@ class CachedDataset(_TorchDataset):
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
-               substitute: bool = True, miss_seed: int | None = None, **dataloader_kwargs):
+               substitute: bool = True, miss_seed: int | None = None, *, drop_last: bool = False,
+               rank: int | None = None, world_size: int | None = None, **dataloader_kwargs):
         """A torch DataLoader whose batch sampler fills batches with cached items first.
 
         `seed` fixes this job's order. Which misses it reads first is drawn afresh per
         loader, so jobs with equal seeds still spread their store reads; `miss_seed`
-        fixes that too, for a run that repeats exactly given the same cache contents."""
+        fixes that too, for a run that repeats exactly given the same cache contents.
+        `rank`/`world_size` (default: torch.distributed's when initialised) give each
+        rank its share of every epoch; the loader has state_dict()/load_state_dict()."""
         from .loader import make_loader
 
         return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,
-                           substitute=substitute, miss_seed=miss_seed, **dataloader_kwargs)
+                           substitute=substitute, miss_seed=miss_seed, drop_last=drop_last,
+                           rank=rank, world_size=world_size, **dataloader_kwargs)
 
     def close(self) -> None:
         if self.coordinator is not None:

@@ -7,14 +7,28 @@ is the time between batches handed to the training loop: with and without the
 cache it is what probing compares (manager)."""
 from __future__ import annotations
 
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
 from .sampler import SubstitutableBatchSampler
 from .stats import EpochStats
+
+# DataLoader arguments the batch sampler replaces, and what to use instead.
+_OURS = {
+    "shuffle": "the loader shuffles every epoch itself (seed= fixes the order; substitute=False "
+               "gives a plain seeded permutation)",
+    "sampler": "the loader picks each batch's items itself (cached items first); for "
+               "DistributedSampler pass rank= and world_size= (or initialise torch.distributed), "
+               "for a fixed order substitute=False with seed=",
+    "batch_sampler": "the loader's batch sampler is its own (SubstitutableBatchSampler); "
+                     "pass batch_size=, drop_last=, seed=, rank=, world_size=",
+    "in_order": "batches are delivered in order, which state_dict() relies on",
+}
 
 
 class CachedLoader(DataLoader):
@@ -35,37 +49,104 @@ class CachedLoader(DataLoader):
         epoch = sampler.epoch
         times: list[float] = []
         t0 = last = time.perf_counter()
-        for batch in super().__iter__():
-            # Interval between batches handed over: the training step plus the wait for data.
-            now = time.perf_counter()
-            times.append(now - last)
-            for cb in self.on_batch_time:
-                cb(time.time(), now - last)
-            last = now
-            yield batch
-        elapsed = time.perf_counter() - t0
-        after = ds.counters.totals()
+        complete = False
+        try:
+            for batch in super().__iter__():
+                # Interval between batches handed over: the training step plus the wait for data.
+                now = time.perf_counter()
+                times.append(now - last)
+                for cb in self.on_batch_time:
+                    cb(time.time(), now - last)
+                last = now
+                sampler.delivered()
+                yield batch
+            complete = True
+        finally:  # an epoch stopped early keeps its statistics too (complete=False)
+            self._end_epoch(epoch, before, times, time.perf_counter() - t0, complete)
+
+    def _end_epoch(self, epoch: int, before: dict[str, int], times: list[float], elapsed: float,
+                   complete: bool) -> None:
+        after = self.dataset.counters.totals()
         d = {k: after[k] - before[k] for k in after}
-        s = sampler.stats
-        st = EpochStats(epoch=epoch, batches=len(times), items=s.items, seconds=elapsed, hits=d["hits"],
-                        misses=d["misses"], substituted=s.substituted, store_bytes=d["store_bytes"],
-                        cache_bytes=d["cache_bytes"], poisoned=d["poisoned"], inserted=d["inserted"],
-                        coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
+        s = self.batch_sampler.stats
+        st = EpochStats(epoch=epoch, batches=len(times), items=s.delivered_items, seconds=elapsed,
+                        hits=d["hits"], misses=d["misses"], substituted=s.substituted,
+                        store_bytes=d["store_bytes"], cache_bytes=d["cache_bytes"], poisoned=d["poisoned"],
+                        inserted=d["inserted"], coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
                         batch_time_median=statistics.median(times) if times else 0.0,
-                        batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0)
+                        batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0,
+                        complete=complete)
         self.batch_times = times
         self.epoch_stats.append(st)
         for cb in self.on_epoch_end:
             cb(st)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
+        the epoch in progress and the items of the batches already handed over."""
+        return {"sampler": self.batch_sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the saved epoch's items not yet
+        handed over; later iterations are the following epochs. ValueError if the state
+        belongs to another dataset, split or seed."""
+        self.batch_sampler.load_state_dict(state["sampler"])
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> None:
+    """DataLoader arguments that our batch sampler replaces: refused, naming ours."""
+    for name, instead in _OURS.items():
+        if name in kwargs and not (name == "in_order" and kwargs[name]) and not (
+                name == "shuffle" and kwargs[name] is False):
+            raise ValueError(f"CachedDataset.loader() does not take {name}=: {instead}")
+        kwargs.pop(name, None)
+
+
+def check_picklable(ds, kwargs: dict[str, Any]) -> None:
+    """Workers are spawned: what they run travels pickled. Say which callable fails, and
+    why, before any worker starts (not a bare PicklingError from inside torch)."""
+    parts = {"decode": ds.decode, "target": getattr(ds, "target", None),
+             "collate_fn": kwargs.get("collate_fn"), "worker_init_fn": kwargs.get("worker_init_fn")}
+    for name, fn in parts.items():
+        if fn is None or isinstance(fn, str):
+            continue
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            what = getattr(fn, "__qualname__", repr(fn))
+            raise TypeError(
+                f"{name}={what} cannot be sent to DataLoader worker processes ({type(e).__name__}: {e}). "
+                "Workers are spawned, so what they run must pickle: define it with def at the top level "
+                "of a module (not a lambda, nor a function nested in another), or use num_workers=0"
+            ) from None
+
+
+def distributed_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): as given, else torch.distributed's when initialised, else (0, 1)."""
+    if rank is None and world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
+    return rank, world_size
+
 
 def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
-                substitute: bool = True, miss_seed: int | None = None, **kwargs) -> CachedLoader:
+                substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
+                rank: int | None = None, world_size: int | None = None, **kwargs) -> CachedLoader:
+    check_kwargs(kwargs)
+    if num_workers > 0:
+        check_picklable(ds, kwargs)
+    rank, world_size = distributed_rank(rank, world_size)
     coord = ds.coordinator
+    prefer, on_batch = ds.plan_hooks()
     sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
-                                        seed=seed, lookahead=lookahead,
-                                        prefer=coord.prefer if coord else None,
-                                        on_batch=coord.consumed if coord else None, miss_seed=miss_seed)
+                                        seed=seed, lookahead=lookahead, drop_last=drop_last,
+                                        prefer=prefer, on_batch=on_batch, miss_seed=miss_seed,
+                                        rank=rank, world_size=world_size)
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.

@@ -59,8 +59,17 @@ makes them pick the same misses at once (simulated: 1.40x store reads
 against 1.21x), and the manager's prefetcher loads that chunk anyway. With
 no lookup (substitute=False) the epoch is a plain permutation.
 
-Invariants: every item is yielded exactly once per epoch, whatever the cache
-holds or loses; every batch but the last is full; a failed lookup counts as
+Shares and resume filter the epoch's items before the walk, which then sees only
+them (the others count as already yielded):
+    rank/world_size  a rank's share is its disjoint part of a permutation seeded by
+             (seed, epoch), as torch's DistributedSampler: padded with items from
+             its start so every rank gets ceil(n/W) (drop_last: cut to floor(n/W)),
+             hence the same number of batches on every rank
+    resume   load_state_dict() of a state taken mid-epoch: that epoch again, minus
+             the items of the batches delivered before the state was taken
+
+Invariants: every item (of the share) is yielded exactly once per epoch, whatever
+the cache holds or loses; every batch but the last is full; a failed lookup counts as
 all-miss (progress never depends on the cache).
 """
 from __future__ import annotations
@@ -71,6 +80,8 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from .epochshare import Progress, Share, outside as _outside
 
 # A look-up answers per item: 1 (or True) cached, 0 (False) not, PENDING not
 # cached but another job is reading it from the store now (it will be a hit
@@ -94,7 +105,8 @@ class SamplerStats:
     """Main-process view of an epoch: what lookups promised (workers count actual reads)."""
     epoch: int = 0
     batches: int = 0
-    items: int = 0
+    items: int = 0             # items of the batches issued (workers prefetch: may run ahead)
+    delivered_items: int = 0   # items of the batches the loader handed to the training loop
     looked_up: int = 0
     planned_hits: int = 0      # items yielded because a lookup found them cached
     planned_misses: int = 0    # items yielded as co-operative misses
@@ -117,10 +129,13 @@ class SubstitutableBatchSampler:
                  lookahead: int = 10, drop_last: bool = False,
                  prefer: Callable[[int], bool] | None = None,
                  on_batch: Callable[[list[int]], None] | None = None,
-                 miss_seed: int | None = None, walk: bool = False) -> None:
+                 miss_seed: int | None = None, walk: bool = False,
+                 rank: int = 0, world_size: int = 1) -> None:
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
+        self.share = Share(n_items, seed, rank, world_size, drop_last)
+        self.progress = Progress(n_items)
         self.n_items = n_items
         self.batch_size = batch_size
         self.lookup = lookup
@@ -143,8 +158,28 @@ class SubstitutableBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        full, rest = divmod(self.n_items, self.batch_size)
+        n = self.progress.left(self.epoch, self.share.size)
+        full, rest = divmod(n, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
+
+    def delivered(self) -> None:
+        """The loader handed the oldest batch not yet handed over to the training loop."""
+        self.stats.delivered_items += self.progress.delivered()
+
+    def state_dict(self) -> dict:
+        """Where the job is: the epoch in progress and the items already delivered in it."""
+        return {**self.share.describe(), **self.progress.state(self.epoch)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the next iteration runs the saved epoch's other items."""
+        self.share.check(state)
+        self.epoch = self.progress.load(state)
+
+    def epoch_items(self, epoch: int) -> list[int] | None:
+        """This epoch's items for the walk, None for all: the rank's share, less what a
+        resumed state had delivered."""
+        items = self.share.items(epoch)
+        return self.progress.remaining(epoch, items)
 
     def _present(self, window: list[int]) -> Sequence[bool]:
         if self.lookup is None:
@@ -175,26 +210,32 @@ class SubstitutableBatchSampler:
         self.epoch += 1  # a DataLoader that never calls set_epoch still reshuffles
         rng = random.Random(hash((self.seed, epoch)))
         self.stats = SamplerStats(epoch=epoch)
+        items = self.epoch_items(epoch)
+        self.progress.start(epoch)
+        if items is None:
+            items = range(self.n_items)
         if self.lookup is None:
-            batches = self._plain(rng)
+            batches = self._plain(rng, items)
         elif self.walk:
-            batches = self._walk(rng)
+            batches = self._walk(rng, items)
         else:
-            batches = self._front(rng)
+            batches = self._front(rng, items)
         for batch in batches:
             # A batch is short only when nothing is left: windows hold >= B items otherwise.
             if len(batch) < self.batch_size and self.drop_last:
                 self.stats.pending_at_end = len(batch)
-                return
+                break
             self.stats.batches += 1
             self.stats.items += len(batch)
             if self.on_batch is not None:
                 self.on_batch(batch)
+            self.progress.issued(batch)
             yield batch
+        self.progress.issued_all()
 
     # ---- no cache: a plain permutation ----------------------------------
-    def _plain(self, rng: random.Random) -> Iterator[list[int]]:
-        order = list(range(self.n_items))
+    def _plain(self, rng: random.Random, items: Sequence[int]) -> Iterator[list[int]]:
+        order = list(items)
         rng.shuffle(order)
         for k in range(0, len(order), self.batch_size):
             batch = order[k:k + self.batch_size]
@@ -202,11 +243,11 @@ class SubstitutableBatchSampler:
             yield batch
 
     # ---- with a chunk hint: the paper's walk over this job's permutation --
-    def _walk(self, rng: random.Random) -> Iterator[list[int]]:
+    def _walk(self, rng: random.Random, items: Sequence[int]) -> Iterator[list[int]]:
         """Windows over the pending items in this job's order; hits are kept, misses
         deferred to the back; preferred misses fill a short batch first."""
         stats = self.stats
-        order = list(range(self.n_items))
+        order = list(items)
         rng.shuffle(order)
         pending: deque[int] = deque(order)
         ready: deque[int] = deque()
@@ -259,16 +300,16 @@ class SubstitutableBatchSampler:
             yield batch
 
     # ---- default: a shared front plus a general scan ---------------------
-    def _front(self, rng: random.Random) -> Iterator[list[int]]:
+    def _front(self, rng: random.Random, items: Sequence[int]) -> Iterator[list[int]]:
         stats = self.stats
         n = self.n_items
         B, L = self.batch_size, self.batch_size * self.lookahead
         order, rank = self.shared_order()
-        own = list(range(n))
+        own = list(items)
         rng.shuffle(own)
         picker = random.Random(f"{self.seed}/{self.stats.epoch}/{self._salt}")
         general_q: deque[int] = deque(own)   # this job's own order, rotating
-        state = bytearray(n)
+        state = _outside(n, own, _DONE)      # items not in this epoch's walk count as yielded
         infront = bytearray(n)               # was taken into the front (stays set once it left)
         ready: deque[int] = deque()          # known hits, not yet yielded
         front: list[int] = []                # pending items in shared order from the cursor
@@ -276,7 +317,7 @@ class SubstitutableBatchSampler:
         # together stay together (and a new job starts at 0, where others started)
         cursor = self._cursor % n if n else 0
         nxt, pulled = cursor, 0              # where the front fills from; how far it went
-        left = n                             # items neither ready nor yielded
+        left = len(own)                      # items neither ready nor yielded
         waiting = 0                          # items in state _SEEN: misses met, not yet yielded
         share = FRONT_SHARE
         front_yield = general_yield = 0.0    # smoothed hits per look-up

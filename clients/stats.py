@@ -51,13 +51,16 @@ class EpochStats:
     planned_hit_rate: float
     batch_time_median: float
     batch_time_p95: float
+    complete: bool = True  # False: the loop stopped (break, exception) before the epoch's end
 
     @property
     def hit_rate(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
     def line(self) -> str:
-        return (f"epoch {self.epoch}: {self.items} items in {self.seconds:.2f}s, hit rate {self.hit_rate:.0%}, "
-                f"substituted {self.substituted}, store {self.store_bytes / 1e6:.1f} MB, "
-                f"cache {self.cache_bytes / 1e6:.1f} MB, poisoned {self.poisoned}, "
+        # MiB, as tools/digest and cachectl print sizes
+        return (f"epoch {self.epoch}{'' if self.complete else ' (stopped early)'}: {self.items} items in "
+                f"{self.seconds:.2f}s, hit rate {self.hit_rate:.0%}, "
+                f"substituted {self.substituted}, store {self.store_bytes / 2**20:.1f} MiB, "
+                f"cache {self.cache_bytes / 2**20:.1f} MiB, poisoned {self.poisoned}, "
                 f"batch median {self.batch_time_median * 1e3:.1f} ms")

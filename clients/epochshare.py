@@ -1,0 +1,160 @@
+"""Which items an epoch walks: a rank's share of the dataset (DDP) and, when a run
+resumes, the items its saved epoch had not yet delivered.
+
+Both are filters on the epoch's items, applied before the sampler's walk:
+
+    Share     rank r of W takes positions r, r+W, ... of a permutation seeded by
+              (seed, epoch, n), as torch's DistributedSampler: padded with the
+              permutation's first items to ceil(n/W) per rank, or cut to floor(n/W)
+              with drop_last. Every rank computes the same permutation, so shares
+              are disjoint (but for the padding) and cover every item.
+    Progress  the batches the sampler issued, in order, and which of them the loader
+              delivered to the training loop (workers prefetch, so issued is ahead);
+              its state is the epoch in progress plus a bitmap of delivered items.
+
+Progress's states: idle (no epoch started, or the last one delivered in full) ->
+running (start) -> idle (every issued batch delivered after the last was issued);
+load() from any state -> resuming, whose next start() continues the saved epoch.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+
+STATE_VERSION = 1
+
+
+class Share:
+    """One rank's part of each epoch."""
+
+    def __init__(self, n_items: int, seed: int, rank: int, world_size: int, drop_last: bool) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size; got rank={rank}, "
+                             f"world_size={world_size}")
+        if world_size > 1 and n_items < world_size:
+            raise ValueError(f"the dataset has {n_items} items, fewer than world_size={world_size}: "
+                             "every rank needs at least one")
+        self.n, self.seed, self.rank, self.world, self.drop_last = n_items, seed, rank, world_size, drop_last
+
+    @property
+    def size(self) -> int:
+        """Items per rank per epoch (the same on every rank)."""
+        if self.world == 1:
+            return self.n
+        return self.n // self.world if self.drop_last else -(-self.n // self.world)
+
+    def items(self, epoch: int) -> list[int] | None:
+        """This rank's items in `epoch`; None when it has them all (world_size 1)."""
+        if self.world == 1:
+            return None
+        perm = list(range(self.n))
+        random.Random(f"mlcache-sampler/share/{self.seed}/{epoch}/{self.n}").shuffle(perm)
+        total = self.size * self.world
+        if total > self.n:  # pad from the start, as DistributedSampler does
+            perm += perm[:total - self.n]
+        return perm[self.rank:total:self.world]
+
+    def describe(self) -> dict:
+        return {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world}
+
+    def check(self, state: dict) -> None:
+        """A state saved by another run must describe the same dataset and split."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state of version {state.get('version')!r}; this client reads "
+                             f"version {STATE_VERSION}")
+        mine = self.describe()
+        if self.world == 1:
+            mine.pop("seed")  # the order may change; the items left do not
+        wrong = [f"{k} {state.get(k)!r} (this loader: {v!r})" for k, v in mine.items() if state.get(k) != v]
+        if wrong:
+            raise ValueError("the loader state was saved with " + ", ".join(wrong))
+
+
+class Progress:
+    """Issued and delivered batches of the epoch in progress."""
+
+    def __init__(self, n_items: int) -> None:
+        self.n = n_items
+        self._epoch: int | None = None
+        self._done = bytearray(0)
+        self._issued: deque[list[int]] = deque()
+        self._all_issued = False
+        self._resume: tuple[int, bytearray] | None = None
+
+    # -- the sampler -------------------------------------------------------
+    def start(self, epoch: int) -> None:
+        if self._resume is not None and self._resume[0] == epoch:
+            self._done = self._resume[1]
+        else:
+            self._done = bytearray(self.n)
+        self._resume = None
+        self._epoch = epoch
+        self._issued.clear()
+        self._all_issued = False
+
+    def issued(self, batch: list[int]) -> None:
+        self._issued.append(batch)
+
+    def issued_all(self) -> None:
+        self._all_issued = True
+
+    def remaining(self, epoch: int, items: list[int] | None) -> list[int] | None:
+        """`items` (None: all) less those the state being resumed had delivered."""
+        if self._resume is None or self._resume[0] != epoch:
+            return items
+        done = self._resume[1]
+        return [i for i in (range(self.n) if items is None else items) if not done[i]]
+
+    def left(self, epoch: int, share_size: int) -> int:
+        """Items the next iteration (of `epoch`) will yield."""
+        if self._resume is None or self._resume[0] != epoch:
+            return share_size
+        return share_size - sum(self._resume[1])
+
+    # -- the loader --------------------------------------------------------
+    def delivered(self) -> int:
+        """Marks the oldest issued batch delivered; returns its size."""
+        if not self._issued:
+            return 0
+        batch = self._issued.popleft()
+        for i in batch:
+            self._done[i] = 1
+        return len(batch)
+
+    @property
+    def running(self) -> bool:
+        return self._epoch is not None and not (self._all_issued and not self._issued)
+
+    def state(self, next_epoch: int) -> dict:
+        """The epoch to run next and the items of it already delivered."""
+        if self._resume is not None:
+            epoch, done = self._resume
+        elif self.running:
+            epoch, done = self._epoch, self._done
+        else:
+            epoch, done = next_epoch, None
+        packed = b"" if done is None else np.packbits(np.frombuffer(bytes(done), np.uint8)).tobytes()
+        return {"version": STATE_VERSION, "epoch": epoch, "delivered": packed,
+                "items_delivered": 0 if done is None else sum(done)}
+
+    def load(self, state: dict) -> int:
+        """Take a saved state; returns the epoch the next iteration runs."""
+        epoch, packed = int(state["epoch"]), state.get("delivered", b"")
+        if packed:
+            bits = np.unpackbits(np.frombuffer(packed, np.uint8), count=self.n)
+            self._resume = (epoch, bytearray(bits.tobytes()))
+        else:
+            self._resume = None
+        self._epoch, self._issued = None, deque()
+        return epoch
+
+
+def outside(n: int, items: list[int], done: int) -> bytearray:
+    """Per-item states for a walk over `items`: the others start as `done`."""
+    if len(items) == n:
+        return bytearray(n)
+    state = np.full(n, done, np.uint8)
+    state[np.asarray(items, np.int64)] = 0
+    return bytearray(state.tobytes())

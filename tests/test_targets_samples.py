@@ -1,0 +1,187 @@
+"""Targets (ImageFolder classes, user labels) and WebDataset samples, end to end:
+real files written with PIL and webdataset's ShardWriter, digested by tools/digest,
+read through CachedDataset and compared with webdataset's own reader."""
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+Image = pytest.importorskip("PIL.Image")
+wds = pytest.importorskip("webdataset")
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.digest import Digest, DigestBuilder  # noqa: E402
+from clients.samples import SampleError  # noqa: E402
+from procs import cacheserver  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["cat", "dog", "zebra"]
+
+
+def digest(*args: str) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "digest"), *args, "-q"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    return r
+
+
+def png(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_folder(root: Path, per_class: int = 4) -> dict[str, str]:
+    """ROOT/CLASS/N.png as torchvision's ImageFolder reads it; {relpath: class}."""
+    out = {}
+    for k, c in enumerate(reversed(CLASSES)):  # written out of order: classes are sorted by name
+        (root / c).mkdir(parents=True)
+        for j in range(per_class):
+            (root / c / f"{j}.png").write_bytes(png(100 * k + j))
+            out[f"{c}/{j}.png"] = c
+    return out
+
+
+def decode_png(data: bytes, entry) -> tuple:
+    return np.asarray(Image.open(io.BytesIO(data))).shape, entry.path, entry.class_name
+
+
+def test_image_folder_targets(tmp_path):
+    labels = image_folder(tmp_path / "train")
+    r = digest(str(tmp_path / "train"), "-o", str(tmp_path / "t.dig"), "--targets", "dir")
+    assert r.returncode == 0, r.stderr
+    ds = CachedDataset(tmp_path / "t.dig", cache=False, decode=decode_png, target="class")
+    assert ds.classes == CLASSES and ds.class_to_idx == {"cat": 0, "dog": 1, "zebra": 2}
+    seen = []
+    for batch in ds.loader(batch_size=5):
+        for (shape, path, cname), target in batch:
+            assert shape == (8, 8, 3) and cname == labels[path] and target == CLASSES.index(labels[path])
+            seen.append(path)
+    assert sorted(seen) == sorted(labels)
+    assert Digest.load(tmp_path / "t.dig").version == 2
+    info = subprocess.run([sys.executable, str(REPO / "tools" / "digest"), "info", str(tmp_path / "t.dig")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert "3 classes" in info.stdout
+
+
+def test_user_labels_and_callable_target(tmp_path):
+    image_folder(tmp_path / "d", per_class=2)
+    paths = sorted(p.relative_to(tmp_path / "d").as_posix() for p in (tmp_path / "d").rglob("*.png"))
+    (tmp_path / "l.csv").write_text("path,label\n" + "".join(f"{p},{7 * k}\n" for k, p in enumerate(paths)))
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "l.dig"), "--targets", str(tmp_path / "l.csv")
+                  ).returncode == 0
+    ds = CachedDataset(tmp_path / "l.dig", cache=False, target="class")
+    assert ds.classes == [] and [ds[i][1] for i in range(len(ds))] == [7 * k for k in range(len(paths))]
+    (tmp_path / "l.json").write_text(json.dumps({p: p.split("/")[0].upper() for p in paths}))
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "j.dig"), "--targets", str(tmp_path / "l.json")
+                  ).returncode == 0
+    ds = CachedDataset(tmp_path / "j.dig", cache=False, target=lambda e: (e.class_name, e.path))
+    assert [ds[i][1] for i in range(len(ds))] == [(p.split("/")[0].upper(), p) for p in paths]
+
+
+def test_target_errors(tmp_path):
+    image_folder(tmp_path / "d", per_class=1)
+    (tmp_path / "d" / "stray.png").write_bytes(png(9))
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--targets", "dir")
+    assert r.returncode == 1 and "'stray.png' is not inside a class directory" in r.stderr
+    (tmp_path / "l.json").write_text(json.dumps({"cat/0.png": 1}))
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--targets", str(tmp_path / "l.json"))
+    assert r.returncode == 1 and "has no label for" in r.stderr and "'dog/0.png'" in r.stderr
+    assert not (tmp_path / "x.dig").exists()
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "plain.dig")).returncode == 0
+    with pytest.raises(ValueError, match="records no targets; make it with tools/digest"):
+        CachedDataset(tmp_path / "plain.dig", cache=False, target="class")
+    with pytest.raises(ValueError, match="expected 'class'"):
+        CachedDataset(tmp_path / "plain.dig", cache=False, target="label")
+
+
+def test_old_digests_still_load(tmp_path):
+    """A digest without targets or names is written as version 1, byte for byte as before."""
+    b = DigestBuilder("file:///x", "files")
+    b.add(bytes(32), 3, "a")
+    raw = b.build().to_bytes()
+    assert raw[8:10] == b"\x01\x00" and Digest.from_bytes(raw).version == 1
+    d2 = Digest.from_arrays("file:///x", "files", bytes(32), [3], [0], [0], ["a"], targets=[1], classes=["a", "b"])
+    back = Digest.from_bytes(d2.to_bytes())
+    assert back.version == 2 and back.target(0) == 1 and back.classes == ["a", "b"]
+    assert back.fingerprint == Digest.from_bytes(raw).fingerprint  # identity is content only
+
+
+# -- WebDataset ---------------------------------------------------------------------
+
+
+def write_shards(root: Path, n: int = 23, per_shard: int = 8) -> None:
+    root.mkdir()
+    rng = np.random.default_rng(3)
+    with wds.ShardWriter(str(root / "shard-%04d.tar"), maxcount=per_shard, verbose=0) as w:
+        for i in range(n):
+            sample = {"__key__": f"s{i:05d}", "jpg": rng.bytes(int(rng.integers(10, 3000))), "cls": i % 5,
+                      "json": {"i": i}}
+            if i % 4 == 0:
+                sample["txt"] = f"caption {i}"  # samples need not share a layout
+            w.write(sample)
+
+
+def reference(root: Path) -> dict[str, dict]:
+    """webdataset's own reader over the same shards."""
+    urls = [str(p) for p in sorted(root.glob("*.tar"))]
+    return {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")}
+            for s in wds.WebDataset(urls, shardshuffle=False)}
+
+
+def test_webdataset_samples_equal_webdatasets_reader(tmp_path):
+    write_shards(tmp_path / "shards")
+    r = digest(str(tmp_path / "shards"), "-o", str(tmp_path / "w.dig"), "--format", "tar")
+    assert r.returncode == 0, r.stderr
+    ref = reference(tmp_path / "shards")
+    server = cacheserver(str(tmp_path / "srv"), "64MB").start()
+    try:
+        ds = CachedDataset(tmp_path / "w.dig", cache=server.address)
+        assert len(ds) == len(ref) == 23
+        for epoch in range(2):
+            got = {}
+            loader = ds.loader(batch_size=4, seed=epoch)
+            for batch in loader:
+                for s in batch:
+                    assert s["__url__"].endswith(".tar") and s["__key__"] not in got
+                    got[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
+            assert got == ref
+        # the second epoch's samples came from the cache (a sample is cached when all members are)
+        assert loader.epoch_stats[-1].hits == sum(len(v) for v in ref.values())
+        assert ds.entry(0).name == "s00000"
+        ds.close()
+    finally:
+        server.kill()
+
+
+def test_webdataset_errors(tmp_path):
+    write_shards(tmp_path / "shards", n=3)
+    assert digest(str(tmp_path / "shards"), "-o", str(tmp_path / "w.dig"), "--format", "tar").returncode == 0
+    d = Digest.load(tmp_path / "w.dig")
+    v1 = Digest.from_arrays(d.root, d.kind, d.hashes, d.sizes, d.offsets, d.path_index, d.paths)
+    assert v1.version == 1  # as an older tools/digest wrote it: no member names
+    ds = CachedDataset(v1, cache=False)
+    assert ds.samples is None and len(ds) == len(d)  # one item per member, as before
+    with pytest.raises(SampleError, match="records no member names .* re-create it with tools/digest"):
+        CachedDataset(v1, cache=False, samples=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in ("a.jpg", "a.JPG"):  # webdataset lower-cases extensions: one sample, twice jpg
+            ti = tarfile.TarInfo(name)
+            ti.size = 1
+            tf.addfile(ti, io.BytesIO(b"x"))
+    (tmp_path / "dup").mkdir()
+    (tmp_path / "dup" / "d.tar").write_bytes(buf.getvalue())
+    assert digest(str(tmp_path / "dup"), "-o", str(tmp_path / "dup.dig"), "--format", "tar").returncode == 0
+    with pytest.raises(SampleError, match="d.tar: member 'a.JPG' repeats extension 'jpg' in sample 'a'"):
+        CachedDataset(tmp_path / "dup.dig", cache=False)
+    counts = Counter(type(x) for x in CachedDataset(tmp_path / "dup.dig", cache=False, samples=False)
+                     .__getitems__([0, 1]))
+    assert counts == {bytes: 2}
