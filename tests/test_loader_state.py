@@ -1,0 +1,172 @@
+"""The loader as PyTorch users drive it: drop_last, refused arguments with our
+equivalents, resume from state_dict() (with and without workers), rank shares,
+and DDP with real processes under the gloo backend on loopback."""
+import hashlib
+import json
+import os
+import random
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.sampler import SubstitutableBatchSampler  # noqa: E402
+from procs import cacheserver, free_port  # noqa: E402
+from test_dataset import make_dataset  # noqa: E402
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_dataset(tmp_path / "ds", n=103, lo=50, hi=400)
+
+
+def test_drop_last(data):
+    path, items = data
+    ds = CachedDataset(path, cache=False)
+    loader = ds.loader(batch_size=10, drop_last=True)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 10 and all(len(b) == 10 for b in batches)
+    assert len(list(ds.loader(batch_size=10))) == 11
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(shuffle=True), "does not take shuffle=: the loader shuffles every epoch itself \\(seed="),
+    (dict(sampler=[0, 1]), "does not take sampler=: .*pass rank= and world_size="),
+    (dict(batch_sampler=[[0]]), "does not take batch_sampler=: .*batch_size=, drop_last="),
+])
+def test_refused_arguments_name_ours(data, kw, says):
+    ds = CachedDataset(data[0], cache=False)
+    with pytest.raises(ValueError, match=says):
+        ds.loader(batch_size=4, **kw)
+
+
+def test_lambda_decode_explained_before_workers_start(data):
+    ds = CachedDataset(data[0], cache=False, decode=lambda b: len(b))
+    with pytest.raises(TypeError, match=r"decode=\S*<lambda> cannot be sent to DataLoader worker processes.*"
+                                        r"define it with def at the top level of a module"):
+        ds.loader(batch_size=4, num_workers=1)
+    assert len(list(ds.loader(batch_size=50))) == 3  # in-process it is fine
+
+
+def _run(loader, stop_after=None):
+    out = []
+    for k, batch in enumerate(loader):
+        out.extend(batch)
+        if stop_after is not None and k + 1 == stop_after:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_yields_exactly_the_rest(tmp_path, data, workers):
+    path, items = data
+    server = cacheserver(str(tmp_path / "srv"), "64MB").start()
+    try:
+        ds = CachedDataset(path, cache=server.address)
+        loader = ds.loader(batch_size=8, num_workers=workers, seed=5)
+        first = _run(loader, stop_after=4)  # workers have prefetched more than they delivered
+        state = loader.state_dict()
+        assert loader.epoch_stats[-1].complete is False and loader.epoch_stats[-1].items == 32
+        assert "stopped early" in loader.epoch_stats[-1].line()
+        ds.close()
+
+        ds2 = CachedDataset(path, cache=server.address)  # a new process would do the same
+        resumed = ds2.loader(batch_size=8, num_workers=workers, seed=5)
+        resumed.load_state_dict(state)
+        assert len(resumed) == -(-(103 - 32) // 8)
+        rest = _run(resumed)
+        assert Counter(first + rest) == Counter(items.values())  # each exactly once
+        assert resumed.state_dict()["sampler"]["epoch"] == 1  # the epoch is done
+        nxt = _run(resumed)  # then a whole new epoch
+        assert Counter(nxt) == Counter(items.values())
+        ds2.close()
+    finally:
+        server.kill()
+
+
+def test_resume_state_checked(data):
+    ds = CachedDataset(data[0], cache=False)
+    loader = ds.loader(batch_size=8)
+    _run(loader, stop_after=1)
+    state = loader.state_dict()
+    other = CachedDataset(make_dataset(os.path.dirname(data[0]) + "/other", n=50)[0], cache=False)
+    with pytest.raises(ValueError, match="saved with n_items 103 \\(this loader: 50\\)"):
+        other.loader(batch_size=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size 1 \\(this loader: 2\\)"):
+        ds.loader(batch_size=8, rank=0, world_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("walk", ["front", "plain"])
+def test_rank_shares(drop_last, walk):
+    n, W, B = 103, 4, 6
+    cached = set(random.Random(1).sample(range(n), 40))
+    lookup = (lambda idx: [int(i in cached) for i in idx]) if walk == "front" else None
+    per_rank = []
+    for epoch in range(2):
+        shares = []
+        for r in range(W):
+            s = SubstitutableBatchSampler(n, B, lookup, seed=3, drop_last=drop_last, rank=r, world_size=W)
+            s.set_epoch(epoch)
+            batches = list(s)
+            assert len(batches) == len(s)
+            shares.append([i for b in batches for i in b])
+        per_rank.append(shares)
+        sizes = {len(x) for x in shares}
+        assert sizes == ({(n // W) // B * B} if drop_last else {-(-n // W)})
+        union = Counter(i for x in shares for i in x)
+        if drop_last:
+            assert all(c == 1 for c in union.values())
+        else:  # padded as DistributedSampler: every item, W - n % W of them twice
+            assert set(union) == set(range(n)) and sum(union.values()) == -(-n // W) * W
+    assert per_rank[0] != per_rank[1]  # shares change with the epoch
+    with pytest.raises(ValueError, match="fewer than world_size=4"):
+        SubstitutableBatchSampler(3, 2, None, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        SubstitutableBatchSampler(10, 2, None, rank=4, world_size=4)
+
+
+def _ddp_rank(rank: int, world: int, port: int, digest: str, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        ds = CachedDataset(digest, cache=cache)
+        loader = ds.loader(batch_size=7, seed=11)  # rank and world size from torch.distributed
+        epochs = []
+        for _ in range(2):
+            items = [hashlib.sha256(x).hexdigest() for b in loader for x in b]
+            st = loader.epoch_stats[-1]
+            epochs.append({"items": items, "batches": st.batches, "hits": st.hits})
+            dist.barrier()  # the other rank's inserts are in before the next epoch
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(epochs, f)
+        ds.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gloo_ranks_split_each_epoch(tmp_path, data):
+    path, items = data
+    server = cacheserver(str(tmp_path / "srv"), "64MB").start()
+    try:
+        ctx = torch.multiprocessing.start_processes(
+            _ddp_rank, args=(2, free_port(), path, server.address, str(tmp_path)), nprocs=2, join=False,
+            start_method="spawn")
+        for p in ctx.processes:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in ctx.processes), [p.exitcode for p in ctx.processes]
+    finally:
+        server.kill()
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    want = Counter(hashlib.sha256(v).hexdigest() for v in items.values())
+    for e in range(2):
+        a, b = ranks[0][e], ranks[1][e]
+        assert a["batches"] == b["batches"] == 8  # ceil(52 / 7) on both ranks
+        union = Counter(a["items"]) + Counter(b["items"])
+        assert set(union) == set(want) and sum(union.values()) == 104  # one item padded, as DistributedSampler
+    # the second epoch finds the items both ranks inserted in the first: substitutable hits
+    assert ranks[0][1]["hits"] + ranks[1][1]["hits"] == 104
