@@ -4,6 +4,7 @@
   cachectl stats ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
   cachectl ring [ADDR ... | --peers a,b,c] [--vnodes N] [--check]
   cachectl local-cluster --servers 3 --capacity 1GB [--base-port P] [--data-dir DIR]
+  cachectl status --manager ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
 
 Exit codes: 0 success, 1 failure (unreachable server, files in the way, a
 local server that died), 2 bad usage.

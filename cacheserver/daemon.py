@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from . import logs
+from . import logs, startchecks
 from .claims import DEFAULT_TTL
 from .core import Limits
 from .malloc import keep_freed_memory
@@ -58,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables mutual TLS")
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA certificate that signs clients (PEM)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="json", choices=["json", "text"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written to stderr")
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="json: one JSON object per line (for log collectors); text: plain lines for a terminal")
     p.add_argument("--drain-seconds", type=float, default=6.0, help="grace for calls in flight at SIGTERM")
     return p
 
@@ -83,10 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format)
     keep_freed_memory()  # before the buffers of the first requests
+    problem = startchecks.capacity_problem(args.data_dir, args.capacity)
+    if problem:  # refused: a cache that cannot hold its capacity fails writes once the disk fills
+        parser.exit(2, f"cacheserver: error: {problem}\n")
     try:
         server = CacheServer(config_from_args(args))
+        problem = startchecks.peers_problem(server.address, server.port, server.cfg.peers)
     except (ValueError, OSError) as e:
         parser.exit(2, f"cacheserver: error: {e}\n")
+    if problem:
+        log.warning(problem)
     return run_until_signal(server.start, lambda: server.stop(grace=args.drain_seconds),
                             lambda: server.address)
 

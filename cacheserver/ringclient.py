@@ -6,6 +6,7 @@ elsewhere later), so a dying server never surfaces as an error to training.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,6 +53,22 @@ def check_address(addr: str) -> str:
     return addr
 
 
+def _among(addr: str, peers: Sequence[str]) -> bool:
+    """Whether addr names one of peers, by name or by resolved address."""
+    if addr in peers:
+        return True
+
+    def resolved(a: str) -> set[tuple[str, int]]:
+        host, port = split_hostport(a, "cache server address")
+        try:
+            return {(ai[4][0], port) for ai in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+        except (socket.gaierror, UnicodeError):
+            return set()
+
+    mine = resolved(addr)
+    return any(mine & resolved(p) for p in peers)
+
+
 class RingClient:
     def __init__(self, addresses: Sequence[str], *, vnodes: int = DEFAULT_VNODES,
                  down_backoff: float = 2.0, **client_kw) -> None:
@@ -86,6 +103,10 @@ class RingClient:
                             addrs[0], _why(e))
                 peers = []
             if peers:
+                if not _among(addrs[0], peers):
+                    log.warning("cache server %s is not in the ring it serves (its --peers: %s): this job "
+                                "routes over those servers, not over %s; check the servers' --peers",
+                                addrs[0], ",".join(peers), addrs[0])
                 addrs = peers
         return addrs
 

@@ -59,7 +59,7 @@ def _run(loader, stop_after=None):
     return out
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 1])
 def test_resume_yields_exactly_the_rest(tmp_path, data, workers):
     path, items = data
     server = cacheserver(str(tmp_path / "srv"), "64MB").start()
