@@ -102,6 +102,7 @@ class CachedDataset(_TorchDataset):
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
                  coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
                  n_gpus: int = 1, keep_freed_memory: bool = True) -> None:
+        _not_while_spawning()
         self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
@@ -516,6 +517,18 @@ class CachedDataset(_TorchDataset):
         if self.embedded is not None:
             self.embedded.close()
             self.embedded = None
+
+
+def _not_while_spawning() -> None:
+    """A DataLoader worker is spawned: it imports the main script again. Code that makes a
+    dataset there must sit under `if __name__ == "__main__":`; say so in plain words."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "CachedDataset created while a spawned process (a DataLoader worker) imports your main "
+            "script: workers are spawned and re-import it, so put the code that makes the dataset and "
+            "iterates the loader under `if __name__ == \"__main__\":` (see README)")
 
 
 def _worker_row() -> int:

@@ -5,6 +5,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -170,3 +172,18 @@ def test_ddp_gloo_ranks_split_each_epoch(tmp_path, data):
         assert set(union) == set(want) and sum(union.values()) == 104  # one item padded, as DistributedSampler
     # the second epoch finds the items both ranks inserted in the first: substitutable hits
     assert ranks[0][1]["hits"] + ranks[1][1]["hits"] == 104
+
+
+def test_script_without_main_guard_is_told(tmp_path, data):
+    """Pasted without `if __name__ == "__main__":`, a spawned worker re-imports the script;
+    it stops there with the reason instead of a bare 'worker exited unexpectedly'."""
+    script = tmp_path / "noguard.py"
+    script.write_text(f"from clients.dataset import CachedDataset\n"
+                      f"ds = CachedDataset({data[0]!r}, cache=False)\n"
+                      f"for batch in ds.loader(batch_size=8, num_workers=1):\n    pass\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=repo))
+    assert r.returncode != 0
+    assert 'put the code that makes the dataset and iterates the loader under `if __name__ == "__main__":`' \
+        in r.stderr
