@@ -107,18 +107,7 @@ class CachedDataset(_TorchDataset):
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
             raise ValueError(f"digest {digest} holds no items")
-        itemview.check_target(target, self.digest, str(digest))
-        self.target = target
-        self.decode = decode
-        self._decode_entry = decode is not None and itemview.takes_entry(decode)
-        # tar shards: WebDataset samples (members sharing a key) unless samples=False;
-        # digests made before format 2 lack member names: one item per member, as before
-        if samples is None:
-            samples = self.digest.kind is Kind.TAR and self.digest.has_names
-        if samples and self.digest.kind is not Kind.TAR:
-            raise ValueError(f"samples=True groups tar members into WebDataset samples; digest {digest} "
-                             f"is of kind {self.digest.kind.value}")
-        self.samples = Samples(self.digest) if samples else None
+        self._set_view(decode, target, samples, str(digest))
         self.storage_options = dict(storage_options or {})
         self.job = job or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.verify_hash = verify_hash
@@ -157,6 +146,22 @@ class CachedDataset(_TorchDataset):
         self.counters = SharedCounters()
         self._state: _ProcessState | None = None
         self._ids: list[bytes | None] | None = None
+
+    def _set_view(self, decode: Callable[..., Any] | None, target: Any, samples: bool | None,
+                  source: str) -> None:
+        """What an index yields: decode, target and, for tar shards, WebDataset samples
+        (members sharing a key) unless samples=False. Tar digests made before format 2
+        lack member names: one item per member, as before."""
+        itemview.check_target(target, self.digest, source)
+        self.target = target
+        self.decode = decode
+        self._decode_entry = decode is not None and itemview.takes_entry(decode)
+        if samples is None:
+            samples = self.digest.kind is Kind.TAR and self.digest.has_names
+        if samples and self.digest.kind is not Kind.TAR:
+            raise ValueError(f"samples=True groups tar members into WebDataset samples; digest {source} "
+                             f"is of kind {self.digest.kind.value}")
+        self.samples = Samples(self.digest) if samples else None
 
     # ---- pickling: per-process state is rebuilt, the digest travels as bytes
     def __getstate__(self) -> dict:
