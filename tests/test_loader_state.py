@@ -187,3 +187,24 @@ def test_script_without_main_guard_is_told(tmp_path, data):
     assert r.returncode != 0
     assert 'put the code that makes the dataset and iterates the loader under `if __name__ == "__main__":`' \
         in r.stderr
+
+
+def test_rank_resume_keeps_the_share():
+    n, W, B = 101, 3, 5
+    lookup = lambda idx: [int(i % 3 == 0) for i in idx]  # noqa: E731
+    for r in range(W):
+        whole = SubstitutableBatchSampler(n, B, lookup, seed=9, rank=r, world_size=W)
+        share = sorted(i for b in whole for i in b)
+        s = SubstitutableBatchSampler(n, B, lookup, seed=9, rank=r, world_size=W)
+        it = iter(s)
+        first = [next(it), next(it), next(it)]  # issued three...
+        s.delivered()
+        s.delivered()  # ...of which the loop received two
+        state = s.state_dict()
+        again = SubstitutableBatchSampler(n, B, lookup, seed=9, rank=r, world_size=W)
+        again.load_state_dict(state)
+        assert len(again) == -(-(len(share) - 2 * B) // B)
+        rest = [i for b in again for i in b]
+        assert sorted(first[0] + first[1] + rest) == share
+        with pytest.raises(ValueError, match="seed 9 \\(this loader: 8\\)"):
+            SubstitutableBatchSampler(n, B, lookup, seed=8, rank=r, world_size=W).load_state_dict(state)
