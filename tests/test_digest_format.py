@@ -359,3 +359,33 @@ def test_tar_scan_rejects_compressed_and_truncated(tmp_path: Path) -> None:
     with pytest.raises(ScanError, match="shard-0.tar"):
         scan("tar", io.BytesIO(raw[:2048]), "shard-0.tar")
     assert zlib.crc32(raw)  # sanity: file non-empty
+
+
+def _v2_digest() -> Digest:
+    return Digest.from_arrays("file:///x", "tar", bytes(64), [1, 2], [512, 1536], [0, 0], ["s.tar"],
+                              targets=[0, 1], classes=["a", "b"], names=["k.jpg", "k.cls"])
+
+
+def test_v2_round_trip_and_checks() -> None:
+    d = Digest.from_bytes(_v2_digest().to_bytes())
+    assert (d.version, d.classes, d.name(1), d.target(1)) == (2, ["a", "b"], "k.cls", 1)
+    assert pickle.loads(pickle.dumps(d)).name(0) == "k.jpg"
+    with pytest.raises(DigestError, match="a target is not a class index"):
+        Digest.from_arrays("file:///x", "files", bytes(32), [1], [0], [0], ["f"], targets=[2], classes=["a"])
+    with pytest.raises(LookupError, match="records no targets"):
+        sample_digest().target(0)
+    with pytest.raises(LookupError, match="records no item names"):
+        sample_digest().name(0)
+
+
+def test_v2_flags_checked() -> None:
+    raw = bytearray(sample_digest().to_bytes())  # version 1
+    raw[11] = 1  # a flag in a version 1 file
+    raw[60:64] = struct.pack("<I", zlib.crc32(bytes(raw[:60])))
+    with pytest.raises(DigestError, match="inconsistent header"):
+        Digest.from_bytes(bytes(raw))
+    raw = bytearray(_v2_digest().to_bytes())
+    raw[11] = 8  # an unknown flag
+    raw[60:64] = struct.pack("<I", zlib.crc32(bytes(raw[:60])))
+    with pytest.raises(DigestError, match="inconsistent header"):
+        Digest.from_bytes(bytes(raw))

@@ -158,9 +158,15 @@ def test_ddp_gloo_ranks_split_each_epoch(tmp_path, data):
         ctx = torch.multiprocessing.start_processes(
             _ddp_rank, args=(2, free_port(), path, server.address, str(tmp_path)), nprocs=2, join=False,
             start_method="spawn")
-        for p in ctx.processes:
-            p.join(120)
-        assert all(p.exitcode == 0 for p in ctx.processes), [p.exitcode for p in ctx.processes]
+        try:
+            for p in ctx.processes:
+                p.join(120)
+            assert all(p.exitcode == 0 for p in ctx.processes), [p.exitcode for p in ctx.processes]
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():  # a hung rank: stop it rather than leave it behind
+                    p.kill()
+                    p.join(10)
     finally:
         server.kill()
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
@@ -208,3 +214,14 @@ def test_rank_resume_keeps_the_share():
         assert sorted(first[0] + first[1] + rest) == share
         with pytest.raises(ValueError, match="seed 9 \\(this loader: 8\\)"):
             SubstitutableBatchSampler(n, B, lookup, seed=8, rank=r, world_size=W).load_state_dict(state)
+
+
+def test_more_loader_argument_errors(data):
+    ds = CachedDataset(data[0], cache=False)
+    with pytest.raises(ValueError, match="does not take in_order=: batches are delivered in order"):
+        ds.loader(batch_size=4, in_order=False)
+    with pytest.raises(ValueError, match="pass rank= and world_size= together"):
+        ds.loader(batch_size=4, rank=1)
+    state = ds.loader(batch_size=4).state_dict()
+    with pytest.raises(ValueError, match="loader state of version 99"):
+        ds.loader(batch_size=4).load_state_dict({"sampler": dict(state["sampler"], version=99)})

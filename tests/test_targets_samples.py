@@ -185,3 +185,32 @@ def test_webdataset_errors(tmp_path):
     counts = Counter(type(x) for x in CachedDataset(tmp_path / "dup.dig", cache=False, samples=False)
                      .__getitems__([0, 1]))
     assert counts == {bytes: 2}
+
+
+def test_labels_file_errors(tmp_path):
+    from clients.targets import TargetError, derive
+
+    paths = ["a/1.png", "b/2.png"]
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TargetError, match="bad.json is not valid JSON"):
+        derive(str(tmp_path / "bad.json"), paths)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(TargetError, match="expected a JSON object"):
+        derive(str(tmp_path / "list.json"), paths)
+    (tmp_path / "f.json").write_text(json.dumps({"a/1.png": 1.5, "b/2.png": 2}))
+    with pytest.raises(TargetError, match="label of 'a/1.png' must be a string or an integer, got 1.5"):
+        derive(str(tmp_path / "f.json"), paths)
+    (tmp_path / "x.csv").write_text("a/1.png,cat,extra\n")
+    with pytest.raises(TargetError, match="x.csv, line 1: expected 'path,label'"):
+        derive(str(tmp_path / "x.csv"), paths)
+    with pytest.raises(TargetError, match="cannot read labels file .*missing.csv"):
+        derive(str(tmp_path / "missing.csv"), paths)
+    (tmp_path / "ok.csv").write_text("a/1.png,dog\nb/2.png,cat\n")
+    assert derive(str(tmp_path / "ok.csv"), paths) == ([1, 0], ["cat", "dog"])
+
+
+def test_samples_on_other_kinds_refused(tmp_path):
+    image_folder(tmp_path / "d", per_class=1)
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "f.dig")).returncode == 0
+    with pytest.raises(ValueError, match="samples=True groups tar members .* is of kind files"):
+        CachedDataset(tmp_path / "f.dig", cache=False, samples=True)
