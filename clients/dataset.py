@@ -178,6 +178,8 @@ class CachedDataset(_TorchDataset):
         self.__dict__.update(state)
         raw = state["digest"]
         self.digest = Digest.load(self._digest_path) if raw is None else Digest.from_bytes(raw)
+        if self.samples is not None:
+            self.samples.rebind(self.digest)
 
     def _proc(self) -> _ProcessState:
         st = self._state
@@ -245,7 +247,7 @@ class CachedDataset(_TorchDataset):
         if self.samples is None:
             return itemview.entry(self.digest, self._index(index), [self._index(index)])
         s = self._sample_index(index)
-        return itemview.entry(self.digest, s, self.samples.flatten([s]), self.samples.keys[s])
+        return itemview.entry(self.digest, s, self.samples.flatten([s]), self.samples.key(s))
 
     # ---- reads ----------------------------------------------------------
     def __len__(self) -> int:
@@ -274,7 +276,7 @@ class CachedDataset(_TorchDataset):
         return out
 
     def _entry(self, i: int, items: list[int]) -> itemview.Entry:
-        return itemview.entry(self.digest, i, items, None if self.samples is None else self.samples.keys[i])
+        return itemview.entry(self.digest, i, items, None if self.samples is None else self.samples.key(i))
 
     def _sample_index(self, i: Any) -> int:
         n = len(self.samples)

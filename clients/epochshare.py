@@ -18,7 +18,7 @@ load() from any state -> resuming, whose next start() continues the saved epoch.
 """
 from __future__ import annotations
 
-import random
+import hashlib
 from collections import deque
 
 import numpy as np
@@ -49,12 +49,13 @@ class Share:
         """This rank's items in `epoch`; None when it has them all (world_size 1)."""
         if self.world == 1:
             return None
-        perm = list(range(self.n))
-        random.Random(f"mlcache-sampler/share/{self.seed}/{epoch}/{self.n}").shuffle(perm)
+        # numpy: a million items in ~20 ms (random.shuffle takes ~0.6 s), the same in every process
+        key = hashlib.sha256(f"mlcache-sampler/share/{self.seed}/{epoch}/{self.n}".encode()).digest()
+        perm = np.random.default_rng(int.from_bytes(key[:8], "little")).permutation(self.n)
         total = self.size * self.world
         if total > self.n:  # pad from the start, as DistributedSampler does
-            perm += perm[:total - self.n]
-        return perm[self.rank:total:self.world]
+            perm = np.concatenate([perm, perm[:total - self.n]])
+        return perm[self.rank:total:self.world].tolist()
 
     def describe(self) -> dict:
         return {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world}

@@ -41,10 +41,11 @@ class Samples:
             raise SampleError("this tar digest records no member names (it was made before digest format "
                               "version 2): re-create it with tools/digest to group WebDataset samples, "
                               "or pass samples=False for one item per member")
+        self._names = digest  # keys are read back from it: fewer bytes to pickle into workers
         members: list[int] = []
         starts: list[int] = []
-        self.keys: list[str] = []
-        self.exts: list[str] = []
+        codes: list[int] = []
+        ext_code: dict[str, int] = {}
         last_path, last_key = -1, None
         for i in range(len(digest)):
             kx = split_name(digest.name(i))
@@ -52,23 +53,39 @@ class Samples:
                 continue
             key, ext = kx
             path = int(digest.path_index[i])
+            code = ext_code.setdefault(ext, len(ext_code))
             if path != last_path or key != last_key:
                 starts.append(len(members))
-                self.keys.append(key)
                 last_path, last_key = path, key
-            elif ext in self.exts[starts[-1]:]:
+            elif code in codes[starts[-1]:]:
                 raise SampleError(f"{digest.path(path)}: member {digest.name(i)!r} repeats extension "
                                   f"{ext!r} in sample {key!r}")
             members.append(i)
-            self.exts.append(ext)
+            codes.append(code)
         if not members:
             raise SampleError(f"no member of {digest.root} has a WebDataset name (KEY.EXT)")
         starts.append(len(members))
         self.members = np.asarray(members, np.int64)
         self.starts = np.asarray(starts, np.int64)
+        self.ext_names = list(ext_code)
+        self.ext_codes = np.asarray(codes, np.uint16 if len(ext_code) < 65536 else np.uint32)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_names"] = None  # the dataset hands its digest back (rebind) after unpickling
+        return state
+
+    def rebind(self, digest: Digest) -> None:
+        self._names = digest
+
+    def key(self, s: int) -> str:
+        """Sample s's key (from its first member's name)."""
+        kx = split_name(self._names.name(self.first_member(s)))
+        assert kx is not None  # members were chosen by having one
+        return kx[0]
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.starts) - 1
 
     def flatten(self, samples: Sequence[int]) -> list[int]:
         """The member items of these samples, in order."""
@@ -83,10 +100,10 @@ class Samples:
         for s in samples:
             a, b = int(self.starts[s]), int(self.starts[s + 1])
             first = int(self.members[a])
-            d: dict = {"__key__": self.keys[s],
+            d: dict = {"__key__": self.key(s),
                        "__url__": f"{digest.root.rstrip('/')}/{digest.location(first).path}"}
             for j in range(a, b):
-                d[self.exts[j]] = data[k]
+                d[self.ext_names[self.ext_codes[j]]] = data[k]
                 k += 1
             out.append(d)
         return out

@@ -147,7 +147,7 @@ def test_webdataset_samples_equal_webdatasets_reader(tmp_path):
         assert len(ds) == len(ref) == 23
         for epoch in range(2):
             got = {}
-            loader = ds.loader(batch_size=4, seed=epoch)
+            loader = ds.loader(batch_size=4, seed=epoch, num_workers=epoch)  # epoch 1: in a worker
             for batch in loader:
                 for s in batch:
                     assert s["__url__"].endswith(".tar") and s["__key__"] not in got
