@@ -41,10 +41,9 @@ from cacheserver.ringclient import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 
-from . import capability
+from . import capability, itemview
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
-from . import itemview
 from .digest import Digest, Kind, read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
