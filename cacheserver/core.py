@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .chunks import ChunkTable
+from .chunkrefs import ChunkTable
 from .claims import DEFAULT_TTL, FETCH, PRESENT, WAIT, ClaimTable
 from .counters import Counters
 from .ids import ID_LEN, BadRequest

@@ -2,7 +2,7 @@
 
 Increments take a lock: callers add whole batches at once, so the cost is per
 request, not per item. Prometheus reads the same numbers at scrape time
-(metrics.py), so there is one source of truth.
+(exporter.py), so there is one source of truth.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from .chunks import ChunkBusy, UnknownChunk
+from .chunkrefs import ChunkBusy, UnknownChunk
 from .core import CacheCore
 from .ids import BadRequest, split_ids
 from .proto import cache_pb2 as pb

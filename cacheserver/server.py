@@ -17,7 +17,7 @@ from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
 from .logs import event
-from .metrics import serve_metrics
+from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .runtime import bind_grpc, split_hostport
@@ -124,7 +124,7 @@ class CacheServer:
               recovered=self.counters["recovered_items"], peers=self.cfg.peers,
               tls=self.cfg.tls is not None, eviction=self.cfg.eviction)
         if self.cfg.manager:
-            from .membership import ManagerLink
+            from .registration import ManagerLink
             self.manager_link = ManagerLink(
                 self.cfg.manager, self.address, self.server_id,
                 lambda: (self.store.capacity, self.store.used, self.store.items), tls=self.cfg.tls,

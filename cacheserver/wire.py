@@ -16,7 +16,7 @@ Requests (op):
                       + count x (32-byte id + u64 size) + the values, concatenated
   PING         body = empty
   GET_LOCAL    as LOOKUP; a same-host reader announces a get whose values it
-               reads itself from the store files (cacheserver/localread.py);
+               reads itself from the store files (cacheserver/client/localread.py);
                flag INLINE: send the values it cannot read there yet inline
   CLAIM        as LOOKUP; the client is about to read these misses from the
                store (cacheserver/claims.py)

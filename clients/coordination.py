@@ -23,7 +23,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from manager.client import Plan
+    from manager.manager_client import Plan
 
     from .dataset import CachedDataset
 
@@ -84,7 +84,7 @@ class SharedPlan:
 class JobCoordinator:
     def __init__(self, ds: "CachedDataset", manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
                  prefetch_bandwidth: float = 20e6) -> None:
-        from manager.client import ManagerClient, ManagerUnavailable
+        from manager.manager_client import ManagerClient, ManagerUnavailable
 
         self._unavailable = ManagerUnavailable
         self.ds = ds

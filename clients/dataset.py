@@ -37,7 +37,7 @@ from typing import Any
 
 from cacheserver.claims import FETCH
 from cacheserver.malloc import keep_freed_memory
-from cacheserver.ringclient import RingClient, parse_spec
+from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 

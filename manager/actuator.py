@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from cacheserver.client import BYPASS, NORMAL, ServerClient
+from cacheserver.client.server_client import BYPASS, NORMAL, ServerClient
 from cacheserver.counters import Counters
 from cacheserver.tls import TlsFiles
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from cacheserver.client import BYPASS, NORMAL
+from cacheserver.client.server_client import BYPASS, NORMAL
 from cacheserver.counters import Counters
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc

@@ -1,11 +1,6 @@
 """`cachectl status --manager ADDR [--json]`: the manager's view of the cluster.
 
-Wiring into cacheserver/ctl.py (two lines in build_parser)::
-
-    from manager.status import add_status_parser
-    add_status_parser(sub)
-
-``add_status_parser`` sets ``func``/``subparser`` the way ctl.main calls them;
+``add_status_parser`` (called by manager/ctl.py's build_parser) sets ``func``/``subparser`` the way ctl.main calls them;
 ``run_status(args)`` can also be called directly and returns the exit code
 (0 ok, 1 manager unreachable or refused).
 """
@@ -40,7 +35,7 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from cacheserver.tls import TlsFiles
 
-    from .client import ManagerClient, ManagerError
+    from .manager_client import ManagerClient, ManagerError
 
     out = out or sys.stdout
     try:

@@ -73,7 +73,7 @@ def cacheserver(data_dir: str, capacity: str = "1GB", port: int = 0, *extra: str
     """A cacheserver daemon (not started). Port 0: the OS picks one at bind time (no race)."""
     os.makedirs(data_dir, exist_ok=True)
     listen = f"127.0.0.1:{port}"
-    return Daemon(["cacheserver.daemon", "--listen", listen, "--data-dir", data_dir,
+    return Daemon(["cacheserver.serverd", "--listen", listen, "--data-dir", data_dir,
                    "--capacity", capacity, "--log-format", "text", *extra],
                   log_path=os.path.join(data_dir, "server.log"))
 
@@ -91,7 +91,7 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
     `extra` overrides them (argparse keeps the last occurrence of a flag)."""
     os.makedirs(state_dir, exist_ok=True)
     listen = f"127.0.0.1:{port or free_port()}"
-    return Daemon(["manager.daemon", "--listen", listen, "--state-dir", state_dir,
+    return Daemon(["manager.managerd", "--listen", listen, "--state-dir", state_dir,
                    "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--log-format", "text", *extra],
                   log_path=os.path.join(state_dir, "manager.log"))
 

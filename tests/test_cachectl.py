@@ -1,5 +1,5 @@
 """`cachectl stats`, `cachectl ring` and `cachectl local-cluster` against real
-server processes, run the way an operator runs them (`python -m cacheserver.ctl`)."""
+server processes, run the way an operator runs them (`python -m manager.ctl`)."""
 from __future__ import annotations
 
 import json
@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from cacheserver.client import ServerClient
+from cacheserver.client.server_client import ServerClient
 from cacheserver.ring import HashRing
 from procs import ROOT, cacheserver, free_port
 
 
 def cachectl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cacheserver.ctl", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "manager.ctl", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -170,7 +170,7 @@ def test_ring_of_a_standalone_server(server):
 # ---- local-cluster -----------------------------------------------------------------------
 class Cluster:
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cacheserver.ctl", "local-cluster", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "manager.ctl", "local-cluster", *args],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.out = ""
 

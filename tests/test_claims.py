@@ -5,7 +5,7 @@ import pytest
 from procs import cacheserver
 
 from cacheserver.claims import FETCH, PENDING, PRESENT, WAIT, ClaimTable
-from cacheserver.client import ServerClient
+from cacheserver.client.server_client import ServerClient
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 
@@ -94,7 +94,7 @@ def test_a_bypassing_job_claims_nothing(server):
 @pytest.mark.parametrize("bad,why", [("0", "must be positive"), ("-1", "must be positive"),
                                      ("soon", "expected seconds")])
 def test_claim_ttl_flag_refuses_bad_values_clearly(bad, why, capsys):
-    from cacheserver.daemon import build_parser
+    from cacheserver.serverd import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--data-dir", "d", "--capacity", "1MB", "--claim-ttl", bad])
@@ -105,7 +105,7 @@ def test_claim_ttl_flag_refuses_bad_values_clearly(bad, why, capsys):
 def test_a_server_from_before_claims_makes_the_client_read_everything_itself(server, monkeypatch):
     # A ring mid-upgrade: the old server answers "unknown op" (data plane) or
     # UNIMPLEMENTED (gRPC); claims then answer FETCH, so nothing waits and nothing fails.
-    from cacheserver import client as client_mod
+    from cacheserver.client import server_client as client_mod
     from cacheserver.proto import cache_pb2 as pb
 
     ids = [bytes([5]) * 32]

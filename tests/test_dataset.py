@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cacheserver.client import ServerClient  # noqa: E402
+from cacheserver.client.server_client import ServerClient  # noqa: E402
 from clients import capability  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest import DigestBuilder  # noqa: E402
@@ -272,7 +272,7 @@ def test_ring_client_fans_out_over_either_transport(ring3, client_kw):
     # gRPC only get a pool thread each. Either way every op answers per id, in order.
     import random
 
-    from cacheserver.ringclient import RingClient
+    from cacheserver.client.ring_client import RingClient
 
     rng = random.Random(5)
     ids = [rng.randbytes(32) for _ in range(60)]

@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from cacheserver.client import ServerClient  # noqa: E402
+from cacheserver.client.server_client import ServerClient  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
-from manager.client import ManagerClient  # noqa: E402
+from manager.manager_client import ManagerClient  # noqa: E402
 from procs import cachemanager, cacheserver  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_training_continues_while_the_manager_is_down(tmp_path, cluster):
 
 def test_shared_plan_decides_what_to_insert():
     from clients.coordination import SPARE, SharedPlan
-    from manager.client import Plan
+    from manager.manager_client import Plan
     from manager.policy import chunk_of
 
     sp = SharedPlan()
@@ -97,7 +97,7 @@ def test_shared_plan_decides_what_to_insert():
 
 def test_plan_messages_from_before_the_spare_flag():
     from cacheserver.proto import manager_pb2 as mpb
-    from manager.client import Plan
+    from manager.manager_client import Plan
 
     assert Plan.from_message(mpb.Plan(option=mpb.CACHE_OPTION_CHUNKED, k=4)).spare  # they inserted spare
     assert not Plan.from_message(mpb.Plan(option=mpb.CACHE_OPTION_NONE)).spare
@@ -109,7 +109,7 @@ def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):
     prefetcher has the server adopt it into the chunk (no store read, no value sent),
     and only then do chunk-room lookups count it."""
     from clients.coordination import SPARE
-    from manager.client import Plan
+    from manager.manager_client import Plan
     from manager.policy import chunk_of
 
     path, items = make_dataset(tmp_path / "ds", n=40)

@@ -3,7 +3,7 @@
 systemd: the unit's ExecStart with the example env file substituted the way
 systemd does (`${VAR}` one argument, `$VAR` split at whitespace).
 Kubernetes: the DaemonSet container's args with `$(VAR)` taken from its env
-(ConfigMap keys). Both go through cacheserver.daemon.build_parser(), so an
+(ConfigMap keys). Both go through cacheserver.serverd.build_parser(), so an
 unknown or misspelt flag fails here, not on a node.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shlex
 
 import pytest
 
-from cacheserver.daemon import build_parser
+from cacheserver.serverd import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "deploy", "systemd", "cacheserver.service")
@@ -124,7 +124,7 @@ def test_systemd_execstart_is_accepted(unit):
 
 def test_systemd_execstart_variants(unit):
     """TLS off (empty TLS_*), no peers, a manager, and several EXTRA_ARGS still parse."""
-    from cacheserver.daemon import config_from_args
+    from cacheserver.serverd import config_from_args
     env = read_env_file(ENV)
     env.update(TLS_CERT="", TLS_KEY="", TLS_CA="", PEERS="", MANAGER="10.0.0.5:7500",
                EXTRA_ARGS="--eviction none --sync-writes --log-level debug")

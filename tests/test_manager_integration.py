@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from cacheserver.client import BYPASS, ServerClient
-from manager.client import ManagerClient, ManagerError, ManagerUnavailable
+from cacheserver.client.server_client import BYPASS, ServerClient
+from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable
 from manager.policy import chunk_members
 from procs import cachemanager, cacheserver, free_port
 

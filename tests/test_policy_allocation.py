@@ -193,7 +193,7 @@ def test_no_chunks_shares_the_room_as_spare_entries_but_still_counts_it():
     a = allocate(paper_datasets(), 205 * GB, cfg)  # FULL is unchanged; the rest share what it leaves
     assert a["imagenet"].option is Option.FULL and not a["imagenet"].spare
     assert a["openimages"].option is Option.NONE and a["openimages"].spare
-    from manager.daemon import build_parser, config_from_args
+    from manager.managerd import build_parser, config_from_args
 
     args = build_parser().parse_args(["--listen", "127.0.0.1:0", "--state-dir", "x", "--no-chunks"])
     assert config_from_args(args).model.alloc.chunked is False

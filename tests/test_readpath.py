@@ -1,6 +1,6 @@
-"""The same-host read-path policy (cacheserver/readpath.py): pure, no servers."""
-from cacheserver import readpath
-from cacheserver.readpath import LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays
+"""The same-host read-path policy (cacheserver/client/readpath.py): pure, no servers."""
+from cacheserver.client import readpath
+from cacheserver.client.readpath import LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays
 
 MB = 1 << 20
 
@@ -105,7 +105,7 @@ def test_remote_returns_to_local_early_once_the_servers_log_stops_growing():
 
 
 def test_catch_ups_are_spaced_by_their_cost():
-    from cacheserver.localread import (CATCH_UP_SPACING, MAX_CATCH_UP_INTERVAL, MIN_CATCH_UP_INTERVAL,
+    from cacheserver.client.localread import (CATCH_UP_SPACING, MAX_CATCH_UP_INTERVAL, MIN_CATCH_UP_INTERVAL,
                                        catch_up_interval)
 
     assert catch_up_interval(0.0) == MIN_CATCH_UP_INTERVAL  # cheap (values outside the log): soon

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheserver import wire
-from cacheserver.client import BYPASS, NORMAL, ServerClient
+from cacheserver.client.server_client import BYPASS, NORMAL, ServerClient
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from procs import cacheserver, rss_bytes

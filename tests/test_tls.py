@@ -17,7 +17,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from cacheserver import certs, wire
-from cacheserver.client import ServerClient
+from cacheserver.client.server_client import ServerClient
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from cacheserver.tls import TlsFiles
@@ -27,7 +27,7 @@ BUNDLE = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "client.pem", 
 
 
 def cachectl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cacheserver.ctl", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "manager.ctl", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

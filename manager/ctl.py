@@ -42,7 +42,7 @@ def _oneline(text: str) -> str:
 
 
 def _check_addr(addr: str) -> str:
-    from .runtime import split_hostport
+    from cacheserver.runtime import split_hostport
     try:
         split_hostport(addr, "address")
     except ValueError as e:
@@ -59,7 +59,7 @@ def _split_list(values: Sequence[str] | None) -> list[str]:
 
 
 def _tls_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    from .tls import TlsFiles
+    from cacheserver.tls import TlsFiles
     try:
         return TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:
@@ -85,7 +85,7 @@ def _rpc(addr: str, what: str, call, tls=None):
 
 
 def _client(addr: str, tls, timeout: float):
-    from .client import ServerClient
+    from cacheserver.client.server_client import ServerClient
     return ServerClient(addr, tls=tls, timeout=timeout, use_dataplane=False,
                         prefer_unix=False, local_read=False)
 
@@ -117,7 +117,7 @@ def _is_number(c: str) -> bool:
 
 # ------------------------------------------------------------------ certs ---
 def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import certs
+    from cacheserver import certs
     names = _split_list(args.server_names) or list(certs.DEFAULT_SERVER_NAMES)
     ips = _split_list(args.ips) or list(certs.DEFAULT_IPS)
     if args.clients < 0:
@@ -151,8 +151,8 @@ def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------ stats ---
 def stats_dict(addr: str, r) -> dict:
-    from .core import MODE_NAMES
-    from .counters import NAMES
+    from cacheserver.core import MODE_NAMES
+    from cacheserver.counters import NAMES
     counters = dict(r.counters)
     ordered = {n: counters.pop(n) for n in NAMES if n in counters}
     ordered.update(sorted(counters.items()))
@@ -169,7 +169,7 @@ def stats_dict(addr: str, r) -> dict:
 
 
 def format_stats(d: dict) -> str:
-    from .sizes import format_size
+    from cacheserver.sizes import format_size
     cap, used = d["capacity_bytes"], d["used_bytes"]
     c = d["counters"]
     out = [f"server {d['address']}  id {d['server_id']}",
@@ -212,7 +212,7 @@ def cmd_stats(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------- ring ---
 def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .ring import HashRing
+    from cacheserver.ring import HashRing
     if args.vnodes < 1:
         parser.error("--vnodes must be >= 1")
     tls = _tls_from_args(parser, args)
@@ -363,7 +363,7 @@ class _Server:
 
 
 def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .sizes import parse_size
+    from cacheserver.sizes import parse_size
     n = args.servers
     if n < 1:
         parser.error("--servers must be >= 1")
@@ -400,7 +400,7 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
     try:
         os.makedirs(base, exist_ok=True)
         for i, addr in enumerate(addrs):
-            argv = [sys.executable, "-m", "cacheserver.daemon", "--listen", addr,
+            argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", addr,
                     "--data-dir", os.path.join(base, f"server-{i}"), "--capacity", str(capacity),
                     "--peers", peers, "--log-format", args.log_format, "--log-level", args.log_level,
                     "--eviction", args.eviction]
@@ -509,7 +509,7 @@ def _add_tls(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import certs
+    from cacheserver import certs
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -542,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from that server's --peers (its Info).")
     r.add_argument("addrs", metavar="ADDR", nargs="*", type=_check_addr, help="server gRPC address(es)")
     r.add_argument("--peers", default="", help="comma-separated ring members")
-    from .ring import DEFAULT_VNODES
+    from cacheserver.ring import DEFAULT_VNODES
     r.add_argument("--vnodes", type=int, default=DEFAULT_VNODES, help="virtual nodes per member (as clients use)")
     r.add_argument("--check", action="store_true",
                    help="also ask every member for its Info: reachable, and same --peers")
@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
     lc.set_defaults(func=cmd_local_cluster, subparser=lc)
 
-    from manager.status import add_status_parser  # the manager's own view: `cachectl status`
+    from .status import add_status_parser  # the manager's own view: `cachectl status`
 
     add_status_parser(sub)
     return p

@@ -15,12 +15,12 @@ from typing import Any
 
 import grpc
 
-from . import wire
-from .claims import FETCH
-from .client import Call, ServerClient
+from .. import wire
+from ..claims import FETCH
+from .server_client import Call, ServerClient
 from .pipeline import pipelined
-from .ring import DEFAULT_VNODES, HashRing
-from .runtime import split_hostport
+from ..ring import DEFAULT_VNODES, HashRing
+from ..runtime import split_hostport
 
 log = logging.getLogger("cacheserver.ring")
 # Failures that mean "this server is not usable now", not "the request is wrong".

@@ -20,15 +20,15 @@ from typing import Any
 
 import grpc
 
-from . import wire
-from .claims import FETCH
-from .ids import ID_LEN
+from .. import wire
+from ..claims import FETCH
+from ..ids import ID_LEN
 from .localread import LocalReader, log_bytes
 from .pipeline import pipelined
-from .proto import cache_pb2 as pb
-from .proto import cache_pb2_grpc as pb_grpc
+from ..proto import cache_pb2 as pb
+from ..proto import cache_pb2_grpc as pb_grpc
 from .readpath import LOCAL, ReadPaths
-from .tls import TlsFiles
+from ..tls import TlsFiles
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 NORMAL, BYPASS = pb.CACHE_MODE_NORMAL, pb.CACHE_MODE_BYPASS

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import rocksdict
 
-from .record import unwrap
-from .store import hot_read_options, tuned_for_reads
+from ..record import unwrap
+from ..store import hot_read_options, tuned_for_reads
 
 # Catching up replays the primary's log: ~0.1 s under heavy logged writes, ~1 ms
 # when values skip the log (--durability cache). Space catch-ups in proportion to
