@@ -9,7 +9,7 @@ import json
 import threading
 from collections.abc import Callable
 
-from .ids import BadRequest
+from .vocab import BadRequest
 
 
 class UnknownChunk(LookupError):

@@ -14,9 +14,8 @@ The table is bounded: at `max_entries` expired claims are swept, and if none
 have expired new claims are granted without being recorded (duplicate reads
 are the worst case; correctness never depends on claims).
 
-Claim answers, per id: FETCH (yours: read it and insert it), WAIT (another
-job is reading it), PRESENT (already cached: get it). Look-ups that ask for
-it answer PENDING (2) for absent ids another job has claimed.
+Claim answers, per id: FETCH, WAIT or PRESENT; look-ups that ask for it
+answer PENDING for absent ids another job has claimed (vocab.py).
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-FETCH, WAIT, PRESENT = 1, 2, 3
-PENDING = 2  # look-up answer: absent, but another job is reading it
+from .vocab import FETCH, PENDING, PRESENT, WAIT
 
 DEFAULT_TTL = 10.0
 MAX_ENTRIES = 1_000_000

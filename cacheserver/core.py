@@ -11,14 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .chunkrefs import ChunkTable
-from .claims import DEFAULT_TTL, FETCH, PRESENT, WAIT, ClaimTable
+from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
-from .ids import ID_LEN, BadRequest
 from .store import UNTAGGED, Store
+from .vocab import FETCH, ID_LEN, PRESENT, WAIT, BadRequest, CacheMode, check_ids
 
-NORMAL, BYPASS = 0, 1
+_NORMAL, _BYPASS = CacheMode.NORMAL.code, CacheMode.BYPASS.code
 FOLLOWER_FLUSH_INTERVAL = 5.0  # seconds between flushes made for opening followers
-MODE_NAMES = {NORMAL: "normal", BYPASS: "bypass"}
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,10 @@ class CacheCore:
     def _check_ids(self, ids: Sequence[bytes]) -> None:
         if len(ids) > self.limits.max_batch_items:
             raise BadRequest(f"batch of {len(ids)} ids exceeds the limit of {self.limits.max_batch_items}")
-        for i, k in enumerate(ids):
-            if len(k) != ID_LEN:
-                raise BadRequest(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
+        check_ids(ids)
 
     def bypassed(self, job: str) -> bool:
-        return bool(job) and self._modes.get(job, NORMAL) == BYPASS
+        return bool(job) and self._modes.get(job, _NORMAL) == _BYPASS
 
     # ---- data operations ------------------------------------------------
     def lookup(self, job: str, ids: Sequence[bytes], pending: bool = False, not_spare: bool = False) -> bytes:
@@ -189,11 +186,13 @@ class CacheCore:
     def set_job_mode(self, job: str, mode: int) -> int:
         if not job:
             raise BadRequest("job must not be empty")
-        if mode not in MODE_NAMES:
-            raise BadRequest(f"unknown cache mode {mode}")
+        try:
+            CacheMode.of_code(mode)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         with self._modes_lock:
-            previous = self._modes.get(job, NORMAL)
-            if mode == NORMAL:
+            previous = self._modes.get(job, _NORMAL)
+            if mode == _NORMAL:
                 self._modes.pop(job, None)
             else:
                 self._modes[job] = mode

@@ -16,7 +16,7 @@ import threading
 
 from . import wire
 from .core import CacheCore
-from .ids import ID_LEN, BadRequest
+from .vocab import ID_LEN, BadRequest, split_ids
 
 log = logging.getLogger("cacheserver.dataplane")
 HANDSHAKE_SECONDS = 10.0
@@ -137,10 +137,7 @@ class DataPlaneServer:
             job = bytes(body[:aux_len]).decode()
             rest = body[aux_len:]
             if op in (wire.OP_LOOKUP, wire.OP_GET, wire.OP_GET_LOCAL, wire.OP_CLAIM):
-                if len(rest) != count * ID_LEN:
-                    raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(rest)}")
-                raw = bytes(rest)
-                ids = [raw[i:i + ID_LEN] for i in range(0, len(raw), ID_LEN)]
+                ids = _split_counted(rest, count)
                 if op != wire.OP_GET:
                     if op == wire.OP_GET_LOCAL and flags & wire.FLAG_INLINE:
                         self._send_values(conn, self.core.get_local_inline(job, ids))
@@ -212,10 +209,14 @@ def _parse_tag(rest: memoryview, what: str) -> tuple[str, int, int]:
 
 def _parse_adopt(rest: memoryview, count: int) -> tuple[list[bytes], str, int]:
     dataset, chunk, pos = _parse_tag(rest, "adopt")
-    if len(rest) - pos != count * ID_LEN:
-        raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(rest) - pos}")
-    raw = bytes(rest[pos:])
-    return [raw[i:i + ID_LEN] for i in range(0, len(raw), ID_LEN)], dataset, chunk
+    return _split_counted(rest[pos:], count), dataset, chunk
+
+
+def _split_counted(raw: memoryview, count: int) -> list[bytes]:
+    """The `count` ids a frame declares; a body of another length is refused."""
+    if len(raw) != count * ID_LEN:
+        raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(raw)}")
+    return split_ids(raw)
 
 
 def _parse_put(rest: memoryview, count: int) -> tuple[list[tuple[bytes, int, memoryview]], str, int]:

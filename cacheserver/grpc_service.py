@@ -9,7 +9,7 @@ import grpc
 
 from .chunkrefs import ChunkBusy, UnknownChunk
 from .core import CacheCore
-from .ids import BadRequest, split_ids
+from .vocab import BadRequest, split_ids
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 

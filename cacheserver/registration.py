@@ -18,11 +18,9 @@ import grpc
 
 from .proto import manager_pb2 as mpb
 from .proto import manager_pb2_grpc as mpb_grpc
-from .tls import TlsFiles
+from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 
 log = logging.getLogger("cacheserver.membership")
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def advertised(address: str) -> str:
@@ -48,10 +46,7 @@ class ManagerLink:
         self.registered = False
         self.ring_version = -1
         self.failures = 0
-        if tls:
-            self.channel = grpc.secure_channel(manager, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(manager, CHANNEL_OPTIONS)
+        self.channel = grpc_channel(manager, tls, FAST_RECONNECT)
         self.stub = mpb_grpc.ManagerStub(self.channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="manager-link", daemon=True)

@@ -14,7 +14,7 @@ from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
 from .sizes import parse_size
 from .store import DURABILITY
-from .tls import TlsFiles
+from .tls import add_tls_flags, tls_from_args
 
 log = logging.getLogger("cacheserver")
 
@@ -55,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",
                    help="how long a client's claim to be reading a miss from the store makes other "
                         "jobs wait for its insert (default %(default)s)")
-    p.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables mutual TLS")
-    p.add_argument("--tls-key", default=None, help="server private key (PEM)")
-    p.add_argument("--tls-ca", default=None, help="CA certificate that signs clients (PEM)")
+    add_tls_flags(p, serves=True, peers="clients")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written to stderr")
     p.add_argument("--log-format", default="json", choices=["json", "text"],
@@ -71,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         listen=args.listen, data_dir=args.data_dir, capacity=args.capacity,
         peers=[p.strip() for p in args.peers.split(",") if p.strip()],
         manager=args.manager, metrics_port=args.metrics_port,
-        tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+        tls=tls_from_args(args),
         data_listen=None if args.data_listen == "off" else args.data_listen,
         unix_socket=None if args.unix_socket == "off" else args.unix_socket,
         eviction=args.eviction,

@@ -1,11 +1,18 @@
-"""Mutual TLS material for gRPC and the data plane (certificates: `cachectl certs`)."""
+"""Mutual TLS material for gRPC and the data plane (certificates: `cachectl certs`):
+the `--tls-*` flags every command declares, and the gRPC channels every client opens."""
 from __future__ import annotations
 
+import argparse
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+# Reconnect quickly once the manager is back (gRPC's default back-off grows to 2 minutes).
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                  ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 @dataclass(frozen=True)
@@ -48,3 +55,30 @@ class TlsFiles:
         ctx.load_cert_chain(self.cert, self.key)
         ctx.check_hostname = False  # servers are addressed by IP on the ring; the CA pins identity
         return ctx
+
+
+def add_tls_flags(p: argparse.ArgumentParser, *, serves: bool, peers: str, cert_note: str = "") -> None:
+    """Declare --tls-cert, --tls-key and --tls-ca. `serves`: the command listens
+    (its certificate enables mutual TLS); else it dials `peers` that run with TLS."""
+    if serves:
+        p.add_argument("--tls-cert", default=None,
+                       help=f"certificate (PEM); enables mutual TLS{cert_note}")
+        p.add_argument("--tls-key", default=None, help="private key (PEM)")
+        p.add_argument("--tls-ca", default=None, help=f"CA certificate that signs {peers} (PEM)")
+    else:
+        p.add_argument("--tls-cert", default=None, help=f"client certificate (PEM), for {peers} run with TLS")
+        p.add_argument("--tls-key", default=None, help="client private key (PEM)")
+        p.add_argument("--tls-ca", default=None, help=f"CA certificate that signed {peers} (PEM)")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    """The TlsFiles the --tls-* flags name (None without them); ValueError names a bad one."""
+    return TlsFiles.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                              getattr(args, "tls_ca", None))
+
+
+def grpc_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A gRPC channel to `address`: mutual TLS with `tls`, plain without."""
+    if tls:
+        return grpc.secure_channel(address, tls.grpc_channel_credentials(), list(options))
+    return grpc.insecure_channel(address, list(options))

@@ -20,15 +20,17 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from manager.manager_client import Plan
-
-    from .dataset import CachedDataset
+from cacheserver.vocab import Option
+from manager.manager_client import ManagerClient, ManagerUnavailable, Plan, chunk_of
 
 log = logging.getLogger("mlcache.client")
-OPTIONS = {"none": 0, "full": 1, "chunked": 2, "spare": 3}  # spare: "none" whose misses go in as spare
+# The plan's option as the shared array holds it; _SPARE: a "none" plan whose
+# misses go in as spare entries.
+_CODES = {Option.NONE: 0, Option.FULL: 1, Option.CHUNKED: 2}
+_SPARE = 3
 MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 
@@ -40,18 +42,19 @@ class SharedPlan:
 
     def __init__(self) -> None:
         self._arr = multiprocessing.get_context("spawn").RawArray("q", 5 + MAX_CHUNKS)
-        self._arr[1] = OPTIONS["full"]
+        self._arr[1] = _CODES[Option.FULL]
         self._arr[2] = 1
 
-    def publish(self, plan: "Plan") -> None:
+    def publish(self, plan: Plan) -> None:
         chunks = list(plan.chunks)
         if plan.loading is not None:
             chunks.append(plan.loading)  # the chunk being loaded is inserted into too
         chunks = sorted(set(chunks))[:MAX_CHUNKS]
         a = self._arr
         a[0] = 0  # readers seeing a version of 0 mid-update fall back to "insert all"
-        option = "spare" if plan.option == "none" and plan.spare else plan.option
-        a[1], a[2], a[3], a[4] = OPTIONS.get(option, 0), max(1, plan.k), plan.n_items, len(chunks)
+        option = Option(plan.option)
+        code = _SPARE if option is Option.NONE and plan.spare else _CODES[option]
+        a[1], a[2], a[3], a[4] = code, max(1, plan.k), plan.n_items, len(chunks)
         for j, c in enumerate(chunks):
             a[5 + j] = c
         a[0] = plan.version or 1
@@ -66,14 +69,12 @@ class SharedPlan:
         over slower than the jobs read (cacheserver/store.py, is_spare)."""
         a = self._arr
         option, k, n = a[1], a[2], a[3]
-        if a[0] == 0 or option == OPTIONS["full"]:
+        if a[0] == 0 or option == _CODES[Option.FULL]:
             return 0
-        if option == OPTIONS["none"]:
+        if option == _CODES[Option.NONE]:
             return None
-        if option == OPTIONS["spare"]:  # no room of its own: share misses in the room nobody needs
+        if option == _SPARE:  # no room of its own: share misses in the room nobody needs
             return SPARE
-        from manager.policy import chunk_of
-
         c = chunk_of(i, n, k)
         return c if c in a[5:5 + a[4]] else SPARE
 
@@ -81,11 +82,20 @@ class SharedPlan:
         return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading
 
 
-class JobCoordinator:
-    def __init__(self, ds: "CachedDataset", manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
-                 prefetch_bandwidth: float = 20e6) -> None:
-        from manager.manager_client import ManagerClient, ManagerUnavailable
+class CoordinatedDataset(Protocol):
+    """What the coordinator needs of its dataset (clients/dataset.py's CachedDataset)."""
+    job: str
+    digest: Any
+    plan: SharedPlan
 
+    def lookup(self, indices: Sequence[int], not_spare: bool = False) -> Sequence[int]: ...
+
+    def prefetch(self, indices: Sequence[int]) -> Any: ...
+
+
+class JobCoordinator:
+    def __init__(self, ds: CoordinatedDataset, manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
+                 prefetch_bandwidth: float = 20e6) -> None:
         self._unavailable = ManagerUnavailable
         self.ds = ds
         self.client = ManagerClient(manager)
@@ -120,7 +130,7 @@ class JobCoordinator:
             self._thread = threading.Thread(target=self._run, name="mlcache-coordinator", daemon=True)
             self._thread.start()
 
-    def _set_plan(self, plan: "Plan") -> None:
+    def _set_plan(self, plan: Plan) -> None:
         with self._lock:
             if self.plan is None or plan.version != self.plan.version or plan.chunks != self.plan.chunks:
                 self.plan = plan
@@ -133,7 +143,7 @@ class JobCoordinator:
     def consumed(self, batch: list[int]) -> None:
         """Count items read per chunk; a chunk read to the end is released."""
         plan = self.plan
-        if plan is None or plan.option != "chunked":
+        if plan is None or plan.option != Option.CHUNKED:
             return
         for i in batch:
             self._consumed[plan.chunk_of(i)] += 1
@@ -183,17 +193,17 @@ class JobCoordinator:
             self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
 
     @staticmethod
-    def _chunk_sample(plan: "Plan", chunk: int, n: int) -> list[int]:
+    def _chunk_sample(plan: Plan, chunk: int, n: int) -> list[int]:
         members = [i for r in plan.members(chunk) for i in r]
         return random.sample(members, min(n, len(members)))
 
-    def _report_loaded(self, plan: "Plan", chunk: int) -> None:
+    def _report_loaded(self, plan: Plan, chunk: int) -> None:
         sample = self._chunk_sample(plan, chunk, 256)
         if sample:
             present = self.ds.lookup(sample, not_spare=True)  # spare entries are not the chunk's room
             self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
 
-    def _prefetch(self, plan: "Plan", chunk: int) -> None:
+    def _prefetch(self, plan: Plan, chunk: int) -> None:
         """Insert a few missing items of the loading chunk, at most prefetch_bandwidth bytes/s."""
         budget = self.prefetch_bandwidth * self.report_seconds
         sample = self._chunk_sample(plan, chunk, 64)

@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from cacheserver.claims import FETCH
 from cacheserver.malloc import keep_freed_memory
 from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
+from cacheserver.vocab import FETCH, HIT, PENDING
 
 from . import capability, itemview
 from .coalesce import HostCoalescer
@@ -47,7 +47,6 @@ from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind, read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
-from .sampler import HIT, PENDING
 from .stats import SharedCounters
 
 # Longest wait for another job's insert of an item it claimed; a claim expires
@@ -210,7 +209,7 @@ class CachedDataset(_TorchDataset):
         return ring.lookup(self.ids_for(indices), self.job, not_spare)
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:
-        """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (sampler.PENDING)
+        """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (vocab.PENDING)
         not yet, but another job is reading it from the store now. Indices are the
         dataset's: WebDataset samples are cached when all their members are."""
         ring = self._proc().ring

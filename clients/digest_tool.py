@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
+from cacheserver.sizes import format_size
 from clients import crc32c, targets
 from clients.digest import Digest, DigestBuilder, DigestError, Kind
 from clients.itemscan import (
@@ -57,14 +58,6 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _is_local(fs: Any) -> bool:
@@ -426,8 +419,8 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     digest = builder.build(tg, classes)
     digest.save(out)
     nbytes = digest.total_bytes
-    print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {_fmt_bytes(nbytes)} "
-          f"hashed in {elapsed:.3f} s ({_fmt_bytes(nbytes / max(elapsed, 1e-9))}/s, "
+    print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {format_size(nbytes)} "
+          f"hashed in {elapsed:.3f} s ({format_size(nbytes / max(elapsed, 1e-9))}/s, "
           f"{workers} {_worker_kind(local, kind, workers)})",
           file=sys.stderr)
     return 0
@@ -450,7 +443,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    info["total_bytes"] = f"{_fmt_bytes(d.total_bytes)} ({d.total_bytes} bytes)"
+    info["total_bytes"] = f"{format_size(d.total_bytes)} ({d.total_bytes} bytes)"
     width = max(map(len, info))
     for k, v in info.items():
         print(f"{k + ':':<{width + 1}} {v}")

@@ -81,13 +81,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cacheserver.vocab import HIT, PENDING
+
 from .epochshare import Progress, Share, outside as _outside
 
-# A look-up answers per item: 1 (or True) cached, 0 (False) not, PENDING not
-# cached but another job is reading it from the store now (it will be a hit
-# soon, so it is the last choice for a miss).
+# A look-up answers per item (vocab.py): HIT (or True) cached, 0 (False) not,
+# PENDING not cached but another job is reading it from the store now (it will
+# be a hit soon, so it is the last choice for a miss).
 Lookup = Callable[[Sequence[int]], Sequence[int]]
-HIT, PENDING = 1, 2
 
 # item states within an epoch
 _PENDING, _SEEN, _READY, _DONE = 0, 1, 2, 3   # _SEEN: looked up, was a miss

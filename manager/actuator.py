@@ -22,9 +22,10 @@ from typing import Any
 
 import grpc
 
-from cacheserver.client.server_client import BYPASS, NORMAL, ServerClient
+from cacheserver.client.server_client import ServerClient
 from cacheserver.counters import Counters
 from cacheserver.tls import TlsFiles
+from cacheserver.vocab import CacheMode, Option
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, SetMode
 
@@ -42,7 +43,7 @@ class Desired:
 
 def desired_from(m: Any) -> Desired:
     """The servers' target state from a ManagerModel (call under the state lock)."""
-    d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode.value == "bypass"})
+    d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode is CacheMode.BYPASS})
     for ds in m.datasets:
         d.option[ds] = m.option(ds).value
     for ds, buf in m.buffers.items():
@@ -54,7 +55,7 @@ def desired_from(m: Any) -> Desired:
 
 def _apply(c: ServerClient, e: Effect) -> None:
     if isinstance(e, SetMode):
-        c.set_job_mode(e.job, BYPASS if e.mode == "bypass" else NORMAL)
+        c.set_job_mode(e.job, CacheMode(e.mode).code)
     elif isinstance(e, ActivateChunk):
         c.active_chunk(e.dataset, e.chunk)
     elif isinstance(e, EvictChunk):
@@ -120,9 +121,9 @@ class _Worker:
         st = c.stats()  # Stats first, then the state: the state is the newer of the two
         want = self.owner.desired()
         fixes: list[Effect] = []
-        on_server = {job for job, mode in st.job_modes.items() if mode == BYPASS}
-        fixes += [SetMode(j, "normal", "reconcile") for j in sorted(on_server - want.bypass)]
-        fixes += [SetMode(j, "bypass", "reconcile") for j in sorted(want.bypass - on_server)]
+        on_server = {job for job, mode in st.job_modes.items() if mode == CacheMode.BYPASS.code}
+        fixes += [SetMode(j, CacheMode.NORMAL.value, "reconcile") for j in sorted(on_server - want.bypass)]
+        fixes += [SetMode(j, CacheMode.BYPASS.value, "reconcile") for j in sorted(want.bypass - on_server)]
         for ds, chunk in sorted(want.active.items()):
             if st.active_chunks.get(ds, -1) != chunk:
                 fixes.append(ActivateChunk(ds, chunk))
@@ -132,9 +133,9 @@ class _Worker:
                 held.setdefault(ch.dataset, set()).add(ch.chunk)
         for ds, chunks in sorted(held.items()):
             opt = want.option.get(ds)
-            if opt == "none":  # no chunk entries; spare ones take only room nobody needs
+            if opt == Option.NONE:  # no chunk entries; spare ones take only room nobody needs
                 fixes += [EvictChunk(ds, c, True, "reconcile: not allocated") for c in sorted(chunks) if c >= 0]
-            elif opt == "chunked":
+            elif opt == Option.CHUNKED:
                 for chunk in sorted(chunks - want.resident.get(ds, set())):
                     if chunk >= 0:
                         fixes.append(EvictChunk(ds, chunk, True, "reconcile: not resident in the plan"))

@@ -29,6 +29,10 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
+from cacheserver.tls import add_tls_flags, tls_from_args  # noqa: E402
+
+from .tables import table  # noqa: E402
+
 PROG = "cachectl"
 
 
@@ -59,9 +63,8 @@ def _split_list(values: Sequence[str] | None) -> list[str]:
 
 
 def _tls_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    from cacheserver.tls import TlsFiles
     try:
-        return TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+        return tls_from_args(args)
     except ValueError as e:
         parser.error(str(e))
 
@@ -92,27 +95,6 @@ def _client(addr: str, tls, timeout: float):
 
 def _pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _table(rows: list[Sequence[object]], header: Sequence[str] | None = None, indent: str = "  ") -> str:
-    rows = [[str(c) for c in r] for r in rows]
-    if not rows:
-        return ""
-    ncols = max(len(r) for r in rows)
-    # Right-align columns of numbers (the header follows its column), left-align text.
-    numeric = [all(_is_number(r[i]) for r in rows if i < len(r) and r[i]) for i in range(ncols)]
-    if header:
-        rows.insert(0, list(header))
-    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(ncols)]
-    lines = []
-    for r in rows:
-        cells = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(r)]
-        lines.append(indent + "  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _is_number(c: str) -> bool:
-    return c.lstrip("-").replace(".", "", 1).replace("%", "").replace(",", "").isdigit()
 
 
 # ------------------------------------------------------------------ certs ---
@@ -151,7 +133,6 @@ def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------ stats ---
 def stats_dict(addr: str, r) -> dict:
-    from cacheserver.core import MODE_NAMES
     from cacheserver.counters import NAMES
     counters = dict(r.counters)
     ordered = {n: counters.pop(n) for n in NAMES if n in counters}
@@ -164,8 +145,16 @@ def stats_dict(addr: str, r) -> dict:
         "chunks": [{"dataset": c.dataset, "chunk": c.chunk, "items": c.items, "bytes": c.bytes,
                     "refs": c.refs, "jobs": list(c.jobs)} for c in r.chunks],
         "active_chunks": dict(sorted(r.active_chunks.items())),
-        "job_modes": {j: MODE_NAMES.get(m, str(m)) for j, m in sorted(r.job_modes.items())},
+        "job_modes": {j: _mode_name(m) for j, m in sorted(r.job_modes.items())},
     }
+
+
+def _mode_name(code: int) -> str:
+    from cacheserver.vocab import CacheMode
+    try:
+        return CacheMode.of_code(code).value
+    except ValueError:
+        return str(code)
 
 
 def format_stats(d: dict) -> str:
@@ -173,18 +162,18 @@ def format_stats(d: dict) -> str:
     cap, used = d["capacity_bytes"], d["used_bytes"]
     c = d["counters"]
     out = [f"server {d['address']}  id {d['server_id']}",
-           _table([["capacity", format_size(cap), f"{cap:,} bytes"],
+           table([["capacity", format_size(cap), f"{cap:,} bytes"],
                    ["used", format_size(used), f"{used:,} bytes", _pct(used, cap)],
                    ["free", format_size(d["free_bytes"]), f"{d['free_bytes']:,} bytes"],
                    ["items", f"{d['items']:,}"]])]
     gets = c.get("gets", 0)
     if gets:
         out.append(f"  hit ratio {_pct(c.get('get_hits', 0), gets)} of {gets:,} gets")
-    out += ["", "counters", _table([[n, f"{v:,}"] for n, v in c.items()])]
+    out += ["", "counters", table([[n, f"{v:,}"] for n, v in c.items()])]
     out += ["", "chunks"]
     if d["chunks"]:
         active = d["active_chunks"]
-        out.append(_table([[ch["dataset"], ch["chunk"], f"{ch['items']:,}", format_size(ch["bytes"]),
+        out.append(table([[ch["dataset"], ch["chunk"], f"{ch['items']:,}", format_size(ch["bytes"]),
                             ch["refs"], ",".join(ch["jobs"]) or "-",
                             "yes" if active.get(ch["dataset"]) == ch["chunk"] else ""]
                            for ch in d["chunks"]],
@@ -194,9 +183,9 @@ def format_stats(d: dict) -> str:
     listed = {ch["dataset"] for ch in d["chunks"]}
     extra = {ds: ch for ds, ch in d["active_chunks"].items() if ds not in listed}
     if extra:
-        out += ["", "active chunks", _table([[ds, ch] for ds, ch in extra.items()])]
+        out += ["", "active chunks", table([[ds, ch] for ds, ch in extra.items()])]
     out += ["", "job modes"]
-    out.append(_table([[j, m] for j, m in d["job_modes"].items()]) if d["job_modes"]
+    out.append(table([[j, m] for j, m in d["job_modes"].items()]) if d["job_modes"]
                else "  (all jobs normal)")
     return "\n".join(out)
 
@@ -270,7 +259,7 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             row.append(checks[m])
         rows.append(row)
     header = ["MEMBER", "SHARE", "", "STATUS"] if checks else ["MEMBER", "SHARE", ""]
-    print(_table(rows, header=header))
+    print(table(rows, header=header))
     if n > 1:
         lo, hi = min(share.values()), max(share.values())
         print(f"ideal share {100 / n:.1f}%; largest/smallest {hi / lo:.2f}")
@@ -502,9 +491,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_tls(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", help="client certificate (PEM), for servers run with TLS")
-    p.add_argument("--tls-key", help="client private key (PEM)")
-    p.add_argument("--tls-ca", help="CA certificate that signed the servers (PEM)")
+    add_tls_flags(p, serves=False, peers="servers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
 
 

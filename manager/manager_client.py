@@ -26,22 +26,24 @@ from typing import Any, Union
 import grpc
 from google.protobuf import json_format
 
-from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.tls import TlsFiles
+from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
+from cacheserver.vocab import CacheMode, Option
 
 from .policy import Batch, ChunkPlan, chunk_members, chunk_of
 
 #: A reported mini-batch: (end, duration), (end, duration, hit_ratio) or a policy Batch.
 BatchLike = Union[tuple[float, float], tuple[float, float, Union[float, None]], Batch]
 
-# Reconnect quickly once the manager is back (gRPC's default back-off grows to 2 minutes).
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
-OPTION_NAMES = {mpb.CACHE_OPTION_NONE: "none", mpb.CACHE_OPTION_CHUNKED: "chunked", mpb.CACHE_OPTION_FULL: "full"}
-MODE_NAMES = {pb.CACHE_MODE_NORMAL: "normal", pb.CACHE_MODE_BYPASS: "bypass"}
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _mode_name(code: int) -> str:
+    try:
+        return CacheMode.of_code(code).value
+    except ValueError:
+        return CacheMode.NORMAL.value
 
 
 class ManagerError(Exception):
@@ -77,15 +79,15 @@ class Plan:
 
     @classmethod
     def from_message(cls, p: mpb.Plan) -> "Plan":
-        option = OPTION_NAMES.get(p.option, "none")
-        spare = p.spare or option == "chunked"  # chunked plans of an older manager did too
+        option = Option.of_code(p.option, Option.NONE).value
+        spare = p.spare or option == Option.CHUNKED  # chunked plans of an older manager did too
         return cls(p.dataset, option, max(1, p.k), p.n_items, p.chunk_size,
                    None if p.active < 0 else p.active, None if p.loading < 0 else p.loading,
                    tuple(p.chunks), p.version, p.waiting, spare)
 
     @property
     def cached(self) -> bool:
-        return self.option != "none"
+        return self.option != Option.NONE
 
     def chunk_of(self, i: int) -> int:
         return chunk_of(i, self.n_items, self.k)
@@ -96,7 +98,7 @@ class Plan:
     def readable(self, i: int) -> bool:
         """Is item ``i`` in a chunk this job may read now (FULL: every item)? Items
         outside it are still inserted as spare entries when ``spare`` is set."""
-        return self.option == "full" or (self.option == "chunked" and self.chunk_of(i) in self.chunks)
+        return self.option == Option.FULL or (self.option == Option.CHUNKED and self.chunk_of(i) in self.chunks)
 
     def chunk_plan(self) -> ChunkPlan:
         return ChunkPlan(self.dataset, self.n_items, self.k, self.active, self.loading, self.version)
@@ -147,10 +149,7 @@ class ManagerClient:
     def __init__(self, address: str, *, tls: TlsFiles | None = None, timeout: float = 1.0) -> None:
         self.address = address
         self.timeout = timeout
-        if tls:
-            self.channel = grpc.secure_channel(address, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        self.channel = grpc_channel(address, tls, FAST_RECONNECT)
         self.stub = mpb_grpc.ManagerStub(self.channel)
         self._cache = _Cache()
         self._jobs: dict[str, str] = {}  # dataset -> the job registered on it through this client
@@ -181,7 +180,7 @@ class ManagerClient:
         plan = self._remember(Plan.from_message(r.plan), job)
         with self._lock:
             self._jobs[dataset] = job
-        return JobInfo(r.job, r.dataset, MODE_NAMES.get(r.mode, "normal"), plan, r.ring_version)
+        return JobInfo(r.job, r.dataset, _mode_name(r.mode), plan, r.ring_version)
 
     def report_batches(self, job: str, batches: Iterable[BatchLike]) -> BatchReply:
         """``batches``: (end, duration[, hit_ratio]) tuples or policy ``Batch``es,
@@ -196,7 +195,7 @@ class ManagerClient:
                 m.hit_ratio = float(hit)
             msgs.append(m)
         r = self._call("ReportBatches", mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time()))
-        return BatchReply(MODE_NAMES.get(r.mode, "normal"), r.plan_version)
+        return BatchReply(_mode_name(r.mode), r.plan_version)
 
     def get_plan(self, dataset: str, job: str = "") -> Plan:
         return self._remember(Plan.from_message(self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job))),

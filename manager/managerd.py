@@ -24,7 +24,7 @@ from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.runtime import bind_grpc, run_until_signal
 from cacheserver.sizes import parse_size
-from cacheserver.tls import TlsFiles
+from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
 from .actuator import Actuator, desired_from
 from .decisions import DecisionLoop
@@ -125,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=parse_size, default=None,
                    help="cache bytes to allocate (default: total capacity of the servers in the ring)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--tls-cert", default=None, help="certificate (PEM); enables mutual TLS, also towards servers")
-    p.add_argument("--tls-key", default=None, help="private key (PEM)")
-    p.add_argument("--tls-ca", default=None, help="CA certificate of servers and clients (PEM)")
+    add_tls_flags(p, serves=True, peers="servers and clients", cert_note=", also towards servers")
     p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
     p.add_argument("--heartbeat-misses", type=int, default=3,
                    help="a server missing this many heartbeats leaves the ring")
@@ -179,7 +177,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}))
     return DaemonConfig(
         listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,
-        tls=TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+        tls=tls_from_args(args),
         heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
         decision_s=args.decision_seconds, job_timeout_s=args.job_timeout_seconds,
         server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync)

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cacheserver.vocab import CacheMode, Option
+
 # Decision counters kept in the state (model.counters), always exported.
 DECISION_COUNTERS = ("decisions", "probes_started", "probes_finished", "probes_aborted", "mode_switches",
                      "chunk_evictions", "chunk_evictions_forced", "ring_changes")
@@ -22,7 +24,7 @@ DECISION_COUNTERS = ("decisions", "probes_started", "probes_finished", "probes_a
 def gather(store: Any, counters: Any) -> dict[str, Any]:
     """One consistent reading of everything exported (also handy in tests)."""
     def read(m) -> dict[str, Any]:
-        options: dict[str, int] = {"none": 0, "chunked": 0, "full": 0}
+        options: dict[str, int] = {o.value: 0 for o in (Option.NONE, Option.CHUNKED, Option.FULL)}
         for ds in m.datasets:
             options[m.option(ds).value] += 1
         return {
@@ -30,7 +32,7 @@ def gather(store: Any, counters: Any) -> dict[str, Any]:
             "ring_size": len(m.registry.addresses()), "ring_version": m.registry.version,
             "servers_known": len(m.registry.servers), "jobs": len(m.jobs),
             "jobs_probing": sum(1 for p in m.board.jobs.values() if p.probing),
-            "jobs_bypass": sum(1 for p in m.board.jobs.values() if p.mode.value == "bypass"),
+            "jobs_bypass": sum(1 for p in m.board.jobs.values() if p.mode is CacheMode.BYPASS),
             "datasets": options, "budget_bytes": m.budget(),
             "allocated_bytes": sum(a.bytes for a in m.allocs.values()),
             "journal_seq": store.seq,

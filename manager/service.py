@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 
-from cacheserver.client.server_client import BYPASS, NORMAL
 from cacheserver.counters import Counters
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
@@ -23,8 +22,6 @@ from .state import StateStore
 
 log = logging.getLogger("manager.service")
 HEX = frozenset("0123456789abcdef")  # lower-case: one spelling per dataset
-OPTIONS = {Option.NONE.value: mpb.CACHE_OPTION_NONE, Option.CHUNKED.value: mpb.CACHE_OPTION_CHUNKED,
-           Option.FULL.value: mpb.CACHE_OPTION_FULL}
 
 
 def _rpc(fn: Callable) -> Callable:
@@ -44,14 +41,14 @@ def _rpc(fn: Callable) -> Callable:
 
 
 def plan_message(p: dict[str, Any]) -> mpb.Plan:
-    return mpb.Plan(dataset=p["dataset"], option=OPTIONS[p["option"]], k=p["k"], n_items=p["n_items"],
+    return mpb.Plan(dataset=p["dataset"], option=Option(p["option"]).code, k=p["k"], n_items=p["n_items"],
                     chunk_size=p["chunk_size"], active=p["active"], loading=p["loading"],
                     chunks=p["chunks"], version=p["version"], waiting=p["waiting"], spare=p["spare"])
 
 
 def _mode(m: ManagerModel, job: str) -> int:
     j = m.board.jobs.get(job)
-    return BYPASS if j is not None and j.mode is CacheMode.BYPASS else NORMAL
+    return (j.mode if j is not None else CacheMode.NORMAL).code
 
 
 class ManagerService(mpb_grpc.ManagerServicer):
@@ -191,7 +188,7 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
     gains = m.board.dataset_gains()
     for ds in sorted(m.datasets):
         rec, a, buf = m.datasets[ds], m.allocs.get(ds), m.buffers.get(ds)
-        d = r.datasets.add(dataset=ds, bytes=rec.bytes, n_items=rec.n_items, option=OPTIONS[m.option(ds).value],
+        d = r.datasets.add(dataset=ds, bytes=rec.bytes, n_items=rec.n_items, option=m.option(ds).code,
                            allocated_bytes=a.bytes if a else 0, chunk_size=a.chunk_size if a else 0,
                            value=a.value if a else 0.0, gain=gains.get(ds, 0.0), reason=a.reason if a else "",
                            plan_version=m.plan_version(ds), spare=bool(a and a.spare),
@@ -218,6 +215,6 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
                 if getattr(p, name) is not None:
                     setattr(js, name, getattr(p, name))
     for d in m.decisions:
-        r.decisions.add(at=d["at"], dataset=d["dataset"], option=OPTIONS[d["option"]], reason=d["reason"])
+        r.decisions.add(at=d["at"], dataset=d["dataset"], option=Option(d["option"]).code, reason=d["reason"])
     return r
 

@@ -12,6 +12,13 @@ import sys
 import time
 from typing import Any, TextIO
 
+from cacheserver.proto import cache_pb2 as pb
+from cacheserver.proto import manager_pb2 as mpb
+from cacheserver.tls import add_tls_flags, tls_from_args
+from cacheserver.vocab import CacheMode, Option
+
+from .tables import table
+
 PROG = "cachectl"
 
 
@@ -24,23 +31,18 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "measured benefit, and recent allocation decisions.")
     p.add_argument("--manager", required=True, metavar="ADDR", help="cache manager gRPC address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--tls-cert", help="client certificate (PEM), for a manager run with TLS")
-    p.add_argument("--tls-key", help="client private key (PEM)")
-    p.add_argument("--tls-ca", help="CA certificate that signed the manager (PEM)")
+    add_tls_flags(p, serves=False, peers="a manager")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
     return p
 
 
 def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from cacheserver.tls import TlsFiles
-
     from .manager_client import ManagerClient, ManagerError
 
     out = out or sys.stdout
     try:
-        tls = TlsFiles.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                                 getattr(args, "tls_ca", None))
+        tls = tls_from_args(args)
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
@@ -72,17 +74,13 @@ def _short(s: str, n: int = 16) -> str:
     return s if len(s) <= n else s[:n - 1] + "…"
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
 def _opt(v: str) -> str:
-    return v.replace("CACHE_OPTION_", "").lower()
+    """A proto enum name (the manager's JSON) in the shared words: "chunked"."""
+    return Option.of_code(mpb.CacheOption.Value(v)).value
 
 
 def _mode(v: str) -> str:
-    return v.replace("CACHE_MODE_", "").lower()
+    return CacheMode.of_code(pb.CacheMode.Value(v)).value
 
 
 def _chunk(v: Any) -> str:
@@ -106,7 +104,7 @@ def render(d: dict[str, Any], address: str = "") -> str:
             rows.append([s["address"], s["server_id"][:12], "alive" if s.get("alive") else "down",
                          _size(s.get("capacity")), _size(s.get("used")), str(s.get("items", 0)),
                          "none yet" if age < 0 else f"{age:.1f}s ago"])
-        lines += _table(rows)
+        lines += table(rows[1:], header=rows[0]).splitlines()
     else:
         lines.append("  (none registered)")
     lines.append("")
@@ -120,7 +118,7 @@ def render(d: dict[str, Any], address: str = "") -> str:
                          _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
                          _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")),
                          _num(x.get("value"))])
-        lines += _table(rows)
+        lines += table(rows[1:], header=rows[0]).splitlines()
         for x in datasets:
             lines.append(f"  {_short(x['dataset'])}: {x.get('reason', '')}")
             for c in x.get("chunks", []):
@@ -139,7 +137,7 @@ def render(d: dict[str, Any], address: str = "") -> str:
             rows.append([j["job"], _short(j["dataset"]), str(j.get("n_gpus", 0)), _mode(j["mode"]),
                          j.get("phase", ""), b, _num(j.get("t_miss")), _num(j.get("t_hit")),
                          _num(j.get("hit_ratio"), "{:.2f}"), _chunk(j.get("chunk")), str(j.get("batches", 0))])
-        lines += _table(rows)
+        lines += table(rows[1:], header=rows[0]).splitlines()
         lines.append("  (benefit b = t_miss / t_hit; '?' = lower bound, measured with too few cache hits)")
     else:
         lines.append("  (none)")

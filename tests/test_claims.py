@@ -4,7 +4,8 @@ import time
 import pytest
 from procs import cacheserver
 
-from cacheserver.claims import FETCH, PENDING, PRESENT, WAIT, ClaimTable
+from cacheserver.claims import ClaimTable
+from cacheserver.vocab import FETCH, PENDING, PRESENT, WAIT
 from cacheserver.client.server_client import ServerClient
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32

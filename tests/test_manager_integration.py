@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from cacheserver.client.server_client import BYPASS, ServerClient
+from cacheserver.client.server_client import ServerClient
+from cacheserver.vocab import CacheMode
 from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable
 from manager.policy import chunk_members
 from procs import cachemanager, cacheserver, free_port
@@ -138,7 +139,7 @@ def test_probing_sets_bypass_on_servers_and_drives_allocation(cluster):
         assert io.mode == cpu.mode == "bypass"  # the first probe starts at once
         # Unmeasured datasets get space on the prior, so clients fill them.
         assert io.plan.option == cpu.plan.option == "full"
-        wait_for(lambda: dict(sc.stats().job_modes) == {"job-io": BYPASS, "job-cpu": BYPASS},
+        wait_for(lambda: dict(sc.stats().job_modes) == {"job-io": CacheMode.BYPASS.code, "job-cpu": CacheMode.BYPASS.code},
                  what="both jobs in bypass on the server")
         keys = ids(20, seed=1)
         sc.put([(k, b"x" * 1000) for k in keys], job="job-cpu", dataset=DS_CPU, chunk=0)
@@ -275,7 +276,7 @@ def test_clients_keep_working_while_the_manager_is_down(cluster, tmp_path):
         wait_for(lambda: len(ring(mc).addresses) == 1, what="server registered")
         info = mc.register_job("job", DS_IO, 50_000, 10)
         plan = mc.get_plan(DS_IO, "job")
-        wait_for(lambda: sc.stats().job_modes.get("job") == BYPASS, what="probe pushed to the server")
+        wait_for(lambda: sc.stats().job_modes.get("job") == CacheMode.BYPASS.code, what="probe pushed to the server")
         m.proc.kill()
         m.proc.wait()
         for call in (lambda: mc.get_plan(DS_IO, "job"), lambda: mc.report_batches("job", [(time.time(), 0.1)]),
@@ -326,7 +327,7 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
         with ManagerClient(m.address, tls=cli) as mc, ServerClient(s.address, tls=cli) as sc:
             wait_for(lambda: ring(mc).addresses == (s.address,), what="server registered over TLS")
             assert mc.register_job("job-tls", DS_IO, 50_000, 10).mode == "bypass"
-            wait_for(lambda: sc.stats().job_modes.get("job-tls") == BYPASS, what="mode pushed over TLS")
+            wait_for(lambda: sc.stats().job_modes.get("job-tls") == CacheMode.BYPASS.code, what="mode pushed over TLS")
         with ManagerClient(m.address, timeout=1.0) as plain:  # no client certificate: refused
             with pytest.raises(ManagerUnavailable):
                 plain.get_ring()

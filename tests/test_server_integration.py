@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheserver import wire
-from cacheserver.client.server_client import BYPASS, NORMAL, ServerClient
+from cacheserver.client.server_client import ServerClient
+from cacheserver.vocab import CacheMode
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from procs import cacheserver, rss_bytes
@@ -326,13 +327,13 @@ def test_bypass_mode_over_the_wire(server):
     with ServerClient(server.address) as c, ServerClient(server.address, prefer_unix=False) as t:
         ks = ids(8, seed=9)
         c.put([(k, b"v") for k in ks])
-        assert c.set_job_mode("probe-job", BYPASS) == NORMAL
+        assert c.set_job_mode("probe-job", CacheMode.BYPASS.code) == CacheMode.NORMAL.code
         for client in (c, t):
             assert client.lookup(ks, job="probe-job") == b"\0" * 8
             assert client.get(ks, job="probe-job") == [None] * 8
             assert client.lookup(ks, job="other") == b"\1" * 8
-        assert c.stats().job_modes["probe-job"] == BYPASS
-        c.set_job_mode("probe-job", NORMAL)
+        assert c.stats().job_modes["probe-job"] == CacheMode.BYPASS.code
+        c.set_job_mode("probe-job", CacheMode.NORMAL.code)
         assert c.lookup(ks, job="probe-job") == b"\1" * 8
 
 
@@ -521,7 +522,7 @@ def test_adopt_moves_spare_entries_into_a_chunk_without_their_values(tmp_path, t
             assert tags == {("ds", -1): 1, ("ds", 1): 1, ("ds", 2): 2}
             assert c.lookup(spare, not_spare=True) == b"\x01\x01\x00"
             assert [bytes(v) for v in c.get(spare)] == [b"s" * 700] * 3
-            c.set_job_mode("probe", BYPASS)  # a bypassing job sees nothing, so adopts nothing
+            c.set_job_mode("probe", CacheMode.BYPASS.code)  # a bypassing job sees nothing, so adopts nothing
             assert c.adopt(spare[2:], "probe", "ds", 2) == b"\x00"
             assert c.lookup(spare[2:], not_spare=True) == b"\x00"
             bad = grpc.RpcError if transport == "grpc" else wire.RemoteError

@@ -6,10 +6,10 @@ import threading
 import pytest
 import rocksdict
 
-from cacheserver.core import BYPASS, NORMAL, CacheCore, Limits
+from cacheserver.core import CacheCore, Limits
 from cacheserver.counters import Counters
 from cacheserver.eviction import LRUPolicy, NoEviction, make_policy
-from cacheserver.ids import BadRequest
+from cacheserver.vocab import BadRequest, CacheMode
 from cacheserver.store import OVERHEAD, Store
 
 
@@ -246,11 +246,11 @@ def test_bypass_mode_answers_miss_only_for_that_job(tmp_path):
     core = CacheCore(s, s.counters)
     ks = ids(4)
     core.put("a", [(k, 2, b"hi") for k in ks])
-    assert core.set_job_mode("probe", BYPASS) == NORMAL
+    assert core.set_job_mode("probe", CacheMode.BYPASS.code) == CacheMode.NORMAL.code
     assert core.lookup("probe", ks) == b"\0" * 4 and core.get("probe", ks) == [None] * 4
     assert core.get_local("probe", ks) == b"\0" * 4
     assert core.lookup("other", ks) == b"\1" * 4
-    assert core.set_job_mode("probe", NORMAL) == BYPASS
+    assert core.set_job_mode("probe", CacheMode.NORMAL.code) == CacheMode.BYPASS.code
     assert [bytes(v) for v in core.get("probe", ks)] == [b"hi"] * 4
     assert s.counters["bypassed"] == 12
     s.close()

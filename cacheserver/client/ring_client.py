@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 
 from .. import wire
-from ..claims import FETCH
 from .server_client import Call, ServerClient
 from .pipeline import pipelined
 from ..ring import DEFAULT_VNODES, HashRing
 from ..runtime import split_hostport
+from ..vocab import FETCH, HIT
 
 log = logging.getLogger("cacheserver.ring")
 # Failures that mean "this server is not usable now", not "the request is wrong".
@@ -182,19 +182,19 @@ class RingClient:
 
     def lookup(self, ids: Sequence[bytes], job: str = "", not_spare: bool = False) -> list[bool]:
         """Present per id; with not_spare, ids held only as spare entries count as absent."""
-        return self._fanout(ids, lambda c, idx: [p == 1 for p in c.lookup([ids[i] for i in idx], job,
+        return self._fanout(ids, lambda c, idx: [p == HIT for p in c.lookup([ids[i] for i in idx], job,
                                                                           not_spare=not_spare)], False,
                             lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, False, not_spare),
-                            lambda idx, body: [p == 1 for p in body])
+                            lambda idx, body: [p == HIT for p in body])
 
     def lookup_pending(self, ids: Sequence[bytes], job: str = "") -> list[int]:
-        """0 absent / 1 present / 2 absent but being read by another job (claims.PENDING)."""
+        """0 absent / 1 present / 2 absent but being read by another job (vocab.PENDING)."""
         return self._fanout(ids, lambda c, idx: list(c.lookup([ids[i] for i in idx], job, pending=True)), 0,
                             lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, True),
                             lambda idx, body: list(body))
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> list[int]:
-        """claims.FETCH / WAIT / PRESENT per id; a server that is down answers FETCH."""
+        """vocab.FETCH / WAIT / PRESENT per id; a server that is down answers FETCH."""
         return self._fanout(ids, lambda c, idx: list(c.claim([ids[i] for i in idx], job)), FETCH,
                             lambda c, idx: c.start("claim", [ids[i] for i in idx], job),
                             lambda idx, body: list(body))
@@ -202,9 +202,9 @@ class RingClient:
     def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> list[bool]:
         """Spare entries join chunk `chunk` where they lie (ServerClient.adopt):
         True per id held other than as spare now; a server that is down answers False."""
-        return self._fanout(ids, lambda c, idx: [h == 1 for h in c.adopt([ids[i] for i in idx], job, dataset, chunk)],
+        return self._fanout(ids, lambda c, idx: [h == HIT for h in c.adopt([ids[i] for i in idx], job, dataset, chunk)],
                             False, lambda c, idx: c.start("adopt", [ids[i] for i in idx], job, dataset, chunk),
-                            lambda idx, body: [h == 1 for h in body])
+                            lambda idx, body: [h == HIT for h in body])
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None,

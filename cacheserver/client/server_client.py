@@ -21,17 +21,15 @@ from typing import Any
 import grpc
 
 from .. import wire
-from ..claims import FETCH
-from ..ids import ID_LEN
 from .localread import LocalReader, log_bytes
 from .pipeline import pipelined
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from .readpath import LOCAL, ReadPaths
-from ..tls import TlsFiles
+from ..tls import TlsFiles, grpc_channel
+from ..vocab import FETCH, check_ids
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-NORMAL, BYPASS = pb.CACHE_MODE_NORMAL, pb.CACHE_MODE_BYPASS
 MAX_IN_FLIGHT = 8
 
 
@@ -41,10 +39,7 @@ class ServerClient:
         self.address = address
         self.timeout = timeout
         self._tls = tls
-        if tls:
-            self.channel = grpc.secure_channel(address, tls.grpc_channel_credentials(), CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        self.channel = grpc_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CacheStub(self.channel)
         self._prefer_unix = prefer_unix
         self._use_dataplane = use_dataplane
@@ -208,9 +203,7 @@ class ServerClient:
     @staticmethod
     def _check(ids: Sequence[bytes]) -> None:
         # struct's "32s" would silently pad or cut a wrong-sized id: refuse it here.
-        for i, k in enumerate(ids):
-            if len(k) != ID_LEN:
-                raise ValueError(f"ids[{i}]: expected a {ID_LEN}-byte id, got {len(k)} bytes")
+        check_ids(ids, ValueError)
 
     def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False,
                not_spare: bool = False) -> bytes:
@@ -227,7 +220,7 @@ class ServerClient:
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> bytes:
         """Claim misses before reading them from the store: one byte per id,
-        claims.FETCH / WAIT / PRESENT."""
+        vocab.FETCH / WAIT / PRESENT."""
         if not ids:
             return b""
         self._check(ids)

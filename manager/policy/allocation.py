@@ -56,18 +56,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Iterable, Mapping, Sequence
+
+from cacheserver.vocab import Option
 
 from .probing import DEFAULT_PRIOR_BENEFIT, JobGain, dataset_gain
 
 GB = 10**9
-
-
-class Option(str, Enum):
-    FULL = "full"
-    CHUNKED = "chunked"
-    NONE = "none"
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
+from cacheserver.vocab import CacheMode
+
 #: Benefit assumed for a job with no measurement yet: a little above the
 #: no-benefit threshold (1.05 in allocation), so a new dataset ranks below any
 #: dataset measured to benefit clearly, but can still take spare space and be probed.
@@ -79,12 +81,6 @@ class Phase(str, Enum):
     PROBE_BYPASS = "probe_bypass"
     MEASURE_NORMAL = "measure_normal"
     DECIDED = "decided"
-
-
-class CacheMode(str, Enum):
-    """Per-job mode the servers apply (matches cache.proto CacheMode)."""
-    NORMAL = "normal"
-    BYPASS = "bypass"
 
 
 @dataclass(frozen=True)
