@@ -26,11 +26,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from .effects import ActivateChunk, Effect, EvictChunk, RingChanged, SetMode, note
+from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
 from .membership import Registry
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
-                     StartLoading, Transition)
+                     StartLoading, Transition, allocate, demands, num_chunks)
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
 
@@ -223,8 +223,78 @@ class ManagerModel:
         return out + self.reallocate(now)
 
     def reallocate(self, now: float) -> list[Effect]:
-        from .decisions import reallocate  # the allocation step lives with the decision loop
-        return reallocate(self, now)
+        """The allocation step: the probe board's measured gains go to ``allocate()``
+        under the budget (``--budget`` or the alive servers' total capacity); a
+        dataset whose option or chunk size changes gets a new ``DoubleBuffer``."""
+        cfg = self.config
+        gains = self.board.job_gains()
+        sizes: dict[str, int] = {}
+        kept: dict[str, Allocation] = {}
+        reserved = 0
+        for ds, rec in sorted(self.datasets.items()):
+            a = self.allocs.get(ds)
+            # A dataset whose jobs all left keeps its space (or its spare entries) for a
+            # grace period: a job restarting (or the next one of a pipeline) would
+            # otherwise find its cached dataset evicted and reload it from the store.
+            if (ds not in gains and a is not None and (a.option is not Option.NONE or a.spare)
+                    and rec.idle_since is not None and now - rec.idle_since < cfg.dataset_grace_s):
+                why = "idle: kept during the grace period after its last job left; "
+                kept[ds] = a if a.reason.startswith(why) else Allocation(
+                    a.dataset, a.option, a.bytes, a.chunk_size, a.value, why + a.reason, a.spare)
+                reserved += a.bytes
+            else:
+                sizes[ds] = rec.bytes
+        current = {ds: a.knapsack_option for ds, a in self.allocs.items()}  # hysteresis, also under --no-chunks
+        new = allocate(demands(gains, sizes), max(0, self.budget() - reserved), cfg.alloc, current)
+        new.update(kept)
+        out: list[Effect] = []
+        for ds in sorted(new):
+            old, a = self.allocs.get(ds), new[ds]
+            if (old is None or old.option is not a.option or old.spare != a.spare
+                    or (a.option is Option.CHUNKED and old.chunk_size != a.chunk_size)):
+                out += self._reconfigure(ds, old, a, now)
+        self.allocs = new
+        # Forget datasets nobody used for a whole grace period (their space is already
+        # freed; spare entries they left go too, as nobody will read them).
+        for ds, rec in sorted(self.datasets.items()):
+            if (rec.idle_since is not None and now - rec.idle_since >= cfg.dataset_grace_s
+                    and self.option(ds) is Option.NONE and ds not in gains):
+                del self.datasets[ds]
+                out.append(EvictDataset(ds, "forgotten: no job for a whole grace period"))
+                self.allocs.pop(ds, None)
+        return out
+
+
+    def _reconfigure(self, ds: str, old: Allocation | None, a: Allocation, now: float) -> list[Effect]:
+        old_opt = old.option if old is not None else Option.NONE
+        rec = self.datasets[ds]
+        self.counters["decisions"] = self.counters.get("decisions", 0) + 1
+        self.decisions.append({"at": now, "dataset": ds, "option": a.option.value, "reason": a.reason})
+        del self.decisions[:-50]
+        out: list[Effect] = [note("allocation", dataset=ds, old=old_opt.value, new=a.option.value,
+                                  bytes=a.bytes, reason=a.reason)]
+        buf = self.buffers.pop(ds, None)
+        rec.plan_base = rec.plan_base + (buf.version if buf else 0) + 1
+        if a.option is Option.NONE:
+            # Leaving chunks or full: NONE holds no chunk, so free the dataset (its jobs
+            # insert spare entries again if allowed). Spare turning on or off only
+            # changes the plan: spare entries left behind take room nobody needs, and
+            # evicting them would make a flip (a new job's prior, then its measured
+            # benefit) cost a reload.
+            if old_opt is not Option.NONE:
+                out.append(EvictDataset(ds, a.reason))
+            return out
+        # Going from chunks to FULL keeps what is resident (everything is wanted
+        # now). Any other change invalidates the chunk tags already on the
+        # servers (they number chunks of another plan): start from a clean slate.
+        if old_opt is not Option.NONE and not (old_opt is Option.CHUNKED and a.option is Option.FULL):
+            out.append(EvictDataset(ds, f"re-plan {old_opt.value} -> {a.option.value}"))
+        k = 1 if a.option is Option.FULL else num_chunks(rec.bytes, a.chunk_size, rec.n_items)
+        buf, actions = DoubleBuffer.create(ds, rec.n_items, k, now, self.config.buffer)
+        for job in sorted(j for j, r in self.jobs.items() if r.dataset == ds):
+            actions += buf.attach(job, now)
+        self.buffers[ds] = buf
+        return out + self.effects_of_actions(actions)
 
     # ---------------------------------------------------------------- policy outputs -> effects
     def _transitions(self, ts: list[Transition]) -> list[Effect]:
