@@ -201,7 +201,7 @@ def cmd_stats(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------- ring ---
 def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from cacheserver.ring import HashRing
+    from cacheserver.client.hashring import HashRing
     if args.vnodes < 1:
         parser.error("--vnodes must be >= 1")
     tls = _tls_from_args(parser, args)
@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from that server's --peers (its Info).")
     r.add_argument("addrs", metavar="ADDR", nargs="*", type=_check_addr, help="server gRPC address(es)")
     r.add_argument("--peers", default="", help="comma-separated ring members")
-    from cacheserver.ring import DEFAULT_VNODES
+    from cacheserver.client.hashring import DEFAULT_VNODES
     r.add_argument("--vnodes", type=int, default=DEFAULT_VNODES, help="virtual nodes per member (as clients use)")
     r.add_argument("--check", action="store_true",
                    help="also ask every member for its Info: reachable, and same --peers")

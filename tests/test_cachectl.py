@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cacheserver.client.server_client import ServerClient
-from cacheserver.ring import HashRing
+from cacheserver.client.hashring import HashRing
 from procs import ROOT, cacheserver, free_port
 
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from cacheserver.ring import HashRing
+from cacheserver.client.hashring import HashRing
 
 
 def keys(n, seed=0):

@@ -18,7 +18,7 @@ import grpc
 from .. import wire
 from .server_client import Call, ServerClient
 from .pipeline import pipelined
-from ..ring import DEFAULT_VNODES, HashRing
+from .hashring import DEFAULT_VNODES, HashRing
 from ..runtime import split_hostport
 from ..vocab import FETCH, HIT
 
