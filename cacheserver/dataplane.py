@@ -11,17 +11,14 @@ import os
 import select
 import socket
 import ssl
-import struct
 import threading
 
-from . import wire
+from . import ops, wire
 from .core import CacheCore
-from .vocab import ID_LEN, BadRequest, split_ids
+from .vocab import BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
 HANDSHAKE_SECONDS = 10.0
-_U16 = struct.Struct("<H")
-_I32 = struct.Struct("<i")
 
 
 class DataPlaneServer:
@@ -116,56 +113,19 @@ class DataPlaneServer:
     def _handle(self, conn: socket.socket, head: bytes) -> bool:
         """Serve one request; False closes the connection (framing can't be trusted)."""
         try:
-            op, flags, aux_len, count, body_len = wire.unpack_header_flags(head)
+            code, flags, aux_len, count, body_len = wire.unpack_header_flags(head)
         except wire.ProtocolError as e:
-            self.core.counters.add("bad_requests")
-            self._reply_error(conn, wire.BAD_REQUEST, str(e))
-            return False
+            return self._refuse(conn, str(e))
         limits = self.core.limits
         # Put bodies hold values; other bodies hold ids and the job name.
         max_body = limits.max_batch_bytes + limits.max_batch_items * 48 + 70_000
         if body_len > max_body:
-            self.core.counters.add("bad_requests")
-            self._reply_error(conn, wire.BAD_REQUEST,
-                              f"frame body of {body_len} bytes exceeds the limit of {max_body}")
-            return False
+            return self._refuse(conn, f"frame body of {body_len} bytes exceeds the limit of {max_body}")
         body = memoryview(wire.recv_exact(conn, body_len))
         self.core.counters.add("dataplane_requests")
         try:
-            if aux_len > body_len:
-                raise BadRequest(f"job name length {aux_len} exceeds the body ({body_len} bytes)")
-            job = bytes(body[:aux_len]).decode()
-            rest = body[aux_len:]
-            if op in (wire.OP_LOOKUP, wire.OP_GET, wire.OP_GET_LOCAL, wire.OP_CLAIM):
-                ids = _split_counted(rest, count)
-                if op != wire.OP_GET:
-                    if op == wire.OP_GET_LOCAL and flags & wire.FLAG_INLINE:
-                        self._send_values(conn, self.core.get_local_inline(job, ids))
-                        return True
-                    if op == wire.OP_LOOKUP:
-                        present = self.core.lookup(job, ids, pending=bool(flags & wire.FLAG_PENDING),
-                                                   not_spare=bool(flags & wire.FLAG_NOT_SPARE))
-                    else:
-                        present = (self.core.get_local if op == wire.OP_GET_LOCAL else self.core.claim)(job, ids)
-                    wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, count, count), present])
-                else:
-                    self._send_values(conn, self.core.get(job, ids, count=not flags & wire.FLAG_COUNTED))
-            elif op == wire.OP_PUT:
-                stored, already, rejected = self.core.put(job, *_parse_put(rest, count),
-                                                          replace=bool(flags & wire.FLAG_REPLACE))
-                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 3, wire.PUT_RESULT.size),
-                                         wire.PUT_RESULT.pack(stored, already, rejected)])
-            elif op == wire.OP_ADOPT:
-                held = self.core.adopt(job, *_parse_adopt(rest, count))
-                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, count, count), held])
-            elif op == wire.OP_OPEN_FOLLOWER:
-                flushed = bytes([self.core.open_follower()])
-                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 0, 1), flushed])
-            elif op == wire.OP_PING:
-                inst = self.instance.encode()
-                wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, 0, len(inst)), inst])
-            else:
-                raise BadRequest(f"unknown data-plane op {op}")
+            rcount, parts = self._answer(code, flags, aux_len, count, body)
+            wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, rcount, sum(len(p) for p in parts)), *parts])
         except (BadRequest, UnicodeDecodeError) as e:
             self.core.counters.add("bad_requests")
             self._reply_error(conn, wire.BAD_REQUEST, str(e))
@@ -174,13 +134,23 @@ class DataPlaneServer:
             self._reply_error(conn, wire.INTERNAL, f"internal error: {e}")
         return True
 
-    def _send_values(self, conn: socket.socket, values: list[memoryview | bool | None]) -> None:
-        """A GET body; True (GET_LOCAL INLINE) is sent as size LOCAL, with no bytes."""
-        sizes = struct.pack(f"<{len(values)}I", *(wire.MISS if v is None else wire.LOCAL if v is True
-                                                  else len(v) for v in values))
-        present = [v for v in values if v is not None and v is not True]
-        body_len = len(sizes) + sum(len(v) for v in present)
-        wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, len(values), body_len), sizes, *present])
+    def _answer(self, code: int, flags: int, aux_len: int, count: int, body: memoryview) -> tuple[int, list]:
+        """The answer (count, body parts) of the operation `code` (ops.TABLE)."""
+        if aux_len > len(body):
+            raise BadRequest(f"job name length {aux_len} exceeds the body ({len(body)} bytes)")
+        job = bytes(body[:aux_len]).decode()
+        op = ops.TABLE.get(code)
+        if op is None:
+            raise BadRequest(f"unknown data-plane op {code}")
+        if op is ops.PING:
+            return 0, [self.instance.encode()]
+        return op.serve(self.core, job, flags, count, body[aux_len:])
+
+    def _refuse(self, conn: socket.socket, message: str) -> bool:
+        """A frame whose framing cannot be trusted: say why, then close."""
+        self.core.counters.add("bad_requests")
+        self._reply_error(conn, wire.BAD_REQUEST, message)
+        return False
 
     def stop(self, grace: float = 8.0) -> None:
         self._stopping.set()
@@ -192,46 +162,3 @@ class DataPlaneServer:
             conns = list(self._conns)
         for t in conns + self._threads:
             t.join(timeout=grace)
-
-
-def _parse_tag(rest: memoryview, what: str) -> tuple[str, int, int]:
-    """The (dataset, chunk) tag that heads put and adopt bodies, and where it ends."""
-    if len(rest) < 2:
-        raise BadRequest(f"{what} frame too short for the dataset name")
-    (ds_len,) = _U16.unpack_from(rest, 0)
-    pos = 2 + ds_len
-    if len(rest) < pos + 4:
-        raise BadRequest(f"{what} frame too short for the chunk tag")
-    dataset = bytes(rest[2:pos]).decode()
-    (chunk,) = _I32.unpack_from(rest, pos)
-    return dataset, chunk, pos + 4
-
-
-def _parse_adopt(rest: memoryview, count: int) -> tuple[list[bytes], str, int]:
-    dataset, chunk, pos = _parse_tag(rest, "adopt")
-    return _split_counted(rest[pos:], count), dataset, chunk
-
-
-def _split_counted(raw: memoryview, count: int) -> list[bytes]:
-    """The `count` ids a frame declares; a body of another length is refused."""
-    if len(raw) != count * ID_LEN:
-        raise BadRequest(f"{count} ids need {count * ID_LEN} bytes, frame has {len(raw)}")
-    return split_ids(raw)
-
-
-def _parse_put(rest: memoryview, count: int) -> tuple[list[tuple[bytes, int, memoryview]], str, int]:
-    dataset, chunk, pos = _parse_tag(rest, "put")
-    table_len = count * wire.PUT_ENTRY.size
-    if len(rest) < pos + table_len:
-        raise BadRequest(f"put frame too short for {count} item headers")
-    items = []
-    vpos = pos + table_len
-    for i in range(count):
-        key, size = wire.PUT_ENTRY.unpack_from(rest, pos + i * wire.PUT_ENTRY.size)
-        if vpos + size > len(rest):
-            raise BadRequest(f"items[{i}]: declared size {size} runs past the end of the frame")
-        items.append((key, size, rest[vpos:vpos + size]))
-        vpos += size
-    if vpos != len(rest):
-        raise BadRequest(f"put frame has {len(rest) - vpos} bytes beyond its {count} declared items")
-    return items, dataset, chunk

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from . import ops
 from .chunkrefs import ChunkBusy, UnknownChunk
 from .core import CacheCore
 from .vocab import BadRequest, split_ids
@@ -36,20 +37,21 @@ def _statuses(fn: Callable) -> Callable:
     return wrapper
 
 
+def _served(op: ops.Op) -> Callable:
+    """The rpc of a data-plane operation, served from its declaration (ops.py)."""
+    def rpc(self: "CacheService", request, context):
+        return op.serve_grpc(self.core, request)
+
+    rpc.__name__ = op.rpc
+    return _statuses(rpc)
+
+
 class CacheService(pb_grpc.CacheServicer):
+    """Lookup, Claim, Adopt and Put come from ops.UNARY_RPCS (set below); Get streams."""
     def __init__(self, core: CacheCore, info: Callable[[], pb.InfoResponse], server_id: str) -> None:
         self.core = core
         self._info = info
         self.server_id = server_id
-
-    @_statuses
-    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        return pb.LookupResponse(present=self.core.lookup(request.job, split_ids(request.ids),
-                                                          pending=request.pending, not_spare=request.not_spare))
-
-    @_statuses
-    def Claim(self, request: pb.ClaimRequest, context) -> pb.ClaimResponse:
-        return pb.ClaimResponse(codes=self.core.claim(request.job, split_ids(request.ids)))
 
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetResponse]:
         # A generator cannot use the decorator's abort path before its first
@@ -61,29 +63,7 @@ class CacheService(pb_grpc.CacheServicer):
         except BadRequest as e:
             self.core.counters.add("bad_requests")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        first, sizes, parts, size = 0, [], [], 0
-        for i, v in enumerate(values):
-            sizes.append(-1 if v is None else len(v))
-            if v is not None:
-                parts.append(v)
-                size += len(v)
-            if size >= GET_MESSAGE_BYTES:
-                yield pb.GetResponse(first=first, sizes=sizes, data=b"".join(parts))
-                first, sizes, parts, size = i + 1, [], [], 0
-        if sizes or not values:
-            yield pb.GetResponse(first=first, sizes=sizes, data=b"".join(parts))
-
-    @_statuses
-    def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
-        items = [(it.id, it.size, it.value) for it in request.items]
-        stored, already, rejected = self.core.put(request.job, items, request.dataset,
-                                                  request.chunk if request.dataset else -1, request.replace)
-        return pb.PutResponse(stored=stored, already=already, rejected_full=rejected)
-
-    @_statuses
-    def Adopt(self, request: pb.AdoptRequest, context) -> pb.AdoptResponse:
-        return pb.AdoptResponse(held=self.core.adopt(request.job, split_ids(request.ids),
-                                                     request.dataset, request.chunk))
+        yield from ops.grpc_values(values, GET_MESSAGE_BYTES)
 
     @_statuses
     def SetJobMode(self, request: pb.SetJobModeRequest, context) -> pb.SetJobModeResponse:
@@ -130,3 +110,7 @@ class CacheService(pb_grpc.CacheServicer):
     @_statuses
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return self._info()
+
+
+for _op in ops.UNARY_RPCS:
+    setattr(CacheService, _op.rpc, _served(_op))

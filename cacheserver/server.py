@@ -23,6 +23,7 @@ from .proto import cache_pb2_grpc as pb_grpc
 from .runtime import bind_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
+from .vocab import FEATURES, PROTOCOL_VERSION
 
 log = logging.getLogger("cacheserver")
 SERVICE_NAME = "mlcache.v1.Cache"
@@ -100,7 +101,8 @@ class CacheServer:
                                unix_socket=self.dataplane.unix_path or "",
                                max_batch_bytes=self.cfg.limits.max_batch_bytes,
                                tls=self.cfg.tls is not None, peers=self.cfg.peers,
-                               capacity_bytes=self.store.capacity, db_path=self.store.db_path)
+                               capacity_bytes=self.store.capacity, db_path=self.store.db_path,
+                               protocol_version=PROTOCOL_VERSION, features=sorted(FEATURES))
 
     def _gauges(self) -> dict[str, float]:
         return {"capacity_bytes": self.store.capacity, "used_bytes": self.store.used,

@@ -21,6 +21,7 @@ with many concurrent writers.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
@@ -78,6 +79,21 @@ class TagUsage:
     bytes: int = 0
 
 
+class DataDirBusy(RuntimeError):
+    """Another store, in this process or another, has the data dir open."""
+
+
+def _lock_dir(path: str) -> int:
+    """Hold the data dir (flock on DIR/store.lock) for as long as the store is open."""
+    fd = os.open(os.path.join(path, "store.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirBusy(f"data dir {path} is in use by another cache server") from None
+    return fd
+
+
 class Store:
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
                  counters: Counters, *, durability: str = "cache") -> None:
@@ -93,6 +109,14 @@ class Store:
         self._lock = threading.Lock()
         self._protected: Callable[[Tag], bool] = lambda tag: False
 
+        self._dir_lock = _lock_dir(path)
+        try:
+            self._open(path)
+        except BaseException:
+            os.close(self._dir_lock)
+            raise
+
+    def _open(self, path: str) -> None:
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
@@ -113,9 +137,9 @@ class Store:
         # Index entries, deletes and server state always go through the log; values
         # skip it with durability "cache" (see DURABILITY and _recover_unflushed).
         self._wopts = rocksdict.WriteOptions()
-        self._wopts.sync = durability == "power"
+        self._wopts.sync = self.durability == "power"
         self._vopts = self._wopts
-        if durability == "cache":
+        if self.durability == "cache":
             self._vopts = rocksdict.WriteOptions()
             self._vopts.disable_wal = True
         self._writing: set[int] = set()  # first sequence numbers of puts being written
@@ -136,7 +160,7 @@ class Store:
         self._seq = 0
         self._recover()
         self._flusher = None
-        if durability == "cache":
+        if self.durability == "cache":
             self._set_durable_mark(self._seq)  # all recovered values are in table files now
             self._flusher = Flusher(self._dirty_state, self.flush)
 
@@ -513,3 +537,4 @@ class Store:
         self._server.close()
         del self._meta, self._server, self._meta_cf
         self._db.close()
+        os.close(self._dir_lock)

@@ -13,6 +13,7 @@ import os
 import threading
 
 from cacheserver.server import CacheServer, ServerConfig
+from cacheserver.store import DataDirBusy
 
 DEFAULT_CAPACITY = 10 * 2**30
 
@@ -36,12 +37,10 @@ class EmbeddedCache:
                            data_listen="auto", unix_socket="auto", grpc_workers=16)
         try:
             self.server = CacheServer(cfg)
-        except Exception as e:
-            if "lock" in str(e).lower():
-                raise EmbeddedCacheBusy(
-                    f"embedded cache dir {cache_dir} is in use by another process; pass "
-                    f"cache_dir= to use another, or run a cacheserver and pass cache='host:port'") from e
-            raise
+        except DataDirBusy as e:
+            raise EmbeddedCacheBusy(
+                f"embedded cache dir {cache_dir} is in use by another process; pass "
+                f"cache_dir= to use another, or run a cacheserver and pass cache='host:port'") from e
         self.server.start()
         self.cache_dir = cache_dir
         self.address = self.server.address

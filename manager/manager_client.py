@@ -80,7 +80,7 @@ class Plan:
     @classmethod
     def from_message(cls, p: mpb.Plan) -> "Plan":
         option = Option.of_code(p.option, Option.NONE).value
-        spare = p.spare or option == Option.CHUNKED  # chunked plans of an older manager did too
+        spare = p.spare or option == Option.CHUNKED  # a chunked plan inserts spare entries, with or without the field
         return cls(p.dataset, option, max(1, p.k), p.n_items, p.chunk_size,
                    None if p.active < 0 else p.active, None if p.loading < 0 else p.loading,
                    tuple(p.chunks), p.version, p.waiting, spare)

@@ -53,7 +53,7 @@ class ManagerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         alloc = asdict(self.alloc)
-        if alloc["chunked"]:  # the default: left out, so a manager from before the flag can read this state
+        if alloc["chunked"]:  # left out at its default: the state stays readable where the flag is unknown
             del alloc["chunked"]
         return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
                 "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer)}

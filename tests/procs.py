@@ -125,3 +125,19 @@ def endpoint_process(argv: list[str], port: int, log_path: str, timeout: float =
             proc.kill()
             proc.wait(5)
         log.close()
+
+
+def without_features(client, *names: str):
+    """Make `client` (a ServerClient) see its server as one from before the named
+    features (vocab.FEATURES): its Info announces all others only."""
+    info = client.info
+
+    def older():
+        r = info()
+        kept = [f for f in r.features if f not in names]
+        del r.features[:]
+        r.features.extend(kept)
+        return r
+
+    client.info = older
+    return client

@@ -2,10 +2,10 @@
 import time
 
 import pytest
-from procs import cacheserver
+from procs import cacheserver, without_features
 
 from cacheserver.claims import ClaimTable
-from cacheserver.vocab import FETCH, PENDING, PRESENT, WAIT
+from cacheserver.vocab import FEATURE_CLAIM, FETCH, PENDING, PRESENT, WAIT
 from cacheserver.client.server_client import ServerClient
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
@@ -103,23 +103,16 @@ def test_claim_ttl_flag_refuses_bad_values_clearly(bad, why, capsys):
     assert "--claim-ttl" in err and why in err
 
 
-def test_a_server_from_before_claims_makes_the_client_read_everything_itself(server, monkeypatch):
-    # A ring mid-upgrade: the old server answers "unknown op" (data plane) or
-    # UNIMPLEMENTED (gRPC); claims then answer FETCH, so nothing waits and nothing fails.
-    from cacheserver.client import server_client as client_mod
-    from cacheserver.proto import cache_pb2 as pb
-
+def test_a_server_from_before_claims_makes_the_client_read_everything_itself(server):
+    # A ring mid-upgrade: the old server's Info announces no claims; the client
+    # then never asks and claims answer FETCH, so nothing waits and nothing fails.
     ids = [bytes([5]) * 32]
-    with ServerClient(server.address) as c:
-        monkeypatch.setattr(client_mod.wire, "OP_CLAIM", 99)  # an op this server does not know
-        assert c.claim(ids, "j") == bytes([FETCH])
-        assert c.claim(ids, "j") == bytes([FETCH])  # remembered: no further attempts
-    monkeypatch.undo()
-    with ServerClient(server.address, use_dataplane=False) as c:
-        c.stub.Claim = c.channel.unary_unary("/mlcache.v1.Cache/NoSuchCall",
-                                             request_serializer=pb.ClaimRequest.SerializeToString,
-                                             response_deserializer=pb.ClaimResponse.FromString)
-        assert c.claim(ids, "j") == bytes([FETCH])
+    for dataplane in (True, False):
+        with without_features(ServerClient(server.address, use_dataplane=dataplane), FEATURE_CLAIM) as c:
+            before = c.stats().counters.get("claims_granted", 0)
+            assert c.claim(ids, "j") == bytes([FETCH])
+            assert c.claim(ids, "j") == bytes([FETCH])
+            assert c.stats().counters.get("claims_granted", 0) == before  # never asked
     with ServerClient(server.address) as c:
         assert c.claim(ids, "j") == bytes([FETCH])  # the real op: recorded this time
         assert c.claim(ids, "k") == bytes([WAIT])

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cacheserver import wire
+from cacheserver import ops, wire
 from cacheserver.client.server_client import ServerClient
-from cacheserver.vocab import CacheMode
+from cacheserver.vocab import FEATURE_ADOPT, FEATURE_INLINE, CacheMode
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
-from procs import cacheserver, rss_bytes
+from procs import cacheserver, rss_bytes, without_features
 
 TRANSPORTS = {
     "local": dict(),
@@ -98,14 +98,12 @@ def test_local_reader_gets_unflushed_values_inline_then_reads_them_from_the_file
 
 
 def test_local_reader_understands_a_server_without_inline_values(server):
-    # A server from before FLAG_INLINE ignores the flag and answers presence bytes;
-    # this server does the same when the flag is not sent.
-    with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
+    # A server from before inline values announces no FEATURE_INLINE: the reader
+    # asks for presence bytes only and reads every value from the files or the socket.
+    with without_features(ServerClient(server.address), FEATURE_INLINE) as reader, \
+            ServerClient(server.address, local_read=False) as writer:
         ks, vs = ids(6, seed=42), values(6, seed=42)
         writer.put(list(zip(ks, vs)))
-        send = reader._send
-        reader._send = lambda op, job, count, parts, flags=0: send(op, job, count, parts,
-                                                                    flags & ~wire.FLAG_INLINE)
         got = reader.get(ks + ids(1, seed=43))
         assert [bytes(v) for v in got[:6]] == vs and got[6] is None and reader.transport == "local"
         assert writer.stats().counters["local_inline"] == 0
@@ -401,25 +399,25 @@ def test_malformed_data_plane_frames(server):
         status, msg = _reply(s)
         assert status == wire.BAD_REQUEST and "bad frame magic" in msg
     with _raw(server.address) as s:  # oversized frame: refused before reading it
-        s.sendall(wire.pack_header(wire.OP_PUT, 0, 1, 10**12))
+        s.sendall(wire.pack_header(ops.PUT.code, 0, 1, 10**12))
         status, msg = _reply(s)
         assert status == wire.BAD_REQUEST and "exceeds the limit" in msg
     with _raw(server.address) as s:  # id count mismatch: refused, connection stays usable
-        s.sendall(wire.pack_header(wire.OP_GET, 0, 3, 64) + b"i" * 64)
+        s.sendall(wire.pack_header(ops.GET.code, 0, 3, 64) + b"i" * 64)
         assert _reply(s) == (wire.BAD_REQUEST, "3 ids need 96 bytes, frame has 64")
-        body = b"\0\0" + struct.pack("<i", -1) + wire.PUT_ENTRY.pack(b"k" * 32, 10) + b"short"
-        s.sendall(wire.pack_header(wire.OP_PUT, 0, 1, len(body)) + body)
+        body = b"\0\0" + struct.pack("<i", -1) + ops.PUT_ENTRY.pack(b"k" * 32, 10) + b"short"
+        s.sendall(wire.pack_header(ops.PUT.code, 0, 1, len(body)) + body)
         status, msg = _reply(s)
         assert status == wire.BAD_REQUEST and "runs past the end" in msg
         s.sendall(wire.pack_header(9, 0, 0, 0))
         assert _reply(s) == (wire.BAD_REQUEST, "unknown data-plane op 9")
-        s.sendall(wire.pack_header(wire.OP_ADOPT, 0, 1, 1) + b"\0")  # no room for the dataset name
+        s.sendall(wire.pack_header(ops.ADOPT.code, 0, 1, 1) + b"\0")  # no room for the dataset name
         assert _reply(s) == (wire.BAD_REQUEST, "adopt frame too short for the dataset name")
         tag = b"\2\0ds" + struct.pack("<i", 3)
-        s.sendall(wire.pack_header(wire.OP_ADOPT, 0, 2, len(tag) + 32) + tag + b"i" * 32)
+        s.sendall(wire.pack_header(ops.ADOPT.code, 0, 2, len(tag) + 32) + tag + b"i" * 32)
         assert _reply(s) == (wire.BAD_REQUEST, "2 ids need 64 bytes, frame has 32")
     with _raw(server.address) as s:  # truncated frame then disconnect: server survives
-        s.sendall(wire.pack_header(wire.OP_GET, 0, 2, 64) + b"i" * 10)
+        s.sendall(wire.pack_header(ops.GET.code, 0, 2, 64) + b"i" * 10)
     with ServerClient(server.address) as c:
         st = c.stats()
         assert st.items == 0 and st.counters["bad_requests"] >= 5
@@ -535,15 +533,21 @@ def test_adopt_moves_spare_entries_into_a_chunk_without_their_values(tmp_path, t
 
 
 def test_adopt_against_a_server_without_it_reports_all_absent(server):
-    """A ring mid-upgrade: an old server answers the unknown op with BAD_REQUEST;
-    the client then reads those items from the store, as before adopt existed."""
-    with ServerClient(server.address, prefer_unix=False) as c:
+    """A ring mid-upgrade: an old server's Info announces no adopt; the client
+    never asks and reads those items from the store, as before adopt existed."""
+    with without_features(ServerClient(server.address, prefer_unix=False), FEATURE_ADOPT) as c:
         k = ids(1, seed=43)
         c.put([(k[0], b"s" * 10)], dataset="ds", chunk=-1)
-        old_op, wire.OP_ADOPT = wire.OP_ADOPT, 99  # what an old server sees: an op it does not know
-        try:
-            assert c.adopt(k, "j", "ds", 0) == b"\x00"
-        finally:
-            wire.OP_ADOPT = old_op
-        assert not c._adopt_supported and c.adopt(k, "j", "ds", 0) == b"\x00"  # not asked again
-        assert c.lookup(k, not_spare=True) == b"\x00"
+        assert c.adopt(k, "j", "ds", 0) == b"\x00"
+        assert c.adopt(k, "j", "ds", 0) == b"\x00"
+        assert c.lookup(k, not_spare=True) == b"\x00"  # still a spare entry: never asked
+
+
+def test_info_announces_the_protocol_version_and_features(server):
+    from cacheserver.vocab import FEATURES, PROTOCOL_VERSION
+
+    with ServerClient(server.address) as c:
+        info = c.info()
+        assert info.protocol_version == PROTOCOL_VERSION
+        assert set(info.features) == FEATURES
+        assert all(c.supports(f) for f in FEATURES) and not c.supports("no-such-feature")

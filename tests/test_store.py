@@ -389,3 +389,16 @@ def test_the_flusher_flushes_after_writes_pause(tmp_path):
         assert s.counters["flushes"] == 1  # nothing new: no more flushes
     finally:
         s.close()
+
+
+def test_a_data_dir_holds_one_store_at_a_time(tmp_path):
+    from cacheserver.store import DataDirBusy
+    from clients.embedded import EmbeddedCache, EmbeddedCacheBusy
+
+    s = Store(str(tmp_path / "d"), 10 << 20, LRUPolicy(), Counters())
+    with pytest.raises(DataDirBusy, match="is in use by another cache server"):
+        Store(str(tmp_path / "d"), 10 << 20, LRUPolicy(), Counters())
+    with pytest.raises(EmbeddedCacheBusy, match="pass cache_dir= to use another"):
+        EmbeddedCache(str(tmp_path / "d"), 10 << 20)
+    s.close()
+    Store(str(tmp_path / "d"), 10 << 20, LRUPolicy(), Counters()).close()  # released on close

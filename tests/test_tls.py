@@ -16,7 +16,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from cacheserver import certs, wire
+from cacheserver import certs, ops, wire
 from cacheserver.client.server_client import ServerClient
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
@@ -178,14 +178,14 @@ def test_client_cert_from_another_ca_is_refused(tls_server, tls_dir, tmp_path):
     with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as raw:
         with pytest.raises((ssl.SSLError, ConnectionError)):
             with ctx.wrap_socket(raw) as s:
-                wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
+                wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
                 if not s.recv(wire.HEADER.size):
                     raise ConnectionResetError("closed")
 
 
 def test_plaintext_dataplane_is_refused(tls_server):
     with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as s:
-        s.sendall(wire.pack_header(wire.OP_PING, 0, 0, 0))
+        s.sendall(wire.pack_header(ops.PING.code, 0, 0, 0))
         try:
             reply = s.recv(64)
         except ConnectionError:
@@ -199,7 +199,7 @@ def test_dataplane_without_client_cert_is_refused(tls_server, tls_dir):
     with socket.create_connection(("127.0.0.1", data_port(tls_server)), timeout=5) as raw:
         with pytest.raises((ssl.SSLError, ConnectionError)):
             with ctx.wrap_socket(raw) as s:  # TLS 1.3: the refusal arrives on the first read
-                wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
+                wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
                 if not s.recv(wire.HEADER.size):
                     raise ConnectionResetError("closed")
 

@@ -9,18 +9,17 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
-from .. import wire
+from .. import ops, wire
 from .server_client import Call, ServerClient
-from .pipeline import pipelined
 from .hashring import DEFAULT_VNODES, HashRing
 from ..runtime import split_hostport
-from ..vocab import FETCH, HIT
+from ..vocab import ABSENT, FETCH, HIT
 
 log = logging.getLogger("cacheserver.ring")
 # Failures that mean "this server is not usable now", not "the request is wrong".
@@ -82,7 +81,6 @@ class RingClient:
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
-        self._iter_pool: ThreadPoolExecutor | None = None
         self.down_backoff = down_backoff
         self.errors = 0
 
@@ -143,36 +141,39 @@ class RingClient:
         except TRANSIENT as e:
             self._failed(node, e)
 
-    def _fanout(self, keys: Sequence[bytes], call: Callable[[ServerClient, list[int]], list], miss,
-                start: Callable[[ServerClient, list[int]], Call | None],
-                finish: Callable[[list[int], Any], list]) -> list:
-        """Each server answers for its share of `keys`; a failed server's share answers `miss`.
+    def ask(self, op: ops.Op, keys: Sequence, job: str = "", down: Any = None,
+            per_key: Callable[[Any], list] = list, **opts: Any) -> list:
+        """Run `op` (cacheserver/ops.py) on every server for its share of `keys`:
+        the answers per key, `per_key` turning a server's answer into its keys'
+        values; a server that is down answers `down` for each of its keys.
 
-        `start` (ServerClient.start of the op) puts the request of each data-plane
-        server on the wire, and `finish` turns the answers into per-id values once
-        all are sent, so those servers work in parallel without a thread each.
-        A server on gRPC (start gives None) gets `call` in a pool thread."""
-        out = [miss] * len(keys)
+        Each data-plane server gets its request on the wire (ServerClient.start)
+        before any answer is read, so they work in parallel without a thread
+        each; a server on gRPC only gets its call in a pool thread."""
+        out = [down] * len(keys)
 
         def put_out(idx: list[int], values: list) -> None:
             for i, v in zip(idx, values):
                 out[i] = v
 
+        def share(idx: list[int]) -> list:
+            return [keys[i] for i in idx]
+
         calls: list[tuple[str, list[int], Call]] = []
         futures = []
         try:
-            for node, idx in self.ring.route(keys).items():
+            for node, idx in self.ring.route(op.ids_of(keys)).items():
                 if not self._usable(node):
                     continue
                 client, started = self.clients[node], []
-                self._guarded(node, lambda c=client, idx=idx: started.append(start(c, idx)))
+                self._guarded(node, lambda c=client, idx=idx: started.append(c.start(op, share(idx), job, **opts)))
                 if started and started[0] is not None:
                     calls.append((node, idx, started[0]))
                 elif started:
-                    futures.append(self._pool.submit(
-                        self._guarded, node, lambda c=client, idx=idx: put_out(idx, call(c, idx))))
+                    futures.append(self._pool.submit(self._guarded, node, lambda c=client, idx=idx: put_out(
+                        idx, per_key(c.ask(op, share(idx), job, **opts)))))
             for node, idx, handle in calls:
-                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, finish(idx, h.result())))
+                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, per_key(h.result())))
             for f in futures:
                 f.result()
         finally:
@@ -182,66 +183,38 @@ class RingClient:
 
     def lookup(self, ids: Sequence[bytes], job: str = "", not_spare: bool = False) -> list[bool]:
         """Present per id; with not_spare, ids held only as spare entries count as absent."""
-        return self._fanout(ids, lambda c, idx: [p == HIT for p in c.lookup([ids[i] for i in idx], job,
-                                                                          not_spare=not_spare)], False,
-                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, False, not_spare),
-                            lambda idx, body: [p == HIT for p in body])
+        return self.ask(ops.LOOKUP, ids, job, False, _hits, not_spare=not_spare)
 
     def lookup_pending(self, ids: Sequence[bytes], job: str = "") -> list[int]:
-        """0 absent / 1 present / 2 absent but being read by another job (vocab.PENDING)."""
-        return self._fanout(ids, lambda c, idx: list(c.lookup([ids[i] for i in idx], job, pending=True)), 0,
-                            lambda c, idx: c.start("lookup", [ids[i] for i in idx], job, True),
-                            lambda idx, body: list(body))
+        """ABSENT / HIT / PENDING per id (vocab.py)."""
+        return self.ask(ops.LOOKUP, ids, job, ABSENT, pending=True)
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> list[int]:
-        """vocab.FETCH / WAIT / PRESENT per id; a server that is down answers FETCH."""
-        return self._fanout(ids, lambda c, idx: list(c.claim([ids[i] for i in idx], job)), FETCH,
-                            lambda c, idx: c.start("claim", [ids[i] for i in idx], job),
-                            lambda idx, body: list(body))
+        """FETCH / WAIT / PRESENT per id (vocab.py); a server that is down answers FETCH."""
+        return self.ask(ops.CLAIM, ids, job, FETCH)
 
     def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> list[bool]:
         """Spare entries join chunk `chunk` where they lie (ServerClient.adopt):
         True per id held other than as spare now; a server that is down answers False."""
-        return self._fanout(ids, lambda c, idx: [h == HIT for h in c.adopt([ids[i] for i in idx], job, dataset, chunk)],
-                            False, lambda c, idx: c.start("adopt", [ids[i] for i in idx], job, dataset, chunk),
-                            lambda idx, body: [h == HIT for h in body])
+        return self.ask(ops.ADOPT, ids, job, False, _hits, dataset=dataset, chunk=chunk)
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
-        return self._fanout(ids, lambda c, idx: c.get([ids[i] for i in idx], job), None,
-                            lambda c, idx: c.start("get", [ids[i] for i in idx], job),
-                            lambda idx, values: values)
-
-    def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
-                 ) -> Iterator[list[memoryview | None]]:
-        """get() for each batch, in order, with `depth` batches in flight."""
-        if self._iter_pool is None:
-            self._iter_pool = ThreadPoolExecutor(8, thread_name_prefix="ring-iter")
-        return pipelined(lambda b: self.get(b, job), batches, min(depth, 8), self._iter_pool)
+        return self.ask(ops.GET, ids, job, None)
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
             dataset: str = "", chunk: int = -1, replace: bool = False) -> int:
         """Insert; returns how many were newly stored (failures are not errors: it's a cache)."""
         stored = [0]
-        keys = [k for k, _ in items]
 
-        def call(c: ServerClient, idx: list[int]) -> list:
-            s, _, _ = c.put([items[i] for i in idx], job, dataset, chunk, replace)
-            with self._lock:
-                stored[0] += s
-            return []
-
-        def finish(idx: list[int], result: tuple[int, int, int]) -> list:
+        def count(result: tuple[int, int, int]) -> list:
             with self._lock:  # gRPC-only servers add theirs from pool threads
                 stored[0] += result[0]
             return []
 
-        self._fanout(keys, call, None,
-                     lambda c, idx: c.start("put", [items[i] for i in idx], job, dataset, chunk, replace), finish)
+        self.ask(ops.PUT, items, job, None, count, dataset=dataset, chunk=chunk, replace=replace)
         return stored[0]
 
     def close(self) -> None:
-        if self._iter_pool is not None:
-            self._iter_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         for c in self.clients.values():
             c.close()
@@ -251,3 +224,7 @@ class RingClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _hits(answer: bytes) -> list[bool]:
+    return [a == HIT for a in answer]

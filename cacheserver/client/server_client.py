@@ -11,26 +11,20 @@ from __future__ import annotations
 import os
 import queue
 import socket
-import struct
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Generator, Sequence
 from typing import Any
 
-import grpc
-
-from .. import wire
-from .localread import LocalReader, log_bytes
-from .pipeline import pipelined
+from .. import ops, wire
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
-from .readpath import LOCAL, ReadPaths
 from ..tls import TlsFiles, grpc_channel
-from ..vocab import FETCH, check_ids
+from ..vocab import FEATURE_INLINE, check_ids
+from .localread import LocalReader, log_bytes
+from .readpath import LOCAL, ReadPaths
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-MAX_IN_FLIGHT = 8
 
 
 class ServerClient:
@@ -48,16 +42,27 @@ class ServerClient:
         self._db_path: str | None = None  # set when a follower may be opened
         self._follower_lock = threading.Lock()
         self.paths = ReadPaths()
-        self._claims_supported = True
-        self._adopt_supported = True
-        self._executor: ThreadPoolExecutor | None = None
+        self._features: frozenset[str] | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
 
+    # ---- what the server serves -------------------------------------------
+    def supports(self, feature: str) -> bool:
+        """Whether the server announces `feature` in its Info (vocab.FEATURES):
+        the one place this client decides what it may ask. A server that
+        announces none gets only what every server serves."""
+        if self._features is None:
+            self._features = frozenset(self.info().features)
+        return feature in self._features
+
+    def serves(self, op: ops.Op) -> bool:
+        return op.feature is None or self.supports(op.feature)
+
     # ---- data-plane connections ----------------------------------------
     def _resolve(self) -> None:
         info = self.info()
+        self._features = frozenset(info.features)
         self.transport = "grpc"
         if not self._use_dataplane:
             return
@@ -90,10 +95,7 @@ class ServerClient:
     def _new_follower(self, db_path: str) -> LocalReader:
         """Open a follower; the time it takes counts as follower cost (readpath.py)."""
         t = time.perf_counter()
-        try:  # let the server shorten the log the follower replays on opening
-            self._call(wire.OP_OPEN_FOLLOWER, "", 0, [])
-        except wire.RemoteError:  # a server without the op: the replay is only slower
-            pass
+        self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
         local = LocalReader(db_path)
         self.paths.follower(time.perf_counter() - t)
         return local
@@ -161,36 +163,8 @@ class ServerClient:
         self._pool.put(s)
         return rcount, body
 
-    def _call(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
-              flags: int = 0) -> tuple[int, bytes]:
-        return self._recv(self._send(op, job, count, parts, flags))
-
-    def start(self, op: str, *args) -> "Call | None":
-        """Send the first request of a data-plane `op` ("lookup", "claim", "get",
-        "adopt" or "put", with that method's arguments) without waiting for its answer:
-        RingClient puts one on every server before it waits for any, instead of
-        a thread per server. Call.result() finishes it. None on gRPC."""
-        if not self._dataplane():
-            return None
-        self._check([k for k, _ in args[0]] if op == "put" else args[0])
-        if op == "lookup":
-            return Call(self, self._lookup_steps(*args))
-        if op == "claim":
-            if not self._claims_supported:
-                return Call.done(bytes([FETCH]) * len(args[0]))
-            return Call(self, self._claim_steps(*args))
-        if op == "get":
-            return Call(self, self._get_steps(*args))
-        if op == "adopt":
-            if not self._adopt_supported:
-                return Call.done(bytes(len(args[0])))
-            return Call(self, self._adopt_steps(*args))
-        if op == "put":
-            return Call(self, self._put_steps(*args))
-        raise ValueError(f"unknown data-plane op {op!r}")
-
     def _ping(self, s: socket.socket) -> str:
-        wire.send_buffers(s, [wire.pack_header(wire.OP_PING, 0, 0, 0)])
+        wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
         status, aux_len, _, body_len = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
         return wire.recv_exact(s, body_len or aux_len).decode()
 
@@ -199,135 +173,89 @@ class ServerClient:
             self._resolve()
         return self._target is not None
 
-    # ---- bulk data ------------------------------------------------------
+    # ---- operations (cacheserver/ops.py) --------------------------------------
+    def start(self, op: ops.Op, keys: Sequence, job: str = "", **opts: Any) -> "Call | None":
+        """Send the first request of `op` without waiting for its answer:
+        RingClient puts one on every server before it waits for any, instead of
+        a thread per server. Call.result() finishes it. None on gRPC."""
+        if not self._dataplane():
+            return None
+        self._check(op, keys)
+        if not self.serves(op):
+            return Call.done(op.unserved(len(keys)))
+        return Call(self, self._steps(op, keys, job, opts))
+
+    def ask(self, op: ops.Op, keys: Sequence, job: str = "", **opts: Any) -> Any:
+        """Run `op` on `keys` (ids; (id, value) items for a put) and return its answer."""
+        if op.keyed and not keys:
+            return op.empty()
+        self._check(op, keys)
+        if not self.serves(op):
+            return op.unserved(len(keys))
+        if self._dataplane():
+            return Call(self, self._steps(op, keys, job, opts)).result()
+        return op.grpc(self.stub, keys, job, self.timeout, **opts)
+
     @staticmethod
-    def _check(ids: Sequence[bytes]) -> None:
+    def _check(op: ops.Op, keys: Sequence) -> None:
         # struct's "32s" would silently pad or cut a wrong-sized id: refuse it here.
-        check_ids(ids, ValueError)
+        check_ids(op.ids_of(keys), ValueError)
+
+    def _steps(self, op: ops.Op, keys: Sequence, job: str, opts: dict[str, Any]) -> Steps:
+        """Generators that yield each request (op, job, count, parts, flags) and are
+        sent its answer (count, body); Call runs them."""
+        if op is ops.GET:
+            return (yield from self._get_steps(keys, job))
+        count, body = yield (op.code, job, *op.frame(keys, **opts))
+        return op.result(count, body)
 
     def lookup(self, ids: Sequence[bytes], job: str = "", pending: bool = False,
                not_spare: bool = False) -> bytes:
-        """One byte per id: 1 if present; with `pending`, 2 if absent but another
-        job is reading it from the store; with `not_spare`, 0 for ids held only as
-        spare entries (a server from before spare entries ignores it)."""
-        if not ids:
-            return b""
-        self._check(ids)
-        if self._dataplane():
-            return Call(self, self._lookup_steps(ids, job, pending, not_spare)).result()
-        return self.stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(ids), pending=pending, not_spare=not_spare),
-                                timeout=self.timeout).present
+        """One byte per id: HIT; with `pending`, PENDING if absent but another
+        job is reading it from the store; with `not_spare`, ABSENT for ids held
+        only as spare entries."""
+        return self.ask(ops.LOOKUP, ids, job, pending=pending, not_spare=not_spare)
 
     def claim(self, ids: Sequence[bytes], job: str = "") -> bytes:
-        """Claim misses before reading them from the store: one byte per id,
-        vocab.FETCH / WAIT / PRESENT."""
-        if not ids:
-            return b""
-        self._check(ids)
-        if self._claims_supported:
-            if self._dataplane():
-                return Call(self, self._claim_steps(ids, job)).result()
-            try:
-                return self.stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(ids)), timeout=self.timeout).codes
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-            # A server from before claims (a ring mid-upgrade): read everything ourselves.
-            self._claims_supported = False
-        return bytes([FETCH]) * len(ids)
+        """Claim misses before reading them from the store: FETCH / WAIT / PRESENT per id."""
+        return self.ask(ops.CLAIM, ids, job)
 
     def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> bytes:
         """Take ids held as spare entries into chunk `chunk` of `dataset` where
-        their values lie: one byte per id, 1 held other than as spare now, 0
-        absent. A server from before the call answers all 0: the caller reads
-        those items from the store, as it would have before."""
-        if not ids:
-            return b""
-        self._check(ids)
-        if self._adopt_supported:
-            if self._dataplane():
-                return Call(self, self._adopt_steps(ids, job, dataset, chunk)).result()
-            try:
-                return self.stub.Adopt(pb.AdoptRequest(job=job, dataset=dataset, chunk=chunk, ids=b"".join(ids)),
-                                       timeout=self.timeout).held
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-            self._adopt_supported = False
-        return bytes(len(ids))
+        their values lie: one byte per id, 1 held other than as spare now, 0 absent."""
+        return self.ask(ops.ADOPT, ids, job, dataset=dataset, chunk=chunk)
 
     def get(self, ids: Sequence[bytes], job: str = "") -> list[memoryview | None]:
         """Values in id order (zero-copy views of one receive buffer), None for misses."""
-        if not ids:
-            return []
-        self._check(ids)
-        if self._dataplane():
-            return Call(self, self._get_steps(ids, job)).result()
-        return self._get_grpc(ids, job)
+        return self.ask(ops.GET, ids, job)
 
-    def get_iter(self, batches: Iterable[Sequence[bytes]], job: str = "", depth: int = 2
-                 ) -> Iterator[list[memoryview | None]]:
-        """get() for each batch, in order, with `depth` requests in flight."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="cache-get")
-        return pipelined(lambda b: self.get(b, job), batches, min(depth, MAX_IN_FLIGHT), self._executor)
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
+            dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
+        """Store (id, value) pairs; returns (stored, already, rejected_full)."""
+        return self.ask(ops.PUT, items, job, dataset=dataset, chunk=chunk, replace=replace)
 
-    # ---- data-plane steps: generators that yield each request (op, job,
-    # count, parts, flags) and are sent its answer (count, body); Call runs them.
-    def _lookup_steps(self, ids: Sequence[bytes], job: str, pending: bool = False,
-                      not_spare: bool = False) -> Steps:
-        flags = (wire.FLAG_PENDING if pending else 0) | (wire.FLAG_NOT_SPARE if not_spare else 0)
-        _, body = yield (wire.OP_LOOKUP, job, len(ids), [b"".join(ids)], flags)
-        return body
-
-    def _claim_steps(self, ids: Sequence[bytes], job: str) -> Steps:
-        try:
-            _, body = yield (wire.OP_CLAIM, job, len(ids), [b"".join(ids)], 0)
-            return body
-        except wire.RemoteError as e:
-            if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
-                raise
-        # A server from before claims (a ring mid-upgrade): read everything ourselves.
-        self._claims_supported = False
-        return bytes([FETCH]) * len(ids)
-
-    def _adopt_steps(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> Steps:
-        ds = dataset.encode()
-        head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk)
-        try:
-            _, body = yield (wire.OP_ADOPT, job, len(ids), [head, b"".join(ids)], 0)
-            return body
-        except wire.RemoteError as e:
-            if not (e.status == wire.BAD_REQUEST and "unknown data-plane op" in str(e)):
-                raise
-        self._adopt_supported = False  # a server from before adopt: all absent
-        return bytes(len(ids))
-
-    def _put_steps(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str, dataset: str,
-                   chunk: int, replace: bool) -> Steps:
-        ds = dataset.encode()
-        table = b"".join(wire.PUT_ENTRY.pack(k, len(v)) for k, v in items)
-        head = struct.pack("<H", len(ds)) + ds + struct.pack("<i", chunk if dataset else -1)
-        _, body = yield (wire.OP_PUT, job, len(items), [head, table, *(v for _, v in items)],
-                         wire.FLAG_REPLACE if replace else 0)
-        return wire.PUT_RESULT.unpack(body)
-
+    # ---- gets: same-host reads from the store files, or over the socket
     def _get_steps(self, ids: Sequence[bytes], job: str) -> Steps:
         local = self._follower()
         if local is None:
             return (yield from self._remote_get_steps(ids, job))
-        _, body = yield (wire.OP_GET_LOCAL, job, len(ids), [b"".join(ids)], wire.FLAG_INLINE)
-        out: list[memoryview | None] = [None] * len(ids)
-        if len(body) == len(ids):  # a server from before INLINE: presence bytes
-            want = [i for i, p in enumerate(body) if p]
-        else:  # values the follower cannot see yet (not flushed) came inline
-            want, mv, pos = [], memoryview(body), 4 * len(ids)
-            for i, size in enumerate(struct.unpack_from(f"<{len(ids)}I", body)):
-                if size == wire.LOCAL:
-                    want.append(i)
-                elif size != wire.MISS:
-                    out[i] = mv[pos:pos + size]
-                    pos += size
+        inline = self.supports(FEATURE_INLINE)
+        count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline))
+        if inline:  # values the follower cannot see yet (not flushed) came inline
+            out, want = ops.values_of(count, body)
+        else:
+            out, want = [None] * len(ids), [i for i, p in enumerate(body) if p]
+        missing = self._read_local(local, ids, want, out)
+        if missing:  # not visible to the follower yet, or damaged: the server decides
+            got = yield from self._remote_get_steps([ids[i] for i in missing], job, counted=True)
+            for i, v in zip(missing, got):
+                out[i] = v
+        return out
+
+    def _read_local(self, local: LocalReader, ids: Sequence[bytes], want: list[int],
+                    out: list[memoryview | None]) -> list[int]:
+        """Fill out[i] for i in want from the follower (catching up once for what
+        it lacks); the indices still missing."""
         t = time.perf_counter()
         for i, v in zip(want, local.read([ids[i] for i in want])):
             out[i] = v
@@ -344,51 +272,17 @@ class ServerClient:
                 if self.paths.decide() != LOCAL:
                     self._local = None
         self.paths.local_read(time.perf_counter() - t, sum(len(out[i]) for i in want if out[i] is not None))
-        if missing:  # not visible to the follower yet, or damaged: the server decides
-            got = yield from self._remote_get_steps([ids[i] for i in missing], job, wire.FLAG_COUNTED)
-            for i, v in zip(missing, got):
-                out[i] = v
-        return out
+        return missing
 
-    def _remote_get_steps(self, ids: Sequence[bytes], job: str, flags: int = 0) -> Steps:
+    def _remote_get_steps(self, ids: Sequence[bytes], job: str, counted: bool = False) -> Steps:
         # Timed from the send: in a ring's fan-out that includes waiting on other
         # servers' answers, which errs towards keeping the follower.
         t = time.perf_counter()
-        count, body = yield (wire.OP_GET, job, len(ids), [b"".join(ids)], flags)
-        sizes = struct.unpack_from(f"<{count}I", body)
-        mv, pos, out = memoryview(body), 4 * count, []
-        for size in sizes:
-            if size == wire.MISS:
-                out.append(None)
-            else:
-                out.append(mv[pos:pos + size])
-                pos += size
+        count, body = yield (ops.GET.code, job, *ops.GET.frame(ids, counted=counted))
+        out = ops.GET.result(count, body)
         if self._db_path is not None:  # only worth measuring where a follower is an option
             self.paths.remote_read(time.perf_counter() - t, sum(len(v) for v in out if v is not None))
         return out
-
-    def _get_grpc(self, ids: Sequence[bytes], job: str) -> list[memoryview | None]:
-        out = [None] * len(ids)
-        for msg in self.stub.Get(pb.GetRequest(job=job, ids=b"".join(ids)), timeout=self.timeout):
-            mv, pos = memoryview(msg.data), 0
-            for j, size in enumerate(msg.sizes):
-                if size >= 0:
-                    out[msg.first + j] = mv[pos:pos + size]
-                    pos += size
-        return out
-
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
-            dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
-        """Store (id, value) pairs; returns (stored, already, rejected_full)."""
-        if not items:
-            return 0, 0, 0
-        self._check([k for k, _ in items])
-        if self._dataplane():
-            return Call(self, self._put_steps(items, job, dataset, chunk, replace)).result()
-        req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1, replace=replace,
-                            items=[pb.PutItem(id=k, size=len(v), value=bytes(v)) for k, v in items])
-        r = self.stub.Put(req, timeout=self.timeout)
-        return r.stored, r.already, r.rejected_full
 
     # ---- control (gRPC) -------------------------------------------------
     def info(self) -> pb.InfoResponse:
@@ -422,8 +316,6 @@ class ServerClient:
         return r.items, r.bytes
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         if self._local is not None:
             self._local.close()
             self._local = None
@@ -439,7 +331,6 @@ class ServerClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 Steps = Generator[tuple, tuple[int, bytes], Any]
@@ -475,18 +366,14 @@ class Call:
         while True:
             try:
                 answer = client._recv(sock)
-            except wire.RemoteError as e:
-                try:
-                    req = steps.throw(e)  # the steps may handle it (claims on an old server)
-                except StopIteration as stop:
-                    value = stop.value
-                    break
-            else:
-                try:
-                    req = steps.send(answer)
-                except StopIteration as stop:
-                    value = stop.value
-                    break
+            except BaseException:
+                steps.close()
+                raise
+            try:
+                req = steps.send(answer)
+            except StopIteration as stop:
+                value = stop.value
+                break
             sock = client._send(*req)
         self._done, self._value = True, value
         return value

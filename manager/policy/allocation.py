@@ -131,7 +131,7 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Allocation":
-        # state from before spare entries: chunked plans inserted them already
+        # without the field: a chunked plan inserts spare entries
         opt = Option(d["option"])
         return cls(str(d["dataset"]), opt, int(d["bytes"]), int(d["chunk_size"]), float(d["value"]),
                    str(d["reason"]), bool(d.get("spare", opt is Option.CHUNKED)))
