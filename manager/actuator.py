@@ -27,6 +27,7 @@ from cacheserver.counters import Counters
 from cacheserver.tls import TlsFiles
 from cacheserver.vocab import CacheMode, Option
 
+from .metrics import MANAGER_COUNTERS
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, SetMode
 
 log = logging.getLogger("manager.actuator")
@@ -154,7 +155,7 @@ class Actuator:
         self.addresses = addresses
         self.tls = tls
         self.timeout = timeout
-        self.counters = counters or Counters()
+        self.counters = counters or Counters(MANAGER_COUNTERS)
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
 

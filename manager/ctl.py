@@ -133,9 +133,9 @@ def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------ stats ---
 def stats_dict(addr: str, r) -> dict:
-    from cacheserver.counters import NAMES
+    from cacheserver.counters import SERVER_COUNTERS
     counters = dict(r.counters)
-    ordered = {n: counters.pop(n) for n in NAMES if n in counters}
+    ordered = {n: counters.pop(n) for n in SERVER_COUNTERS if n in counters}
     ordered.update(sorted(counters.items()))
     return {
         "address": addr, "server_id": r.server_id,

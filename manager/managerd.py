@@ -29,7 +29,7 @@ from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 from .actuator import Actuator, desired_from
 from .decisions import DecisionLoop
 from .membership import Liveness
-from .metrics import gather, serve_metrics
+from .metrics import MANAGER_COUNTERS, gather, serve_metrics
 from .model import ManagerConfig
 from .policy import AllocConfig, BufferConfig, ProbeConfig
 from .service import ManagerService
@@ -58,7 +58,7 @@ class DaemonConfig:
 class ManagerDaemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
-        self.counters = Counters()
+        self.counters = Counters(MANAGER_COUNTERS)
         self.clock = time.time  # wall clock: journaled times must mean the same after a restart
         self.actuator = Actuator(lambda: self.store.read(desired_from),
                                  lambda: self.store.read(lambda m: m.registry.addresses()),

@@ -14,7 +14,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.vocab import CacheMode, Option
+
+# The manager process's own counters (cacheserver/counters.py): one per RPC, and
+# its calls to the servers.
+MANAGER_COUNTERS = ("server_calls", "server_call_failures", "reconciles", "reconcile_fixes",
+                    *(f"rpc_{m.name}" for m in mpb.DESCRIPTOR.services_by_name["Manager"].methods))
 
 # Decision counters kept in the state (model.counters), always exported.
 DECISION_COUNTERS = ("decisions", "probes_started", "probes_finished", "probes_aborted", "mode_switches",
