@@ -367,16 +367,7 @@ class Store:
                     continue
                 seen.add(key)
                 todo.append((key, value, len(value) + OVERHEAD))
-            need = sum(c for _, _, c in todo)
-            free = self.capacity - self.used - self._reserved
-            if need > free:
-                self._evict_for(need - free, spare_only=is_spare(tag))
-                free = self.capacity - self.used - self._reserved
-            accepted = []
-            for key, value, charge in todo:
-                if charge <= free:
-                    accepted.append((key, value, charge))
-                    free -= charge
+            accepted = self._within_room(todo, tag)
             rejected = len(todo) - len(accepted)
             reserve = sum(c for _, _, c in accepted)
             self._reserved += reserve
@@ -405,6 +396,20 @@ class Store:
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
+
+    def _within_room(self, todo: list[tuple[bytes, bytes | memoryview, int]], tag: Tag) -> list:
+        """The items (id, value, charge) that fit, evicting for them first (lock held)."""
+        need = sum(c for _, _, c in todo)
+        free = self.capacity - self.used - self._reserved
+        if need > free:
+            self._evict_for(need - free, spare_only=is_spare(tag))
+            free = self.capacity - self.used - self._reserved
+        accepted = []
+        for key, value, charge in todo:
+            if charge <= free:
+                accepted.append((key, value, charge))
+                free -= charge
+        return accepted
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
         """Move present entries to `tag` (lock held): index, usage and, logged, their

@@ -83,23 +83,13 @@ from dataclasses import dataclass, field
 
 from cacheserver.vocab import HIT, PENDING
 
-from .epochshare import Progress, Share, outside as _outside
+from .epochshare import Progress, Share
+from .frontwalk import FrontWalk
 
 # A look-up answers per item (vocab.py): HIT (or True) cached, 0 (False) not,
 # PENDING not cached but another job is reading it from the store now (it will
 # be a hit soon, so it is the last choice for a miss).
 Lookup = Callable[[Sequence[int]], Sequence[int]]
-
-# item states within an epoch
-_PENDING, _SEEN, _READY, _DONE = 0, 1, 2, 3   # _SEEN: looked up, was a miss
-FRONT_SHARE = 0.9      # share of the look-ups that re-examine the front while it pays
-GENERAL_SHARE = 0.9    # share that goes to the general scan while the front does not
-SMOOTHING = 0.3        # weight of the latest step in the smoothed hit yields
-JUMP_AFTER = 2         # a jump needs this many general hits within one front's span
-JUMP_COOLDOWN = 2      # steps between jumps
-JUMP_MIN_FRONTS = 2    # and only to a place more than this many fronts ahead
-JUMP_WARMUP = 3        # and not in an epoch's first steps
-
 
 @dataclass
 class SamplerStats:
@@ -300,156 +290,6 @@ class SubstitutableBatchSampler:
                 stats.substituted += min(len(batch), waiting)
             yield batch
 
-    # ---- default: a shared front plus a general scan ---------------------
+    # ---- default: a shared front plus a general scan (frontwalk.py) -------
     def _front(self, rng: random.Random, items: Sequence[int]) -> Iterator[list[int]]:
-        stats = self.stats
-        n = self.n_items
-        B, L = self.batch_size, self.batch_size * self.lookahead
-        order, rank = self.shared_order()
-        own = list(items)
-        rng.shuffle(own)
-        picker = random.Random(f"{self.seed}/{self.stats.epoch}/{self._salt}")
-        general_q: deque[int] = deque(own)   # this job's own order, rotating
-        state = _outside(n, own, _DONE)      # items not in this epoch's walk count as yielded
-        infront = bytearray(n)               # was taken into the front (stays set once it left)
-        ready: deque[int] = deque()          # known hits, not yet yielded
-        front: list[int] = []                # pending items in shared order from the cursor
-        # an epoch starts where the last one's front had got to: jobs that went round
-        # together stay together (and a new job starts at 0, where others started)
-        cursor = self._cursor % n if n else 0
-        nxt, pulled = cursor, 0              # where the front fills from; how far it went
-        left = len(own)                      # items neither ready nor yielded
-        waiting = 0                          # items in state _SEEN: misses met, not yet yielded
-        share = FRONT_SHARE
-        front_yield = general_yield = 0.0    # smoothed hits per look-up
-        since_jump = -JUMP_WARMUP  # epochs end at slightly different times: let the others arrive
-        a = SMOOTHING
-        while left or ready:
-            if len(ready) >= B or not left:
-                batch = [ready.popleft() for _ in range(min(B, len(ready)))]
-                stats.planned_hits += len(batch)
-                stats.substituted += min(len(batch), waiting)
-                self._yielded(batch, state)
-                yield batch
-                continue
-            # front: the first pending items of the shared order from the cursor
-            front = [i for i in front if state[i] <= _SEEN]
-            nf = max(1, round(L * share))
-            while len(front) < nf and pulled < n:
-                i = order[nxt]
-                nxt += 1
-                pulled += 1
-                if nxt == n:
-                    nxt = 0
-                    stats.passes += 1
-                if state[i] <= _SEEN and not infront[i]:
-                    front.append(i)
-                    infront[i] = 1
-            self._cursor = nxt
-            window = front[:nf]
-            # general: the next pending items of this job's own order
-            general: list[int] = []
-            want = min(L - len(window), left - len(window))
-            spins = len(general_q)
-            while len(general) < want and spins > 0:
-                spins -= 1
-                i = general_q.popleft()
-                if state[i] > _SEEN:
-                    continue  # yielded meanwhile: drop it
-                general_q.append(i)  # examined now: to the back
-                if not infront[i]:
-                    general.append(i)
-            if len(general) < want:  # everything left is in the front: look at more of it
-                window = front[:L - len(general)]
-            nw = len(window)
-            looked = window + general
-            rescanned = [state[i] == _SEEN for i in window]
-            present = self._present(looked)
-            stats.looked_up += len(looked)
-            front_misses, general_misses, general_hits, others = [], [], [], []
-            rh = rn = gh = gn = 0
-            for k, (i, code) in enumerate(zip(looked, present)):
-                hit = code == HIT
-                if k < nw and rescanned[k]:
-                    rn += 1
-                    rh += hit
-                else:
-                    gn += 1
-                    gh += hit
-                if hit:
-                    waiting -= state[i] == _SEEN
-                    state[i] = _READY
-                    ready.append(i)
-                    left -= 1
-                    if k >= nw:
-                        general_hits.append(i)
-                else:
-                    waiting += state[i] != _SEEN
-                    state[i] = _SEEN
-                    if code == PENDING:
-                        others.append(i)  # another job is reading it: a hit soon
-                    else:
-                        (front_misses if k < nw else general_misses).append(i)
-            # adapt: does re-examining the front pay (others insert there) or is the
-            # cache warm elsewhere (a filled cache, or the other jobs are elsewhere)?
-            if rn:
-                front_yield = (1 - a) * front_yield + a * rh / rn
-            if gn:
-                general_yield = (1 - a) * general_yield + a * gh / gn
-            since_jump += 1
-            elsewhere = general_yield > 2 * front_yield
-            share = 1 - GENERAL_SHARE if elsewhere else FRONT_SHARE
-            # jump only to others well ahead: a job just a little behind them still meets
-            # their inserts in its front, and leaving it would strand its pending items
-            if elsewhere and since_jump > JUMP_COOLDOWN and len(general_hits) >= JUMP_AFTER:
-                span = int(L * FRONT_SHARE * n / max(1, left))  # ranks a full front covers
-                # where the front is: its middle (a few old misses may linger at its start)
-                here = rank[front[len(front) // 2]] if front else cursor
-                to = self._cluster(general_hits, rank, here, n, span)
-                if to is not None and (to - here) % n > JUMP_MIN_FRONTS * span:
-                    stats.history.append(dict(event="jump", batch=stats.batches, left=left, at=here, to=to,
-                                              front_yield=round(front_yield, 4),
-                                              general_yield=round(general_yield, 4)))
-                    cursor = (to - nf // 2) % n  # join the others: the front restarts there
-                    for i in front:
-                        infront[i] = 0
-                    front = []
-                    nxt, pulled = cursor, 0
-                    front_yield = general_yield
-                    since_jump = 0
-                    stats.jumps += 1
-            batch = [ready.popleft() for _ in range(min(B, len(ready)))]
-            hits = len(batch)
-            stats.planned_hits += hits
-            if len(batch) < B:
-                # co-operative: jobs pick different misses, at random
-                picker.shuffle(front_misses)
-                picker.shuffle(general_misses)
-                picker.shuffle(others)
-                misses = front_misses + general_misses + others
-                take = misses[:B - len(batch)]
-                left -= len(take)
-                batch += take
-                stats.planned_misses += len(take)
-                waiting -= len(take)  # _SEEN items, yielded now
-            stats.substituted += min(hits, waiting)  # each hit went ahead of a waiting miss
-            self._yielded(batch, state)
-            yield batch
-
-    @staticmethod
-    def _yielded(batch: list[int], state: bytearray) -> None:
-        for i in batch:
-            state[i] = _DONE
-
-    @staticmethod
-    def _cluster(hits: list[int], rank: array, cursor: int, n: int, span: int) -> int | None:
-        """Rank where most of `hits` lie within `span` ranks (the nearest such place ahead
-        of the cursor), or None if no two do."""
-        rel = sorted((rank[i] - cursor) % n for i in hits)
-        best, at, hi = 1, None, 0
-        for lo in range(len(rel)):
-            while hi < len(rel) and rel[hi] - rel[lo] <= span:
-                hi += 1
-            if hi - lo > best:
-                best, at = hi - lo, rel[lo]
-        return None if at is None else (cursor + at) % n
+        return FrontWalk(self, rng, items).batches()

@@ -28,9 +28,11 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 from cacheserver.tls import add_tls_flags, tls_from_args  # noqa: E402
 
+from .status import add_status_parser  # noqa: E402
 from .tables import table  # noqa: E402
 
 PROG = "cachectl"
@@ -205,6 +207,22 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.vnodes < 1:
         parser.error("--vnodes must be >= 1")
     tls = _tls_from_args(parser, args)
+    members, source, note = _ring_members(args, parser, tls)
+    ring = HashRing(members, vnodes=args.vnodes)
+    share = ring.describe()
+    checks = _ring_checks(list(ring.nodes), tls, args.timeout) if args.check else {}
+    if args.json:
+        doc = {"source": source, "vnodes": args.vnodes, "members": list(ring.nodes), "share": share}
+        if checks:
+            doc["check"] = checks
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_ring(list(ring.nodes), share, checks, source, args.vnodes, note)
+    return 0 if all(v == "ok" for v in checks.values()) else 1
+
+
+def _ring_members(args: argparse.Namespace, parser: argparse.ArgumentParser, tls) -> tuple[list[str], str, str]:
+    """(members, where they came from, a note): --peers, several ADDRs, or one ADDR's --peers."""
     peers = _split_list([args.peers] if args.peers else [])
     for p in peers:
         try:
@@ -215,44 +233,39 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("give either ADDR ... or --peers, not both")
     if not peers and not args.addrs:
         parser.error("give ADDR ... or --peers a,b,c")
-    note = ""
     if peers:
-        members, source = peers, "--peers"
-    elif len(args.addrs) > 1:
-        members, source = list(args.addrs), "arguments"
-    else:
-        addr = args.addrs[0]
-        with _client(addr, tls, args.timeout) as c:
-            info = _rpc(addr, "Info", c.info, tls)
-        members = list(info.peers)
-        source = f"--peers of {addr}"
-        if not members:
-            members, note = [addr], f"{addr} was started without --peers: it is a ring of one"
-        elif addr not in members:
-            note = f"note: {addr} is not in its own --peers list"
-    ring = HashRing(members, vnodes=args.vnodes)
-    share = ring.describe()
+        return peers, "--peers", ""
+    if len(args.addrs) > 1:
+        return list(args.addrs), "arguments", ""
+    addr = args.addrs[0]
+    with _client(addr, tls, args.timeout) as c:
+        info = _rpc(addr, "Info", c.info, tls)
+    members, source = list(info.peers), f"--peers of {addr}"
+    if not members:
+        return [addr], source, f"{addr} was started without --peers: it is a ring of one"
+    return members, source, "" if addr in members else f"note: {addr} is not in its own --peers list"
+
+
+def _ring_checks(nodes: list[str], tls, timeout: float) -> dict[str, str]:
+    """Per member: "ok" if it answers Info with the same --peers, else what differs."""
     checks: dict[str, str] = {}
-    if args.check:
-        for m in ring.nodes:
-            try:
-                with _client(m, tls, args.timeout) as c:
-                    info = _rpc(m, "Info", c.info, tls)
-                mine = sorted(set(info.peers))
-                checks[m] = "ok" if mine == list(ring.nodes) else \
-                    ("no --peers" if not mine else f"peers differ: {','.join(mine)}")
-            except CtlError as e:
-                checks[m] = _oneline(str(e))
-    if args.json:
-        doc = {"source": source, "vnodes": args.vnodes, "members": list(ring.nodes), "share": share}
-        if checks:
-            doc["check"] = checks
-        print(json.dumps(doc, indent=2))
-        return 0 if all(v == "ok" for v in checks.values()) else 1
-    n = len(ring.nodes)
-    print(f"ring: {n} member{'s' if n != 1 else ''} from {source}, {args.vnodes} vnodes each")
+    for m in nodes:
+        try:
+            with _client(m, tls, timeout) as c:
+                info = _rpc(m, "Info", c.info, tls)
+            mine = sorted(set(info.peers))
+            checks[m] = "ok" if mine == nodes else ("no --peers" if not mine else f"peers differ: {','.join(mine)}")
+        except CtlError as e:
+            checks[m] = _oneline(str(e))
+    return checks
+
+
+def _print_ring(nodes: list[str], share: dict[str, float], checks: dict[str, str], source: str,
+                vnodes: int, note: str) -> None:
+    n = len(nodes)
+    print(f"ring: {n} member{'s' if n != 1 else ''} from {source}, {vnodes} vnodes each")
     rows = []
-    for m in ring.nodes:
+    for m in nodes:
         s = share[m]
         row = [m, f"{100 * s:.1f}%", "#" * max(1, round(40 * s))]
         if checks:
@@ -265,7 +278,6 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"ideal share {100 / n:.1f}%; largest/smallest {hi / lo:.2f}")
     if note:
         print(note)
-    return 0 if all(v == "ok" for v in checks.values()) else 1
 
 
 # ---------------------------------------------------------- local-cluster ---
@@ -360,20 +372,7 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
         capacity = parse_size(args.capacity)
     except ValueError as e:
         parser.error(f"--capacity: {e}")
-    if args.base_port is not None:
-        if not 1 <= args.base_port <= 65535 - 2 * n:
-            parser.error(f"--base-port {args.base_port}: no room for {n} port pairs")
-        ports = [args.base_port + 2 * i for i in range(n)]
-        busy = [p for q in ports for p in (q, q + 1) if not _port_free(p)]
-        if busy:
-            raise CtlError(f"local-cluster: port{'s' if len(busy) > 1 else ''} "
-                           f"{', '.join(map(str, busy))} on 127.0.0.1 already in use "
-                           f"(server i uses BASE+2i for gRPC and BASE+2i+1 for its data plane)")
-    else:
-        ports = _free_pairs(n)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    peers = ",".join(addrs)
-
+    addrs = [f"127.0.0.1:{p}" for p in _cluster_ports(args.base_port, n, parser)]
     stop = threading.Event()
     received: list[int] = []
 
@@ -388,56 +387,11 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
     rc = 0
     try:
         os.makedirs(base, exist_ok=True)
-        for i, addr in enumerate(addrs):
-            argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", addr,
-                    "--data-dir", os.path.join(base, f"server-{i}"), "--capacity", str(capacity),
-                    "--peers", peers, "--log-format", args.log_format, "--log-level", args.log_level,
-                    "--eviction", args.eviction]
-            if args.metrics_base_port is not None:
-                argv += ["--metrics-port", str(args.metrics_base_port + i)]
-            servers.append(_Server(i, addr, os.path.join(base, f"server-{i}"), argv))
-
-        deadline = time.monotonic() + args.start_timeout
-        pending = set(range(n))
-        while pending and not stop.is_set():
-            for i in sorted(pending):
-                state = servers[i].poll_ready()
-                if state is True:
-                    pending.discard(i)
-                elif state is None:
-                    s = servers[i]
-                    raise CtlError(f"local-cluster: server {i} ({s.addr}) exited with code "
-                                   f"{s.proc.returncode} while starting; log {s.log_path}:\n{_tail(s.log_path)}")
-            if pending and time.monotonic() > deadline:
-                late = ", ".join(f"{i} ({servers[i].addr})" for i in sorted(pending))
-                raise CtlError(f"local-cluster: server {late} not ready after {args.start_timeout:.0f}s; "
-                               f"log {servers[min(pending)].log_path}:\n{_tail(servers[min(pending)].log_path)}")
-            if pending:
-                stop.wait(0.05)
-
+        servers += _start_servers(args, base, addrs, capacity)
+        _wait_ready(servers, stop, args.start_timeout)
         if not stop.is_set():
-            where = f"{base} (removed at exit)" if temp else base
-            print(f"local cluster: {n} server{'s' if n > 1 else ''} x {args.capacity} "
-                  f"({capacity:,} bytes), data in {where}")
-            for s in servers:
-                port = s.addr.rsplit(":", 1)[1]
-                extra = f", metrics :{args.metrics_base_port + s.index}" if args.metrics_base_port is not None else ""
-                print(f"  server {s.index}  {s.addr}  (data plane :{int(port) + 1}{extra}, pid {s.proc.pid}, "
-                      f"log {s.log_path})")
-            print(f"ready: {','.join(s.addr for s in servers)}")
-            print(f"use: cache={','.join(s.addr for s in servers)}   "
-                  f"(inspect: {PROG} ring {servers[0].addr}; Ctrl-C stops the cluster)", flush=True)
-
-        while not stop.is_set():
-            dead = [s for s in servers if s.proc.poll() is not None]
-            if dead:
-                for s in dead:
-                    print(f"{PROG}: server {s.index} ({s.addr}) died with exit code {s.proc.returncode}; "
-                          f"log {s.log_path}:\n{_tail(s.log_path)}", file=sys.stderr, flush=True)
-                print(f"{PROG}: stopping the other servers", file=sys.stderr, flush=True)
-                rc = 1
-                break
-            stop.wait(0.25)
+            _announce(args, servers, base, temp, capacity)
+        rc = _watch(servers, stop)
     except CtlError as e:
         print(f"{PROG}: {e}", file=sys.stderr, flush=True)
         rc = 1
@@ -450,6 +404,84 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if rc == 0 and received:
         print(f"stopped {n} server{'s' if n > 1 else ''}", flush=True)
     return rc
+
+
+def _cluster_ports(base_port: int | None, n: int, parser: argparse.ArgumentParser) -> list[int]:
+    """The gRPC port of each server (its data plane is the next one up)."""
+    if base_port is None:
+        return _free_pairs(n)
+    if not 1 <= base_port <= 65535 - 2 * n:
+        parser.error(f"--base-port {base_port}: no room for {n} port pairs")
+    ports = [base_port + 2 * i for i in range(n)]
+    busy = [p for q in ports for p in (q, q + 1) if not _port_free(p)]
+    if busy:
+        raise CtlError(f"local-cluster: port{'s' if len(busy) > 1 else ''} "
+                       f"{', '.join(map(str, busy))} on 127.0.0.1 already in use "
+                       f"(server i uses BASE+2i for gRPC and BASE+2i+1 for its data plane)")
+    return ports
+
+
+def _start_servers(args: argparse.Namespace, base: str, addrs: list[str], capacity: int) -> list[_Server]:
+    servers = []
+    for i, addr in enumerate(addrs):
+        argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", addr,
+                "--data-dir", os.path.join(base, f"server-{i}"), "--capacity", str(capacity),
+                "--peers", ",".join(addrs), "--log-format", args.log_format, "--log-level", args.log_level,
+                "--eviction", args.eviction]
+        if args.metrics_base_port is not None:
+            argv += ["--metrics-port", str(args.metrics_base_port + i)]
+        servers.append(_Server(i, addr, os.path.join(base, f"server-{i}"), argv))
+    return servers
+
+
+def _wait_ready(servers: list[_Server], stop: threading.Event, timeout: float) -> None:
+    """Until every server printed READY (or a signal came); CtlError if one exits or is late."""
+    deadline = time.monotonic() + timeout
+    pending = set(range(len(servers)))
+    while pending and not stop.is_set():
+        for i in sorted(pending):
+            state = servers[i].poll_ready()
+            if state is True:
+                pending.discard(i)
+            elif state is None:
+                s = servers[i]
+                raise CtlError(f"local-cluster: server {i} ({s.addr}) exited with code "
+                               f"{s.proc.returncode} while starting; log {s.log_path}:\n{_tail(s.log_path)}")
+        if pending and time.monotonic() > deadline:
+            late = ", ".join(f"{i} ({servers[i].addr})" for i in sorted(pending))
+            raise CtlError(f"local-cluster: server {late} not ready after {timeout:.0f}s; "
+                           f"log {servers[min(pending)].log_path}:\n{_tail(servers[min(pending)].log_path)}")
+        if pending:
+            stop.wait(0.05)
+
+
+def _announce(args: argparse.Namespace, servers: list[_Server], base: str, temp: bool, capacity: int) -> None:
+    n = len(servers)
+    where = f"{base} (removed at exit)" if temp else base
+    print(f"local cluster: {n} server{'s' if n > 1 else ''} x {args.capacity} "
+          f"({capacity:,} bytes), data in {where}")
+    for s in servers:
+        port = s.addr.rsplit(":", 1)[1]
+        extra = f", metrics :{args.metrics_base_port + s.index}" if args.metrics_base_port is not None else ""
+        print(f"  server {s.index}  {s.addr}  (data plane :{int(port) + 1}{extra}, pid {s.proc.pid}, "
+              f"log {s.log_path})")
+    print(f"ready: {','.join(s.addr for s in servers)}")
+    print(f"use: cache={','.join(s.addr for s in servers)}   "
+          f"(inspect: {PROG} ring {servers[0].addr}; Ctrl-C stops the cluster)", flush=True)
+
+
+def _watch(servers: list[_Server], stop: threading.Event) -> int:
+    """Until a signal (0) or a server dies (1, after saying which)."""
+    while not stop.is_set():
+        dead = [s for s in servers if s.proc.poll() is not None]
+        if dead:
+            for s in dead:
+                print(f"{PROG}: server {s.index} ({s.addr}) died with exit code {s.proc.returncode}; "
+                      f"log {s.log_path}:\n{_tail(s.log_path)}", file=sys.stderr, flush=True)
+            print(f"{PROG}: stopping the other servers", file=sys.stderr, flush=True)
+            return 1
+        stop.wait(0.25)
+    return 0
 
 
 def _stop_servers(servers: list[_Server], timeout: float, rc: int) -> int:
@@ -491,18 +523,22 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_tls(p: argparse.ArgumentParser) -> None:
-    add_tls_flags(p, serves=False, peers="servers")
+    add_tls_flags(p, serves=False, peers="the servers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cacheserver import certs
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    fmt = _HelpFormatter
+    for add in (_add_certs, _add_stats, _add_ring, _add_local_cluster, add_status_parser):
+        add(sub)  # add_status_parser: the manager's own view, `cachectl status`
+    return p
 
-    c = sub.add_parser("certs", formatter_class=fmt,
+
+def _add_certs(sub: Any) -> None:
+    from cacheserver import certs
+    c = sub.add_parser("certs", formatter_class=_HelpFormatter,
                        help="create a CA and server/client certificates for mutual TLS",
                        description="Create ca.pem, ca-key.pem, server.pem, server-key.pem, client.pem and "
                                    "client-key.pem (client-N.pem for N >= 2) in DIR. Keys are mode 0600.")
@@ -518,18 +554,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace existing files")
     c.set_defaults(func=cmd_certs, subparser=c)
 
-    s = sub.add_parser("stats", formatter_class=fmt, help="show a server's Stats (capacity, usage, counters)")
+
+def _add_stats(sub: Any) -> None:
+    s = sub.add_parser("stats", formatter_class=_HelpFormatter, help="show a server's Stats (capacity, usage, counters)")
     s.add_argument("addr", metavar="ADDR", type=_check_addr, help="server gRPC address HOST:PORT")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_tls(s)
     s.set_defaults(func=cmd_stats, subparser=s)
 
-    r = sub.add_parser("ring", formatter_class=fmt, help="show ring members and their share of the key space",
+
+def _add_ring(sub: Any) -> None:
+    from cacheserver.client.hashring import DEFAULT_VNODES
+    r = sub.add_parser("ring", formatter_class=_HelpFormatter, help="show ring members and their share of the key space",
                        description="Members come from --peers, from several ADDRs, or, with one ADDR, "
                                    "from that server's --peers (its Info).")
     r.add_argument("addrs", metavar="ADDR", nargs="*", type=_check_addr, help="server gRPC address(es)")
     r.add_argument("--peers", default="", help="comma-separated ring members")
-    from cacheserver.client.hashring import DEFAULT_VNODES
     r.add_argument("--vnodes", type=int, default=DEFAULT_VNODES, help="virtual nodes per member (as clients use)")
     r.add_argument("--check", action="store_true",
                    help="also ask every member for its Info: reachable, and same --peers")
@@ -537,7 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tls(r)
     r.set_defaults(func=cmd_ring, subparser=r)
 
-    lc = sub.add_parser("local-cluster", formatter_class=fmt,
+
+def _add_local_cluster(sub: Any) -> None:
+    lc = sub.add_parser("local-cluster", formatter_class=_HelpFormatter,
                         help="run N cacheservers on 127.0.0.1 in the foreground (development)",
                         description="Start N cacheserver processes on 127.0.0.1, each with --peers listing "
                                     "all; stop them all on Ctrl-C or SIGTERM. Server i listens on "
@@ -555,11 +597,6 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--start-timeout", type=float, default=30.0, help="seconds to wait for all servers")
     lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
     lc.set_defaults(func=cmd_local_cluster, subparser=lc)
-
-    from .status import add_status_parser  # the manager's own view: `cachectl status`
-
-    add_status_parser(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

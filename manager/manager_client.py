@@ -31,7 +31,7 @@ from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
 
-from .policy import Batch, ChunkPlan, chunk_members, chunk_of
+from .policy import Batch, chunk_members, chunk_of
 
 #: A reported mini-batch: (end, duration), (end, duration, hit_ratio) or a policy Batch.
 BatchLike = Union[tuple[float, float], tuple[float, float, Union[float, None]], Batch]
@@ -99,9 +99,6 @@ class Plan:
         """Is item ``i`` in a chunk this job may read now (FULL: every item)? Items
         outside it are still inserted as spare entries when ``spare`` is set."""
         return self.option == Option.FULL or (self.option == Option.CHUNKED and self.chunk_of(i) in self.chunks)
-
-    def chunk_plan(self) -> ChunkPlan:
-        return ChunkPlan(self.dataset, self.n_items, self.k, self.active, self.loading, self.version)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "measured benefit, and recent allocation decisions.")
     p.add_argument("--manager", required=True, metavar="ADDR", help="cache manager gRPC address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    add_tls_flags(p, serves=False, peers="a manager")
+    add_tls_flags(p, serves=False, peers="the manager")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
     return p
@@ -88,64 +88,62 @@ def _chunk(v: Any) -> str:
 
 
 def render(d: dict[str, Any], address: str = "") -> str:
-    lines: list[str] = []
     servers = d.get("servers", [])
     alive = sum(1 for s in servers if s.get("alive"))
     src = "servers' capacity" if d.get("budget_from_capacity") else "--budget"
-    lines.append(f"manager {address}  ring v{d.get('ring_version', 0)} ({alive} of {len(servers)} servers alive)  "
-                 f"budget {_size(d.get('budget'))} ({src})  allocated {_size(d.get('allocated'))}  "
-                 f"journal seq {d.get('journal_seq', 0)}")
-    lines.append("")
-    lines.append("SERVERS")
-    if servers:
-        rows = [["ADDRESS", "SERVER ID", "STATE", "CAPACITY", "USED", "ITEMS", "HEARTBEAT"]]
-        for s in servers:
-            age = s.get("last_heartbeat_age", -1)
-            rows.append([s["address"], s["server_id"][:12], "alive" if s.get("alive") else "down",
-                         _size(s.get("capacity")), _size(s.get("used")), str(s.get("items", 0)),
-                         "none yet" if age < 0 else f"{age:.1f}s ago"])
-        lines += table(rows[1:], header=rows[0]).splitlines()
-    else:
-        lines.append("  (none registered)")
-    lines.append("")
-    lines.append("DATASETS")
-    datasets = d.get("datasets", [])
-    if datasets:
-        rows = [["DATASET", "SIZE", "ITEMS", "OPTION", "ALLOCATED", "K", "ACTIVE", "LOADING", "MARKED", "G", "VALUE"]]
-        for x in datasets:
-            rows.append([_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)),
-                         _opt(x["option"]) + ("+spare" if x.get("spare") else ""),
-                         _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
-                         _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")),
-                         _num(x.get("value"))])
-        lines += table(rows[1:], header=rows[0]).splitlines()
-        for x in datasets:
-            lines.append(f"  {_short(x['dataset'])}: {x.get('reason', '')}")
-            for c in x.get("chunks", []):
-                lines.append(f"    chunk {c['chunk']} {c['state']}: {', '.join(c.get('jobs', [])) or '(no readers)'}")
-            if x.get("waiting"):
-                lines.append(f"    waiting: {', '.join(x['waiting'])}")
-    else:
-        lines.append("  (none)")
-    lines.append("")
-    lines.append("JOBS")
-    jobs = d.get("jobs", [])
-    if jobs:
-        rows = [["JOB", "DATASET", "GPUS", "MODE", "PHASE", "BENEFIT", "T_MISS", "T_HIT", "HIT", "CHUNK", "BATCHES"]]
-        for j in jobs:
-            b = _num(j.get("benefit"), "{:.2f}") + ("?" if j.get("inconclusive") else "")
-            rows.append([j["job"], _short(j["dataset"]), str(j.get("n_gpus", 0)), _mode(j["mode"]),
-                         j.get("phase", ""), b, _num(j.get("t_miss")), _num(j.get("t_hit")),
-                         _num(j.get("hit_ratio"), "{:.2f}"), _chunk(j.get("chunk")), str(j.get("batches", 0))])
-        lines += table(rows[1:], header=rows[0]).splitlines()
-        lines.append("  (benefit b = t_miss / t_hit; '?' = lower bound, measured with too few cache hits)")
-    else:
-        lines.append("  (none)")
+    lines = [f"manager {address}  ring v{d.get('ring_version', 0)} ({alive} of {len(servers)} servers alive)  "
+             f"budget {_size(d.get('budget'))} ({src})  allocated {_size(d.get('allocated'))}  "
+             f"journal seq {d.get('journal_seq', 0)}"]
+    lines += ["", "SERVERS", *_servers(servers), "", "DATASETS", *_datasets(d.get("datasets", [])),
+              "", "JOBS", *_jobs(d.get("jobs", []))]
     decisions = d.get("decisions", [])
     if decisions:
-        lines.append("")
-        lines.append("RECENT DECISIONS")
+        lines += ["", "RECENT DECISIONS"]
         for x in decisions[-10:]:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.get("at", 0)))
             lines.append(f"  {at}Z {_short(x['dataset'])} -> {_opt(x['option'])}: {x.get('reason', '')}")
     return "\n".join(lines) + "\n"
+
+
+def _servers(servers: list[dict[str, Any]]) -> list[str]:
+    if not servers:
+        return ["  (none registered)"]
+    rows = []
+    for s in servers:
+        age = s.get("last_heartbeat_age", -1)
+        rows.append([s["address"], s["server_id"][:12], "alive" if s.get("alive") else "down",
+                     _size(s.get("capacity")), _size(s.get("used")), str(s.get("items", 0)),
+                     "none yet" if age < 0 else f"{age:.1f}s ago"])
+    return table(rows, header=["ADDRESS", "SERVER ID", "STATE", "CAPACITY", "USED", "ITEMS", "HEARTBEAT"]).splitlines()
+
+
+def _datasets(datasets: list[dict[str, Any]]) -> list[str]:
+    if not datasets:
+        return ["  (none)"]
+    rows = [[_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)),
+             _opt(x["option"]) + ("+spare" if x.get("spare") else ""),
+             _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
+             _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")), _num(x.get("value"))]
+            for x in datasets]
+    lines = table(rows, header=["DATASET", "SIZE", "ITEMS", "OPTION", "ALLOCATED", "K", "ACTIVE", "LOADING",
+                                "MARKED", "G", "VALUE"]).splitlines()
+    for x in datasets:
+        lines.append(f"  {_short(x['dataset'])}: {x.get('reason', '')}")
+        for c in x.get("chunks", []):
+            lines.append(f"    chunk {c['chunk']} {c['state']}: {', '.join(c.get('jobs', [])) or '(no readers)'}")
+        if x.get("waiting"):
+            lines.append(f"    waiting: {', '.join(x['waiting'])}")
+    return lines
+
+
+def _jobs(jobs: list[dict[str, Any]]) -> list[str]:
+    if not jobs:
+        return ["  (none)"]
+    rows = [[j["job"], _short(j["dataset"]), str(j.get("n_gpus", 0)), _mode(j["mode"]), j.get("phase", ""),
+             _num(j.get("benefit"), "{:.2f}") + ("?" if j.get("inconclusive") else ""),
+             _num(j.get("t_miss")), _num(j.get("t_hit")), _num(j.get("hit_ratio"), "{:.2f}"),
+             _chunk(j.get("chunk")), str(j.get("batches", 0))]
+            for j in jobs]
+    return table(rows, header=["JOB", "DATASET", "GPUS", "MODE", "PHASE", "BENEFIT", "T_MISS", "T_HIT", "HIT",
+                               "CHUNK", "BATCHES"]).splitlines() + [
+        "  (benefit b = t_miss / t_hit; '?' = lower bound, measured with too few cache hits)"]

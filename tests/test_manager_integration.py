@@ -82,7 +82,7 @@ def test_servers_register_and_appear_in_ring(cluster):
         st = status(mc)
         assert all(s["alive"] for s in st["servers"]) and int(st["budget"]) == 2 * 64_000_000
         assert st["budget_from_capacity"] is True
-    # Info.peers follows the manager's ring, so RingClient.from_spec(one address) finds all.
+    # Info.peers follows the manager's ring, so RingClient.resolve(one address) finds all.
     with ServerClient(s1.address) as c:
         wait_for(lambda: sorted(c.info().peers) == sorted(r.addresses), what="Info.peers = ring")
 

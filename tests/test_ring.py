@@ -56,8 +56,3 @@ def test_empty_ring_and_bad_vnodes():
         HashRing([]).node_for(os.urandom(32))
     with pytest.raises(ValueError, match="vnodes"):
         HashRing(["a:1"], vnodes=0)
-
-
-def test_with_nodes_bumps_version():
-    r = HashRing(["a:1"], version=3)
-    assert r.with_nodes(["a:1", "b:1"]).version == 4

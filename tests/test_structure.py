@@ -149,3 +149,8 @@ def test_the_length_check_sees_long_functions(tmp_path, monkeypatch):
     (tmp_path / "pkg" / "m.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert _long_functions(("pkg",)) == [f"pkg/m.py:5 long: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_no_function_is_over_60_lines():
+    long = _long_functions(PACKAGES)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

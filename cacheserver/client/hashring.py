@@ -19,11 +19,10 @@ def _point(data: bytes) -> int:
 
 
 class HashRing:
-    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES, version: int = 0):
+    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES):
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
         self.vnodes = vnodes
-        self.version = version
         self._nodes: tuple[str, ...] = tuple(sorted(set(nodes)))
         points = []
         for node in self._nodes:
@@ -52,9 +51,6 @@ class HashRing:
         for i, k in enumerate(keys):
             out.setdefault(self.node_for(k), []).append(i)
         return out
-
-    def with_nodes(self, nodes: Iterable[str]) -> "HashRing":
-        return HashRing(nodes, self.vnodes, self.version + 1)
 
     def describe(self) -> dict[str, float]:
         """Share of the hash space each node owns (for `cachectl ring`)."""

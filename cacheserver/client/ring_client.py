@@ -108,10 +108,6 @@ class RingClient:
                 addrs = peers
         return addrs
 
-    @classmethod
-    def from_spec(cls, spec: str, **kw) -> "RingClient":
-        return cls(cls.resolve(spec, kw.get("tls")), **kw)
-
     # ---- health ---------------------------------------------------------
     def _usable(self, node: str) -> bool:
         until = self._down_until.get(node)
