@@ -1,4 +1,4 @@
-"""`cachectl`: operator tool for cache servers.
+"""`cachectl`: operator tool for cache servers and the cache manager.
 
   cachectl certs --out DIR [--server-names ...] [--ips ...] [--clients N]
   cachectl stats ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
