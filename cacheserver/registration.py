@@ -20,7 +20,7 @@ from .proto import manager_pb2 as mpb
 from .proto import manager_pb2_grpc as mpb_grpc
 from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 
-log = logging.getLogger("cacheserver.membership")
+log = logging.getLogger("cacheserver.registration")
 
 
 def advertised(address: str) -> str:

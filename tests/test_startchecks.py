@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cacheserver.ringclient import RingClient
+from cacheserver.client.ring_client import RingClient
 from procs import cacheserver, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,7 +17,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_capacity_beyond_free_space_refused(tmp_path):
-    r = _run("cacheserver.daemon", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
+    r = _run("cacheserver.serverd", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
              "--capacity", "900TiB")
     assert r.returncode == 2
     assert "--capacity 900.0 TiB is more than" in r.stderr and "free; pass --capacity" in r.stderr
@@ -51,7 +51,7 @@ def test_server_in_its_peers_is_quiet(tmp_path, caplog):
 
 
 def test_help_documents_commands_and_log_flags():
-    ctl = _run("cacheserver.ctl", "--help").stdout
+    ctl = _run("manager.ctl", "--help").stdout
     assert "cachectl status --manager ADDR" in ctl
-    srv = _run("cacheserver.daemon", "--help").stdout
+    srv = _run("cacheserver.serverd", "--help").stdout
     assert "least severe log lines" in srv and "one JSON object per line" in srv
