@@ -82,11 +82,21 @@ def _rpc(addr: str, what: str, call, tls=None):
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 details = f"no answer in time ({details})"
-            elif tls is None and "Socket closed" in details:
+            elif tls is None and _accepts_connections(addr):  # listening, yet no plain gRPC
                 details += " (does it require TLS? pass --tls-cert, --tls-key and --tls-ca)"
             raise CtlError(f"cannot reach {addr}: {details}") from None
         name = code.name if code is not None else "ERROR"
         raise CtlError(f"{addr}: {what} failed: {name}: {details}") from None
+
+
+def _accepts_connections(addr: str) -> bool:
+    from cacheserver.runtime import split_hostport
+    host, port = split_hostport(addr, "address")
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _client(addr: str, tls, timeout: float):

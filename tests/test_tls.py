@@ -219,6 +219,7 @@ def test_cachectl_stats_over_tls(tls_server, tls_dir):
     r = cachectl("stats", tls_server.address, "--timeout", "3", timeout=30)
     assert r.returncode == 1
     assert r.stderr.startswith(f"cachectl: cannot reach {tls_server.address}: ")
+    assert "does it require TLS?" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = cachectl("stats", tls_server.address, "--tls-cert", str(tls_dir / "client.pem"), timeout=30)
     assert r.returncode == 2 and "all of --tls-cert, --tls-key and --tls-ca" in r.stderr
