@@ -53,7 +53,7 @@ class ServerClient:
         the one place this client decides what it may ask. A server that
         announces none gets only what every server serves."""
         if self._features is None:
-            self._features = frozenset(self.info().features)
+            self._resolve()  # one Info answers the transport and the features
         return feature in self._features
 
     def serves(self, op: ops.Op) -> bool:
