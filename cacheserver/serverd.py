@@ -13,7 +13,7 @@ from .malloc import keep_freed_memory
 from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
 from .sizes import parse_size
-from .store import DURABILITY
+from .store import DURABILITY, DataDirBusy
 from .tls import add_tls_flags, tls_from_args
 
 log = logging.getLogger("cacheserver")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = CacheServer(config_from_args(args))
         problem = startchecks.peers_problem(server.address, server.port, server.cfg.peers)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, DataDirBusy) as e:
         parser.exit(2, f"cacheserver: error: {e}\n")
     if problem:
         log.warning(problem)

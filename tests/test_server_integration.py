@@ -551,3 +551,22 @@ def test_info_announces_the_protocol_version_and_features(server):
         assert info.protocol_version == PROTOCOL_VERSION
         assert set(info.features) == FEATURES
         assert all(c.supports(f) for f in FEATURES) and not c.supports("no-such-feature")
+
+
+def test_a_second_server_on_a_data_dir_in_use_is_refused_clearly(tmp_path):
+    import subprocess
+    import sys
+
+    from procs import ROOT
+
+    d = cacheserver(str(tmp_path / "d"), "100MB").start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "cacheserver.serverd", "--listen", "127.0.0.1:0", "--data-dir",
+                            str(tmp_path / "d"), "--capacity", "100MB"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"data dir {tmp_path / 'd'} is in use by another cache server" in r.stderr
+        with ServerClient(d.address) as c:  # the first one serves on
+            assert c.put([(ids(1, seed=50)[0], b"v")]) == (1, 0, 0)
+    finally:
+        d.stop()
