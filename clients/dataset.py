@@ -242,10 +242,7 @@ class CachedDataset(_TorchDataset):
 
     def entry(self, index: int) -> itemview.Entry:
         """Metadata of dataset index `index` (an item, or a WebDataset sample)."""
-        if self.samples is None:
-            return itemview.entry(self.digest, self._index(index), [self._index(index)])
-        s = self._sample_index(index)
-        return itemview.entry(self.digest, s, self.samples.flatten([s]), self.samples.key(s))
+        return self._entry(self._index(index) if self.samples is None else self._sample_index(index))
 
     # ---- reads ----------------------------------------------------------
     def __len__(self) -> int:
@@ -259,22 +256,25 @@ class CachedDataset(_TorchDataset):
         if self.samples is None:
             indices = [self._index(i) for i in indices]
             out = self._read(indices)
-            entries = [[i] for i in indices] if self.decode or self.target else []
         else:
             indices = [self._sample_index(i) for i in indices]
             out = self.samples.assemble(self.digest, indices, self._read(self.samples.flatten(indices)))
-            entries = [self.samples.flatten([s]) for s in indices] if self.decode or self.target else []
         if self.decode is None and self.target is None:
             return out
-        ents = [self._entry(i, items) for i, items in zip(indices, entries)]
+        # Entries only for whom reads them: a plain decode(data) pays nothing per item for them
+        ents = ([self._entry(i) for i in indices] if self._decode_entry or self.target is not None
+                else [None] * len(indices))
         if self.decode is not None:
-            out = [self._decode(e, x) for e, x in zip(ents, out)]
+            out = [self._decode(i, e, x) for i, e, x in zip(indices, ents, out)]
         if self.target is not None:
             out = [(x, itemview.target_of(self.target, e)) for e, x in zip(ents, out)]
         return out
 
-    def _entry(self, i: int, items: list[int]) -> itemview.Entry:
-        return itemview.entry(self.digest, i, items, None if self.samples is None else self.samples.key(i))
+    def _entry(self, i: int) -> itemview.Entry:
+        """The Entry of a checked dataset index: an item, or a WebDataset sample."""
+        if self.samples is None:
+            return itemview.entry(self.digest, i, [i])
+        return itemview.entry(self.digest, i, self.samples.flatten([i]), self.samples.key(i))
 
     def _sample_index(self, i: Any) -> int:
         n = len(self.samples)
@@ -323,10 +323,11 @@ class CachedDataset(_TorchDataset):
         except TypeError:
             raise TypeError(f"item index must be an integer, got {type(i).__name__} {i!r}") from None
 
-    def _decode(self, e: itemview.Entry, data: Any) -> Any:
+    def _decode(self, i: int, e: itemview.Entry | None, data: Any) -> Any:
         try:
             return self.decode(data, e) if self._decode_entry else self.decode(data)
         except Exception as err:  # the user's own error, kept, with which item it was
+            e = e or self._entry(i)
             what = "item" if self.samples is None else "sample"
             err.add_note(f"while decoding {what} {e.index} of {self.digest.root} "
                          f"({e.path} @ {e.offset}+{e.length})")

@@ -328,6 +328,11 @@ class Digest:
         """Class names, indexed by target (empty when targets are the user's own integers)."""
         return list(self._extras.classes)
 
+    def class_name(self, target: int) -> str | None:
+        """The class that a target value names; None when the targets are the user's integers."""
+        classes = self._extras.classes
+        return classes[target] if classes else None
+
     @property
     def has_names(self) -> bool:
         return self._extras.name_offsets is not None

@@ -52,9 +52,7 @@ def entry(digest: Digest, index: int, items: list[int], name: str | None = None)
     if name is None and digest.has_names:
         name = digest.name(items[0])
     t = None if digest.targets is None else int(digest.targets[items[0]])
-    classes = digest.classes
-    cname = classes[t] if t is not None and classes else None
-    return Entry(index, path, offset, length, name, t, cname)
+    return Entry(index, path, offset, length, name, t, None if t is None else digest.class_name(t))
 
 
 def target_of(target: Any, e: Entry) -> Any:

@@ -214,3 +214,27 @@ def test_samples_on_other_kinds_refused(tmp_path):
     assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "f.dig")).returncode == 0
     with pytest.raises(ValueError, match="samples=True groups tar members .* is of kind files"):
         CachedDataset(tmp_path / "f.dig", cache=False, samples=True)
+
+
+def test_plain_decode_builds_no_entries(tmp_path, monkeypatch):
+    """The hit path: a decode(data) and no target= pay nothing per item for metadata;
+    an Entry is built only for a decode that takes it, a target=, or an error's note."""
+    from clients import itemview
+
+    image_folder(tmp_path / "d", per_class=2)
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "t.dig"), "--targets", "dir").returncode == 0
+    built = []
+    real = itemview.entry
+    monkeypatch.setattr(itemview, "entry", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    ds = CachedDataset(tmp_path / "t.dig", cache=False, decode=len)
+    assert [x > 0 for x in ds.__getitems__(list(range(6)))] == [True] * 6 and built == []
+    ds = CachedDataset(tmp_path / "t.dig", cache=False, decode=decode_png, target="class")
+    assert ds[4][0][2] == CLASSES[ds[4][1]] and built == [4, 4]  # one Entry per item and call
+
+    def bad(data):
+        raise KeyError("nope")
+
+    ds = CachedDataset(tmp_path / "t.dig", cache=False, decode=bad)
+    with pytest.raises(KeyError) as e:
+        ds[5]
+    assert any("while decoding item 5 of" in n and ".png @ 0+" in n for n in e.value.__notes__)
