@@ -58,7 +58,8 @@ class Share:
         return perm[self.rank:total:self.world].tolist()
 
     def describe(self) -> dict:
-        return {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world}
+        return {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world,
+                "drop_last": self.drop_last}
 
     def check(self, state: dict) -> None:
         """A state saved by another run must describe the same dataset and split."""
@@ -66,8 +67,9 @@ class Share:
             raise ValueError(f"loader state of version {state.get('version')!r}; this client reads "
                              f"version {STATE_VERSION}")
         mine = self.describe()
-        if self.world == 1:
-            mine.pop("seed")  # the order may change; the items left do not
+        if self.world == 1:  # the order may change; the items left do not
+            mine.pop("seed")
+            mine.pop("drop_last")
         wrong = [f"{k} {state.get(k)!r} (this loader: {v!r})" for k, v in mine.items() if state.get(k) != v]
         if wrong:
             raise ValueError("the loader state was saved with " + ", ".join(wrong))

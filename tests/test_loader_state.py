@@ -225,3 +225,20 @@ def test_more_loader_argument_errors(data):
     state = ds.loader(batch_size=4).state_dict()
     with pytest.raises(ValueError, match="loader state of version 99"):
         ds.loader(batch_size=4).load_state_dict({"sampler": dict(state["sampler"], version=99)})
+
+
+def test_rank_resume_refuses_another_drop_last():
+    """Under DDP drop_last decides the shares (padded or cut): a state saved with one
+    and resumed with the other would yield some items twice and others never."""
+    n, W, B = 103, 4, 5
+    s = SubstitutableBatchSampler(n, B, None, seed=2, rank=1, world_size=W)
+    it = iter(s)
+    next(it)
+    s.delivered()
+    state = s.state_dict()
+    with pytest.raises(ValueError, match="drop_last False \\(this loader: True\\)"):
+        SubstitutableBatchSampler(n, B, None, seed=2, rank=1, world_size=W, drop_last=True).load_state_dict(state)
+    one = SubstitutableBatchSampler(n, B, None, seed=2)  # one rank: drop_last only cuts the last batch
+    next(iter(one))
+    one.delivered()
+    SubstitutableBatchSampler(n, B, None, seed=2, drop_last=True).load_state_dict(one.state_dict())
