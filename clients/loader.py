@@ -89,7 +89,7 @@ class CachedLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration yields exactly the saved epoch's items not yet
         handed over; later iterations are the following epochs. ValueError if the state
-        belongs to another dataset, split or seed."""
+        belongs to another dataset, split (rank, world size, drop_last) or seed."""
         self.batch_sampler.load_state_dict(state["sampler"])
 
 
