@@ -29,6 +29,7 @@ _OURS = {
                      "pass batch_size=, drop_last=, seed=, rank=, world_size=",
     "in_order": "batches are delivered in order, which state_dict() relies on",
 }
+_HARMLESS = {"shuffle": False, "in_order": True}  # values that change nothing
 
 
 class CachedLoader(DataLoader):
@@ -94,12 +95,14 @@ class CachedLoader(DataLoader):
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:
-    """DataLoader arguments that our batch sampler replaces: refused, naming ours."""
+    """DataLoader arguments that our batch sampler replaces: refused, naming ours. Their
+    DataLoader defaults (None, shuffle=False, in_order=True) ask for nothing: accepted."""
     for name, instead in _OURS.items():
-        if name in kwargs and not (name == "in_order" and kwargs[name]) and not (
-                name == "shuffle" and kwargs[name] is False):
+        if name not in kwargs:
+            continue
+        value = kwargs.pop(name)
+        if value is not None and value is not _HARMLESS.get(name):
             raise ValueError(f"CachedDataset.loader() does not take {name}=: {instead}")
-        kwargs.pop(name, None)
 
 
 def check_picklable(ds, kwargs: dict[str, Any]) -> None:

@@ -242,3 +242,13 @@ def test_rank_resume_refuses_another_drop_last():
     next(iter(one))
     one.delivered()
     SubstitutableBatchSampler(n, B, None, seed=2, drop_last=True).load_state_dict(one.state_dict())
+
+
+def test_dataloader_defaults_passed_explicitly_are_accepted(data):
+    """Code written for DataLoader often passes its defaults: `sampler=sampler if ddp else None`."""
+    ds = CachedDataset(data[0], cache=False)
+    loader = ds.loader(batch_size=50, sampler=None, batch_sampler=None, shuffle=None, in_order=True)
+    assert sum(len(b) for b in loader) == 103
+    assert sum(len(b) for b in ds.loader(batch_size=50, shuffle=False)) == 103
+    with pytest.raises(ValueError, match="does not take shuffle=: "):
+        ds.loader(batch_size=4, shuffle=1)
