@@ -6,7 +6,8 @@
   without the cache; the servers apply bypass mode themselves);
 - keeps the chunk plan current and publishes it to DataLoader workers through
   shared memory (`SharedPlan`): which items may be inserted, under which chunk;
-- releases a chunk once this job has consumed all its items this epoch, and
+- releases a chunk once this job has consumed those of its items it reads this
+  epoch (all of them; a DDP rank's share; what a resumed epoch has left), and
   reports how much of the loading chunk is cached (a sampled Lookup);
 - prefetches missing items of the loading chunk at a capped rate (servers
   cannot read stores or decrypt, so loading is the clients' work).
@@ -22,6 +23,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from cacheserver.vocab import Option
 from manager.manager_client import ManagerClient, ManagerUnavailable, Plan, chunk_of
@@ -106,6 +109,8 @@ class JobCoordinator:
         self._batches: deque = deque(maxlen=10_000)
         self._consumed: Counter = Counter()
         self._released: set[int] = set()
+        self._expected: np.ndarray | None = None  # items this epoch reads (None: all)
+        self._chunk_reads: dict[tuple[int, int, int], int] = {}  # (n, k, chunk) -> of them in it
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.reached = False  # whether the manager has answered yet
@@ -148,7 +153,7 @@ class JobCoordinator:
         for i in batch:
             self._consumed[plan.chunk_of(i)] += 1
         for c in plan.chunks:
-            if c not in self._released and self._consumed[c] >= sum(len(r) for r in plan.members(c)):
+            if c not in self._released and self._consumed[c] >= self._to_read(plan, c):
                 self._released.add(c)
                 try:
                     self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
@@ -158,6 +163,25 @@ class JobCoordinator:
     def epoch_start(self) -> None:
         self._consumed.clear()
         self._released.clear()
+
+    def expect(self, items: Sequence[int] | None) -> None:
+        """The items this epoch reads (None: all): a DDP rank's share, or what a resumed
+        epoch has left. A chunk is released once those of its items are consumed."""
+        if items is None:
+            self._expected = None
+        else:
+            self._expected = np.zeros(len(self.ds.digest), bool)
+            self._expected[np.asarray(items, np.int64)] = True
+        self._chunk_reads.clear()
+
+    def _to_read(self, plan: Plan, c: int) -> int:
+        """How many items of chunk c this epoch reads."""
+        key = (plan.n_items, plan.k, c)
+        if key not in self._chunk_reads:
+            ranges, want = plan.members(c), self._expected
+            self._chunk_reads[key] = (sum(len(r) for r in ranges) if want is None
+                                      else sum(int(want[r.start:r.stop].sum()) for r in ranges))
+        return self._chunk_reads[key]
 
     def prefer(self, i: int) -> bool:
         plan = self.plan

@@ -222,14 +222,17 @@ class CachedDataset(_TorchDataset):
             codes = [int(p) for p in ring.lookup(self.ids_for(items), self.job)]
         return codes if self.samples is None else self.samples.combine_codes(indices, codes, HIT, PENDING)
 
-    def plan_hooks(self) -> tuple[Callable[[int], bool] | None, Callable[[list[int]], None] | None]:
-        """The manager's chunk plan, on dataset indices: (prefer, consumed) for the sampler."""
+    def plan_hooks(self) -> tuple[Callable[[int], bool] | None, Callable[[list[int]], None] | None,
+                                  Callable[[Sequence[int] | None], None] | None]:
+        """The manager's chunk plan, on dataset indices: (prefer, consumed, expect) for the
+        sampler: which misses to read first, what a batch consumed, what an epoch reads."""
         coord, smp = self.coordinator, self.samples
         if coord is None:
-            return None, None
+            return None, None, None
         if smp is None:
-            return coord.prefer, coord.consumed
-        return (lambda s: coord.prefer(smp.first_member(s))), (lambda b: coord.consumed(smp.flatten(b)))
+            return coord.prefer, coord.consumed, coord.expect
+        return ((lambda s: coord.prefer(smp.first_member(s))), (lambda b: coord.consumed(smp.flatten(b))),
+                (lambda e: coord.expect(None if e is None else smp.flatten(e))))
 
     @property
     def classes(self) -> list[str]:

@@ -145,11 +145,11 @@ def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, loo
         check_picklable(ds, kwargs)
     rank, world_size = distributed_rank(rank, world_size)
     coord = ds.coordinator
-    prefer, on_batch = ds.plan_hooks()
+    prefer, on_batch, on_epoch = ds.plan_hooks()
     sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
                                         seed=seed, lookahead=lookahead, drop_last=drop_last,
-                                        prefer=prefer, on_batch=on_batch, miss_seed=miss_seed,
-                                        rank=rank, world_size=world_size)
+                                        prefer=prefer, on_batch=on_batch, on_epoch=on_epoch,
+                                        miss_seed=miss_seed, rank=rank, world_size=world_size)
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.

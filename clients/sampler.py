@@ -121,6 +121,7 @@ class SubstitutableBatchSampler:
                  prefer: Callable[[int], bool] | None = None,
                  on_batch: Callable[[list[int]], None] | None = None,
                  miss_seed: int | None = None, walk: bool = False,
+                 on_epoch: Callable[[Sequence[int] | None], None] | None = None,
                  rank: int = 0, world_size: int = 1) -> None:
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
@@ -136,6 +137,7 @@ class SubstitutableBatchSampler:
         self.prefer = prefer
         self.walk = walk  # the paper's walk over this job's own permutation (a baseline)
         self.on_batch = on_batch
+        self.on_epoch = on_epoch  # told each epoch's items (None: all) before its first batch
         self.epoch = 0
         self.stats = SamplerStats()
         self._shared: tuple[array, array] | None = None
@@ -202,6 +204,8 @@ class SubstitutableBatchSampler:
         rng = random.Random(hash((self.seed, epoch)))
         self.stats = SamplerStats(epoch=epoch)
         items = self.epoch_items(epoch)
+        if self.on_epoch is not None:
+            self.on_epoch(items)
         self.progress.start(epoch)
         if items is None:
             items = range(self.n_items)

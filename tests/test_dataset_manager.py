@@ -138,3 +138,36 @@ def test_prefetch_moves_spare_entries_into_the_loading_chunk(tmp_path):
     finally:
         ds.close()
         d.kill()
+
+
+@pytest.mark.parametrize("how", ["rank share", "resumed epoch"])
+def test_chunks_released_when_this_epochs_items_of_them_are_consumed(tmp_path, how):
+    """A chunk is released once this job consumed what it will read of it this epoch: under
+    DDP a rank reads only its share of each chunk, and a resumed epoch only the items not yet
+    delivered. Counting the whole chunk instead never released one, stalling the rotation."""
+    from procs import free_port
+
+    from manager.manager_client import Plan
+
+    path, _ = make_dataset(tmp_path / "ds", n=101)
+    ds = CachedDataset(path, cache=False, manager=f"127.0.0.1:{free_port()}", job="j")  # manager down
+    coord = ds.coordinator
+    plan = Plan(coord.dataset, "chunked", 4, 101, 26, active=0, loading=None, chunks=(0, 1, 2, 3), version=1)
+    coord._set_plan(plan)
+    released = []
+    coord.client.release_chunk = lambda job, dataset, c: released.append(c) or plan  # the manager's reply
+    try:
+        if how == "rank share":
+            loader = ds.loader(batch_size=8, rank=1, world_size=3)
+        else:
+            first = ds.loader(batch_size=8, seed=4)
+            for k, _ in enumerate(first):
+                if k == 5:
+                    break
+            released.clear()
+            loader = ds.loader(batch_size=8, seed=4)
+            loader.load_state_dict(first.state_dict())
+        assert sum(len(b) for b in loader) == (34 if how == "rank share" else 101 - 48)
+        assert sorted(released) == [0, 1, 2, 3]
+    finally:
+        ds.close()
