@@ -151,7 +151,10 @@ class SubstitutableBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        n = self.progress.left(self.epoch, self.share.size)
+        return self._batches(self.progress.left(self.epoch, self.share.size))
+
+    def _batches(self, n: int) -> int:
+        """Batches that n items make."""
         full, rest = divmod(n, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
@@ -160,8 +163,14 @@ class SubstitutableBatchSampler:
         self.stats.delivered_items += self.progress.delivered()
 
     def state_dict(self) -> dict:
-        """Where the job is: the epoch in progress and the items already delivered in it."""
-        return {**self.share.describe(), **self.progress.state(self.epoch)}
+        """Where the job is: the epoch in progress and the items already delivered in it.
+        An epoch with no batch left (saved at its last batch, before the loop saw its end:
+        without workers the sampler is not yet exhausted then) is over: the state resumes
+        into the next one, with or without workers, as torchdata's StatefulDataLoader."""
+        st = self.progress.state(self.epoch)
+        if st["delivered"] and self._batches(self.share.size - st["items_delivered"]) == 0:
+            st = {**st, "epoch": st["epoch"] + 1, "delivered": b"", "items_delivered": 0}
+        return {**self.share.describe(), **st}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iteration runs the saved epoch's other items."""

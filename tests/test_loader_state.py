@@ -252,3 +252,24 @@ def test_dataloader_defaults_passed_explicitly_are_accepted(data):
     assert sum(len(b) for b in ds.loader(batch_size=50, shuffle=False)) == 103
     with pytest.raises(ValueError, match="does not take shuffle=: "):
         ds.loader(batch_size=4, shuffle=1)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_state_saved_at_an_epochs_last_batch_resumes_into_the_next(data, workers, drop_last):
+    """Saved inside the loop at the epoch's last batch (a checkpoint every k steps), the
+    state resumes into a whole next epoch, as torchdata's StatefulDataLoader does, with
+    or without workers: never an empty epoch (a loop averaging over it would divide by 0)."""
+    path, items = data
+    ds = CachedDataset(path, cache=False)
+    loader = ds.loader(batch_size=8, num_workers=workers, seed=1, drop_last=drop_last)
+    for batch in loader:
+        state = loader.state_dict()  # the last one is taken at the last batch
+    assert state["sampler"]["epoch"] == 1 and not state["sampler"]["delivered"]
+    resumed = ds.loader(batch_size=8, seed=1, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    assert len(resumed) == (12 if drop_last else 13)
+    got = [x for b in resumed for x in b]
+    assert len(got) == (96 if drop_last else 103) and len(set(got)) == len(got)
+    assert resumed.epoch_stats[-1].epoch == 1
+    ds.close()
