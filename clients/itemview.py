@@ -24,13 +24,17 @@ class Entry(NamedTuple):
 
 
 def takes_entry(decode: Callable[..., Any]) -> bool:
-    """Whether decode accepts a second positional argument (the entry)."""
+    """Whether decode asks for the entry: a second positional parameter without a default
+    (or named `entry`), or *args. `def decode(data, size=224)` keeps its size."""
     try:
         params = inspect.signature(decode).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature: decode(data)
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(positional) >= 2:
+        second = positional[1]
+        return second.default is second.empty or second.name == "entry"
+    return any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def check_target(target: Any, digest: Digest, source: str) -> None:

@@ -238,3 +238,25 @@ def test_plain_decode_builds_no_entries(tmp_path, monkeypatch):
     with pytest.raises(KeyError) as e:
         ds[5]
     assert any("while decoding item 5 of" in n and ".png @ 0+" in n for n in e.value.__notes__)
+
+
+def _decode_sized(data: bytes, size: int = 3) -> tuple:
+    return len(data), size
+
+
+def _decode_entry_default(data: bytes, entry=None) -> str:
+    return entry.class_name
+
+
+def test_decode_with_an_optional_second_parameter_keeps_it(tmp_path):
+    """`def decode(data, size=224)` is a decode with an option, not one that asks for the
+    Entry: it gets its default; a second parameter without a default, or named entry, or
+    *args, gets the Entry."""
+    from clients.itemview import takes_entry
+
+    image_folder(tmp_path / "d", per_class=1)
+    assert digest(str(tmp_path / "d"), "-o", str(tmp_path / "t.dig"), "--targets", "dir").returncode == 0
+    ds = CachedDataset(tmp_path / "t.dig", cache=False, decode=_decode_sized)
+    assert ds[0][1] == 3
+    assert CachedDataset(tmp_path / "t.dig", cache=False, decode=_decode_entry_default)[0] == "cat"
+    assert takes_entry(decode_png) and takes_entry(lambda *a: a) and not takes_entry(len)
