@@ -376,6 +376,29 @@ def _verify_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _load_labels(spec: str | None) -> dict[str, str | int] | None:
+    """The labels file of --targets FILE, read before the scan."""
+    if spec is None or spec == targets.DIR:
+        return None
+    try:
+        return targets.load_labels(spec)
+    except targets.TargetError as e:
+        raise ToolError(str(e)) from None
+
+
+def _targets_for(spec: str | None, labels: dict[str, str | int] | None,
+                 paths: list[str]) -> tuple[list[int] | None, list[str]]:
+    """(targets, classes) of --targets for these paths (files, then items); (None, [])
+    without it. Every item of a file shares the file's label, so the listed files alone
+    show any path --targets cannot label."""
+    if spec is None:
+        return None, []
+    try:
+        return targets.derive(spec, paths, labels)
+    except targets.TargetError as e:
+        raise ToolError(str(e)) from None
+
+
 def _worker_kind(local: bool, kind: Kind, workers: int) -> str:
     if workers == 1:
         return "process"
@@ -400,6 +423,8 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if kind is Kind.TFRECORD and not args.no_crc and not crc32c.FAST:
         print("digest: warning: google-crc32c is not installed; checking TFRecord CRCs in pure "
               "Python is slow (pip install google-crc32c, or pass --no-crc)", file=sys.stderr)
+    labels = _load_labels(args.targets)
+    _targets_for(args.targets, labels, [f.rel for f in files])  # a wrong --targets fails before hashing
     t0 = time.perf_counter()
     per_file = scan_files(fs, files, kind.value, workers, not args.no_crc, args.quiet)
     elapsed = time.perf_counter() - t0
@@ -412,11 +437,7 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         raise ToolError(f"empty dataset: {len(files)} file(s) under {args.src} hold no {kind.value} items")
     if not local and kind is not Kind.FILES:
         check_range_support(fs, root, files, per_file)
-    try:
-        tg, classes = targets.derive(args.targets, builder.item_paths()) if args.targets else (None, [])
-    except targets.TargetError as e:
-        raise ToolError(str(e)) from None
-    digest = builder.build(tg, classes)
+    digest = builder.build(*_targets_for(args.targets, labels, builder.item_paths()))
     digest.save(out)
     nbytes = digest.total_bytes
     print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {format_size(nbytes)} "

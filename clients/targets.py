@@ -40,7 +40,11 @@ def load_labels(path: str | Path) -> dict[str, str | int]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise TargetError(f"cannot read labels file {path}: {e.strerror or e}") from None
+        raise TargetError(f"cannot read labels file {path}: {e.strerror or e} (--targets takes 'dir' or "
+                          "a labels file: a JSON object {path: label} or a CSV of path,label rows)") from None
+    except UnicodeDecodeError as e:
+        raise TargetError(f"labels file {path} is not UTF-8 text ({e.reason} at byte {e.start}): expected "
+                          "a JSON object {path: label} or a CSV of path,label rows") from None
     if p.suffix.lower() == ".json":
         try:
             labels = json.loads(text)
@@ -94,8 +98,9 @@ def _as_ints(values: Sequence[str | int]) -> list[int] | None:
     return out
 
 
-def derive(spec: str, paths: Sequence[str]) -> tuple[list[int], list[str]]:
-    """``--targets SPEC``: 'dir' or a labels file."""
+def derive(spec: str, paths: Sequence[str], labels: Mapping[str, str | int] | None = None
+           ) -> tuple[list[int], list[str]]:
+    """``--targets SPEC``: 'dir' or a labels file (``labels``: its contents, read already)."""
     if spec == DIR:
         return from_dirs(paths)
-    return from_labels(paths, load_labels(spec), f"labels file {spec}")
+    return from_labels(paths, load_labels(spec) if labels is None else labels, f"labels file {spec}")

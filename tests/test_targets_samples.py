@@ -260,3 +260,26 @@ def test_decode_with_an_optional_second_parameter_keeps_it(tmp_path):
     assert ds[0][1] == 3
     assert CachedDataset(tmp_path / "t.dig", cache=False, decode=_decode_entry_default)[0] == "cat"
     assert takes_entry(decode_png) and takes_entry(lambda *a: a) and not takes_entry(len)
+
+
+def test_targets_checked_before_hashing(tmp_path):
+    """A wrong --targets is named in seconds, before the (possibly hours long) scan: here the
+    scan would stop first on a corrupt TFRecord file; and a labels file that is not text is
+    named, not a traceback."""
+    from clients.tfrecord import encode_record
+
+    (tmp_path / "d" / "cat").mkdir(parents=True)
+    (tmp_path / "d" / "cat" / "a.tfrecord").write_bytes(encode_record(b"x" * 9))
+    (tmp_path / "d" / "junk.tfrecord").write_bytes(b"not a tfrecord file at all")
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--format", "tfrecord", "--targets", "dir")
+    assert r.returncode == 1 and "'junk.tfrecord' is not inside a class directory" in r.stderr, r.stderr
+    (tmp_path / "l.csv").write_text("cat/a.tfrecord,1\n")
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--format", "tfrecord",
+               "--targets", str(tmp_path / "l.csv"))
+    assert r.returncode == 1 and "has no label for 'junk.tfrecord'" in r.stderr, r.stderr
+    (tmp_path / "bin.csv").write_bytes(b"\x90\xff\x00")
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--targets", str(tmp_path / "bin.csv"))
+    assert r.returncode == 1 and "bin.csv is not UTF-8 text" in r.stderr and "Traceback" not in r.stderr
+    r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--targets", "dirs")
+    assert r.returncode == 1 and "cannot read labels file dirs" in r.stderr and "--targets takes 'dir'" in r.stderr
+    assert not (tmp_path / "x.dig").exists()
