@@ -212,24 +212,38 @@ def scan_files(
     return results  # type: ignore[return-value]
 
 
+def _range_probe(fs: Any, root: str, f: SourceFile, off: int, size: int, sha: bytes | None) -> None:
+    """Read `size` bytes at `off` of f by range; a store that answers with something else
+    (an HTTP server ignoring Range sends the whole file) is refused, naming the fix."""
+    try:
+        data = fs.cat_file(f.path, start=off, end=off + size)
+    except Exception as e:  # any backend: say it, as the scan would
+        raise ToolError(f"cannot range-read {f.rel}: {type(e).__name__}: {e}") from None
+    if len(data) > size or (sha is not None and (len(data) != size or hashlib.sha256(data).digest() != sha)):
+        raise ToolError(
+            f"the store at {fs.unstrip_protocol(root)} ignores range requests: asked for "
+            f"bytes {off}-{off + size - 1} of {f.rel}, got {len(data)} bytes. Records and "
+            "tar members are read back by range, so this digest could not be read; "
+            "serve the data from a store that honours HTTP Range (python -m http.server "
+            "does not; tools/objstore.py, GCS, S3 do) or use --format files")
+
+
+def probe_range_support(fs: Any, root: str, files: list[SourceFile]) -> None:
+    """Before the scan: the first byte of a file that may hold more (more bytes back: Range
+    ignored), so such a store fails in seconds rather than after hashing the whole dataset."""
+    f = next((f for f in files if f.size is None or f.size >= 2), None)
+    if f is not None:
+        _range_probe(fs, root, f, 0, 1, None)
+
+
 def check_range_support(fs: Any, root: str, files: list[SourceFile], per_file: list[list[Item]]) -> None:
     """Records are read back by range: a store that answers a range request with the
-    whole file (an HTTP server ignoring Range) would fail every read later with a
-    misleading mismatch. Ask for one item that is not its whole file, now."""
+    whole file would fail every read later with a misleading mismatch. Read one item
+    that is not its whole file, and check its hash."""
     for f, items in zip(files, per_file):
         for off, size, sha, _ in items:
             if size and (off or f.size is None or size != f.size):
-                try:
-                    data = fs.cat_file(f.path, start=off, end=off + size)
-                except Exception as e:  # any backend: say it, as the scan would
-                    raise ToolError(f"cannot range-read {f.rel}: {type(e).__name__}: {e}") from None
-                if len(data) != size or hashlib.sha256(data).digest() != sha:
-                    raise ToolError(
-                        f"the store at {fs.unstrip_protocol(root)} ignores range requests: asked for "
-                        f"bytes {off}-{off + size - 1} of {f.rel}, got {len(data)} bytes. Records and "
-                        "tar members are read back by range, so this digest could not be read; "
-                        "serve the data from a store that honours HTTP Range (python -m http.server "
-                        "does not; tools/objstore.py, GCS, S3 do) or use --format files")
+                _range_probe(fs, root, f, off, size, sha)
                 return
 
 
@@ -423,6 +437,8 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if kind is Kind.TFRECORD and not args.no_crc and not crc32c.FAST:
         print("digest: warning: google-crc32c is not installed; checking TFRecord CRCs in pure "
               "Python is slow (pip install google-crc32c, or pass --no-crc)", file=sys.stderr)
+    if not local and kind is not Kind.FILES:
+        probe_range_support(fs, root, files)
     labels = _load_labels(args.targets)
     _targets_for(args.targets, labels, [f.rel for f in files])  # a wrong --targets fails before hashing
     t0 = time.perf_counter()

@@ -46,8 +46,13 @@ def test_store_ignoring_range_caught_at_digest_time(tmp_path, no_range_store):
     (root / "a.tfrecord").write_bytes(b"".join(encode_record(bytes([k]) * (50 + k)) for k in range(4)))
     r = run_tool(f"{url}/", "-o", str(tmp_path / "x.dig"), "--format", "tfrecord")
     assert r.returncode == 1, r.stderr
-    assert "ignores range requests: asked for bytes 12-61 of a.tfrecord, got" in r.stderr
+    assert "ignores range requests: asked for bytes 0-0 of a.tfrecord, got 270 bytes" in r.stderr
     assert "python -m http.server does not" in r.stderr and not (tmp_path / "x.dig").exists()
+    # before the scan: a file the scan would stop at is never reached
+    (root / "b.tfrecord").write_bytes(b"not a tfrecord file")
+    r = run_tool(f"{url}/", "-o", str(tmp_path / "x.dig"), "--format", "tfrecord")
+    assert r.returncode == 1 and "ignores range requests" in r.stderr and "bad length crc" not in r.stderr
+    (root / "b.tfrecord").unlink()
     # a digest made elsewhere and read through such a store names the cause too
     assert run_tool(str(root), "-o", str(tmp_path / "l.dig"), "--format", "tfrecord").returncode == 0
     d = Digest.load(tmp_path / "l.dig")
