@@ -19,6 +19,7 @@ from .digest import Digest
 
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
+_PER_MEMBER = ": not WebDataset shards? pass samples=False for one item per member"
 
 
 class SampleError(ValueError):
@@ -59,11 +60,11 @@ class Samples:
                 last_path, last_key = path, key
             elif code in codes[starts[-1]:]:
                 raise SampleError(f"{digest.path(path)}: member {digest.name(i)!r} repeats extension "
-                                  f"{ext!r} in sample {key!r}")
+                                  f"{ext!r} in sample {key!r}{_PER_MEMBER}")
             members.append(i)
             codes.append(code)
         if not members:
-            raise SampleError(f"no member of {digest.root} has a WebDataset name (KEY.EXT)")
+            raise SampleError(f"no member of {digest.root} has a WebDataset name (KEY.EXT){_PER_MEMBER}")
         starts.append(len(members))
         self.members = np.asarray(members, np.int64)
         self.starts = np.asarray(starts, np.int64)

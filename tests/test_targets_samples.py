@@ -180,11 +180,24 @@ def test_webdataset_errors(tmp_path):
     (tmp_path / "dup").mkdir()
     (tmp_path / "dup" / "d.tar").write_bytes(buf.getvalue())
     assert digest(str(tmp_path / "dup"), "-o", str(tmp_path / "dup.dig"), "--format", "tar").returncode == 0
-    with pytest.raises(SampleError, match="d.tar: member 'a.JPG' repeats extension 'jpg' in sample 'a'"):
+    with pytest.raises(SampleError, match="d.tar: member 'a.JPG' repeats extension 'jpg' in sample 'a': "
+                                          "not WebDataset shards\\? pass samples=False for one item per member"):
         CachedDataset(tmp_path / "dup.dig", cache=False)
     counts = Counter(type(x) for x in CachedDataset(tmp_path / "dup.dig", cache=False, samples=False)
                      .__getitems__([0, 1]))
     assert counts == {bytes: 2}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in ("data/0001", "data/0002"):  # a tar of plain files: no KEY.EXT names
+            ti = tarfile.TarInfo(name)
+            ti.size = 1
+            tf.addfile(ti, io.BytesIO(b"y"))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "p.tar").write_bytes(buf.getvalue())
+    assert digest(str(tmp_path / "plain"), "-o", str(tmp_path / "p.dig"), "--format", "tar").returncode == 0
+    with pytest.raises(SampleError, match="has a WebDataset name .*pass samples=False for one item per member"):
+        CachedDataset(tmp_path / "p.dig", cache=False)
+    assert len(CachedDataset(tmp_path / "p.dig", cache=False, samples=False)) == 2
 
 
 def test_labels_file_errors(tmp_path):
