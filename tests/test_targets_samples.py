@@ -161,6 +161,21 @@ def test_webdataset_samples_equal_webdatasets_reader(tmp_path):
         server.kill()
 
 
+def tar_digest(where: Path, shard: str, names: list[str]) -> Path:
+    """A tar shard of one-byte members with these names, digested; the digest's path."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in names:
+            ti = tarfile.TarInfo(name)
+            ti.size = 1
+            tf.addfile(ti, io.BytesIO(b"x"))
+    where.mkdir()
+    (where / shard).write_bytes(buf.getvalue())
+    out = where.parent / f"{where.name}.dig"
+    assert digest(str(where), "-o", str(out), "--format", "tar").returncode == 0
+    return out
+
+
 def test_webdataset_errors(tmp_path):
     write_shards(tmp_path / "shards", n=3)
     assert digest(str(tmp_path / "shards"), "-o", str(tmp_path / "w.dig"), "--format", "tar").returncode == 0
@@ -171,33 +186,17 @@ def test_webdataset_errors(tmp_path):
     assert ds.samples is None and len(ds) == len(d)  # one item per member, as before
     with pytest.raises(SampleError, match="records no member names .* re-create it with tools/digest"):
         CachedDataset(v1, cache=False, samples=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name in ("a.jpg", "a.JPG"):  # webdataset lower-cases extensions: one sample, twice jpg
-            ti = tarfile.TarInfo(name)
-            ti.size = 1
-            tf.addfile(ti, io.BytesIO(b"x"))
-    (tmp_path / "dup").mkdir()
-    (tmp_path / "dup" / "d.tar").write_bytes(buf.getvalue())
-    assert digest(str(tmp_path / "dup"), "-o", str(tmp_path / "dup.dig"), "--format", "tar").returncode == 0
+    tar_digest(tmp_path / "dup", "d.tar", ["a.jpg", "a.JPG"])  # extensions lower-cased: twice jpg
     with pytest.raises(SampleError, match="d.tar: member 'a.JPG' repeats extension 'jpg' in sample 'a': "
                                           "not WebDataset shards\\? pass samples=False for one item per member"):
         CachedDataset(tmp_path / "dup.dig", cache=False)
     counts = Counter(type(x) for x in CachedDataset(tmp_path / "dup.dig", cache=False, samples=False)
                      .__getitems__([0, 1]))
     assert counts == {bytes: 2}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name in ("data/0001", "data/0002"):  # a tar of plain files: no KEY.EXT names
-            ti = tarfile.TarInfo(name)
-            ti.size = 1
-            tf.addfile(ti, io.BytesIO(b"y"))
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "plain" / "p.tar").write_bytes(buf.getvalue())
-    assert digest(str(tmp_path / "plain"), "-o", str(tmp_path / "p.dig"), "--format", "tar").returncode == 0
+    tar_digest(tmp_path / "plain", "p.tar", ["data/0001", "data/0002"])  # plain files: no KEY.EXT names
     with pytest.raises(SampleError, match="has a WebDataset name .*pass samples=False for one item per member"):
-        CachedDataset(tmp_path / "p.dig", cache=False)
-    assert len(CachedDataset(tmp_path / "p.dig", cache=False, samples=False)) == 2
+        CachedDataset(tmp_path / "plain.dig", cache=False)
+    assert len(CachedDataset(tmp_path / "plain.dig", cache=False, samples=False)) == 2
 
 
 def test_labels_file_errors(tmp_path):
