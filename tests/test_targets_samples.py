@@ -295,3 +295,26 @@ def test_targets_checked_before_hashing(tmp_path):
     r = digest(str(tmp_path / "d"), "-o", str(tmp_path / "x.dig"), "--targets", "dirs")
     assert r.returncode == 1 and "cannot read labels file dirs" in r.stderr and "--targets takes 'dir'" in r.stderr
     assert not (tmp_path / "x.dig").exists()
+
+
+def test_targets_of_shards_and_records(tmp_path):
+    """--targets dir on tar shards and TFRecord files in class directories: each WebDataset
+    sample (and each record) gets its file's class."""
+    from clients.tfrecord import encode_record
+
+    for c in ("cat", "dog"):
+        (tmp_path / "w" / c).mkdir(parents=True)
+        with wds.ShardWriter(str(tmp_path / "w" / c / "s-%03d.tar"), maxcount=3, verbose=0) as w:
+            for i in range(4):
+                w.write({"__key__": f"{c}{i}", "jpg": c.encode() * (i + 1), "txt": str(i)})
+        (tmp_path / "r" / c).mkdir(parents=True)
+        (tmp_path / "r" / c / "x.tfrecord").write_bytes(b"".join(encode_record(c.encode() * k) for k in (1, 2)))
+    assert digest(str(tmp_path / "w"), "-o", str(tmp_path / "w.dig"), "--format", "tar", "--targets", "dir"
+                  ).returncode == 0
+    ds = CachedDataset(tmp_path / "w.dig", cache=False, target="class")
+    got = {s["__key__"]: (s["jpg"], t) for b in ds.loader(batch_size=3) for s, t in b}
+    assert got == {f"{c}{i}": (c.encode() * (i + 1), k) for k, c in enumerate(("cat", "dog")) for i in range(4)}
+    assert digest(str(tmp_path / "r"), "-o", str(tmp_path / "r.dig"), "--format", "tfrecord", "--targets", "dir"
+                  ).returncode == 0
+    ds = CachedDataset(tmp_path / "r.dig", cache=False, target="class")
+    assert sorted(ds[i] for i in range(len(ds))) == [(b"cat", 0), (b"catcat", 0), (b"dog", 1), (b"dogdog", 1)]
