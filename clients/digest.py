@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from clients.digest_paths import bad_path, path_problem
+
 MAGIC = b"MLCDIGST"
 VERSION = 2  # the newest this module reads and writes; see VERSIONS
 VERSIONS = (1, 2)  # 2 adds the optional targets and names columns
@@ -197,6 +199,15 @@ class Digest:
         if n and int(path_index.max()) >= npaths:
             raise DigestError("corrupt digest: item refers to a missing path")
         self._extras.check(n)
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        bad = bad_path(self._strings, self._path_offsets)
+        if bad is not None:
+            j, path, why = bad
+            users = np.flatnonzero(self._path_index == j)
+            item = f"item {int(users[0])}" if len(users) else f"path entry {j}"
+            raise DigestError(f"{item}: path {path!r} {why}; entries must stay under the root")
 
     # -- construction -------------------------------------------------------
 
@@ -511,6 +522,9 @@ class DigestBuilder:
             raise ValueError("sha256 must be 32 bytes")
         if size < 0 or offset < 0:
             raise ValueError("size and offset must be non-negative")
+        why = path_problem(path)
+        if why:
+            raise DigestError(f"item {len(self._sizes)}: path {path!r} {why}; entries must stay under the root")
         self._hashes += sha256
         self._sizes.append(size)
         self._offsets.append(offset)
