@@ -454,9 +454,10 @@ class CachedDataset(_TorchDataset):
         return bad
 
     def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
-        """Items from the store, checked against the digest (ItemMismatch names a
-        changed item: stale data never reaches training)."""
-        return read_items(self.digest, indices, st.fs, verify=self.verify_hash,
+        """Items from the store, always checked against the digest (ItemMismatch
+        names a changed item: stale data never reaches training). verify_hash
+        only governs cache reads: on a miss the store read dominates the hash."""
+        return read_items(self.digest, indices, st.fs, verify=True,
                           concurrency=self.fetch_threads, pool=st.pool)
 
     def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
@@ -468,8 +469,8 @@ class CachedDataset(_TorchDataset):
             chunk = self.plan.insert_chunk(i)
             if chunk is None:  # the manager gives this part of the dataset no cache space now
                 continue
-            # _read_store checked SHA-256(item) against the digest when verify_hash is on.
-            item_id, _, value = capability.seal(item, self.digest.sha256(i) if self.verify_hash else None)
+            # _read_store checked SHA-256(item) against the digest.
+            item_id, _, value = capability.seal(item, self.digest.sha256(i))
             groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
         for (chunk, replace), items in groups.items():
             st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
