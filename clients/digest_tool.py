@@ -16,9 +16,10 @@ import hashlib
 import json
 import os
 import random
+import stat
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -89,6 +90,20 @@ def open_source(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     return fs, (base.rstrip("/") or base)
 
 
+def _not_a_file(path: str, info: Mapping[str, Any]) -> str | None:
+    """Why a listed entry that fsspec does not call a file cannot be read, or
+    None for a symlink to a regular file (read through the link)."""
+    if not info.get("islink"):
+        return f"not a regular file ({info.get('type')})"
+    try:
+        st = os.stat(path)  # fsspec reports links only on the local filesystem
+    except OSError:
+        return "a broken symlink"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return "a symlink to a directory (not followed)" if stat.S_ISDIR(st.st_mode) else "a symlink to a special file"
+
+
 def list_source(
     fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
 ) -> tuple[str, list[SourceFile]]:
@@ -125,8 +140,9 @@ def list_source(
         if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
             continue
         if kind != "file":
-            what = "a broken symlink" if info.get("islink") else f"not a regular file ({kind})"
-            raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
+            what = _not_a_file(path, info)
+            if what:
+                raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
         files.append(SourceFile(path, rel, info.get("size")))
     if not files:
         chosen = " ".join([*(f"--include {p}" for p in includes), *(f"--exclude {p}" for p in excludes)])
