@@ -45,6 +45,7 @@ class ServerConfig:
     durability: str = "cache"  # store.DURABILITY
     grpc_workers: int = 64
     claim_ttl: float = DEFAULT_TTL
+    salvage: bool = False  # open a damaged store by dropping what cannot be read (salvage.py)
 
 
 class CacheServer:
@@ -53,7 +54,7 @@ class CacheServer:
         self.counters = Counters()
         self.instance = uuid.uuid4().hex
         self.store = Store(os.path.join(cfg.data_dir), cfg.capacity, make_policy(cfg.eviction),
-                           self.counters, durability=cfg.durability)
+                           self.counters, durability=cfg.durability, salvage=cfg.salvage)
         sid = self.store.get_state("server_id")
         if sid is None:
             sid = uuid.uuid4().hex.encode()

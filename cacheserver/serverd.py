@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",
                    help="how long a client's claim to be reading a miss from the store makes other "
                         "jobs wait for its insert (default %(default)s)")
+    p.add_argument("--salvage", action="store_true",
+                   help="if the store's files are damaged, keep what is readable and drop the rest "
+                        "(a cache refetches it) instead of refusing to start")
     add_tls_flags(p, serves=True, peers="clients")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written to stderr")
@@ -74,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         unix_socket=None if args.unix_socket == "off" else args.unix_socket,
         eviction=args.eviction,
         durability="power" if args.sync_writes else args.durability, claim_ttl=args.claim_ttl,
+        salvage=args.salvage,
         limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size),
     )
 

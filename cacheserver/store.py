@@ -36,6 +36,7 @@ from .counters import Counters
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import unwrap, wrap
+from .salvage import open_db
 
 # What a killed process may lose (--durability): "cache" the values of the last
 # few seconds of inserts (flusher.py; they are misses afterwards, never wrong
@@ -96,7 +97,7 @@ def _lock_dir(path: str) -> int:
 
 class Store:
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
-                 counters: Counters, *, durability: str = "cache") -> None:
+                 counters: Counters, *, durability: str = "cache", salvage: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if durability not in DURABILITY:
@@ -128,8 +129,8 @@ class Store:
         opts.set_atomic_flush(True)
         cf_opts = rocksdict.Options(raw_mode=True)
         self.db_path = os.path.abspath(os.path.join(path, "db"))
-        self._db = rocksdict.Rdict(self.db_path, tuned_for_reads(opts),
-                                   column_families={"meta": cf_opts, "server": cf_opts})
+        self._db, repaired = open_db(self.db_path, tuned_for_reads(opts),
+                                     {"meta": cf_opts, "server": cf_opts}, salvage)
         self._db.set_read_options(hot_read_options())
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
@@ -158,14 +159,14 @@ class Store:
         self.used = 0
         self._reserved = 0
         self._seq = 0
-        self._recover()
+        self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
             self._set_durable_mark(self._seq)  # all recovered values are in table files now
             self._flusher = Flusher(self._dirty_state, self.flush)
 
     # ---- recovery -------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, check_all: bool = False) -> None:
         entries = []
         for key, meta in self._meta.items():
             try:
@@ -177,26 +178,29 @@ class Store:
                 continue
             entries.append((seq, key, size, (dataset, chunk)))
         entries.sort()
-        entries = self._recover_unflushed(entries)
+        entries = self._recover_unflushed(entries, check_all)
         for seq, key, size, tag in entries:
             self._index_add(key, size + OVERHEAD, self._tag_id(tag))
             self.policy.admitted(key)
             self._seq = max(self._seq, seq + 1)
         self.counters.add("recovered_items", len(entries))
+        if check_all:
+            self._drop_orphans()
         if self.used > self.capacity:  # capacity lowered since last run
             self._evict_for(self.used - self.capacity)
 
-    def _recover_unflushed(self, entries: list) -> list:
+    def _recover_unflushed(self, entries: list, check_all: bool = False) -> list:
         """Drop index entries whose value a killed process never flushed.
 
         With durability "cache" the index entry is logged before its value is
         written unlogged; a value is safe once a flush that started after it
         completed (the durable mark: every sequence number below it). Only the
-        entries from the mark on are checked, a few seconds of inserts."""
+        entries from the mark on are checked, a few seconds of inserts; all of
+        them after a salvage (salvage.py), which may have dropped any value."""
         raw = self._server.get(DURABLE_MARK_KEY)
-        if raw is None or not entries:
+        if (raw is None and not check_all) or not entries:
             return entries
-        mark = struct.unpack("<Q", raw)[0]
+        mark = 0 if check_all else struct.unpack("<Q", raw)[0]
         lost = []
         for seq, key, _, _ in entries:
             if seq < mark:
@@ -213,6 +217,13 @@ class Store:
         self.counters.add("recovered_unflushed_dropped", len(lost))
         gone = set(lost)
         return [e for e in entries if e[1] not in gone]
+
+    def _drop_orphans(self) -> None:
+        """Delete values whose index entry a salvage lost: no one could evict them."""
+        orphans = [k for k in self._db.keys() if k not in self._index]
+        for k in orphans:
+            self._db.delete(k, self._wopts)
+        self.counters.add("salvage_orphans_dropped", len(orphans))
 
     def _set_durable_mark(self, seq: int) -> None:
         self._server.put(DURABLE_MARK_KEY, struct.pack("<Q", seq), self._wopts)
