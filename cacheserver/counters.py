@@ -21,6 +21,9 @@ SERVER_COUNTERS = (
     "grpc_requests", "recovered_items", "local_reads", "put_replaced",
     "claims_granted", "claims_waited", "claims_present", "follower_flushes", "put_retagged",
     "adopted", "local_inline", "flushes", "recovered_unflushed_dropped",
+    # issue 12: salvage, disk full, bounded answers, accept errors, admission control
+    "salvage_orphans_dropped", "rejected_disk_full", "get_cut_for_size", "accept_errors",
+    "busy_refused", "request_timeouts",
 )
 
 

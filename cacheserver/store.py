@@ -22,6 +22,7 @@ with many concurrent writers.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -33,10 +34,13 @@ from dataclasses import dataclass
 import rocksdict
 
 from .counters import Counters
+from .diskroom import DiskRoom
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import unwrap, wrap
 from .salvage import open_db
+
+log = logging.getLogger("cacheserver")
 
 # What a killed process may lose (--durability): "cache" the values of the last
 # few seconds of inserts (flusher.py; they are misses afterwards, never wrong
@@ -112,12 +116,12 @@ class Store:
 
         self._dir_lock = _lock_dir(path)
         try:
-            self._open(path)
+            self._open(path, salvage)
         except BaseException:
             os.close(self._dir_lock)
             raise
 
-    def _open(self, path: str) -> None:
+    def _open(self, path: str, salvage: bool) -> None:
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
@@ -159,6 +163,7 @@ class Store:
         self.used = 0
         self._reserved = 0
         self._seq = 0
+        self.room = DiskRoom(path, self.capacity)
         self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
@@ -359,6 +364,9 @@ class Store:
                  replace: bool = False) -> tuple[int, int, int]:
         """Store values not yet present (or overwrite, with replace: a client found the
         stored value poisoned). Returns (stored, already, rejected_full)."""
+        refused = self._no_room(items)
+        if refused is not None:
+            return refused
         already = 0
         todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:
@@ -392,6 +400,9 @@ class Store:
             if accepted:
                 self._write_values(accepted, seq0, tag)
             written = True
+        except Exception as e:
+            self.room.write_failed(e)
+            raise
         finally:
             # One lock section: between leaving _pending and entering the index a
             # concurrent put of the same id would store it a second time.
@@ -421,6 +432,22 @@ class Store:
                 accepted.append((key, value, charge))
                 free -= charge
         return accepted
+
+    def _unflushed_bytes(self) -> int:
+        return self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+
+    def _no_room(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> tuple[int, int, int] | None:
+        """put_many's answer when the file system has no room for the batch (diskroom.py)."""
+        need = sum(len(v) + OVERHEAD for _, v in items)
+        unflushed = self._unflushed_bytes()
+        if self.room.put_problem(need, unflushed) is None:
+            if unflushed and unflushed + need > self.room.reserve // 2:
+                self.flush()  # what is unflushed stays within what the reserve can flush
+            return None
+        with self._lock:
+            already = sum(1 for k, _ in items if k in self._index)
+        self.counters.add_many({"rejected_disk_full": len(items) - already, "put_already": already})
+        return 0, already, len(items) - already
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
         """Move present entries to `tag` (lock held): index, usage and, logged, their
@@ -480,9 +507,14 @@ class Store:
         with self._lock:
             mark = min(self._writing) if self._writing else self._seq
             self._dirty_since = None  # a write from here on marks it again
-        self._db.flush()
-        self._meta.flush()
-        self._server.flush()
+        self.room.before_flush(self._unflushed_bytes())
+        try:
+            self._db.flush()
+            self._meta.flush()
+            self._server.flush()
+        except Exception as e:  # RocksDB's errors are bare Exceptions; it stays read-only now
+            self.room.write_failed(e)
+            return
         if self.durability == "cache":
             self._set_durable_mark(mark)
             with self._lock:
@@ -548,9 +580,15 @@ class Store:
         if self._flusher is not None:
             self._flusher.stop()
         self.flush()
-        # Column-family views share the DB handle; drop them so the lock is released.
-        self._meta.close()
-        self._server.close()
-        del self._meta, self._server, self._meta_cf
-        self._db.close()
+        try:
+            # Column-family views share the DB handle; drop them so the lock is released.
+            self._meta.close()
+            self._server.close()
+            del self._meta, self._server, self._meta_cf
+            self._db.close()
+        except Exception as e:  # a store that failed a write fails its close the same way
+            if self.room.state != "failed":
+                raise
+            log.error("closing the store after a failed write: %s; items not yet flushed are refetched "
+                      "as misses after restart", " ".join(str(e).split()))
         os.close(self._dir_lock)

@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from cacheserver.client import ServerClient
+from cacheserver.client.server_client import ServerClient
 from procs import ROOT, cacheserver
 
 
@@ -48,7 +49,7 @@ def test_truncated_sst_one_line_error_then_salvage(tmp_path):
     victim = ssts[-1]
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
-    argv = [sys.executable, "-m", "cacheserver.daemon", "--listen", "127.0.0.1:0", "--data-dir", data,
+    argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", "127.0.0.1:0", "--data-dir", data,
             "--capacity", "200MB", "--log-format", "text"]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
@@ -65,6 +66,65 @@ def test_truncated_sst_one_line_error_then_salvage(tmp_path):
             assert st.items == held and st.used_bytes <= st.capacity_bytes
         assert not os.path.exists(os.path.join(data, "db", "lost"))
         more = _fill(s.address, batches=2, per=2, size=64 << 10, seed=1)
+        assert _read_back(s.address, more) == len(more)
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 MiB tmpfs of its own (needs root, as on the dev VM; skipped elsewhere)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill_disk(path: str) -> None:
+    with open(path, "wb") as f:
+        try:
+            for _ in range(1000):
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass  # ENOSPC: full
+
+
+def test_disk_full_keeps_acknowledged_and_stats_true(small_fs):
+    data = str(small_fs / "d")
+    s = cacheserver(data, "40MB").start()
+    try:
+        first: dict[bytes, bytes] = {}
+        for b in range(5):
+            first.update(_fill(s.address, batches=1, per=4, size=256 << 10, seed=100 + b))
+        _fill_disk(str(small_fs / "ballast"))  # at once: most of `first` is not flushed yet
+        refused = 0
+        with ServerClient(s.address) as c:
+            for b in range(6):
+                items = [(hashlib.sha256(bytes([b, k])).digest(), bytes([b, k]) * 1000) for k in range(4)]
+                stored, _, rejected = c.put(items)
+                assert stored == 0
+                refused += rejected
+            st = c.stats()
+            assert st.items == len(first) and refused == 24
+            assert st.counters["put_stored"] == len(first) and st.counters["rejected_disk_full"] == 24
+        assert _read_back(s.address, first) == len(first)  # reads go on
+        os.unlink(small_fs / "ballast")
+        more = _fill(s.address, batches=1, per=2, size=1000, seed=7)
+        assert _read_back(s.address, more) == len(more)  # room again: puts accepted
+    finally:
+        rc = s.stop()
+    assert rc == 0
+    log = open(os.path.join(data, "server.log")).read()
+    assert "disk full: " in log and "puts are refused and reads go on" in log
+    s = cacheserver(data, "40MB").start()
+    try:
+        assert _read_back(s.address, first) == len(first)  # nothing acknowledged was lost
         assert _read_back(s.address, more) == len(more)
     finally:
         assert s.stop() == 0
