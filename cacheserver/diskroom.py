@@ -24,7 +24,7 @@ MARGIN = 1 << 20  # the log and MANIFEST appends of a flush
 
 
 def reserve_size(capacity: int) -> int:
-    return min(64 << 20, max(8 << 20, capacity // 16))
+    return min(64 << 20, max(2 << 20, capacity // 64))
 
 
 class DiskRoom:

@@ -131,6 +131,8 @@ class Store:
         # A memtable that fills up flushes every column family at once, so values
         # and their index entries reach the table files together.
         opts.set_atomic_flush(True)
+        opts.set_keep_log_file_num(2)  # RocksDB's own info log: a few files of at most 1 MiB, not one per start
+        opts.set_max_log_file_size(1 << 20)
         cf_opts = rocksdict.Options(raw_mode=True)
         self.db_path = os.path.abspath(os.path.join(path, "db"))
         self._db, repaired = open_db(self.db_path, tuned_for_reads(opts),
