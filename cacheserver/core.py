@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .chunkrefs import ChunkTable
 from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
+from .getbound import bounded_get
 from .store import UNTAGGED, Store
 from .vocab import FETCH, ID_LEN, PRESENT, WAIT, BadRequest, CacheMode, check_ids
 
@@ -86,7 +87,9 @@ class CacheCore:
         self._check_ids(ids)
         if self._get_bypassed(job, len(ids)):
             return [None] * len(ids)
-        values = self.store.get_many(ids)
+        values, cut = bounded_get(self.store.get_many, ids, self.limits.max_batch_bytes)
+        if cut:
+            self.counters.add("get_cut_for_size", cut)
         if not count:
             return values
         hits = sum(1 for v in values if v is not None)
@@ -117,7 +120,8 @@ class CacheCore:
         out: list[memoryview | bool | None] = [True if p else None for p in present]
         inline = 0
         if late:
-            for i, v in zip(late, self.store.get_many([ids[i] for i in late])):
+            inline_values, _ = bounded_get(self.store.get_many, [ids[i] for i in late], self.limits.max_batch_bytes)
+            for i, v in zip(late, inline_values):
                 out[i] = v  # None: evicted since the look: a miss
                 inline += len(v) if v is not None else 0
         hits = sum(1 for v in out if v is not None)
