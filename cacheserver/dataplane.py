@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import ssl
 import threading
 
 from . import ops, wire
+from .acceptloop import accept_forever, wait_readable
 from .core import CacheCore
 from .vocab import BadRequest
 
@@ -57,25 +57,26 @@ class DataPlaneServer:
             self._threads.append(t)
 
     def _accept_loop(self, lsock: socket.socket) -> None:
-        lsock.settimeout(0.2)
-        while not self._stopping.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self.ssl_ctx is not None:
-                    # The handshake runs in the connection's thread (see _serve): done here,
-                    # one idle peer would block every later connection.
-                    conn = self.ssl_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="dataplane-conn")
-            with self._conns_lock:
-                self._conns.add(t)
+        accept_forever(lsock, self._stopping, self._start_conn, lambda: self.core.counters.add("accept_errors"))
+
+    def _start_conn(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl_ctx is not None:
+                # The handshake runs in the connection's thread (see _serve): done here,
+                # one idle peer would block every later connection.
+                conn = self.ssl_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="dataplane-conn")
+        with self._conns_lock:
+            self._conns.add(t)
+        try:
             t.start()
+        except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
+            with self._conns_lock:
+                self._conns.discard(t)
+            conn.close()
+            log.error("refused a data-plane connection: %s", e)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -90,8 +91,7 @@ class DataPlaneServer:
             while not self._stopping.is_set():
                 # Wait for the next request without blocking shutdown.
                 if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
-                    ready, _, _ = select.select([conn], [], [], 0.25)
-                    if not ready:
+                    if not wait_readable(conn, 0.25):
                         continue
                 try:
                     head = wire.recv_exact(conn, wire.HEADER.size)
