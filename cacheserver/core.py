@@ -26,6 +26,9 @@ class Limits:
     max_item_bytes: int = 64 << 20
     max_batch_bytes: int = 256 << 20
     max_batch_items: int = 100_000
+    max_inflight_bytes: int = 1 << 30  # request bodies held at once, all data-plane connections
+    max_connections: int = 4096  # open data-plane connections
+    request_timeout_s: float = 30.0  # a request's frame must arrive within this once it starts
 
 
 class CacheCore:

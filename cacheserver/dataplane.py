@@ -14,6 +14,7 @@ import threading
 
 from . import ops, wire
 from .acceptloop import accept_forever, wait_readable
+from .admission import Admission
 from .core import CacheCore
 from .vocab import BadRequest
 
@@ -25,6 +26,7 @@ class DataPlaneServer:
     def __init__(self, core: CacheCore, instance: str, tcp: tuple[str, int] | None,
                  unix_path: str | None, ssl_ctx: ssl.SSLContext | None = None) -> None:
         self.core = core
+        self.admission = Admission(core.limits.max_inflight_bytes, core.limits.max_connections)
         self.instance = instance
         self.ssl_ctx = ssl_ctx
         self._stopping = threading.Event()
@@ -60,6 +62,10 @@ class DataPlaneServer:
         accept_forever(lsock, self._stopping, self._start_conn, lambda: self.core.counters.add("accept_errors"))
 
     def _start_conn(self, conn: socket.socket) -> None:
+        why = self.admission.open_conn()
+        if why:
+            self._refuse_conn(conn, why)
+            return
         conn.settimeout(None)
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -75,8 +81,21 @@ class DataPlaneServer:
         except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
             with self._conns_lock:
                 self._conns.discard(t)
+            self.admission.close_conn()
             conn.close()
             log.error("refused a data-plane connection: %s", e)
+
+    def _refuse_conn(self, conn: socket.socket, why: str) -> None:
+        """Answer a connection past the cap with the reason, then close it."""
+        self.core.counters.add("busy_refused")
+        try:
+            if conn.family == socket.AF_UNIX or self.ssl_ctx is None:  # TLS would need a handshake first
+                conn.settimeout(1.0)
+                self._reply_error(conn, wire.UNAVAILABLE, why)
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -93,16 +112,19 @@ class DataPlaneServer:
                 if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
                     if not wait_readable(conn, 0.25):
                         continue
+                conn.settimeout(self.core.limits.request_timeout_s)  # a stalled sender is cut off
                 try:
                     head = wire.recv_exact(conn, wire.HEADER.size)
                 except ConnectionError:
                     return
                 if not self._handle(conn, head):
                     return
+                conn.settimeout(None)
         except (ConnectionError, OSError) as e:
             log.debug("dataplane connection ended: %s", e)
         finally:
             conn.close()
+            self.admission.close_conn()
             with self._conns_lock:
                 self._conns.discard(threading.current_thread())
 
@@ -121,7 +143,25 @@ class DataPlaneServer:
         max_body = limits.max_batch_bytes + limits.max_batch_items * 48 + 70_000
         if body_len > max_body:
             return self._refuse(conn, f"frame body of {body_len} bytes exceeds the limit of {max_body}")
-        body = memoryview(wire.recv_exact(conn, body_len))
+        why = self.admission.admit(body_len)
+        if why:
+            self.core.counters.add("busy_refused")
+            self._reply_error(conn, wire.UNAVAILABLE, why)
+            return False  # its body is not read: the framing cannot go on
+        try:
+            return self._serve_body(conn, code, flags, aux_len, count, body_len)
+        finally:
+            self.admission.release(body_len)
+
+    def _serve_body(self, conn: socket.socket, code: int, flags: int, aux_len: int, count: int,
+                    body_len: int) -> bool:
+        try:
+            body = memoryview(wire.recv_exact(conn, body_len))
+        except TimeoutError:
+            self.core.counters.add("request_timeouts")
+            log.warning("closed a data-plane connection whose request stalled for %.0f s",
+                        self.core.limits.request_timeout_s)
+            return False
         self.core.counters.add("dataplane_requests")
         try:
             rcount, parts = self._answer(code, flags, aux_len, count, body)

@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fallback when full: evict least recently used unreferenced entries, or refuse")
     p.add_argument("--max-item-size", type=parse_size, default=64 << 20, help="largest accepted value")
     p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
+    p.add_argument("--max-inflight-bytes", type=parse_size, default=1 << 30,
+                   help="request bodies held at once across all data-plane connections; past it a request "
+                        "is answered 'server busy'")
+    p.add_argument("--max-connections", type=int, default=4096, help="open data-plane connections at most")
+    p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                   help="a data-plane request that stalls this long while being sent or answered is cut off")
     p.add_argument("--durability", default="cache", choices=list(DURABILITY),
                    help="what a killed server may lose: 'cache' the inserts of its last few seconds "
                         "(refetched as misses; values skip the RocksDB log, about half the CPU per insert), "
@@ -78,7 +84,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         eviction=args.eviction,
         durability="power" if args.sync_writes else args.durability, claim_ttl=args.claim_ttl,
         salvage=args.salvage,
-        limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size),
+        limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size,
+                      max_inflight_bytes=args.max_inflight_bytes, max_connections=args.max_connections,
+                      request_timeout_s=args.request_timeout),
     )
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cacheserver import ops, wire
 from cacheserver.client.server_client import ServerClient
 from procs import cacheserver, rss_bytes
 
@@ -84,6 +85,74 @@ def test_connection_past_descriptor_1024_is_served(tmp_path):
         while len(os.listdir(f"/proc/{s.pid}/fd")) < 1030 and time.monotonic() < deadline:
             time.sleep(0.1)
         _ping_get(s.address, key, value)
+    finally:
+        for k in socks:
+            k.close()
+        assert s.stop() == 0
+
+
+def _remote_error(sock: socket.socket) -> tuple[int, str]:
+    """The error frame the server sent on ``sock`` (status, message)."""
+    sock.settimeout(10)
+    status, aux_len, _, _ = wire.unpack_header(wire.recv_exact(sock, wire.HEADER.size))
+    return status, wire.recv_exact(sock, aux_len).decode()
+
+
+def test_request_bodies_in_flight_capped_and_stalled_senders_cut_off(tmp_path):
+    s = cacheserver(str(tmp_path / "d"), "256MB", 0, "--unix-socket", "off", "--max-batch-size", "64MiB",
+                    "--max-inflight-bytes", "80MiB", "--request-timeout", "3").start()
+    socks = []
+    try:
+        addr = _data_addr(s.address)
+        base = rss_bytes(s.pid)
+        chunk = b"\0" * (1 << 20)
+        for _ in range(4):  # each sends most of a 60 MiB put body, then stalls
+            k = socket.create_connection(addr, timeout=5)
+            socks.append(k)
+            k.sendall(wire.pack_header(ops.PUT.code, 0, 1, 60 << 20))
+            try:
+                for _ in range(50):
+                    k.sendall(chunk)
+            except (TimeoutError, OSError):
+                pass  # refused: the server does not read its body
+        peak = rss_bytes(s.pid)
+        refused = []
+        for k in socks[1:]:
+            status, msg = _remote_error(k)
+            refused.append(status == wire.UNAVAILABLE and msg.startswith("server busy: ")
+                           and "--max-inflight-bytes" in msg)
+        assert all(refused) and len(refused) == 3
+        assert peak - base < 110 << 20, (base, peak)  # one body, not four
+        socks[0].settimeout(10)
+        assert socks[0].recv(100) == b""  # the stalled sender was cut off
+        with ServerClient(s.address, local_read=False) as c:
+            value = b"x" * 1000
+            assert c.put([(hashlib.sha256(value).digest(), value)])[0] == 1
+            st = c.stats()
+        assert st.counters["request_timeouts"] == 1 and st.counters["busy_refused"] == 3
+    finally:
+        for k in socks:
+            k.close()
+        assert s.stop() == 0
+
+
+def test_connections_past_the_cap_are_answered_busy(tmp_path):
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--unix-socket", "off", "--max-connections", "4").start()
+    socks = []
+    try:
+        addr = _data_addr(s.address)
+        socks = [socket.create_connection(addr, timeout=5) for _ in range(4)]
+        time.sleep(0.5)
+        extra = socket.create_connection(addr, timeout=5)
+        socks.append(extra)
+        status, msg = _remote_error(extra)
+        assert status == wire.UNAVAILABLE and "4 data-plane connections open, limit 4" in msg
+        for k in socks[:4]:
+            k.close()
+        time.sleep(0.5)
+        value = b"y" * 100
+        with ServerClient(s.address, local_read=False) as c:  # room again
+            assert c.put([(hashlib.sha256(value).digest(), value)])[0] == 1
     finally:
         for k in socks:
             k.close()
