@@ -13,6 +13,7 @@ from .core import CacheCore
 from .vocab import BadRequest, split_ids
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
+from .roles import Roles, strip_tenants
 
 log = logging.getLogger("cacheserver.grpc")
 GET_MESSAGE_BYTES = 4 << 20  # values per streamed Get message
@@ -48,10 +49,12 @@ def _served(op: ops.Op) -> Callable:
 
 class CacheService(pb_grpc.CacheServicer):
     """Lookup, Claim, Adopt and Put come from ops.UNARY_RPCS (set below); Get streams."""
-    def __init__(self, core: CacheCore, info: Callable[[], pb.InfoResponse], server_id: str) -> None:
+    def __init__(self, core: CacheCore, info: Callable[[], pb.InfoResponse], server_id: str,
+                 roles: Roles | None = None) -> None:
         self.core = core
         self._info = info
         self.server_id = server_id
+        self.roles = roles or Roles(None)
 
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetResponse]:
         # A generator cannot use the decorator's abort path before its first
@@ -67,27 +70,34 @@ class CacheService(pb_grpc.CacheServicer):
 
     @_statuses
     def SetJobMode(self, request: pb.SetJobModeRequest, context) -> pb.SetJobModeResponse:
+        self.roles.require_manager(context, "SetJobMode")
         return pb.SetJobModeResponse(previous=self.core.set_job_mode(request.job, int(request.mode)))
 
     @_statuses
     def ActiveChunk(self, request: pb.ActiveChunkRequest, context) -> pb.ActiveChunkResponse:
+        if request.chunk >= 0:  # a change; -1 only asks
+            self.roles.require_manager(context, "ActiveChunk")
         return pb.ActiveChunkResponse(active=self.core.chunks.set_active(request.dataset, request.chunk))
 
     @_statuses
     def RefChunk(self, request: pb.RefChunkRequest, context) -> pb.RefChunkResponse:
+        self.roles.require_manager(context, "RefChunk")
         return pb.RefChunkResponse(refs=self.core.ref_chunk(request.dataset, request.chunk, request.job))
 
     @_statuses
     def UnrefChunk(self, request: pb.RefChunkRequest, context) -> pb.RefChunkResponse:
+        self.roles.require_manager(context, "UnrefChunk")
         return pb.RefChunkResponse(refs=self.core.unref_chunk(request.dataset, request.chunk, request.job))
 
     @_statuses
     def EvictChunk(self, request: pb.EvictChunkRequest, context) -> pb.EvictResponse:
+        self.roles.require_manager(context, "EvictChunk")
         items, freed = self.core.evict_chunk(request.dataset, request.chunk, request.force)
         return pb.EvictResponse(items=items, bytes=freed)
 
     @_statuses
     def EvictDataset(self, request: pb.EvictDatasetRequest, context) -> pb.EvictResponse:
+        self.roles.require_manager(context, "EvictDataset")
         items, freed = self.core.evict_dataset(request.dataset)
         return pb.EvictResponse(items=items, bytes=freed)
 
@@ -105,7 +115,7 @@ class CacheService(pb_grpc.CacheServicer):
             jobs = chunks.holders(dataset, chunk)
             resp.chunks.add(dataset=dataset, chunk=chunk, items=u.items if u else 0,
                             bytes=u.bytes if u else 0, refs=len(jobs), jobs=jobs)
-        return resp
+        return resp if self.roles.is_manager(context) else strip_tenants(resp)
 
     @_statuses
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:

@@ -20,6 +20,7 @@ from .logs import event
 from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
+from .roles import Roles, read_token
 from .runtime import bind_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
@@ -45,6 +46,7 @@ class ServerConfig:
     durability: str = "cache"  # store.DURABILITY
     grpc_workers: int = 64
     claim_ttl: float = DEFAULT_TTL
+    cluster_token_file: str | None = None  # the manager's role (roles.py); None: every caller has it
     salvage: bool = False  # open a damaged store by dropping what cannot be read (salvage.py)
 
 
@@ -67,7 +69,11 @@ class CacheServer:
                 ("grpc.so_reuseport", 0)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
                                 options=opts)
-        pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id), self.grpc)
+        token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
+        if token is None and cfg.tls is None:
+            log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
+        pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id, Roles(token)),
+                                            self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)

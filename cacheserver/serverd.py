@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--salvage", action="store_true",
                    help="if the store's files are damaged, keep what is readable and drop the rest "
                         "(a cache refetches it) instead of refusing to start")
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="shared secret of the cache manager (mode 600): only callers that send it may change "
+                        "job modes, chunk references and active chunks, evict, and see tenants in Stats")
     add_tls_flags(p, serves=True, peers="clients")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written to stderr")
@@ -83,7 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         unix_socket=None if args.unix_socket == "off" else args.unix_socket,
         eviction=args.eviction,
         durability="power" if args.sync_writes else args.durability, claim_ttl=args.claim_ttl,
-        salvage=args.salvage,
+        salvage=args.salvage, cluster_token_file=args.cluster_token_file,
         limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size,
                       max_inflight_bytes=args.max_inflight_bytes, max_connections=args.max_connections,
                       request_timeout_s=args.request_timeout),

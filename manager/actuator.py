@@ -82,7 +82,7 @@ class _Worker:
     def _client(self) -> ServerClient:
         if self.client is None:
             self.client = ServerClient(self.address, tls=self.owner.tls, timeout=self.owner.timeout,
-                                       use_dataplane=False)
+                                       use_dataplane=False, control_token=self.owner.token)
         return self.client
 
     def _drop_client(self) -> None:
@@ -150,10 +150,12 @@ class _Worker:
 
 class Actuator:
     def __init__(self, desired: Callable[[], Desired], addresses: Callable[[], list[str]], *,
-                 tls: TlsFiles | None = None, timeout: float = 2.0, counters: Counters | None = None) -> None:
+                 tls: TlsFiles | None = None, timeout: float = 2.0, counters: Counters | None = None,
+                 token: bytes | None = None) -> None:
         self.desired = desired
         self.addresses = addresses
         self.tls = tls
+        self.token = token  # the cluster token: the manager's role on the servers
         self.timeout = timeout
         self.counters = counters or Counters(MANAGER_COUNTERS)
         self._workers: dict[str, _Worker] = {}

@@ -24,6 +24,7 @@ from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.runtime import bind_grpc, run_until_signal
 from cacheserver.sizes import parse_size
+from cacheserver.roles import read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
 from .actuator import Actuator, desired_from
@@ -53,6 +54,7 @@ class DaemonConfig:
     server_timeout_s: float = 2.0
     snapshot_every: int = 1000
     fsync: bool = True
+    cluster_token_file: str | None = None  # sent to the servers: the manager's role (cacheserver/roles.py)
 
 
 class ManagerDaemon:
@@ -62,7 +64,8 @@ class ManagerDaemon:
         self.clock = time.time  # wall clock: journaled times must mean the same after a restart
         self.actuator = Actuator(lambda: self.store.read(desired_from),
                                  lambda: self.store.read(lambda m: m.registry.addresses()),
-                                 tls=cfg.tls, timeout=cfg.server_timeout_s, counters=self.counters)
+                                 tls=cfg.tls, timeout=cfg.server_timeout_s, counters=self.counters,
+                                 token=read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None)
         self.store = StateStore(cfg.state_dir, cfg.model, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync,
                                 clock=self.clock, on_effects=self.actuator.submit)
         self.store.open()
@@ -126,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache bytes to allocate (default: total capacity of the servers in the ring)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     add_tls_flags(p, serves=True, peers="servers and clients", cert_note=", also towards servers")
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="the servers' --cluster-token-file: sent with mode changes and evictions")
     p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
     p.add_argument("--heartbeat-misses", type=int, default=3,
                    help="a server missing this many heartbeats leaves the ring")
@@ -180,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         tls=tls_from_args(args),
         heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
         decision_s=args.decision_seconds, job_timeout_s=args.job_timeout_seconds,
-        server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync)
+        server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
+        cluster_token_file=args.cluster_token_file)
 
 
 def main(argv: list[str] | None = None) -> int:

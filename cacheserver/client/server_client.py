@@ -23,14 +23,17 @@ from ..tls import TlsFiles, grpc_channel
 from ..vocab import FEATURE_INLINE, check_ids
 from .localread import LocalReader, log_bytes
 from .readpath import LOCAL, ReadPaths
+from ..roles import metadata
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
 
 class ServerClient:
     def __init__(self, address: str, *, tls: TlsFiles | None = None, prefer_unix: bool = True,
-                 timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True) -> None:
+                 timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True,
+                 control_token: bytes | None = None) -> None:
         self.address = address
+        self._md = metadata(control_token)  # the manager's role for control calls (roles.py)
         self.timeout = timeout
         self._tls = tls
         self.channel = grpc_channel(address, tls, CHANNEL_OPTIONS)
@@ -289,30 +292,32 @@ class ServerClient:
         return self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
 
     def stats(self) -> pb.StatsResponse:
-        return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout)
+        return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout, metadata=self._md)
 
     def set_job_mode(self, job: str, mode: int) -> int:
-        return self.stub.SetJobMode(pb.SetJobModeRequest(job=job, mode=mode), timeout=self.timeout).previous
+        return self.stub.SetJobMode(pb.SetJobModeRequest(job=job, mode=mode), timeout=self.timeout,
+                                    metadata=self._md).previous
 
     def active_chunk(self, dataset: str, chunk: int = -1) -> int:
         return self.stub.ActiveChunk(pb.ActiveChunkRequest(dataset=dataset, chunk=chunk),
-                                     timeout=self.timeout).active
+                                     timeout=self.timeout, metadata=self._md).active
 
     def ref_chunk(self, dataset: str, chunk: int, job: str) -> int:
         return self.stub.RefChunk(pb.RefChunkRequest(dataset=dataset, chunk=chunk, job=job),
-                                  timeout=self.timeout).refs
+                                  timeout=self.timeout, metadata=self._md).refs
 
     def unref_chunk(self, dataset: str, chunk: int, job: str) -> int:
         return self.stub.UnrefChunk(pb.RefChunkRequest(dataset=dataset, chunk=chunk, job=job),
-                                    timeout=self.timeout).refs
+                                    timeout=self.timeout, metadata=self._md).refs
 
     def evict_chunk(self, dataset: str, chunk: int, force: bool = False) -> tuple[int, int]:
         r = self.stub.EvictChunk(pb.EvictChunkRequest(dataset=dataset, chunk=chunk, force=force),
-                                 timeout=self.timeout)
+                                 timeout=self.timeout, metadata=self._md)
         return r.items, r.bytes
 
     def evict_dataset(self, dataset: str) -> tuple[int, int]:
-        r = self.stub.EvictDataset(pb.EvictDatasetRequest(dataset=dataset), timeout=self.timeout)
+        r = self.stub.EvictDataset(pb.EvictDatasetRequest(dataset=dataset), timeout=self.timeout,
+                                   metadata=self._md)
         return r.items, r.bytes
 
     def close(self) -> None:

@@ -1,0 +1,72 @@
+"""Issue 12 item 7 (in part): the manager's role by a shared cluster token; real daemons."""
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from cacheserver.client.server_client import ServerClient
+from cacheserver.vocab import CacheMode
+from procs import ROOT, cacheserver, free_port
+
+BYPASS = CacheMode.BYPASS.code
+
+
+def _token_file(tmp_path) -> tuple[str, bytes]:
+    token = base64.b64encode(os.urandom(32))
+    path = tmp_path / "cluster.token"
+    path.write_bytes(token + b"\n")
+    path.chmod(0o600)
+    return str(path), token
+
+
+def test_control_operations_need_the_cluster_token(tmp_path):
+    path, token = _token_file(tmp_path)
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--cluster-token-file", path).start()
+    try:
+        value = b"z" * 500
+        key = hashlib.sha256(value).digest()
+        with ServerClient(s.address) as plain, ServerClient(s.address, control_token=token) as manager:
+            assert manager.set_job_mode("victim", BYPASS) == 0
+            manager.active_chunk("ds", 2)
+            refused = {
+                "SetJobMode": lambda: plain.set_job_mode("victim", 0),
+                "EvictDataset": lambda: plain.evict_dataset("ds"),
+                "EvictChunk": lambda: plain.evict_chunk("ds", 0, force=True),
+                "RefChunk": lambda: plain.ref_chunk("ds", 0, "me"),
+                "UnrefChunk": lambda: plain.unref_chunk("ds", 0, "victim"),
+                "ActiveChunk": lambda: plain.active_chunk("ds", 5),
+            }
+            for op, call in refused.items():
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert f"{op} is an operation of the cache manager" in e.value.details()
+            # plain clients: look up, get, put, replace, and ask the active chunk
+            assert plain.put([(key, value)])[0] == 1
+            assert plain.put([(key, value)], replace=True)[0] == 1
+            assert plain.lookup([key]) == b"\x01" and bytes(plain.get([key])[0]) == value
+            assert plain.active_chunk("ds") == 2
+            public, full = plain.stats(), manager.stats()
+        assert dict(full.job_modes) == {"victim": BYPASS} and dict(full.active_chunks) == {"ds": 2}
+        assert not public.job_modes and not public.active_chunks and not public.chunks
+        assert public.items == full.items == 1
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("daemon", ["cacheserver.serverd", "manager.managerd"])
+def test_bad_token_file_is_one_line_exit_2(tmp_path, daemon):
+    weak = tmp_path / "weak.token"
+    weak.write_text("short")
+    weak.chmod(0o600)
+    argv = [sys.executable, "-m", daemon, "--listen", f"127.0.0.1:{free_port()}",
+            "--cluster-token-file", str(weak)]
+    argv += (["--data-dir", str(tmp_path / "d"), "--capacity", "64MB"] if daemon.startswith("cache")
+             else ["--state-dir", str(tmp_path / "m")])
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "the token has 5 bytes, at least 16 are needed" in p.stderr.strip().splitlines()[-1]
