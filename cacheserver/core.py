@@ -14,6 +14,7 @@ from .chunkrefs import ChunkTable
 from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
 from .getbound import bounded_get
+from .identity import PeerCounts, current_peer
 from .store import UNTAGGED, Store
 from .vocab import FETCH, ID_LEN, PRESENT, WAIT, BadRequest, CacheMode, check_ids
 
@@ -36,6 +37,7 @@ class CacheCore:
                  claim_ttl: float = DEFAULT_TTL) -> None:
         self.store = store
         self.counters = counters
+        self.replacers = PeerCounts()  # replaces by client identity (identity.py)
         self.limits = limits
         self.chunks = ChunkTable(lambda: store.get_state("chunks"),
                                  lambda raw: store.put_state("chunks", raw))
@@ -156,6 +158,7 @@ class CacheCore:
         self.counters.add("puts", len(items))
         if replace:
             self.counters.add("put_replaced", len(items))
+            self.replacers.add(current_peer(), len(items))
         result = self.store.put_many([(k, v) for k, _, v in items], tag, replace)
         self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
         return result

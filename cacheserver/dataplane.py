@@ -16,6 +16,7 @@ from . import ops, wire
 from .acceptloop import accept_forever, wait_readable
 from .admission import Admission
 from .core import CacheCore
+from .identity import dataplane_identity, set_peer
 from .vocab import BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
@@ -107,6 +108,7 @@ class DataPlaneServer:
                     log.warning("dataplane TLS handshake failed: %s", e)
                     return
                 conn.settimeout(None)
+            set_peer(dataplane_identity(conn))
             while not self._stopping.is_set():
                 # Wait for the next request without blocking shutdown.
                 if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):

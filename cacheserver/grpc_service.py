@@ -10,6 +10,7 @@ import grpc
 from . import ops
 from .chunkrefs import ChunkBusy, UnknownChunk
 from .core import CacheCore
+from .identity import grpc_identity, set_peer
 from .vocab import BadRequest, split_ids
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ def _statuses(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(self: "CacheService", request, context: grpc.ServicerContext):
         self.core.counters.add("grpc_requests")
+        set_peer(grpc_identity(context))
         try:
             return fn(self, request, context)
         except (BadRequest, UnicodeDecodeError) as e:

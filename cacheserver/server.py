@@ -123,7 +123,8 @@ class CacheServer:
         self.grpc.start()
         self.dataplane.start()
         if self.cfg.metrics_port is not None:
-            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host, self.counters, self._gauges)
+            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host, self.counters, self._gauges,
+                                                self.core.replacers.snapshot)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         tcp = self.dataplane.tcp_address

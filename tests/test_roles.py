@@ -70,3 +70,23 @@ def test_bad_token_file_is_one_line_exit_2(tmp_path, daemon):
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "the token has 5 bytes, at least 16 are needed" in p.stderr.strip().splitlines()[-1]
+
+
+def test_replaces_counted_per_client_identity(tmp_path):
+    import urllib.request
+
+    port = free_port()
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--metrics-port", str(port)).start()
+    try:
+        value = b"r" * 300
+        item = [(hashlib.sha256(value).digest(), value)]
+        transports = [{"use_dataplane": False}, {"prefer_unix": False, "local_read": False}, {}]
+        for n, kw in enumerate(transports, 1):
+            with ServerClient(s.address, **kw) as c:
+                for _ in range(n):
+                    c.put(item, replace=True)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'mlcache_server_replaces_total{peer="tcp:127.0.0.1"} 3.0' in text  # gRPC 1 + TCP 2
+        assert f'mlcache_server_replaces_total{{peer="unix:uid={os.getuid()}"}} 3.0' in text
+    finally:
+        assert s.stop() == 0
