@@ -128,3 +128,15 @@ def test_miss_seed_makes_the_misses_order_repeat():
 
     assert epoch(7) == epoch(7)
     assert epoch(None) != epoch(None)  # drawn per sampler: equal seeds still pick different misses
+
+
+def test_a_cached_dataset_comes_in_a_new_order_every_epoch_and_per_seed():
+    """All hits: the front walks the shared order, but what it finds is shuffled."""
+    def epochs(seed):
+        s = SubstitutableBatchSampler(2000, 64, lambda idx: [True] * len(idx), seed=seed)
+        return [run_epoch(s)[1] for _ in range(2)]
+
+    (a1, a2), (b1, _), (c1, _) = epochs(1), epochs(2), epochs(1)
+    assert sorted(a1) == sorted(a2) == list(range(2000))
+    assert a1 != a2 and a1 != b1
+    assert a1 == c1  # the seed fixes the order

@@ -9,6 +9,7 @@ committed files differ. Run this after editing a .proto:
 from __future__ import annotations
 
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -16,15 +17,15 @@ PROTOS = sorted((ROOT / "cacheserver" / "proto").glob("*.proto"))
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    from grpc_tools import protoc  # dev extra
-
     out_dir.mkdir(parents=True, exist_ok=True)
     for proto in PROTOS:
         rel = proto.relative_to(ROOT)
-        rc = protoc.main(["protoc", f"-I{ROOT}", f"--python_out={out_dir}",
-                          f"--grpc_python_out={out_dir}", str(rel)])
-        if rc != 0:
-            raise SystemExit(f"protoc failed on {rel} (exit {rc})")
+        # grpc_tools (dev extra) in a process of its own: its bundled libprotobuf crashes
+        # in a process that has loaded TensorFlow's (the test suite's, once tf tests ran).
+        r = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_dir}",
+                            f"--grpc_python_out={out_dir}", str(rel)], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"protoc failed on {rel} (exit {r.returncode}): {r.stderr.strip()}")
     return [out_dir / p.relative_to(ROOT).parent / f"{p.stem}{suffix}.py"
             for p in PROTOS for suffix in ("_pb2", "_pb2_grpc")]
 
