@@ -24,9 +24,9 @@ iteration at a time: two interleaved iterators would share one sampler.
 from __future__ import annotations
 
 import os
-import queue
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from .dataset import CachedDataset
@@ -58,27 +58,20 @@ class TFSource(EpochLog):
         import numpy as np
 
         run = EpochRun(self.cached, self.sampler, self)
-        pending: queue.SimpleQueue[Future] = queue.SimpleQueue()
-        in_flight = 0
-        batches = iter(self.sampler)
+        pending: deque[Future] = deque()
         read = self._reader().submit
         try:
-            for batch in batches:
-                pending.put(read(self.cached.__getitems__, batch))
-                in_flight += 1
-                if in_flight > self.read_ahead:
-                    yield self._handed_over(run, pending.get().result(), np)
-                    in_flight -= 1
-            while in_flight:
-                yield self._handed_over(run, pending.get().result(), np)
-                in_flight -= 1
+            for batch in self.sampler:
+                pending.append(read(self.cached.__getitems__, batch))
+                if len(pending) > self.read_ahead:
+                    yield self._handed_over(run, pending.popleft().result(), np)
+            while pending:
+                yield self._handed_over(run, pending.popleft().result(), np)
         finally:
-            while in_flight:  # an abandoned epoch: let its reads end before the next one starts
-                try:
-                    pending.get().result()
-                except Exception:  # already surfaced, or nobody waits for it any more
-                    pass
-                in_flight -= 1
+            # an abandoned or failed epoch: its reads end before another epoch starts
+            for f in pending:
+                f.cancel()
+            wait(pending)
         run.finish()
 
     @staticmethod

@@ -139,6 +139,22 @@ def test_model_fit_two_epochs(shards, ring3):
         ds.mlcache.close()
 
 
+@pytest.mark.timeout(120)
+def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
+    paths, _ = write_shards(str(tmp_path / "d"), 50, shards=2)
+    assert digest_main([str(tmp_path / "d"), "-o", str(tmp_path / "d.dig"), "-f", "tfrecord", "-q"]) == 0
+    with open(paths[1], "r+b") as f:  # the first record of the second file
+        f.seek(100)
+        f.write(b"XXXX")
+    ds = tf_dataset(str(tmp_path / "d.dig"), cache=False, read_batch=8)
+    try:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"ItemMismatch: item 25 \(train-00001-of-00002"):
+            epoch(ds)
+        assert not ds.mlcache.epoch_stats  # a failed epoch is not recorded
+    finally:
+        ds.mlcache.close()
+
+
 def test_bad_arguments_say_what_is_wrong(shards):
     digest, _, _ = shards
     with pytest.raises(TypeError, match="decode in a .map"):
