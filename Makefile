@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath clean proto
+.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath bench-tfdata clean proto
 
 venv: $(STAMP)
 
@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
-bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath
+bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath bench-tfdata
 
 bench-hitpath: venv
 	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
@@ -41,6 +41,9 @@ bench-epoch: venv
 
 bench-misspath: venv
 	$(PY) tools/bench/misspath
+
+bench-tfdata: venv
+	$(PY) tools/bench/tfdata
 
 bench-allocation: venv
 	$(PY) tools/bench/allocation
