@@ -15,7 +15,8 @@ store, insert) reads it. A Python generator yields one tf.string tensor per
 batch of `read_batch` items and `.unbatch()` splits it in C++: one Python call
 per batch, never per item. While TensorFlow consumes a batch, a reader thread
 is already reading the next ones (`read_ahead` batches), so store or cache
-latency overlaps with the pipeline's own work.
+latency overlaps with the pipeline's own work; `read_ahead=0` reads in
+TensorFlow's thread instead (no hand-off between threads).
 
 Each iteration of the dataset is one epoch of the sampler (a new order, new
 stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
@@ -49,7 +50,7 @@ class TFSource(EpochLog):
         super().__init__()
         self.cached = cached
         self.sampler = sampler
-        self.read_ahead = max(1, read_ahead)
+        self.read_ahead = max(0, read_ahead)
         self._pool: ThreadPoolExecutor | None = None
         self.attach_coordinator(cached)
 
@@ -58,6 +59,11 @@ class TFSource(EpochLog):
         import numpy as np
 
         run = EpochRun(self.cached, self.sampler, self)
+        if not self.read_ahead:  # read in TensorFlow's thread: no hand-off between threads
+            for batch in self.sampler:
+                yield self._handed_over(run, self.cached.__getitems__(batch), np)
+            run.finish()
+            return
         pending: deque[Future] = deque()
         read = self._reader().submit
         try:

@@ -82,9 +82,10 @@ def test_exactly_once_per_epoch_with_partial_cache(shards, ring3, fraction):
         warm.close()
 
 
-def test_repeat_gives_new_epochs_with_new_orders(shards, tmp_path):
+@pytest.mark.parametrize("read_ahead", [0, 4], ids=["in-tf-thread", "read-ahead"])
+def test_repeat_gives_new_epochs_with_new_orders(shards, tmp_path, read_ahead):
     digest, _, records = shards
-    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=3)
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=3, read_ahead=read_ahead)
     try:
         got = epoch(ds.repeat(3))
         orders = [got[k * N:(k + 1) * N] for k in range(3)]
