@@ -183,3 +183,25 @@ def test_tf_dataset_is_exported_lazily():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_tf_data_service_cannot_run_it_in_an_out_of_process_worker(shards):
+    """Why remote TF work goes through our workers (docs/client.md): a tf.data service
+    worker in another process has no Python function behind the source's py_func."""
+    digest, _, _ = shards
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    address = dispatcher.target.split("://")[1]
+    code = ("import os, time; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; import tensorflow as tf; "
+            "s = tf.data.experimental.service; "
+            f"w = s.WorkerServer(s.WorkerConfig(dispatcher_address='{address}')); time.sleep(120)")
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    ds = tf_dataset(digest, cache=False)
+    try:
+        remote = ds.apply(tf.data.experimental.service.distribute("parallel_epochs", dispatcher.target))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="Could not find callback"):
+            next(iter(remote))
+    finally:
+        ds.mlcache.close()
+        worker.kill()
+        worker.wait(10)
