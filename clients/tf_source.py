@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .dataset import CachedDataset
 from .digest import Digest
 from .epochs import EpochLog, EpochRun, make_sampler
@@ -54,14 +56,12 @@ class TFSource(EpochLog):
         self._pool: ThreadPoolExecutor | None = None
         self.attach_coordinator(cached)
 
-    def epoch(self) -> Iterator[Any]:
+    def epoch(self) -> Iterator[np.ndarray]:
         """One epoch: numpy object arrays of item bytes, one per sampler batch."""
-        import numpy as np
-
         run = EpochRun(self.cached, self.sampler, self)
         if not self.read_ahead:  # read in TensorFlow's thread: no hand-off between threads
             for batch in self.sampler:
-                yield self._handed_over(run, self.cached.__getitems__(batch), np)
+                yield self._handed_over(run, self.cached.__getitems__(batch))
             run.finish()
             return
         pending: deque[Future] = deque()
@@ -70,9 +70,9 @@ class TFSource(EpochLog):
             for batch in self.sampler:
                 pending.append(read(self.cached.__getitems__, batch))
                 if len(pending) > self.read_ahead:
-                    yield self._handed_over(run, pending.popleft().result(), np)
+                    yield self._handed_over(run, pending.popleft().result())
             while pending:
-                yield self._handed_over(run, pending.popleft().result(), np)
+                yield self._handed_over(run, pending.popleft().result())
         finally:
             # an abandoned or failed epoch: its reads end before another epoch starts
             for f in pending:
@@ -81,7 +81,8 @@ class TFSource(EpochLog):
         run.finish()
 
     @staticmethod
-    def _handed_over(run: EpochRun, items: list[bytes], np: Any) -> Any:
+    def _handed_over(run: EpochRun, items: list[bytes]) -> np.ndarray:
+        """A batch for TensorFlow: an object array converts to a tf.string tensor in C++."""
         run.batch()
         out = np.empty(len(items), dtype=object)
         out[:] = items

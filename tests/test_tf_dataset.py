@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 
 from clients import tf_dataset  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest_tool import main as digest_main  # noqa: E402
-from procs import cacheserver  # noqa: E402
+from procs import cachemanager, cacheserver  # noqa: E402
 from tfexamples import parse, write_shards  # noqa: E402
 
 N = 240
@@ -154,6 +154,37 @@ def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
         assert not ds.mlcache.epoch_stats  # a failed epoch is not recorded
     finally:
         ds.mlcache.close()
+
+
+def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
+    import time
+
+    from manager.client import ManagerClient
+
+    digest, _, records = shards
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    servers = [cacheserver(str(tmp_path / f"s{i}"), "256MB", 0, "--manager", m.address).start() for i in range(2)]
+    ds = None
+    try:
+        with ManagerClient(m.address, timeout=2) as mc:
+            deadline = time.monotonic() + 15
+            while len(mc.get_ring().addresses) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        ds = tf_dataset(digest, manager=m.address, job="tf-job", n_gpus=2, read_batch=16, seed=6)
+        assert sorted(ds.mlcache.cached.cache_spec.split(",")) == sorted(s.address for s in servers)
+        got = epoch(ds.repeat(2))
+        assert Counter(got[:N]) == Counter(records) and Counter(got[N:]) == Counter(records)
+        assert sum(s.inserted for s in ds.mlcache.epoch_stats) > 0  # the plan allowed caching (hits: probing decides)
+        time.sleep(1.0)  # the coordinator reports every 0.5 s
+        with ManagerClient(m.address, timeout=2) as mc:
+            job = next(j for j in mc.status_dict()["jobs"] if j["job"] == "tf-job")
+        assert job["n_gpus"] == 2 and job["batches"] >= 20  # 2 epochs x 15 batch times reported
+    finally:
+        if ds is not None:
+            ds.mlcache.close()
+        for s in servers:
+            s.kill()
+        m.kill()
 
 
 def test_bad_arguments_say_what_is_wrong(shards):
