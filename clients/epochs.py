@@ -3,39 +3,50 @@
 The PyTorch loader (loader.py) and the tf.data source (tf_source.py) are two
 front ends over one read path (CachedDataset.__getitems__) and one sampler
 (SubstitutableBatchSampler). This module builds that sampler the same way for
-both, hooks the cache manager's coordinator to it, and measures an epoch the
-same way for both (EpochStats). It imports neither torch nor TensorFlow.
+both, hooks the cache manager's coordinator to their epochs, and measures an
+epoch the same way for both (EpochStats). It imports neither torch nor TensorFlow.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .sampler import SubstitutableBatchSampler
-from .stats import EpochStats
-
-if TYPE_CHECKING:
-    from .dataset import CachedDataset
+from .stats import EpochStats, SharedCounters
 
 
-def make_sampler(ds: "CachedDataset", batch_size: int, *, seed: int = 0, lookahead: int = 10,
-                 substitute: bool = True, miss_seed: int | None = None) -> SubstitutableBatchSampler:
-    """The substitutable-hit sampler over ds, steered by its coordinator (if a manager)."""
-    coord = ds.coordinator
+class Source(Protocol):
+    """What the front ends need of a CachedDataset (dataset.py imports this module's
+    users, so it is named by its shape here, not imported)."""
+    counters: SharedCounters
+    coordinator: Any
+
+    def __len__(self) -> int: ...
+
+    def plan_hooks(self) -> tuple[Any, Any, Any]: ...
+
+    def lookup_codes(self, indices: Any) -> Any: ...
+
+
+def make_sampler(ds: Source, batch_size: int, *, seed: int = 0, lookahead: int = 10,
+                 substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
+                 rank: int = 0, world_size: int = 1) -> SubstitutableBatchSampler:
+    """The substitutable-hit sampler over ds, steered by the manager's plan (if any)."""
+    prefer, on_batch, on_epoch = ds.plan_hooks()
     return SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
-                                     seed=seed, lookahead=lookahead,
-                                     prefer=coord.prefer if coord else None,
-                                     on_batch=coord.consumed if coord else None, miss_seed=miss_seed)
+                                     seed=seed, lookahead=lookahead, drop_last=drop_last,
+                                     prefer=prefer, on_batch=on_batch, on_epoch=on_epoch,
+                                     miss_seed=miss_seed, rank=rank, world_size=world_size)
 
 
 class EpochLog:
-    """A front end's record of its epochs: `epoch_stats` (one EpochStats each),
-    `batch_times` (the last epoch's intervals between batches), and callbacks at
-    epoch start, per batch handed over (wall-clock end, interval) and at epoch end.
-    The coordinator feeds on them (probing compares batch times; chunk passes
-    drive double-buffering)."""
+    """A front end's record of its epochs: `epoch_stats` (one EpochStats each, also for
+    an epoch stopped early), `batch_times` (the last epoch's intervals between batches),
+    and callbacks at epoch start, per batch handed over (wall-clock end, interval) and
+    at epoch end. The coordinator feeds on them (probing compares batch times; chunk
+    passes drive double-buffering)."""
 
     def __init__(self) -> None:
         self.epoch_stats: list[EpochStats] = []
@@ -44,9 +55,9 @@ class EpochLog:
         self.on_batch_time: list[Callable[[float, float], None]] = []
         self.on_epoch_end: list[Callable[[EpochStats], None]] = []
 
-    def attach_coordinator(self, ds: "CachedDataset") -> None:
+    def attach_coordinator(self, ds: Source) -> None:
         coord = ds.coordinator
-        if coord is not None:
+        if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
             self.on_batch_time.append(coord.batch_time)
             self.on_epoch_start.append(coord.epoch_start)
             coord.start()
@@ -57,7 +68,7 @@ class EpochRun:
     over the epoch (all processes), the sampler's view, and the intervals between
     batches handed to the training loop (the training step plus the wait for data)."""
 
-    def __init__(self, ds: "CachedDataset", sampler: SubstitutableBatchSampler, log: EpochLog) -> None:
+    def __init__(self, ds: Source, sampler: SubstitutableBatchSampler, log: EpochLog) -> None:
         for cb in log.on_epoch_start:
             cb()
         self.counters = ds.counters
@@ -75,19 +86,22 @@ class EpochRun:
         for cb in self.log.on_batch_time:
             cb(time.time(), now - self.last)
         self.last = now
+        self.sampler.delivered()
 
-    def finish(self) -> EpochStats:
-        """The epoch's stats, recorded in the log (then its epoch-end callbacks run)."""
+    def finish(self, complete: bool) -> EpochStats:
+        """The epoch's stats (complete=False: it stopped early), recorded in the log;
+        then the log's epoch-end callbacks run."""
         elapsed = time.perf_counter() - self.t0
         after = self.counters.totals()
         d = {k: after[k] - self.before[k] for k in after}
         s, times = self.sampler.stats, self.times
-        st = EpochStats(epoch=self.epoch, batches=len(times), items=s.items, seconds=elapsed, hits=d["hits"],
-                        misses=d["misses"], substituted=s.substituted, store_bytes=d["store_bytes"],
-                        cache_bytes=d["cache_bytes"], poisoned=d["poisoned"], inserted=d["inserted"],
-                        coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
+        st = EpochStats(epoch=self.epoch, batches=len(times), items=s.delivered_items, seconds=elapsed,
+                        hits=d["hits"], misses=d["misses"], substituted=s.substituted,
+                        store_bytes=d["store_bytes"], cache_bytes=d["cache_bytes"], poisoned=d["poisoned"],
+                        inserted=d["inserted"], coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
                         batch_time_median=statistics.median(times) if times else 0.0,
-                        batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0)
+                        batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0,
+                        complete=complete)
         self.log.batch_times = times
         self.log.epoch_stats.append(st)
         for cb in self.log.on_epoch_end:

@@ -66,6 +66,7 @@ class FrontWalk:
         self.order, self.rank = sampler.shared_order()
         own = list(items)
         rng.shuffle(own)
+        self.rng = rng                             # this job's randomness for the epoch (seeded)
         self.picker = random.Random(f"{sampler.seed}/{self.stats.epoch}/{sampler._salt}")
         self.general_q: deque[int] = deque(own)   # this job's own order, rotating
         self.state = outside(n, own, DONE)
@@ -143,7 +144,7 @@ class FrontWalk:
         rescanned = [state[i] == SEEN for i in window]
         present = self.s._present(looked)
         self.stats.looked_up += len(looked)
-        front_misses, general_misses, general_hits, others = [], [], [], []
+        front_misses, general_misses, general_hits, others, found = [], [], [], [], []
         rh = rn = gh = gn = 0
         for k, (i, code) in enumerate(zip(looked, present)):
             hit = code == HIT
@@ -156,7 +157,7 @@ class FrontWalk:
             if hit:
                 self.waiting -= state[i] == SEEN
                 state[i] = READY
-                self.ready.append(i)
+                found.append(i)
                 self.left -= 1
                 if k >= nw:
                     general_hits.append(i)
@@ -167,6 +168,10 @@ class FrontWalk:
                     others.append(i)  # another job is reading it: a hit soon
                 else:
                     (front_misses if k < nw else general_misses).append(i)
+        # the front walks the shared order: shuffle what it found, or a cached dataset
+        # would come in the same order every epoch and for every job
+        self.rng.shuffle(found)
+        self.ready.extend(found)
         self._adapt(rh, rn, gh, gn)
         return front_misses, general_misses, general_hits, others
 

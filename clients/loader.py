@@ -4,19 +4,18 @@ A standard torch DataLoader (so it drops into any training loop) whose batch
 sampler is the substitutable-hit sampler, plus per-epoch statistics gathered
 from the sampler (main process) and the workers (shared counters). Batch time
 is the time between batches handed to the training loop: with and without the
-cache it is what probing compares (manager)."""
+cache it is what probing compares (manager). The sampler's set-up and the
+epoch's measurement are shared with the tf.data front end (epochs.py)."""
 from __future__ import annotations
 
 import pickle
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
 
+from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
-from .stats import EpochStats
 
 # DataLoader arguments the batch sampler replaces, and what to use instead.
 _OURS = {
@@ -32,55 +31,21 @@ _OURS = {
 _HARMLESS = {"shuffle": False, "in_order": True}  # values that change nothing
 
 
-class CachedLoader(DataLoader):
+class CachedLoader(DataLoader, EpochLog):
     def __init__(self, dataset, batch_sampler: SubstitutableBatchSampler, **kwargs) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.epoch_stats: list[EpochStats] = []
-        self.batch_times: list[float] = []
-        self.on_epoch_end: list[Callable[[EpochStats], None]] = []
-        self.on_batch_time: list[Callable[[float, float], None]] = []
-        self.on_epoch_start: list[Callable[[], None]] = []
+        EpochLog.__init__(self)  # epoch_stats, batch_times, callbacks
 
     def __iter__(self) -> Iterator:
-        ds = self.dataset
-        for cb in self.on_epoch_start:
-            cb()
-        before = ds.counters.totals()
-        sampler: SubstitutableBatchSampler = self.batch_sampler
-        epoch = sampler.epoch
-        times: list[float] = []
-        t0 = last = time.perf_counter()
+        run = EpochRun(self.dataset, self.batch_sampler, self)
         complete = False
         try:
             for batch in super().__iter__():
-                # Interval between batches handed over: the training step plus the wait for data.
-                now = time.perf_counter()
-                times.append(now - last)
-                for cb in self.on_batch_time:
-                    cb(time.time(), now - last)
-                last = now
-                sampler.delivered()
+                run.batch()
                 yield batch
             complete = True
         finally:  # an epoch stopped early keeps its statistics too (complete=False)
-            self._end_epoch(epoch, before, times, time.perf_counter() - t0, complete)
-
-    def _end_epoch(self, epoch: int, before: dict[str, int], times: list[float], elapsed: float,
-                   complete: bool) -> None:
-        after = self.dataset.counters.totals()
-        d = {k: after[k] - before[k] for k in after}
-        s = self.batch_sampler.stats
-        st = EpochStats(epoch=epoch, batches=len(times), items=s.delivered_items, seconds=elapsed,
-                        hits=d["hits"], misses=d["misses"], substituted=s.substituted,
-                        store_bytes=d["store_bytes"], cache_bytes=d["cache_bytes"], poisoned=d["poisoned"],
-                        inserted=d["inserted"], coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
-                        batch_time_median=statistics.median(times) if times else 0.0,
-                        batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0,
-                        complete=complete)
-        self.batch_times = times
-        self.epoch_stats.append(st)
-        for cb in self.on_epoch_end:
-            cb(st)
+            run.finish(complete)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
@@ -144,12 +109,8 @@ def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, loo
     if num_workers > 0:
         check_picklable(ds, kwargs)
     rank, world_size = distributed_rank(rank, world_size)
-    coord = ds.coordinator
-    prefer, on_batch, on_epoch = ds.plan_hooks()
-    sampler = SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
-                                        seed=seed, lookahead=lookahead, drop_last=drop_last,
-                                        prefer=prefer, on_batch=on_batch, on_epoch=on_epoch,
-                                        miss_seed=miss_seed, rank=rank, world_size=world_size)
+    sampler = make_sampler(ds, batch_size, seed=seed, lookahead=lookahead, substitute=substitute,
+                           miss_seed=miss_seed, drop_last=drop_last, rank=rank, world_size=world_size)
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.
@@ -157,10 +118,7 @@ def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, loo
         kwargs.setdefault("persistent_workers", True)
     kwargs.setdefault("collate_fn", _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
-    if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
-        loader.on_batch_time.append(coord.batch_time)
-        loader.on_epoch_start.append(coord.epoch_start)
-        coord.start()
+    loader.attach_coordinator(ds)
     return loader
 
 

@@ -57,12 +57,20 @@ class TFSource(EpochLog):
         self.attach_coordinator(cached)
 
     def epoch(self) -> Iterator[np.ndarray]:
-        """One epoch: numpy object arrays of item bytes, one per sampler batch."""
+        """One epoch: numpy object arrays of item bytes, one per sampler batch. An epoch
+        that stops early (abandoned, or a read failed) is recorded with complete=False."""
         run = EpochRun(self.cached, self.sampler, self)
+        complete = False
+        try:
+            yield from self._batches(run)
+            complete = True
+        finally:
+            run.finish(complete)
+
+    def _batches(self, run: EpochRun) -> Iterator[np.ndarray]:
         if not self.read_ahead:  # read in TensorFlow's thread: no hand-off between threads
             for batch in self.sampler:
                 yield self._handed_over(run, self.cached.__getitems__(batch))
-            run.finish()
             return
         pending: deque[Future] = deque()
         read = self._reader().submit
@@ -73,12 +81,10 @@ class TFSource(EpochLog):
                     yield self._handed_over(run, pending.popleft().result())
             while pending:
                 yield self._handed_over(run, pending.popleft().result())
-        finally:
-            # an abandoned or failed epoch: its reads end before another epoch starts
+        finally:  # its reads end before another epoch starts
             for f in pending:
                 f.cancel()
             wait(pending)
-        run.finish()
 
     @staticmethod
     def _handed_over(run: EpochRun, items: list[bytes]) -> np.ndarray:
@@ -116,9 +122,12 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
 
     if read_batch < 1:
         raise ValueError(f"read_batch must be >= 1, got {read_batch}")
-    if "decode" in dataset_kwargs:
-        raise TypeError("tf_dataset yields raw bytes: decode in a .map() of the dataset instead")
-    cached = CachedDataset(digest, cache, manager, job, **dataset_kwargs)
+    for name in ("decode", "target", "samples"):
+        if name in dataset_kwargs:
+            raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
+                            f"decode in a .map() of the dataset")
+    # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
+    cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
                                miss_seed=miss_seed)

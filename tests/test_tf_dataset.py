@@ -151,7 +151,8 @@ def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
     try:
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"ItemMismatch: item 25 \(train-00001-of-00002"):
             epoch(ds)
-        assert not ds.mlcache.epoch_stats  # a failed epoch is not recorded
+        st = ds.mlcache.epoch_stats
+        assert len(st) == 1 and not st[0].complete  # a failed epoch is recorded as stopped early
     finally:
         ds.mlcache.close()
 
@@ -159,7 +160,7 @@ def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
 def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
     import time
 
-    from manager.client import ManagerClient
+    from manager.manager_client import ManagerClient
 
     digest, _, records = shards
     m = cachemanager(str(tmp_path / "mgr")).start()
@@ -189,15 +190,16 @@ def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
 
 def test_bad_arguments_say_what_is_wrong(shards):
     digest, _, _ = shards
-    with pytest.raises(TypeError, match="decode in a .map"):
+    with pytest.raises(TypeError, match="does not take decode=: .* decode in a .map"):
         tf_dataset(digest, cache=False, decode=lambda b: b)
+    with pytest.raises(TypeError, match="does not take target="):
+        tf_dataset(digest, cache=False, target="class")
     with pytest.raises(ValueError, match="read_batch must be >= 1"):
         tf_dataset(digest, cache=False, read_batch=0)
     with pytest.raises(ValueError, match="names no server"):
         tf_dataset(digest, cache=" , ")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 adds the message naming compression to tools/digest")
 def test_gzip_tfrecords_are_refused_at_digest_time(tmp_path, capsys):
     write_shards(str(tmp_path / "gz"), 10, shards=2, compression="GZIP")
     assert digest_main([str(tmp_path / "gz"), "-o", str(tmp_path / "gz.dig"), "-f", "tfrecord", "-q"]) != 0
@@ -236,3 +238,32 @@ def test_tf_data_service_cannot_run_it_in_an_out_of_process_worker(shards):
         ds.mlcache.close()
         worker.kill()
         worker.wait(10)
+
+
+def test_readme_tf_block_runs_as_pasted(tmp_path):
+    """README's tf_dataset block, after its Use steps' server, data and digest."""
+    import re
+    from pathlib import Path
+
+    from test_readme import EXAMPLE_DIR, _blocks
+
+    root = Path(__file__).resolve().parents[1]
+    use = (root / "README.md").read_text().split("## Use", 1)[1].split("\n## ", 1)[0]
+    block = _blocks(use, "python")[1]
+    assert "tf_dataset(" in block
+    where = str(tmp_path / "ex")
+    server = cacheserver(str(tmp_path / "srv"), "256MB").start()
+    try:
+        env = dict(os.environ, PYTHONPATH=str(root))
+        for argv in ([sys.executable, "tools/example_data.py", f"{where}/train"],
+                     [sys.executable, "tools/digest", f"{where}/train", "-o", f"{where}/train.dig", "--targets", "dir"]):
+            subprocess.run(argv, cwd=root, env=env, check=True, capture_output=True, timeout=120)
+        script = block.replace(EXAMPLE_DIR, where).replace("127.0.0.1:7070", server.address)
+        r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch ")]
+        assert len(lines) == 2 and lines[0].startswith("epoch 0: 120 items")
+        assert re.search(r"hit rate 100%", lines[1]), lines
+    finally:
+        server.kill()
