@@ -184,7 +184,10 @@ def scan_files(
     if local and workers == 1:
         with _progress(total, quiet, "hashing") as bar:
             for i, f in enumerate(files):
-                results[i] = scan_local_batch(kind, [(f.path, f.rel)], verify_crc)[0]
+                try:
+                    results[i] = scan_local_batch(kind, [(f.path, f.rel)], verify_crc)[0]
+                except ScanError as e:  # as from the pools below: a message, not a traceback
+                    raise ToolError(str(e)) from None
                 bar.update(f.size or 0)
         return results  # type: ignore[return-value]
 

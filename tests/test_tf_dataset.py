@@ -200,8 +200,9 @@ def test_bad_arguments_say_what_is_wrong(shards):
         tf_dataset(digest, cache=" , ")
 
 
-def test_gzip_tfrecords_are_refused_at_digest_time(tmp_path, capsys):
-    write_shards(str(tmp_path / "gz"), 10, shards=2, compression="GZIP")
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-file", "hashed-in-parallel"])
+def test_gzip_tfrecords_are_refused_at_digest_time(tmp_path, capsys, shards):
+    write_shards(str(tmp_path / "gz"), 10, shards=shards, compression="GZIP")
     assert digest_main([str(tmp_path / "gz"), "-o", str(tmp_path / "gz.dig"), "-f", "tfrecord", "-q"]) != 0
     err = capsys.readouterr().err
     assert "compress" in err.lower(), err
