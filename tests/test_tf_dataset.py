@@ -268,3 +268,25 @@ def test_readme_tf_block_runs_as_pasted(tmp_path):
         assert re.search(r"hit rate 100%", lines[1]), lines
     finally:
         server.kill()
+
+
+def test_tar_shards_yield_their_members_not_samples(tmp_path):
+    """One element per digest entry: a WebDataset shard's members, each its own bytes."""
+    import io
+    import random
+    import tarfile
+
+    rng = random.Random(7)
+    members = {f"{k:04d}.{ext}": rng.randbytes(rng.randint(10, 3000)) for k in range(20) for ext in ("jpg", "cls")}
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "train-0000.tar", "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert digest_main([str(tmp_path / "shards"), "-o", str(tmp_path / "t.dig"), "-f", "tar", "-q"]) == 0
+    ds = tf_dataset(str(tmp_path / "t.dig"), cache=False, read_batch=8)
+    try:
+        assert Counter(epoch(ds)) == Counter(members.values())
+    finally:
+        ds.mlcache.close()
