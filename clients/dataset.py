@@ -99,13 +99,15 @@ class CachedDataset(_TorchDataset):
                  cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
                  coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
-                 n_gpus: int = 1, keep_freed_memory: bool = True) -> None:
+                 n_gpus: int = 1, keep_freed_memory: bool = True, transform: Any = None) -> None:
         _not_while_spawning()
         self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
             raise ValueError(f"digest {digest} holds no items")
         self._set_view(decode, target, samples, str(digest))
+        # a preprocess.Pipeline (or a list of steps): the loader runs it per sample in its workers
+        self.transform = _as_pipeline(transform)
         self.storage_options = dict(storage_options or {})
         self.job = job or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.verify_hash = verify_hash
@@ -255,7 +257,17 @@ class CachedDataset(_TorchDataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Items (or sample dicts), decoded, as (sample, target) pairs when target= is set."""
+        """read(), then the transform (on the sample of a (sample, target) pair), in order,
+        in this process (the loader schedules it per sample instead)."""
+        out = self.read(indices)
+        if self.transform is not None:
+            t = self.transform
+            out = [(t(x[0]), x[1]) for x in out] if self.target is not None else [t(x) for x in out]
+        return out
+
+    def read(self, indices: Sequence[int]) -> list[Any]:
+        """Items (or sample dicts), decoded, as (sample, target) pairs when target= is set;
+        before any transform."""
         if self.samples is None:
             indices = [self._index(i) for i in indices]
             out = self._read(indices)
@@ -501,7 +513,7 @@ class CachedDataset(_TorchDataset):
                           poisoned=fill["poisoned"], prefetched=n)
 
     # ---- loader ---------------------------------------------------------
-    def loader(self, batch_size: int, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
+    def loader(self, batch_size: int, num_workers: int | None = 0, seed: int = 0, lookahead: int = 10,
                substitute: bool = True, miss_seed: int | None = None, *, drop_last: bool = False,
                rank: int | None = None, world_size: int | None = None, **dataloader_kwargs):
         """A torch DataLoader whose batch sampler fills batches with cached items first.
@@ -510,7 +522,10 @@ class CachedDataset(_TorchDataset):
         loader, so jobs with equal seeds still spread their store reads; `miss_seed`
         fixes that too, for a run that repeats exactly given the same cache contents.
         `rank`/`world_size` (default: torch.distributed's when initialised) give each
-        rank its share of every epoch; the loader has state_dict()/load_state_dict()."""
+        rank its share of every epoch; the loader has state_dict()/load_state_dict().
+        With a `transform`, the pipeline runs per sample in preprocess workers
+        (docs/preprocess.md: num_workers=None adapts their count; auto_order, on_error,
+        cost_dir; scheduler="torch" runs it in DataLoader workers instead)."""
         from .loader import make_loader
 
         return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,
@@ -527,6 +542,13 @@ class CachedDataset(_TorchDataset):
         if self.embedded is not None:
             self.embedded.close()
             self.embedded = None
+
+
+def _as_pipeline(transform: Any) -> Any:
+    if transform is None:
+        return None
+    from preprocess.pipeline import as_pipeline
+    return as_pipeline(transform)
 
 
 def _not_while_spawning() -> None:

@@ -79,16 +79,20 @@ class EpochRun:
         self.times: list[float] = []
         self.t0 = self.last = time.perf_counter()
 
-    def batch(self) -> None:
-        """A batch is being handed over now."""
+    def batch(self, indices: list[int] | None = None) -> None:
+        """A batch is being handed over now (`indices`: its items, when the preprocess
+        scheduler regrouped them; else it is the sampler's oldest batch not yet handed over)."""
         now = time.perf_counter()
         self.times.append(now - self.last)
         for cb in self.log.on_batch_time:
             cb(time.time(), now - self.last)
         self.last = now
-        self.sampler.delivered()
+        if indices is None:
+            self.sampler.delivered()
+        else:
+            self.sampler.delivered_items(indices)
 
-    def finish(self, complete: bool) -> EpochStats:
+    def finish(self, complete: bool, preprocess: Any = None) -> EpochStats:
         """The epoch's stats (complete=False: it stopped early), recorded in the log;
         then the log's epoch-end callbacks run."""
         elapsed = time.perf_counter() - self.t0
@@ -101,7 +105,7 @@ class EpochRun:
                         inserted=d["inserted"], coalesced=d["coalesced"], planned_hit_rate=s.planned_hit_rate,
                         batch_time_median=statistics.median(times) if times else 0.0,
                         batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0,
-                        complete=complete)
+                        complete=complete, preprocess=preprocess)
         self.log.batch_times = times
         self.log.epoch_stats.append(st)
         for cb in self.log.on_epoch_end:

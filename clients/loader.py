@@ -5,7 +5,13 @@ sampler is the substitutable-hit sampler, plus per-epoch statistics gathered
 from the sampler (main process) and the workers (shared counters). Batch time
 is the time between batches handed to the training loop: with and without the
 cache it is what probing compares (manager). The sampler's set-up and the
-epoch's measurement are shared with the tf.data front end (epochs.py)."""
+epoch's measurement are shared with the tf.data front end (epochs.py).
+
+With a transform on the dataset, the DataLoader itself runs no workers: its
+batches come from preprocess.Scheduler, which consumes the same batch sampler
+and runs the pipeline per sample in its own worker processes; batches are
+regrouped as items finish, so the sampler is told which items each delivered
+batch held."""
 from __future__ import annotations
 
 import pickle
@@ -35,17 +41,33 @@ class CachedLoader(DataLoader, EpochLog):
     def __init__(self, dataset, batch_sampler: SubstitutableBatchSampler, **kwargs) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         EpochLog.__init__(self)  # epoch_stats, batch_times, callbacks
+        self.preprocess: Any = None  # a preprocess.Scheduler when the dataset has a transform
 
     def __iter__(self) -> Iterator:
         run = EpochRun(self.dataset, self.batch_sampler, self)
         complete = False
         try:
-            for batch in super().__iter__():
-                run.batch()
+            for batch, indices in self._batches():
+                run.batch(indices)
                 yield batch
             complete = True
         finally:  # an epoch stopped early keeps its statistics too (complete=False)
-            run.finish(complete)
+            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None)
+
+    def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
+        """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
+        if self.preprocess is None:
+            for batch in super().__iter__():
+                yield batch, None
+            return
+        sampler = self.batch_sampler
+        for indices, items in self.preprocess.epoch(sampler, sampler.epoch, sampler.batch_size):
+            yield self.collate_fn(items), indices
+
+    def close(self) -> None:
+        """Stop the preprocessing workers (DataLoader workers stop with the loader)."""
+        if self.preprocess is not None:
+            self.preprocess.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
@@ -57,6 +79,10 @@ class CachedLoader(DataLoader, EpochLog):
         handed over; later iterations are the following epochs. ValueError if the state
         belongs to another dataset, split (rank, world size, drop_last) or seed."""
         self.batch_sampler.load_state_dict(state["sampler"])
+
+
+# Loader arguments for preprocess.Scheduler (docs/preprocess.md).
+PREPROCESS_OPTIONS = ("auto_order", "on_error", "cost_dir", "task_items", "exactly_once")
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:
@@ -102,15 +128,32 @@ def distributed_rank(rank: int | None, world_size: int | None) -> tuple[int, int
     return rank, world_size
 
 
-def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, lookahead: int = 10,
+def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int = 0, lookahead: int = 10,
                 substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
-                rank: int | None = None, world_size: int | None = None, **kwargs) -> CachedLoader:
+                rank: int | None = None, world_size: int | None = None, scheduler: str = "sample",
+                **kwargs) -> CachedLoader:
     check_kwargs(kwargs)
-    if num_workers > 0:
+    if scheduler not in ("sample", "torch"):
+        raise ValueError(f"scheduler must be 'sample' (per sample, preprocess/) or 'torch', got {scheduler!r}")
+    options = {k: kwargs.pop(k) for k in PREPROCESS_OPTIONS if k in kwargs}
+    if options and (ds.transform is None or scheduler == "torch"):
+        raise ValueError(f"{', '.join(options)}: options of the per-sample scheduler, which runs only with "
+                         f"a transform= (docs/preprocess.md)")
+    per_sample = ds.transform is not None and scheduler == "sample"
+    if per_sample or (num_workers or 0) > 0:
         check_picklable(ds, kwargs)
     rank, world_size = distributed_rank(rank, world_size)
     sampler = make_sampler(ds, batch_size, seed=seed, lookahead=lookahead, substitute=substitute,
                            miss_seed=miss_seed, drop_last=drop_last, rank=rank, world_size=world_size)
+    engine = None
+    if per_sample:
+        from preprocess.scheduler import Scheduler
+
+        engine = Scheduler(ds, ds.transform, num_workers=num_workers, job_seed=seed, drop_last=drop_last,
+                           **options)
+        engine.prepare()  # profiles the pipeline and starts its workers
+        num_workers = 0
+    num_workers = num_workers or 0
     if num_workers > 0:
         # Workers are spawned, not forked: the main process runs gRPC and maybe the
         # embedded server's threads, which must not be forked mid-flight.
@@ -118,6 +161,7 @@ def make_loader(ds, batch_size: int, *, num_workers: int = 0, seed: int = 0, loo
         kwargs.setdefault("persistent_workers", True)
     kwargs.setdefault("collate_fn", _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
+    loader.preprocess = engine
     loader.attach_coordinator(ds)
     return loader
 

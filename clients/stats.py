@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 from dataclasses import dataclass
+from typing import Any
 
 FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
           "coalesced", "cache_errors", "prefetched")
@@ -52,6 +53,7 @@ class EpochStats:
     batch_time_median: float
     batch_time_p95: float
     complete: bool = True  # False: the loop stopped (break, exception) before the epoch's end
+    preprocess: Any = None  # preprocess.stats.PreprocessStats when the loader ran a transform
 
     @property
     def hit_rate(self) -> float:
@@ -63,4 +65,5 @@ class EpochStats:
                 f"{self.seconds:.2f}s, hit rate {self.hit_rate:.0%}, "
                 f"substituted {self.substituted}, store {self.store_bytes / 2**20:.1f} MiB, "
                 f"cache {self.cache_bytes / 2**20:.1f} MiB, poisoned {self.poisoned}, "
-                f"batch median {self.batch_time_median * 1e3:.1f} ms")
+                f"batch median {self.batch_time_median * 1e3:.1f} ms"
+                + (f"\n  {self.preprocess.line()}" if self.preprocess is not None else ""))

@@ -1,3 +1,13 @@
-"""Embedded preprocessing workers: placement, transformation reordering and load
-balancing. Filed as later issues; the package exists so the distribution layout
-is stable."""
+"""Transform pipelines for CachedDataset: per-sample scheduling, AutoOrder and
+structural fingerprints (docs/preprocess.md).
+
+    from preprocess import Pipeline, step
+    ds = CachedDataset("train.dig", transform=Pipeline([decode, step(crop, random=True), to_float]))
+    loader = ds.loader(batch_size=256, num_workers=None, seed=0)   # None: adaptive worker count
+"""
+from .engine import PipelineError
+from .fingerprint import Uncacheable
+from .pipeline import ItemContext, Pipeline, StepError, as_pipeline
+from .steps import Step, step
+
+__all__ = ["Pipeline", "Step", "step", "PipelineError", "StepError", "Uncacheable", "ItemContext", "as_pipeline"]

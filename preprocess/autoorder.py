@@ -1,0 +1,132 @@
+"""AutoOrder (Pecan §5.2, Algorithm 2): deflating steps first, inflating ones last.
+
+The pipeline is cut into sections at barriers: steps marked keep_position and
+steps that change the item's type or rank (decoding, flattening), which stay
+where they were written. Within a section steps move by their inflation factor
+(bytes out / bytes in, measured on a sample): deflating (< 1 - EPS) before
+neutral before inflating (> 1 + EPS).
+
+Beyond the paper: Pecan assumes the steps of a section commute; a user's steps
+often do not (normalising before scaling to [0, 1], resizing before cropping).
+So a step moves by swapping with a neighbour only where the two give the same
+output in either order on the sample items (measure.agree: same shapes and
+dtypes, values within 1%), and steps of one class keep their written order
+(Pecan prepends deflating steps, which would put a resize before its crop).
+As in Pecan's footnote, casts to half precision go last although they deflate:
+CPUs compute slowly on such types.
+The first order is chosen before the first epoch; after it, the factors
+measured over the whole epoch are checked and the order is revised if a step's
+class changed."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .measure import agree
+from .pipeline import Pipeline
+from .profile import Trace, trace
+
+EPS = 0.05
+DEFLATE, NEUTRAL, INFLATE, LAST = 0, 1, 2, 3
+Commutes = Callable[[tuple[int, ...], int, int], bool]
+
+
+def inflation_class(factor: float) -> int:
+    return DEFLATE if factor < 1 - EPS else INFLATE if factor > 1 + EPS else NEUTRAL
+
+
+def sections(order: Sequence[int], fixed: set[int]) -> list[tuple[int, int]]:
+    """[start, end) position ranges of the movable runs between fixed steps."""
+    out, start = [], 0
+    for pos, j in enumerate(order):
+        if j in fixed:
+            if pos > start:
+                out.append((start, pos))
+            start = pos + 1
+    if start < len(order):
+        out.append((start, len(order)))
+    return out
+
+
+def reorder(order: Sequence[int], fixed: set[int], factors: dict[int, float], commutes: Commutes,
+            last: set[int] = frozenset()) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """Stable bubble sort of each section by inflation class (steps in `last` after
+    all), swapping neighbours (a, b) only when commutes(steps before them, a, b).
+    Returns (order, swaps made)."""
+    def rank(j: int) -> int:
+        return LAST if j in last else inflation_class(factors[j])
+
+    seq = list(order)
+    swaps: list[tuple[int, int]] = []
+    refused: set[tuple[int, int]] = set()
+    for start, end in sections(seq, fixed):
+        for _ in range(end - start):  # n passes sort n items
+            moved = False
+            for p in range(start, end - 1):
+                a, b = seq[p], seq[p + 1]
+                if rank(b) >= rank(a) or (a, b) in refused:
+                    continue
+                if commutes(tuple(seq[:p]), a, b):
+                    seq[p], seq[p + 1] = b, a
+                    swaps.append((a, b))
+                    moved = True
+                else:
+                    refused.add((a, b))
+            if not moved:
+                break
+    return tuple(seq), swaps
+
+
+def sample_commutes(pipeline: Pipeline, tr: Trace) -> Commutes:
+    """A commutes() that runs the steps on the traced sample items."""
+    inputs: dict[tuple[int, ...], list] = {}
+
+    def at(prefix: tuple[int, ...]) -> list:
+        if prefix not in inputs:
+            xs = list(tr.inputs[0])
+            for j in prefix:
+                xs = [pipeline.call_step(j, x, c) for x, c in zip(xs, tr.ctxs)]
+            inputs[prefix] = xs
+        return inputs[prefix]
+
+    def commutes(prefix: tuple[int, ...], a: int, b: int) -> bool:
+        try:
+            for x, c in zip(at(prefix), tr.ctxs):
+                ab = pipeline.call_step(b, pipeline.call_step(a, x, c), c)
+                ba = pipeline.call_step(a, pipeline.call_step(b, x, c), c)
+                if not agree(ab, ba):
+                    return False
+        except Exception:  # b cannot even take a's input: they do not commute
+            return False
+        return True
+
+    return commutes
+
+
+def choose_order(pipeline: Pipeline, tr: Trace, factors: dict[int, float] | None = None) -> str:
+    """Reorder `pipeline` (traced in its current order as `tr`) and say what was done."""
+    factors = factors or tr.factors()
+    fixed = {j for j, s in enumerate(pipeline.steps) if s.keep_position} | tr.changes_kind()
+    new, swaps = reorder(pipeline.order, fixed, factors, sample_commutes(pipeline, tr), tr.makes_half())
+    names = [s.name for s in pipeline.steps]
+    detail = ", ".join(f"{names[j]} x{factors[j]:.2f}" for j in pipeline.order)
+    if new == pipeline.order:
+        report = f"AutoOrder kept the order (inflation: {detail})"
+    else:
+        moved = "; ".join(f"{names[b]} before {names[a]}" for a, b in swaps)
+        report = f"AutoOrder: {moved} (inflation: {detail})"
+    pipeline.set_order(new, report)
+    pipeline.auto_factors = dict(factors)
+    return report
+
+
+def revise(pipeline: Pipeline, epoch_bytes: dict[int, tuple[int, int]], tr: Trace) -> str | None:
+    """After the first epoch: factors from the whole epoch's bytes in and out; if a
+    step's class differs from what the order was chosen with, choose again (on a
+    trace of the sample in the current order). Returns the new report, or None."""
+    before = pipeline.auto_factors
+    factors = {j: (o / i if i else 1.0) for j, (i, o) in epoch_bytes.items()}
+    if len(factors) < len(pipeline.steps):
+        return None
+    if all(inflation_class(factors[j]) == inflation_class(before.get(j, factors[j])) for j in factors):
+        return None
+    return choose_order(pipeline, trace(pipeline, tr.inputs[0], tr.ctxs), factors)

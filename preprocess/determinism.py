@@ -1,0 +1,42 @@
+"""Catch steps declared non-random that are: run each on its real inputs (from a
+trace of sample items) under two different seeds of the global generators; a
+step whose outputs differ is reported and from then on treated as random (the
+cacheable prefix ends before it, and it is seeded per item)."""
+from __future__ import annotations
+
+import warnings
+
+from .measure import same
+from .pipeline import Pipeline
+from .profile import Trace
+from .seeding import seed_globals
+
+SEEDS = (0x5EED_0001, 0x5EED_0002)
+ITEMS = 3
+
+
+def check_declared(pipeline: Pipeline, tr: Trace) -> dict[int, str]:
+    """Returns {step: reason} for the steps caught, recorded in pipeline.caught_random."""
+    caught: dict[int, str] = {}
+    for pos, j in enumerate(tr.order):
+        if pipeline.is_random(j):
+            continue
+        fn = pipeline.steps[j].fn
+        for k, x in enumerate(tr.inputs[pos][:ITEMS]):
+            outs = []
+            for seed in SEEDS:
+                seed_globals(seed)
+                try:
+                    outs.append(fn(x))
+                except Exception:
+                    outs = []
+                    break
+            if len(outs) == 2 and not same(outs[0], outs[1]):
+                caught[j] = (f"step {j} ({pipeline.steps[j].name}) is not declared random but gave different "
+                             f"outputs under two seeds on sample item {k}; treated as random (mark it "
+                             f"random=True, or make it deterministic)")
+                break
+    for j, why in caught.items():
+        pipeline.caught_random[j] = why
+        warnings.warn(why, stacklevel=2)
+    return caught

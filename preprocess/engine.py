@@ -1,0 +1,216 @@
+"""Per-sample scheduling of one epoch (MinatoLoader §4.2, Algorithm 1, and beyond).
+
+A dispatcher thread in the main process consumes the batch sampler's index
+stream (so substitutable hits, exactly-once and any rank share come from the
+sampler), hands items to the worker pool in small tasks, and builds batches
+from items in the order they finish: a slow item never holds back a batch whose
+other items are ready, and it joins a later one. Every item the sampler yields
+is yielded exactly once (or skipped and counted, with on_error="skip"); the
+epoch ends when all have finished, never after a fixed number of batches.
+
+Item states: upcoming (from the sampler) -> dispatched (in a task) -> [in the
+background, after the timeout] -> finished (ready) -> yielded in a batch; or
+failed. `yielded` marks the items handed to the training loop (for resuming).
+Items the cost memory knows to be slow (over the timeout) are taken from the
+upcoming window first and run in a worker's background thread from the start."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .pool import WorkerPool
+from .stats import PreprocessStats
+from .timeout import SlowTimeout
+from .workerctl import CpuMeter, next_workers
+
+TICK = 0.05          # longest wait for a result before checking the workers
+CONTROL_EVERY = 1.0  # seconds between worker-count decisions
+
+
+class PipelineError(RuntimeError):
+    """A step raised on an item (with on_error="raise"); names the item and the step."""
+
+
+@dataclass
+class EpochPlan:
+    run: int
+    epoch: int
+    batch_size: int
+    order: tuple[int, ...]
+    on_error: str = "raise"
+    task_items: int = 2
+    prefetch_batches: int = 4
+    adaptive: bool = False
+    max_workers: int = 1
+
+
+class EpochRun:
+    def __init__(self, pool: WorkerPool, batches: Iterator[list[int]], plan: EpochPlan, stats: PreprocessStats,
+                 timeout: SlowTimeout, known_cost: Callable[[int], float | None],
+                 describe: Callable[[int], str]) -> None:
+        self.pool, self.sampler, self.plan, self.stats = pool, batches, plan, stats
+        self.timeout, self.known_cost, self.describe = timeout, known_cost, describe
+        self.cond = threading.Condition()
+        self.out: deque[list[tuple[int, Any]]] = deque()
+        self.ready: list[tuple[int, Any]] = []
+        self.upcoming: deque[int] = deque()
+        self.exhausted = self.done = self.stop = False
+        self.error: BaseException | None = None
+        self.pending = self.in_background = 0
+        self.measured: list[tuple[int, float]] = []  # (index, seconds of work)
+        self.yielded: set[int] = set()
+        self._meter = CpuMeter() if plan.adaptive else None
+        self._next_control = time.monotonic() + CONTROL_EVERY
+
+    # ---- consumer side --------------------------------------------------------
+    def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
+        t = threading.Thread(target=self._dispatch_guarded, name="preprocess-dispatch", daemon=True)
+        t.start()
+        finished = False
+        try:
+            while True:
+                with self.cond:
+                    while not self.out and not self.done and self.error is None:
+                        self.cond.wait(0.5)
+                    if self.error is not None:
+                        raise self.error
+                    if not self.out:
+                        finished = True
+                        return
+                    batch = self.out.popleft()
+                    self.cond.notify_all()
+                self.yielded.update(i for i, _ in batch)
+                yield batch
+        finally:
+            if not finished:
+                self.stop = True
+                t.join(10)
+                self.pool.drain_tasks()
+
+    # ---- dispatcher thread ----------------------------------------------------
+    def _dispatch_guarded(self) -> None:
+        try:
+            self._dispatch()
+        except BaseException as e:  # reaches the consumer, which raises it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _dispatch(self) -> None:
+        while not self.stop and self.error is None:
+            self._send_tasks()
+            if self.exhausted and self.pending == 0:
+                with self.cond:
+                    if self.ready:
+                        self.out.append(self.ready)
+                        self.ready = []
+                    self.done = True
+                    self.cond.notify_all()
+                return
+            try:
+                msg = self.pool.result_q.get(timeout=TICK)
+            except queue.Empty:
+                self.pool.check()
+                self._control()
+                continue
+            self._handle(msg)
+            for _ in range(256):  # take what else has arrived without blocking
+                try:
+                    self._handle(self.pool.result_q.get_nowait())
+                except queue.Empty:
+                    break
+            self._control()
+
+    def _send_tasks(self) -> None:
+        p = self.plan
+        cap = max(1, self.pool.size) * p.task_items * 2
+        while (self.pending - self.in_background < cap and self.pending < 4 * cap
+               and len(self.out) < p.prefetch_batches):
+            items = self._take(p.task_items)
+            if not items:
+                return
+            self.pool.task_q.put(("task", p.run, p.epoch, p.order, self.timeout.seconds, items))
+            self.pending += len(items)
+
+    def _take(self, n: int) -> list[tuple[int, bool]]:
+        """The next task: known-slow items of the upcoming window first (to the background)."""
+        window = self.plan.batch_size * 4
+        while len(self.upcoming) < window and not self.exhausted:
+            try:
+                self.upcoming.extend(next(self.sampler))
+            except StopIteration:
+                self.exhausted = True
+        t_out = self.timeout.seconds
+        if t_out is not None:
+            slow = [i for i in list(self.upcoming)[:window] if (self.known_cost(i) or 0.0) > t_out][:n]
+            if slow:
+                for i in slow:
+                    self.upcoming.remove(i)
+                self.stats.known_slow_first += len(slow)
+                self.in_background += len(slow)
+                return [(i, True) for i in slow]
+        return [(self.upcoming.popleft(), False) for _ in range(min(n, len(self.upcoming)))]
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "exit":
+            self.pool.exited(msg[1])
+            return
+        if msg[1] != self.plan.run:
+            return  # left over from an epoch its consumer abandoned
+        if kind == "moved":
+            self.in_background += 1
+        elif kind == "done":
+            _, _, _, i, item, records, moved = msg
+            self._finished(i, records, moved)
+            self.ready.append((i, item))
+            if len(self.ready) >= self.plan.batch_size:
+                with self.cond:
+                    self.out.append(self.ready[:self.plan.batch_size])
+                    self.cond.notify_all()
+                del self.ready[:self.plan.batch_size]
+        elif kind == "error":
+            _, _, _, i, j, name, text, records = msg
+            self._finished(i, records, False, measure=False)
+            self._failed(i, j, name, text)
+        elif kind == "fatal":
+            raise RuntimeError(f"reading items {msg[3][:8]} in a preprocessing worker failed:\n{msg[4]}")
+
+    def _finished(self, i: int, records: list, moved: bool, measure: bool = True) -> None:
+        self.pending -= 1
+        if moved:
+            self.in_background = max(0, self.in_background - 1)
+            self.stats.moved += 1
+        self.stats.add(records)
+        if measure:
+            secs = sum(r[1] for r in records)
+            self.measured.append((i, secs))
+            self.timeout.add(secs)
+            self.stats.items += 1
+
+    def _failed(self, i: int, j: int, name: str, text: str) -> None:
+        what = f"item {i} ({self.describe(i)}): step {j} ({name}) raised:\n{text.rstrip()}"
+        if self.plan.on_error == "skip":
+            self.stats.skipped += 1
+            if len(self.stats.errors) < 10:
+                self.stats.errors.append(what.splitlines()[0] + " " + text.strip().splitlines()[-1])
+            return
+        raise PipelineError(what)
+
+    def _control(self) -> None:
+        if self._meter is None or time.monotonic() < self._next_control:
+            return
+        self._next_control = time.monotonic() + CONTROL_EVERY
+        cpu = self._meter.sample()
+        if cpu is None:
+            return
+        fill = len(self.out) / max(1, self.plan.prefetch_batches)
+        n = next_workers(self.pool.size, fill, cpu, self.plan.max_workers)
+        if n != self.pool.size:
+            self.pool.resize(n)
+            self.stats.workers.append(n)

@@ -1,0 +1,157 @@
+"""Pipeline: an ordered chain of steps, run per item with timing and byte counts.
+
+`order` is the execution order as indices into `steps` (the order as written until
+AutoOrder changes it). Random steps are seeded per item from (job seed, epoch,
+item digest, the step's written position) before they run (seeding.py)."""
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
+from .measure import nbytes
+from .seeding import item_seed, seed_globals
+from .steps import Step, as_step
+
+# (written position, seconds, bytes in, bytes out) of one step on one item
+StepRecord = tuple[int, float, int, int]
+
+
+@dataclass(frozen=True)
+class ItemContext:
+    """What seeds an item's random steps."""
+    job_seed: int
+    epoch: int
+    digest: bytes
+
+
+class StepError(Exception):
+    """A step raised; names the step (the item is named by whoever ran it)."""
+
+    def __init__(self, position: int, name: str, error: BaseException) -> None:
+        super().__init__(f"step {position} ({name}) raised {type(error).__name__}: {error}")
+        self.position, self.name, self.error = position, name, error
+
+
+class Pipeline:
+    def __init__(self, steps: Iterable[Callable[[Any], Any] | Step], *, auto_order: bool = False) -> None:
+        self.steps: tuple[Step, ...] = tuple(as_step(s) for s in steps)
+        if not self.steps:
+            raise ValueError("a Pipeline needs at least one step")
+        self.order: tuple[int, ...] = tuple(range(len(self.steps)))
+        self.auto_order = auto_order
+        self.caught_random: dict[int, str] = {}  # declared non-random, but differs under two seeds
+        self.order_report: str = "as written"
+        self.auto_factors: dict[int, float] = {}  # inflation factors the order was chosen with
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __repr__(self) -> str:
+        return f"Pipeline([{', '.join(self.steps[j].name for j in self.order)}])"
+
+    def is_random(self, j: int) -> bool:
+        return self.steps[j].random or j in self.caught_random
+
+    def set_order(self, order: Sequence[int], report: str = "") -> None:
+        if sorted(order) != list(range(len(self.steps))):
+            raise ValueError(f"order {list(order)} is not a permutation of {len(self.steps)} steps")
+        self.order = tuple(order)
+        self.order_report = report or self.order_report
+
+    # ---- running ----------------------------------------------------------
+    def run(self, x: Any, ctx: ItemContext, start: int = 0, deadline: float | None = None,
+            records: list[StepRecord] | None = None) -> tuple[Any, int]:
+        """Run steps order[start:] on x; stops early (returning the next position) once
+        `deadline` (time.perf_counter) has passed after a step. Raises StepError."""
+        out = records if records is not None else []
+        pos = start
+        while pos < len(self.order):
+            j = self.order[pos]
+            b_in = nbytes(x)
+            t0 = time.perf_counter()
+            x = self.call_step(j, x, ctx)
+            t1 = time.perf_counter()
+            out.append((j, t1 - t0, b_in, nbytes(x)))
+            pos += 1
+            if deadline is not None and t1 > deadline:
+                break
+        return x, pos
+
+    def call_step(self, j: int, x: Any, ctx: ItemContext) -> Any:
+        """Step j (written position) on x, seeded if it is random; raises StepError."""
+        s = self.steps[j]
+        if self.is_random(j):
+            seed_globals(item_seed(ctx.job_seed, ctx.epoch, ctx.digest, j))
+        try:
+            return s.fn(x)
+        except Exception as e:
+            raise StepError(j, s.name, e) from e
+
+    def apply(self, x: Any, ctx: ItemContext | None = None) -> Any:
+        """All steps on one item, in the current order."""
+        return self.run(x, ctx or ItemContext(0, 0, b""))[0]
+
+    __call__ = apply
+
+    # ---- what workers receive -----------------------------------------------
+    def check_picklable(self) -> None:
+        """Workers are spawned and get the pipeline by pickling: refuse one they
+        could not receive, naming the step, before any worker starts."""
+        for j, s in enumerate(self.steps):
+            try:
+                pickle.loads(pickle.dumps(s.fn))
+            except Exception as e:
+                raise TypeError(
+                    f"pipeline step {j} ({s.name}) cannot be pickled: {type(e).__name__}: {e}. The loader's "
+                    f"worker processes are spawned and receive the pipeline by pickling, so each step must be a "
+                    f"module-level function or an instance of a module-level class (not a lambda, a local "
+                    f"function or an object holding open files, locks or sockets)") from None
+
+    # ---- keys -----------------------------------------------------------
+    def step_fingerprint(self, j: int) -> str:
+        s = self.steps[j]
+        try:
+            return fingerprint((s.fn, s.keep_position, self.is_random(j)), path=s.name)
+        except Uncacheable as e:
+            raise Uncacheable(f"pipeline step {j} ({s.name}) cannot be fingerprinted: {e}") from None
+        except RecursionError:
+            raise Uncacheable(f"pipeline step {j} ({s.name}) cannot be fingerprinted: nested too deeply") from None
+
+    def fingerprint(self, upto: int | None = None) -> str:
+        """Structural key of the first `upto` steps in execution order (all by default),
+        including the order; raises Uncacheable naming the first step that fails."""
+        n = len(self.order) if upto is None else upto
+        parts = [self.step_fingerprint(j) for j in self.order[:n]]
+        return sub_fingerprint(("mlcache-pipeline/1", library_version("numpy"), parts))
+
+    def cacheable_prefix(self) -> int:
+        """How many leading steps (execution order) come before the first random one."""
+        for pos, j in enumerate(self.order):
+            if self.is_random(j):
+                return pos
+        return len(self.order)
+
+    def prefix_fingerprint(self) -> str | None:
+        """Key of the cacheable prefix, None when it is empty."""
+        n = self.cacheable_prefix()
+        return self.fingerprint(n) if n else None
+
+    def describe(self) -> str:
+        names = " -> ".join(self.steps[j].name + ("*" if self.is_random(j) else "") for j in self.order)
+        return f"{names} ({self.order_report})"
+
+
+def as_pipeline(transform: Any) -> Pipeline | None:
+    """CachedDataset's `transform=`: a Pipeline, a list of steps, one callable, or None."""
+    if transform is None or isinstance(transform, Pipeline):
+        return transform
+    if isinstance(transform, (list, tuple)):
+        return Pipeline(transform)
+    if callable(transform):
+        return Pipeline([transform])
+    raise TypeError(f"transform must be a Pipeline, a list of callables or a callable, "
+                    f"got {type(transform).__name__}")

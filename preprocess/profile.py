@@ -1,0 +1,59 @@
+"""Run a pipeline on a sample of items step by step, keeping every intermediate:
+AutoOrder reads each step's inflation and whether it changes type or rank, the
+determinism check reruns steps on their real inputs."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .measure import kind, nbytes
+from .pipeline import ItemContext, Pipeline
+
+
+@dataclass
+class Trace:
+    """inputs[pos][k]: item k's input to the step at execution position pos
+    (inputs[len] holds the outputs); ctxs[k]: item k's seeding context."""
+    order: tuple[int, ...]
+    inputs: list[list[Any]]
+    ctxs: list[ItemContext]
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def factors(self) -> dict[int, float]:
+        """Inflation factor of each step (written position): bytes out / bytes in,
+        summed over the sample."""
+        out = {}
+        for pos, j in enumerate(self.order):
+            b_in = sum(nbytes(x) for x in self.inputs[pos])
+            b_out = sum(nbytes(x) for x in self.inputs[pos + 1])
+            out[j] = b_out / b_in if b_in else 1.0
+        return out
+
+    def changes_kind(self) -> set[int]:
+        """Steps whose output differs from their input in type or rank on any item."""
+        return {j for pos, j in enumerate(self.order)
+                if any(kind(a) != kind(b) for a, b in zip(self.inputs[pos], self.inputs[pos + 1]))}
+
+
+    def makes_half(self) -> set[int]:
+        """Steps that cast to a half-precision float (Pecan's footnote: CPUs compute
+        slowly on these, so such casts go last although they deflate)."""
+        return {j for pos, j in enumerate(self.order)
+                if any(_half(b) and not _half(a) for a, b in zip(self.inputs[pos], self.inputs[pos + 1]))}
+
+
+def _half(x: Any) -> bool:
+    dt = getattr(x, "dtype", None)
+    return dt is not None and str(dt).rsplit(".", 1)[-1] in ("float16", "bfloat16")
+
+
+def trace(pipeline: Pipeline, items: Sequence[Any], ctxs: Sequence[ItemContext]) -> Trace:
+    inputs = [list(items)]
+    seconds: dict[int, float] = {}
+    for j in pipeline.order:
+        t0 = time.perf_counter()
+        inputs.append([pipeline.call_step(j, x, c) for x, c in zip(inputs[-1], ctxs)])
+        seconds[j] = time.perf_counter() - t0
+    return Trace(pipeline.order, inputs, list(ctxs), seconds)

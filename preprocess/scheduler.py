@@ -1,0 +1,151 @@
+"""The engine a loader runs a pipeline with: prepares the pipeline on a sample of
+items (determinism check, AutoOrder, fingerprint), owns the worker pool and the
+item cost memory, and runs epochs (engine.EpochRun) over a batch sampler's index
+stream. Duck-typed on the dataset: `read(indices)` (items before the transform),
+`digest` (hashes, location) and `len()`; it never imports the client package."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .autoorder import choose_order, revise
+from .costs import DIGEST_BYTES, CostMemory, default_dir, open_memory
+from .determinism import check_declared
+from .engine import EpochPlan, EpochRun, PipelineError
+from .fingerprint import Uncacheable
+from .pipeline import ItemContext, Pipeline, StepError
+from .pool import WorkerPool
+from .profile import Trace, trace
+from .stats import PreprocessStats, StepStats
+from .timeout import SlowTimeout
+from .workerctl import max_workers
+
+ON_ERROR = ("raise", "skip")
+SAMPLE_ITEMS = 16
+
+
+class Scheduler:
+    def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
+                 on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
+                 task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS) -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 or None (adaptive), got {num_workers}")
+        pipeline.check_picklable()  # before any worker starts
+        self.ds, self.pipeline, self.job_seed, self.on_error = ds, pipeline, job_seed, on_error
+        self.auto_order = pipeline.auto_order if auto_order is None else auto_order
+        self.adaptive = num_workers is None
+        self.max_workers = max_workers()
+        self.workers = min(2, self.max_workers) if num_workers is None else num_workers
+        self.task_items, self.prefetch_batches, self.sample_items = task_items, prefetch_batches, sample_items
+        self.cost_dir = default_dir() if cost_dir is None else (cost_dir or None)
+        self.pool: WorkerPool | None = None
+        self.memory: CostMemory | None = None
+        self.known: dict[bytes, float] = {}
+        self.sample: Trace | None = None
+        self.fingerprint: str | None = None
+        self.uncacheable: str | None = None
+        self.epochs_run = 0
+        self.last_run: EpochRun | None = None
+
+    # ---- before the first epoch ---------------------------------------------------
+    def prepare(self) -> None:
+        if self.sample is not None:
+            return
+        ds, n = self.ds, len(self.ds)
+        idx = random.Random(f"{self.job_seed}/sample").sample(range(n), min(n, self.sample_items))
+        ctxs = [ItemContext(self.job_seed, -1, ds.digest.hashes[i].tobytes()) for i in idx]
+        try:
+            tr = trace(self.pipeline, ds.read(idx), ctxs)
+            check_declared(self.pipeline, tr)
+            if self.auto_order:
+                choose_order(self.pipeline, tr)
+                tr = trace(self.pipeline, tr.inputs[0], ctxs)
+        except StepError as e:
+            raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+        self.sample = tr
+        try:
+            self.fingerprint = self.pipeline.fingerprint()
+        except Uncacheable as e:
+            self.uncacheable = str(e)
+        key = self.fingerprint or "unkeyed:" + repr(self.pipeline)
+        self.memory = open_memory(self.cost_dir, key)
+        self.known = self.memory.load() if self.memory else {}
+        if self.workers > 0:
+            self.pool = WorkerPool(ds, self.pipeline, self.job_seed)
+            self.pool.resize(self.workers)
+
+    # ---- epochs ---------------------------------------------------------------
+    def epoch(self, batches: Iterable[list[int]], epoch: int, batch_size: int) -> Iterator[list[Any]]:
+        self.prepare()
+        stats = PreprocessStats({j: StepStats(s.name) for j, s in enumerate(self.pipeline.steps)},
+                                order=self.pipeline.describe(), workers=[self.workers])
+        self.last_stats = stats
+        if self.pool is None:
+            yield from self._inline(batches, epoch, stats)
+            return
+        digest = self.ds.digest
+        plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
+                         on_error=self.on_error, task_items=self.task_items or max(1, batch_size // (2 * self.pool.size)),
+                         prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers)
+        timeout = SlowTimeout(self.known.values())
+        run = EpochRun(self.pool, iter(batches), plan, stats, timeout,
+                       lambda i: self.known.get(digest.hashes[i].tobytes()[:DIGEST_BYTES]), self._describe)
+        self.last_run = run
+        self.epochs_run += 1
+        for batch in run:
+            yield [item for _, item in batch]
+        stats.timeout = timeout.seconds
+        self._after_epoch(run, stats)
+
+    def _after_epoch(self, run: EpochRun, stats: PreprocessStats) -> None:
+        digest = self.ds.digest
+        measured = [(digest.hashes[i].tobytes(), s) for i, s in run.measured]
+        if self.memory is not None and measured:
+            self.memory.update(measured)
+            self.known.update((d[:DIGEST_BYTES], s) for d, s in measured)
+        if self.auto_order and self.epochs_run == 1 and self.sample is not None:
+            report = revise(self.pipeline, {j: (s.bytes_in, s.bytes_out) for j, s in stats.steps.items()
+                                            if s.items}, self.sample)
+            if report is not None:
+                self.fingerprint = None
+                try:
+                    self.fingerprint = self.pipeline.fingerprint()
+                except Uncacheable as e:
+                    self.uncacheable = str(e)
+
+    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats) -> Iterator[list[Any]]:
+        """num_workers=0: every step in this process, batch by batch."""
+        digest = self.ds.digest
+        for batch in batches:
+            out = []
+            for i, x in zip(batch, self.ds.read(batch)):
+                records: list = []
+                try:
+                    out.append(self.pipeline.run(x, ItemContext(self.job_seed, epoch, digest.hashes[i].tobytes()),
+                                                 records=records)[0])
+                    stats.items += 1
+                except StepError as e:
+                    if self.on_error == "raise":
+                        raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
+                    stats.skipped += 1
+                stats.add(records)
+            yield out
+
+    def _describe(self, i: int) -> str:
+        path, offset, length = self.ds.digest.location(i)
+        return f"{path} @ {offset}+{length}"
+
+    def yielded(self) -> set[int]:
+        """Items of the current (or last) epoch handed to the training loop so far."""
+        return set(self.last_run.yielded) if self.last_run else set()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None

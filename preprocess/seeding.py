@@ -1,0 +1,26 @@
+"""Seeds for random steps, derived from (job seed, epoch, item digest, step): the
+same item in the same epoch of a job with the same seed draws the same numbers,
+wherever it runs and wherever AutoOrder moved the step, so a random step's output
+is reproducible and cacheable per seed."""
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+
+
+def item_seed(job_seed: int, epoch: int, digest: bytes, step: int) -> int:
+    h = hashlib.blake2b(digest, digest_size=8, key=f"{job_seed}/{epoch}/{step}".encode()[:64])
+    return int.from_bytes(h.digest(), "little")
+
+
+def seed_globals(seed: int) -> None:
+    """Seed the generators steps draw from: random, numpy's global one and torch's
+    (when torch is loaded)."""
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)

@@ -1,0 +1,50 @@
+"""A pipeline step: a picklable callable plus the flags the scheduler and AutoOrder
+read (keep_position: a barrier nothing moves across; random: draws random numbers,
+so the cacheable prefix ends before it)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Step:
+    fn: Callable[[Any], Any]
+    name: str = ""
+    keep_position: bool = False
+    random: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fn, Step):
+            raise TypeError("Step(Step(...)): pass the callable, not a Step")
+        if not callable(self.fn):
+            raise TypeError(f"pipeline step {self.fn!r} ({type(self.fn).__name__}) is not callable")
+        if not self.name:
+            object.__setattr__(self, "name", step_name(self.fn))
+
+    def __call__(self, x: Any) -> Any:
+        return self.fn(x)
+
+
+def step(fn: Callable[[Any], Any], *, name: str = "", keep_position: bool = False,
+         random: bool = False) -> Step:
+    """Wrap a callable with flags: `step(crop, random=True)`."""
+    return Step(fn, name, keep_position, random)
+
+
+def as_step(x: Any) -> Step:
+    """A Step as given, or one made from a callable; a callable may carry the flags as
+    attributes (`keep_position`, `random`), as transform classes can."""
+    if isinstance(x, Step):
+        return x
+    return Step(x, keep_position=bool(getattr(x, "keep_position", False)),
+                random=bool(getattr(x, "random", False)))
+
+
+def step_name(fn: Any) -> str:
+    qual = getattr(fn, "__qualname__", None)
+    if qual is None:
+        inner = getattr(fn, "func", None)  # functools.partial
+        qual = f"partial({step_name(inner)})" if inner is not None else type(fn).__name__
+    return qual

@@ -1,0 +1,92 @@
+"""A preprocessing worker process (spawned) and its background thread.
+
+The main thread takes tasks (a few item indices) from the shared task queue,
+reads the items through the dataset (cache, then store) and runs each through
+the pipeline. A step cannot be pre-empted, so after each step it checks the
+item's time against the timeout the scheduler sent: once over, the partly done
+item moves to this process's background thread (MinatoLoader's temp queue) and
+the main thread goes on with fresh items. Items the cost memory knows to be slow
+go to the background thread at once. Every finished item is sent back alone;
+the scheduler builds batches from whatever finishes.
+
+Messages to the scheduler: ("done", run, wid, index, item, records, moved),
+("error", run, wid, index, step, step name, text, records), ("fatal", run, wid,
+indices, text) when reading the items failed, ("moved", run, wid, index) when an
+item goes to the background, ("exit", wid, None) on a clean stop."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+from .pipeline import ItemContext, Pipeline, StepError
+
+# task: ("task", run, epoch, order, timeout seconds or None, [(index, to_background), ...]); None: stop
+
+
+def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed: int,
+                task_q: Any, result_q: Any) -> None:
+    _set_worker_info(wid, n_workers, job_seed, ds)
+    bgq: queue.Queue = queue.Queue()
+    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q), name="slow-items", daemon=True)
+    bg.start()
+    while True:
+        task = task_q.get()
+        if task is None:
+            break
+        _, run, epoch, order, t_out, items = task
+        if tuple(order) != pipeline.order:
+            pipeline.order = tuple(order)
+        try:
+            data = ds.read([i for i, _ in items])
+        except Exception:
+            result_q.put(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
+            continue
+        for (i, to_bg), x in zip(items, data):
+            ctx = ItemContext(job_seed, epoch, ds.digest.hashes[i].tobytes())
+            if to_bg:
+                bgq.put((run, i, x, ctx, 0, [], time.perf_counter()))
+                continue
+            _advance(wid, pipeline, run, i, x, ctx, 0, [], t_out, result_q, bgq, time.perf_counter())
+    bgq.put(None)
+    bg.join()
+    result_q.put(("exit", wid, None))
+
+
+def _advance(wid: int, pipeline: Pipeline, run: int, i: int, x: Any, ctx: ItemContext, pos: int,
+             records: list, t_out: float | None, result_q: Any, bgq: queue.Queue | None, started: float) -> None:
+    deadline = None if t_out is None or bgq is None else started + t_out
+    try:
+        x, pos = pipeline.run(x, ctx, pos, deadline, records)
+    except StepError as e:
+        text = "".join(traceback.format_exception(e.error))
+        result_q.put(("error", run, wid, i, e.position, e.name, text, records))
+        return
+    if pos < len(pipeline.order):  # over its time: the rest runs in the background
+        result_q.put(("moved", run, wid, i))
+        bgq.put((run, i, x, ctx, pos, records, started))
+        return
+    result_q.put(("done", run, wid, i, x, records, bgq is None))
+
+
+def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any) -> None:
+    while True:
+        job = bgq.get()
+        if job is None:
+            return
+        run, i, x, ctx, pos, records, started = job
+        _advance(wid, pipeline, run, i, x, ctx, pos, records, None, result_q, None, started)
+
+
+def _set_worker_info(wid: int, n_workers: int, seed: int, ds: Any) -> None:
+    """Look like a torch DataLoader worker: get_worker_info() works in user steps,
+    and the dataset counts this process's reads in its own row."""
+    try:
+        import torch
+        from torch.utils.data._utils import worker as tw
+    except ImportError:  # pragma: no cover
+        return
+    torch.set_num_threads(1)  # as DataLoader workers: one core each
+    tw._worker_info = tw.WorkerInfo(id=wid, num_workers=n_workers, seed=seed, dataset=ds)
