@@ -194,13 +194,13 @@ class EpochRun:
             self.stats.items += 1
 
     def _failed(self, i: int, j: int, name: str, text: str) -> None:
-        what = f"item {i} ({self.describe(i)}): step {j} ({name}) raised:\n{text.rstrip()}"
+        what = f"item {i} ({self.describe(i)}): step {j} ({name}) raised {text.strip().splitlines()[-1]}"
         if self.plan.on_error == "skip":
             self.stats.skipped += 1
             if len(self.stats.errors) < 10:
-                self.stats.errors.append(what.splitlines()[0] + " " + text.strip().splitlines()[-1])
+                self.stats.errors.append(what)
             return
-        raise PipelineError(what)
+        raise PipelineError(f"{what}\nin the worker:\n{text.rstrip()}")
 
     def _control(self) -> None:
         if self._meter is None or time.monotonic() < self._next_control:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .measure import kind, nbytes
-from .pipeline import ItemContext, Pipeline
+from .pipeline import ItemContext, Pipeline, StepError
 
 
 @dataclass
@@ -19,7 +19,8 @@ class Trace:
     order: tuple[int, ...]
     inputs: list[list[Any]]
     ctxs: list[ItemContext]
-    seconds: dict[int, float] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)  # per step, summed over the items
+    item_seconds: list[float] = field(default_factory=list)   # per item, all steps
 
     def factors(self) -> dict[int, float]:
         """Inflation factor of each step (written position): bytes out / bytes in,
@@ -50,10 +51,26 @@ def _half(x: Any) -> bool:
 
 
 def trace(pipeline: Pipeline, items: Sequence[Any], ctxs: Sequence[ItemContext]) -> Trace:
-    inputs = [list(items)]
-    seconds: dict[int, float] = {}
-    for j in pipeline.order:
-        t0 = time.perf_counter()
-        inputs.append([pipeline.call_step(j, x, c) for x, c in zip(inputs[-1], ctxs)])
-        seconds[j] = time.perf_counter() - t0
-    return Trace(pipeline.order, inputs, list(ctxs), seconds)
+    """Trace items through the current order; an item a step fails on is left out
+    (the loader's on_error deals with it in the epoch). Raises the first StepError
+    if no item gets through."""
+    rows, kept, item_seconds, seconds = [], [], [], dict.fromkeys(pipeline.order, 0.0)
+    first_error: StepError | None = None
+    for x, c in zip(items, ctxs):
+        row = [x]
+        t_item = time.perf_counter()
+        try:
+            for j in pipeline.order:
+                t0 = time.perf_counter()
+                row.append(pipeline.call_step(j, row[-1], c))
+                seconds[j] += time.perf_counter() - t0
+        except StepError as e:
+            first_error = first_error or e
+            continue
+        rows.append(row)
+        kept.append(c)
+        item_seconds.append(time.perf_counter() - t_item)
+    if not rows and first_error is not None:
+        raise first_error
+    inputs = [[row[pos] for row in rows] for pos in range(len(pipeline.order) + 1)]
+    return Trace(pipeline.order, inputs, kept, seconds, item_seconds)

@@ -90,7 +90,8 @@ class Scheduler:
         plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
                          on_error=self.on_error, task_items=self.task_items or max(1, batch_size // (2 * self.pool.size)),
                          prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers)
-        timeout = SlowTimeout(self.known.values())
+        # MinatoLoader profiles offline for its first timeout: we have the sample's times
+        timeout = SlowTimeout(list(self.known.values()) or self.sample.item_seconds)
         run = EpochRun(self.pool, iter(batches), plan, stats, timeout,
                        lambda i: self.known.get(digest.hashes[i].tobytes()[:DIGEST_BYTES]), self._describe)
         self.last_run = run

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 PERCENTILE = 0.75
-MIN_SAMPLES = 16
+MIN_SAMPLES = 8
 WINDOW = 1024
 FLOOR = 0.002  # moving an item to the background costs a hand-over: not worth it below this
 

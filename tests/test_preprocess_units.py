@@ -180,7 +180,7 @@ def test_worker_count_rule():
 
 def test_slow_timeout_is_the_75th_percentile():
     t = SlowTimeout()
-    for k in range(15):
+    for k in range(7):
         t.add(0.01)
     assert t.seconds is None  # too few yet
     for k in range(45):

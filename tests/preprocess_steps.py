@@ -1,0 +1,41 @@
+"""Steps for the preprocess integration tests: module-level, so spawned workers can
+import them (tests/ is on their path through the pickled module name)."""
+import struct
+import time
+
+SLOW = set()
+
+
+def index_of(data: bytes) -> int:
+    return struct.unpack_from("<q", data)[0]
+
+
+class SleepOn:
+    """Sleeps `secs` on the given indices (in `parts` steps, so the item can move to
+    the background between them)."""
+
+    def __init__(self, indices, secs):
+        self.indices, self.secs = frozenset(indices), secs
+
+    def __call__(self, i):
+        if i in self.indices:
+            time.sleep(self.secs)
+        return i
+
+
+class FailOn:
+    def __init__(self, every):
+        self.every = every
+
+    def __call__(self, i):
+        if i % self.every == 0:
+            raise ValueError(f"bad item {i}")
+        return i
+
+
+def pad(i):
+    return (i, bytes(100))
+
+
+def first(x):
+    return x[0]

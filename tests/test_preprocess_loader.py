@@ -1,0 +1,150 @@
+"""preprocess/ through CachedDataset: real spawned workers, real files."""
+import hashlib
+import io
+import os
+import struct
+import sys
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.digest import DigestBuilder  # noqa: E402
+from clients.sampler import SubstitutableBatchSampler  # noqa: E402
+from preprocess import Pipeline, PipelineError  # noqa: E402
+from preprocess_steps import FailOn, SleepOn, first, index_of, pad  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def indexed_items(root, n):
+    """n files whose first 8 bytes are their index; returns the digest path."""
+    os.makedirs(root, exist_ok=True)
+    b = DigestBuilder(str(root), "files")
+    for i in range(n):
+        data = struct.pack("<q", i) + os.urandom(24)
+        with open(os.path.join(root, f"{i:05d}"), "wb") as f:
+            f.write(data)
+        b.add(hashlib.sha256(data).digest(), len(data), f"{i:05d}")
+    path = str(root) + ".digest"
+    b.build().save(path)
+    return path
+
+
+def first_batch(n, batch, seed):
+    return next(iter(SubstitutableBatchSampler(n, batch, None, seed=seed)))
+
+
+def test_slow_item_never_holds_back_its_batch_and_everything_comes_once(tmp_path):
+    n, B, seed = 96, 8, 3
+    path = indexed_items(tmp_path / "ds", n)
+    slow = first_batch(n, B, seed)[0]  # in the sampler's first batch
+    pipe = Pipeline([index_of, SleepOn({slow}, 0.4), SleepOn({slow}, 0.4), pad, first])
+    ds = CachedDataset(path, cache=False, transform=pipe)
+    loader = ds.loader(B, num_workers=2, seed=seed, cost_dir=str(tmp_path / "costs"))
+    try:
+        for epoch in range(2):
+            batches = list(loader)
+            got = [i for b in batches for i in b]
+            assert Counter(got) == Counter(range(n))                  # exactly once
+            assert all(len(b) == B for b in batches[:-1])              # full but the last
+            assert slow not in batches[0]                              # a later batch took it
+            st = loader.epoch_stats[-1].preprocess
+            assert st.items == n and st.skipped == 0 and st.moved >= 1
+            assert [s.items for s in st.steps.values()] == [n] * 5     # every step timed, per item
+            assert st.steps[3].bytes_out > st.steps[3].bytes_in        # pad inflates
+            assert "preprocess:" in loader.epoch_stats[-1].line()
+        assert loader.epoch_stats[-1].preprocess.known_slow_first >= 1  # remembered from epoch 0
+        assert loader.preprocess.yielded() == set(range(n))
+    finally:
+        loader.close()
+    # another job over the same files knows the slow item before it starts
+    ds2 = CachedDataset(path, cache=False, transform=pipe)
+    loader2 = ds2.loader(B, num_workers=1, seed=seed + 1, cost_dir=str(tmp_path / "costs"))
+    try:
+        assert sorted(i for b in loader2 for i in b) == list(range(n))
+        assert loader2.epoch_stats[-1].preprocess.known_slow_first == 1
+    finally:
+        loader2.close()
+
+
+def test_on_error_skip_counts_and_raise_names_item_and_step(tmp_path):
+    n = 40
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([index_of, FailOn(7)])
+    loader = CachedDataset(path, cache=False, transform=pipe).loader(4, num_workers=2, on_error="skip",
+                                                                    cost_dir=False)
+    try:
+        got = [i for b in loader for i in b]
+        assert sorted(got) == [i for i in range(n) if i % 7]
+        st = loader.epoch_stats[-1].preprocess
+        assert st.skipped == len([i for i in range(n) if i % 7 == 0])
+        assert "FailOn" in st.errors[0]
+    finally:
+        loader.close()
+    loader = CachedDataset(path, cache=False, transform=pipe).loader(4, num_workers=1, cost_dir=False)
+    try:
+        with pytest.raises(PipelineError, match=r"item \d+ \(.*\): step 1 \(FailOn\) raised.*bad item"):
+            list(loader)
+    finally:
+        loader.close()
+
+
+def test_unpicklable_step_refused_before_workers_start(tmp_path):
+    path = indexed_items(tmp_path / "ds", 8)
+    ds = CachedDataset(path, cache=False, transform=[index_of, lambda i: i])
+    with pytest.raises(TypeError, match=r"step 1 .*cannot be pickled.*spawned"):
+        ds.loader(4, num_workers=2)
+
+
+def test_adaptive_worker_count_and_torch_scheduler(tmp_path):
+    n = 64
+    path = indexed_items(tmp_path / "ds", n)
+    ds = CachedDataset(path, cache=False, transform=[index_of, SleepOn(range(0, n, 2), 0.01)])
+    loader = ds.loader(8, num_workers=None, cost_dir=False)
+    try:
+        assert sorted(i for b in loader for i in b) == list(range(n))
+        workers = loader.epoch_stats[-1].preprocess.workers
+        assert workers and all(1 <= w <= max(1, len(os.sched_getaffinity(0))) for w in workers)
+    finally:
+        loader.close()
+    assert ds[5] == 5  # in-process: the transform applies to ds[i] too
+    peer = ds.loader(8, num_workers=2, scheduler="torch")
+    assert sorted(i for b in peer for i in b) == list(range(n))
+
+
+def test_auto_order_through_the_loader(tmp_path):
+    pytest.importorskip("PIL")
+    import numpy as np
+    from PIL import Image
+
+    from preprocess import vision
+    root = tmp_path / "img"
+    os.makedirs(root)
+    b = DigestBuilder(str(root), "files")
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        buf = io.BytesIO()
+        Image.fromarray((rng.random((90, 120, 3)) * 255).astype(np.uint8)).save(buf, "JPEG")
+        data = buf.getvalue()
+        (root / f"{i}.jpg").write_bytes(data)
+        b.add(hashlib.sha256(data).digest(), len(data), f"{i}.jpg")
+    b.build().save(str(root) + ".digest")
+    steps = [vision.decode_jpeg, vision.to_float, vision.RandomCrop(), vision.Resize(32), vision.RandomFlip(),
+             vision.Normalize(), vision.Cast()]
+    pipe = Pipeline(steps, auto_order=True)
+    ds = CachedDataset(str(root) + ".digest", cache=False, transform=pipe)
+    loader = ds.loader(8, num_workers=2, cost_dir=False)
+    try:
+        for _ in range(2):
+            out = [x for b in loader for x in b]
+            assert len(out) == 24 and all(x.shape == (32, 32, 3) and x.dtype == np.float16 for x in out)
+        order = [pipe.steps[j].name for j in loader.preprocess.pipeline.order]
+        assert order.index("Resize") < order.index("to_float")
+        assert "AutoOrder" in loader.epoch_stats[-1].preprocess.order
+        assert loader.preprocess.fingerprint and loader.preprocess.uncacheable is None
+    finally:
+        loader.close()
