@@ -145,9 +145,9 @@ class EpochRun:
                 self.upcoming.extend(next(self.sampler))
             except StopIteration:
                 self.exhausted = True
-        t_out = self.timeout.seconds
-        if t_out is not None:
-            slow = [i for i in list(self.upcoming)[:window] if (self.known_cost(i) or 0.0) > t_out][:n]
+        limit = self.timeout.known_slow
+        if limit is not None:
+            slow = [i for i in list(self.upcoming)[:window] if (self.known_cost(i) or 0.0) > limit][:n]
             if slow:
                 for i in slow:
                     self.upcoming.remove(i)

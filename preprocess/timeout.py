@@ -1,6 +1,10 @@
 """The slow-item timeout (MinatoLoader §4.2): the 75th percentile of recent items'
 preprocessing time, so the slowest quarter moves to the background; none until
-enough items were measured (or remembered from earlier epochs and jobs)."""
+enough items were measured (or remembered from earlier epochs and jobs).
+
+`known_slow`: the cost above which a remembered item is started first, in the
+background: over the timeout and at least twice the median (the timeout alone
+would call a quarter of uniform items slow, by its definition)."""
 from __future__ import annotations
 
 from collections import deque
@@ -16,6 +20,7 @@ class SlowTimeout:
     def __init__(self, known: Iterable[float] = ()) -> None:
         self.recent: deque[float] = deque(known, maxlen=WINDOW)
         self.seconds: float | None = None
+        self.known_slow: float | None = None
         self._since = 0
         self._update()
 
@@ -30,3 +35,4 @@ class SlowTimeout:
         if len(self.recent) >= MIN_SAMPLES:
             xs = sorted(self.recent)
             self.seconds = max(FLOOR, xs[int(PERCENTILE * (len(xs) - 1))])
+            self.known_slow = max(self.seconds, 2 * xs[len(xs) // 2])
