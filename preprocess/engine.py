@@ -7,6 +7,9 @@ from items in the order they finish: a slow item never holds back a batch whose
 other items are ready, and it joins a later one. Every item the sampler yields
 is yielded exactly once (or skipped and counted, with on_error="skip"); the
 epoch ends when all have finished, never after a fixed number of batches.
+exactly_once=False is the papers' artifacts' behaviour, labelled as such: the
+epoch ends once only slow items in the background remain, and those are dropped
+(counted in `dropped`), under-sampling slow items.
 
 Item states: upcoming (from the sampler) -> dispatched (in a task) -> [in the
 background, after the timeout] -> finished (ready) -> yielded in a batch; or
@@ -47,6 +50,7 @@ class EpochPlan:
     prefetch_batches: int = 4
     adaptive: bool = False
     max_workers: int = 1
+    exactly_once: bool = True  # False: the papers' bounded epochs (slow stragglers dropped)
 
 
 class EpochRun:
@@ -104,7 +108,7 @@ class EpochRun:
     def _dispatch(self) -> None:
         while not self.stop and self.error is None:
             self._send_tasks()
-            if self.exhausted and self.pending == 0:
+            if self.exhausted and self._bounded_end():
                 with self.cond:
                     if self.ready:
                         self.out.append(self.ready)
@@ -125,6 +129,16 @@ class EpochRun:
                 except queue.Empty:
                     break
             self._control()
+
+    def _bounded_end(self) -> bool:
+        """Is the epoch over: every item finished, or (exactly_once=False) every item
+        left is a slow one in the background, which is then dropped and counted."""
+        if self.pending == 0:
+            return True
+        if not self.plan.exactly_once and self.pending == self.in_background:
+            self.stats.dropped = self.pending
+            return True
+        return False
 
     def _send_tasks(self) -> None:
         p = self.plan

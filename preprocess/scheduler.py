@@ -28,7 +28,8 @@ SAMPLE_ITEMS = 16
 class Scheduler:
     def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
                  on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
-                 task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS) -> None:
+                 task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS,
+                 exactly_once: bool = True) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if num_workers is not None and num_workers < 0:
@@ -40,6 +41,7 @@ class Scheduler:
         self.max_workers = max_workers()
         self.workers = min(2, self.max_workers) if num_workers is None else num_workers
         self.task_items, self.prefetch_batches, self.sample_items = task_items, prefetch_batches, sample_items
+        self.exactly_once = exactly_once
         self.cost_dir = default_dir() if cost_dir is None else (cost_dir or None)
         self.pool: WorkerPool | None = None
         self.memory: CostMemory | None = None
@@ -89,7 +91,8 @@ class Scheduler:
         digest = self.ds.digest
         plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
                          on_error=self.on_error, task_items=self.task_items or max(1, batch_size // (2 * self.pool.size)),
-                         prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers)
+                         prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers,
+                         exactly_once=self.exactly_once)
         # MinatoLoader profiles offline for its first timeout: we have the sample's times
         timeout = SlowTimeout(list(self.known.values()) or self.sample.item_seconds)
         run = EpochRun(self.pool, iter(batches), plan, stats, timeout,

@@ -24,6 +24,7 @@ class PreprocessStats:
     order: str = ""                      # execution order and how it was chosen
     items: int = 0                       # items finished
     skipped: int = 0                     # items whose step raised, with on_error="skip"
+    dropped: int = 0                     # slow items left out with exactly_once=False
     moved: int = 0                       # items finished in the background (over the timeout, or known slow)
     known_slow_first: int = 0            # items started early because the cost memory knew them slow
     timeout: float | None = None         # the slow-item timeout at epoch end (seconds)
@@ -41,6 +42,6 @@ class PreprocessStats:
     def line(self) -> str:
         per = ", ".join(f"{s.name} {1e3 * s.seconds / max(1, s.items):.2f} ms x{s.inflation:.2f}"
                         for s in self.steps.values())
+        dropped = f"{self.dropped} dropped (exactly_once=False), " if self.dropped else ""
         return (f"preprocess: {self.items} items, {self.moved} in background ({self.known_slow_first} known slow), "
-                f"{self.skipped} skipped, "
-                f"workers {self.workers[-1] if self.workers else 0}; {per}")
+                f"{self.skipped} skipped, {dropped}workers {self.workers[-1] if self.workers else 0}; {per}")

@@ -148,3 +148,35 @@ def test_auto_order_through_the_loader(tmp_path):
         assert loader.preprocess.fingerprint and loader.preprocess.uncacheable is None
     finally:
         loader.close()
+
+
+def test_through_the_embedded_cache_second_epoch_hits(tmp_path):
+    n = 48
+    path = indexed_items(tmp_path / "ds", n)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "cache"), capacity="64MB", transform=[index_of, pad, first])
+    loader = ds.loader(8, num_workers=2, seed=1, cost_dir=False)
+    try:
+        for _ in range(2):
+            assert sorted(i for b in loader for i in b) == list(range(n))
+        first_epoch, second = loader.epoch_stats
+        assert first_epoch.misses == n and first_epoch.inserted == n
+        assert second.hits == n and second.misses == 0
+    finally:
+        loader.close()
+        ds.close()
+
+
+def test_iteration_bounded_mode_drops_slow_stragglers_and_says_so(tmp_path):
+    n, B, seed = 32, 8, 5
+    path = indexed_items(tmp_path / "ds", n)
+    slow = first_batch(n, B, seed)[-1]
+    pipe = Pipeline([index_of, SleepOn({slow}, 1.0), SleepOn({slow}, 1.0)])
+    loader = CachedDataset(path, cache=False, transform=pipe).loader(B, num_workers=1, seed=seed, cost_dir=False,
+                                                                    exactly_once=False)
+    try:
+        got = [i for b in loader for i in b]
+        st = loader.epoch_stats[-1].preprocess
+        assert st.dropped == 1 and slow not in got and sorted(got + [slow]) == list(range(n))
+        assert "dropped (exactly_once=False)" in st.line()
+    finally:
+        loader.close()
