@@ -26,12 +26,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .pool import WorkerPool
+from .pool import WorkerDied, WorkerPool
 from .stats import PreprocessStats
 from .timeout import SlowTimeout
 from .workerctl import CpuMeter, next_workers
 
 TICK = 0.05          # longest wait for a result before checking the workers
+RESTARTS = 3         # workers that may die in an epoch (replaced, their items re-run) before it fails
 CONTROL_EVERY = 1.0  # seconds between worker-count decisions
 
 
@@ -66,6 +67,8 @@ class EpochRun:
         self.exhausted = self.done = self.stop = False
         self.error: BaseException | None = None
         self.pending = self.in_background = 0
+        self.held: dict[int, dict[int, bool]] = {}  # worker -> {item: in its background}
+        self.deaths = 0
         self.measured: list[tuple[int, float]] = []  # (index, seconds of work)
         self.yielded: set[int] = set()
         self._meter = CpuMeter() if plan.adaptive else None
@@ -119,7 +122,7 @@ class EpochRun:
             try:
                 msg = self.pool.result_q.get(timeout=TICK)
             except queue.Empty:
-                self.pool.check()
+                self._recover()
                 self._control()
                 continue
             self._handle(msg)
@@ -141,15 +144,38 @@ class EpochRun:
         return False
 
     def _send_tasks(self) -> None:
+        """Tasks to the least loaded workers, each holding at most 2 tasks' worth of
+        items in its foreground; none while enough batches wait."""
         p = self.plan
-        cap = max(1, self.pool.size) * p.task_items * 2
-        while (self.pending - self.in_background < cap and self.pending < 4 * cap
-               and len(self.out) < p.prefetch_batches):
+        cap = p.task_items * 2
+        while self.pending < 4 * cap * max(1, self.pool.size) and len(self.out) < p.prefetch_batches:
+            load = {w: sum(not bg for bg in self.held.get(w, {}).values()) for w in self.pool.active()}
+            if not load:
+                return
+            wid = min(load, key=load.get)
+            if load[wid] >= cap:
+                return
             items = self._take(p.task_items)
             if not items:
                 return
-            self.pool.task_q.put(("task", p.run, p.epoch, p.order, self.timeout.seconds, items))
+            self.pool.send(wid, ("task", p.run, p.epoch, p.order, self.timeout.seconds, items))
+            self.held.setdefault(wid, {}).update(items)
             self.pending += len(items)
+
+    def _recover(self) -> None:
+        """A worker that died is replaced and the items it held go back to the front
+        of the queue (they were not yielded: exactly once holds)."""
+        for wid in self.pool.dead():
+            self.deaths += 1
+            lost = self.held.pop(wid, {})
+            if self.deaths > RESTARTS:
+                raise WorkerDied(f"{self.deaths} preprocessing workers died this epoch (the last, worker {wid}, "
+                                 f"held items {sorted(lost)[:8]}); giving up")
+            self.pending -= len(lost)
+            self.in_background -= sum(lost.values())
+            self.upcoming.extendleft(reversed(list(lost)))
+            self.stats.rerun += len(lost)
+            self.pool.resize(self.pool.size + 1)
 
     def _take(self, n: int) -> list[tuple[int, bool]]:
         """The next task: known-slow items of the upcoming window first (to the background)."""
@@ -166,7 +192,7 @@ class EpochRun:
                 for i in slow:
                     self.upcoming.remove(i)
                 self.stats.known_slow_first += len(slow)
-                self.in_background += len(slow)
+                self.in_background += len(slow)  # counted as sent
                 return [(i, True) for i in slow]
         return [(self.upcoming.popleft(), False) for _ in range(min(n, len(self.upcoming)))]
 
@@ -177,28 +203,32 @@ class EpochRun:
             return
         if msg[1] != self.plan.run:
             return  # left over from an epoch its consumer abandoned
+        if kind == "fatal":
+            raise RuntimeError(f"reading items {msg[3][:8]} in a preprocessing worker failed:\n{msg[4]}")
+        held = self.held.get(msg[2], {})
+        i = msg[3]
+        if i not in held:
+            return  # from a worker since declared dead: its items were sent again
         if kind == "moved":
+            held[i] = True
             self.in_background += 1
         elif kind == "done":
-            _, _, _, i, item, records, moved = msg
-            self._finished(i, records, moved)
-            self.ready.append((i, item))
+            self._finished(i, msg[5], held.pop(i))
+            self.ready.append((i, msg[4]))
             if len(self.ready) >= self.plan.batch_size:
                 with self.cond:
                     self.out.append(self.ready[:self.plan.batch_size])
                     self.cond.notify_all()
                 del self.ready[:self.plan.batch_size]
         elif kind == "error":
-            _, _, _, i, j, name, text, records = msg
-            self._finished(i, records, False, measure=False)
+            _, _, _, _, j, name, text, records = msg
+            self._finished(i, records, held.pop(i), measure=False)
             self._failed(i, j, name, text)
-        elif kind == "fatal":
-            raise RuntimeError(f"reading items {msg[3][:8]} in a preprocessing worker failed:\n{msg[4]}")
 
-    def _finished(self, i: int, records: list, moved: bool, measure: bool = True) -> None:
+    def _finished(self, i: int, records: list, in_background: bool, measure: bool = True) -> None:
         self.pending -= 1
-        if moved:
-            self.in_background = max(0, self.in_background - 1)
+        if in_background:
+            self.in_background -= 1
             self.stats.moved += 1
         self.stats.add(records)
         if measure:

@@ -1,9 +1,12 @@
 """The worker processes: started (spawned), grown and shrunk, watched, stopped.
 
-Workers share one task queue and one result queue. Shrinking sends stop
-messages, which a worker takes after its current task, finishing its background
-items first; growing spawns new processes. Worker ids are reused, lowest first,
-so a worker's statistics row (the dataset's shared counters) stays bounded."""
+Each worker has its own task queue, so the scheduler knows which items every
+worker holds and can hand them to another if it dies; all share one result
+queue. Shrinking sends a stop message, which a worker takes after its queued
+tasks, finishing its background items first. Worker ids are reused lowest first
+(a worker's statistics row in the dataset's shared counters is its id + 1),
+except those of workers that died: a late message of theirs must not be taken
+for a new worker's."""
 from __future__ import annotations
 
 import multiprocessing
@@ -14,6 +17,7 @@ from .pipeline import Pipeline
 from .worker import worker_main
 
 JOIN_SECONDS = 5.0
+MAX_IDS = 128  # the shared counters' rows
 
 
 def _context() -> Any:
@@ -29,65 +33,82 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int, max_ids: int = 128) -> None:
+    def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int) -> None:
         self.ctx = _context()
         self.ds, self.pipeline, self.job_seed = ds, pipeline, job_seed
-        self.task_q = self.ctx.Queue()
         self.result_q = self.ctx.Queue()
         self.procs: dict[int, Any] = {}
-        self.stopping = 0  # stop messages sent, not yet answered by an exit
-        self.max_ids = max_ids
+        self.queues: dict[int, Any] = {}
+        self.stopping: set[int] = set()  # sent a stop message, not yet exited
+        self.retired: set[int] = set()   # died: ids not given out again
 
     @property
     def size(self) -> int:
         """Workers that will keep taking tasks."""
-        return len(self.procs) - self.stopping
+        return len(self.procs) - len(self.stopping)
+
+    def active(self) -> list[int]:
+        return [w for w in self.procs if w not in self.stopping]
+
+    def send(self, wid: int, task: tuple) -> None:
+        self.queues[wid].put(task)
 
     def resize(self, n: int) -> None:
         n = max(1, n)
         while self.size < n:
-            wid = min(set(range(self.max_ids)) - set(self.procs))
+            free = set(range(MAX_IDS)) - set(self.procs) - self.retired
+            if not free:
+                raise WorkerDied(f"{len(self.retired)} preprocessing workers died; not starting more")
+            wid = min(free)
+            q = self.ctx.Queue()
             p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
-                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, self.task_q, self.result_q))
+                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, self.result_q))
             p.start()
-            self.procs[wid] = p
-        while self.size > n:
-            self.task_q.put(None)
-            self.stopping += 1
+            self.procs[wid], self.queues[wid] = p, q
+        for wid in sorted(self.active(), reverse=True)[:max(0, self.size - n)]:
+            self.queues[wid].put(None)
+            self.stopping.add(wid)
 
     def exited(self, wid: int) -> None:
         p = self.procs.pop(wid, None)
         if p is not None:
             p.join(JOIN_SECONDS)
-            self.stopping = max(0, self.stopping - 1)
+            self.queues.pop(wid).close()
+        self.stopping.discard(wid)
 
-    def check(self) -> None:
-        """Raise if a worker died without being asked to stop (killed, crashed)."""
+    def dead(self) -> list[int]:
+        """Workers that died without being asked to stop (killed, crashed); forgotten."""
+        out = []
         for wid, p in list(self.procs.items()):
             if not p.is_alive() and p.exitcode not in (0, None):
                 self.procs.pop(wid)
-                raise WorkerDied(f"preprocessing worker {wid} (pid {p.pid}) died with exit code {p.exitcode}; "
-                                 f"the items it held were not yielded")
+                self.queues.pop(wid).close()
+                self.stopping.discard(wid)
+                self.retired.add(wid)
+                out.append(wid)
+        return out
 
     def drain_tasks(self) -> None:
-        """Drop queued tasks (an epoch abandoned by its consumer)."""
-        for _ in range(100000):
-            try:
-                task = self.task_q.get_nowait()
-            except queue.Empty:
-                return
-            if task is None:  # a stop message: keep it
-                self.task_q.put(None)
-                return
+        """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""
+        for wid, q in self.queues.items():
+            for _ in range(100000):
+                try:
+                    if q.get_nowait() is None:
+                        q.put(None)
+                        break
+                except queue.Empty:
+                    break
 
     def close(self) -> None:
-        for _ in self.procs:
-            self.task_q.put(None)
+        for q in self.queues.values():
+            q.put(None)
         for p in self.procs.values():
             p.join(JOIN_SECONDS)
             if p.is_alive():
                 p.terminate()
                 p.join(JOIN_SECONDS)
+        for q in self.queues.values():
+            q.close()
         self.procs.clear()
-        self.task_q.close()
+        self.queues.clear()
         self.result_q.close()

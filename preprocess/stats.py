@@ -25,6 +25,7 @@ class PreprocessStats:
     items: int = 0                       # items finished
     skipped: int = 0                     # items whose step raised, with on_error="skip"
     dropped: int = 0                     # slow items left out with exactly_once=False
+    rerun: int = 0                       # items sent again because their worker died
     moved: int = 0                       # items finished in the background (over the timeout, or known slow)
     known_slow_first: int = 0            # items started early because the cost memory knew them slow
     timeout: float | None = None         # the slow-item timeout at epoch end (seconds)

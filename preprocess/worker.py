@@ -23,11 +23,13 @@ from typing import Any
 
 from .pipeline import ItemContext, Pipeline, StepError
 
-# task: ("task", run, epoch, order, timeout seconds or None, [(index, to_background), ...]); None: stop
+# task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
+# [(index, to_background), ...]); None: stop
 
 
 def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed: int,
                 task_q: Any, result_q: Any) -> None:
+    """task_q: this worker's own task queue; result_q: shared by all."""
     _set_worker_info(wid, n_workers, job_seed, ds)
     bgq: queue.Queue = queue.Queue()
     bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q), name="slow-items", daemon=True)

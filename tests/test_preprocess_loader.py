@@ -180,3 +180,27 @@ def test_iteration_bounded_mode_drops_slow_stragglers_and_says_so(tmp_path):
         assert "dropped (exactly_once=False)" in st.line()
     finally:
         loader.close()
+
+
+def test_a_killed_worker_is_replaced_and_its_items_rerun(tmp_path):
+    import signal
+    import time
+    n, B = 64, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([index_of, SleepOn(range(n), 0.02)])
+    loader = CachedDataset(path, cache=False, transform=pipe).loader(B, num_workers=2, cost_dir=False)
+    try:
+        got = []
+        for k, batch in enumerate(loader):
+            got.extend(batch)
+            if k == 1:
+                victim = next(iter(loader.preprocess.pool.procs.values()))
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.join(5)
+                time.sleep(0.2)
+        assert Counter(got) == Counter(range(n))  # nothing lost, nothing twice
+        st = loader.epoch_stats[-1].preprocess
+        assert st.rerun >= 1 and st.items == n
+        assert loader.preprocess.pool.size == 2
+    finally:
+        loader.close()
