@@ -69,6 +69,7 @@ class EpochRun:
         self.pending = self.in_background = 0
         self.held: dict[int, dict[int, bool]] = {}  # worker -> {item: in its background}
         self.deaths = 0
+        self.pulled = 0  # items taken from the sampler
         self.measured: list[tuple[int, float]] = []  # (index, seconds of work)
         self.yielded: set[int] = set()
         self._meter = CpuMeter() if plan.adaptive else None
@@ -90,8 +91,8 @@ class EpochRun:
                         finished = True
                         return
                     batch = self.out.popleft()
+                    self.yielded.update(i for i, _ in batch)
                     self.cond.notify_all()
-                self.yielded.update(i for i, _ in batch)
                 yield batch
         finally:
             if not finished:
@@ -111,7 +112,8 @@ class EpochRun:
     def _dispatch(self) -> None:
         while not self.stop and self.error is None:
             self._send_tasks()
-            if self.exhausted and self._bounded_end():
+            if self.exhausted and not self.upcoming and self._bounded_end():
+                self._check_complete()
                 with self.cond:
                     if self.ready:
                         self.out.append(self.ready)
@@ -132,6 +134,16 @@ class EpochRun:
                 except queue.Empty:
                     break
             self._control()
+
+    def _check_complete(self) -> None:
+        """Every item taken from the sampler is accounted for (a loud failure, never a
+        silently short epoch)."""
+        with self.cond:
+            batched = sum(map(len, self.out)) + len(self.ready)
+            accounted = len(self.yielded) + batched + self.stats.skipped + self.stats.dropped
+        if accounted != self.pulled:
+            raise RuntimeError(f"internal error: {self.pulled} items taken from the sampler, {accounted} "
+                               f"accounted for (yielded, batched, skipped, dropped)")
 
     def _bounded_end(self) -> bool:
         """Is the epoch over: every item finished, or (exactly_once=False) every item
@@ -182,7 +194,9 @@ class EpochRun:
         window = self.plan.batch_size * 4
         while len(self.upcoming) < window and not self.exhausted:
             try:
-                self.upcoming.extend(next(self.sampler))
+                batch = next(self.sampler)
+                self.upcoming.extend(batch)
+                self.pulled += len(batch)
             except StopIteration:
                 self.exhausted = True
         limit = self.timeout.known_slow

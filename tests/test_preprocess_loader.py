@@ -204,3 +204,21 @@ def test_a_killed_worker_is_replaced_and_its_items_rerun(tmp_path):
         assert loader.preprocess.pool.size == 2
     finally:
         loader.close()
+
+
+def test_a_slow_consumer_gets_the_last_items_too(tmp_path):
+    """Regression: with the ready-batch queue full when the sampler ran dry, the items
+    still waiting to be sent were dropped from the epoch's end."""
+    import time
+    n = 96
+    path = indexed_items(tmp_path / "ds", n)
+    loader = CachedDataset(path, cache=False, transform=[index_of]).loader(8, num_workers=2, cost_dir=False)
+    try:
+        for _ in range(2):
+            got = []
+            for batch in loader:
+                got.extend(batch)
+                time.sleep(0.05)
+            assert sorted(got) == list(range(n))
+    finally:
+        loader.close()

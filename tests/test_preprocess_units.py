@@ -9,7 +9,7 @@ import pytest
 
 from preprocess import Pipeline, Uncacheable, step
 from preprocess import vision
-from preprocess.autoorder import choose_order, reorder, sections
+from preprocess.autoorder import choose_order, reorder, revise, sections
 from preprocess.costs import CostMemory
 from preprocess.determinism import check_declared
 from preprocess.fingerprint import fingerprint
@@ -168,6 +168,23 @@ def test_auto_order_on_the_resnet_chain_keeps_dependencies():
         assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() < 0.05
 
 
+def scale2(x):
+    return x * 2
+
+
+def every_other(x):
+    return x[::2]
+
+
+def test_order_is_revised_after_the_first_epoch_when_a_class_changed():
+    p = Pipeline([scale2, every_other], auto_order=True)
+    tr = trace(p, [np.arange(8.0), np.arange(6.0)], [ItemContext(0, 0, b"a"), ItemContext(0, 0, b"b")])
+    p.auto_factors = {0: 1.0, 1: 1.0}  # as if the sample had shown both neutral
+    assert revise(p, {0: (100, 100), 1: (100, 100)}, tr) is None and p.order == (0, 1)
+    report = revise(p, {0: (100, 100), 1: (100, 50)}, tr)  # the epoch: every_other deflates
+    assert report is not None and p.order == (1, 0) and "every_other before scale2" in report
+
+
 # ---- scheduling policies -----------------------------------------------------------
 def test_worker_count_rule():
     assert next_workers(4, fill=0.0, cpu=0.2, max_workers=16) == 6     # starving, CPU free: +2 at most
@@ -205,3 +222,14 @@ def test_unpicklable_step_is_refused_naming_it():
     p = Pipeline([add_one, lambda x: x])
     with pytest.raises(TypeError, match=r"step 1 \(.*lambda.*\) cannot be pickled.*spawned"):
         p.check_picklable()
+
+
+def test_torch_style_transform_objects_are_steps_with_keys():
+    torch = pytest.importorskip("torch")
+    p = Pipeline([torch.nn.Flatten(), torch.nn.Dropout(0.5)])
+    q = Pipeline([torch.nn.Flatten(), torch.nn.Dropout(0.25)])
+    assert p.fingerprint() != q.fingerprint()
+    assert p.fingerprint() == Pipeline([torch.nn.Flatten(), torch.nn.Dropout(0.5)]).fingerprint()
+    tr = trace(p, [torch.ones(4, 4)] * 2, [ItemContext(0, 0, b"a"), ItemContext(0, 0, b"b")])
+    with pytest.warns(UserWarning, match="Dropout"):
+        assert set(check_declared(p, tr)) == {1}  # dropout draws random numbers: caught
