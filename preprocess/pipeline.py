@@ -63,7 +63,7 @@ class Pipeline:
         self.order_report = report or self.order_report
 
     # ---- running ----------------------------------------------------------
-    def run(self, x: Any, ctx: ItemContext, start: int = 0, deadline: float | None = None,
+    def run(self, x: Any, ctx: ItemContext | None, start: int = 0, deadline: float | None = None,
             records: list[StepRecord] | None = None) -> tuple[Any, int]:
         """Run steps order[start:] on x; stops early (returning the next position) once
         `deadline` (time.perf_counter) has passed after a step. Raises StepError."""
@@ -81,10 +81,11 @@ class Pipeline:
                 break
         return x, pos
 
-    def call_step(self, j: int, x: Any, ctx: ItemContext) -> Any:
-        """Step j (written position) on x, seeded if it is random; raises StepError."""
+    def call_step(self, j: int, x: Any, ctx: ItemContext | None) -> Any:
+        """Step j (written position) on x, seeded if it is random and ctx is given;
+        raises StepError."""
         s = self.steps[j]
-        if self.is_random(j):
+        if ctx is not None and self.is_random(j):
             seed_globals(item_seed(ctx.job_seed, ctx.epoch, ctx.digest, j))
         try:
             return s.fn(x)
@@ -92,8 +93,10 @@ class Pipeline:
             raise StepError(j, s.name, e) from e
 
     def apply(self, x: Any, ctx: ItemContext | None = None) -> Any:
-        """All steps on one item, in the current order."""
-        return self.run(x, ctx or ItemContext(0, 0, b""))[0]
+        """All steps on one item, in the current order. Without ctx random steps are not
+        seeded: they draw from the generators as they stand (as in DataLoader workers,
+        where `scheduler="torch"` and `ds[i]` run the pipeline)."""
+        return self.run(x, ctx)[0]
 
     __call__ = apply
 

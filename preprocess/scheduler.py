@@ -51,9 +51,13 @@ class Scheduler:
         self.uncacheable: str | None = None
         self.epochs_run = 0
         self.last_run: EpochRun | None = None
+        self.last_stats: PreprocessStats | None = None
 
     # ---- before the first epoch ---------------------------------------------------
     def prepare(self) -> None:
+        """Profile the pipeline on sample items (determinism check, AutoOrder, first
+        timeout), key it, open the cost memory and start the workers. The loader calls
+        it when it is made, so that the sample's reads count in no epoch."""
         if self.sample is not None:
             return
         ds, n = self.ds, len(self.ds)
@@ -83,7 +87,8 @@ class Scheduler:
     def epoch(self, batches: Iterable[list[int]], epoch: int, batch_size: int) -> Iterator[list[Any]]:
         self.prepare()
         stats = PreprocessStats({j: StepStats(s.name) for j, s in enumerate(self.pipeline.steps)},
-                                order=self.pipeline.describe(), workers=[self.workers])
+                                order=self.pipeline.describe(),
+                                workers=[self.pool.size if self.pool is not None else 0])
         self.last_stats = stats
         if self.pool is None:
             yield from self._inline(batches, epoch, stats)

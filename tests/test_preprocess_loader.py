@@ -159,7 +159,8 @@ def test_through_the_embedded_cache_second_epoch_hits(tmp_path):
         for _ in range(2):
             assert sorted(i for b in loader for i in b) == list(range(n))
         first_epoch, second = loader.epoch_stats
-        assert first_epoch.misses == n and first_epoch.inserted == n
+        # the sample profiled when the loader was made is read (and inserted) outside any epoch
+        assert first_epoch.hits + first_epoch.misses == n and first_epoch.inserted == first_epoch.misses > 0
         assert second.hits == n and second.misses == 0
     finally:
         loader.close()
