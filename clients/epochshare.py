@@ -126,6 +126,15 @@ class Progress:
             self._done[i] = 1
         return len(batch)
 
+    def delivered_items(self, items: list[int]) -> int:
+        """Marks these items delivered (batches regrouped as items finish, preprocess/):
+        issued batches leave the queue once all their items are. Returns len(items)."""
+        for i in items:
+            self._done[i] = 1
+        while self._issued and all(self._done[i] for i in self._issued[0]):
+            self._issued.popleft()
+        return len(items)
+
     @property
     def running(self) -> bool:
         return self._epoch is not None and not (self._all_issued and not self._issued)

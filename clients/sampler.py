@@ -162,6 +162,11 @@ class SubstitutableBatchSampler:
         """The loader handed the oldest batch not yet handed over to the training loop."""
         self.stats.delivered_items += self.progress.delivered()
 
+    def delivered_items(self, items: list[int]) -> None:
+        """The loader handed these items to the training loop, in a batch of its own
+        making (the preprocess scheduler regroups items as they finish)."""
+        self.stats.delivered_items += self.progress.delivered_items(items)
+
     def state_dict(self) -> dict:
         """Where the job is: the epoch in progress and the items already delivered in it.
         An epoch with no batch left (saved at its last batch, before the loop saw its end:

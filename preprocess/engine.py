@@ -52,6 +52,7 @@ class EpochPlan:
     adaptive: bool = False
     max_workers: int = 1
     exactly_once: bool = True  # False: the papers' bounded epochs (slow stragglers dropped)
+    drop_last: bool = False    # a short last batch (items skipped or dropped) is not yielded
 
 
 class EpochRun:
@@ -115,9 +116,11 @@ class EpochRun:
             if self.exhausted and not self.upcoming and self._bounded_end():
                 self._check_complete()
                 with self.cond:
-                    if self.ready:
+                    if self.ready and self.plan.drop_last:
+                        self.stats.dropped += len(self.ready)
+                    elif self.ready:
                         self.out.append(self.ready)
-                        self.ready = []
+                    self.ready = []
                     self.done = True
                     self.cond.notify_all()
                 return

@@ -14,6 +14,7 @@ from .costs import DIGEST_BYTES, CostMemory, default_dir, open_memory
 from .determinism import check_declared
 from .engine import EpochPlan, EpochRun, PipelineError
 from .fingerprint import Uncacheable
+from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 from .pool import WorkerPool
 from .profile import Trace, trace
@@ -29,7 +30,7 @@ class Scheduler:
     def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
                  on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
                  task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS,
-                 exactly_once: bool = True) -> None:
+                 exactly_once: bool = True, drop_last: bool = False) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if num_workers is not None and num_workers < 0:
@@ -41,7 +42,7 @@ class Scheduler:
         self.max_workers = max_workers()
         self.workers = min(2, self.max_workers) if num_workers is None else num_workers
         self.task_items, self.prefetch_batches, self.sample_items = task_items, prefetch_batches, sample_items
-        self.exactly_once = exactly_once
+        self.exactly_once, self.drop_last = exactly_once, drop_last
         self.cost_dir = default_dir() if cost_dir is None else (cost_dir or None)
         self.pool: WorkerPool | None = None
         self.memory: CostMemory | None = None
@@ -62,9 +63,12 @@ class Scheduler:
             return
         ds, n = self.ds, len(self.ds)
         idx = random.Random(f"{self.job_seed}/sample").sample(range(n), min(n, self.sample_items))
-        ctxs = [ItemContext(self.job_seed, -1, ds.digest.hashes[i].tobytes()) for i in idx]
+        ctxs = [ItemContext(self.job_seed, -1, item_digest(ds, i)) for i in idx]
+        raw = ds.read(idx)
+        if pairs(ds):
+            raw = [x for x, _ in raw]
         try:
-            tr = trace(self.pipeline, ds.read(idx), ctxs)
+            tr = trace(self.pipeline, raw, ctxs)
             check_declared(self.pipeline, tr)
             if self.auto_order:
                 choose_order(self.pipeline, tr)
@@ -84,7 +88,9 @@ class Scheduler:
             self.pool.resize(self.workers)
 
     # ---- epochs ---------------------------------------------------------------
-    def epoch(self, batches: Iterable[list[int]], epoch: int, batch_size: int) -> Iterator[list[Any]]:
+    def epoch(self, batches: Iterable[list[int]], epoch: int, batch_size: int
+              ) -> Iterator[tuple[list[int], list[Any]]]:
+        """(indices, items) batches of one epoch over the sampler's index stream."""
         self.prepare()
         stats = PreprocessStats({j: StepStats(s.name) for j, s in enumerate(self.pipeline.steps)},
                                 order=self.pipeline.describe(),
@@ -93,25 +99,24 @@ class Scheduler:
         if self.pool is None:
             yield from self._inline(batches, epoch, stats)
             return
-        digest = self.ds.digest
+        ds = self.ds
         plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
                          on_error=self.on_error, task_items=self.task_items or max(1, batch_size // (2 * self.pool.size)),
                          prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers,
-                         exactly_once=self.exactly_once)
+                         exactly_once=self.exactly_once, drop_last=self.drop_last)
         # MinatoLoader profiles offline for its first timeout: we have the sample's times
         timeout = SlowTimeout(list(self.known.values()) or self.sample.item_seconds)
         run = EpochRun(self.pool, iter(batches), plan, stats, timeout,
-                       lambda i: self.known.get(digest.hashes[i].tobytes()[:DIGEST_BYTES]), self._describe)
+                       lambda i: self.known.get(item_digest(ds, i)[:DIGEST_BYTES]), self._describe)
         self.last_run = run
         self.epochs_run += 1
         for batch in run:
-            yield [item for _, item in batch]
+            yield [i for i, _ in batch], [item for _, item in batch]
         stats.timeout = timeout.seconds
         self._after_epoch(run, stats)
 
     def _after_epoch(self, run: EpochRun, stats: PreprocessStats) -> None:
-        digest = self.ds.digest
-        measured = [(digest.hashes[i].tobytes(), s) for i, s in run.measured]
+        measured = [(item_digest(self.ds, i), s) for i, s in run.measured]
         if self.memory is not None and measured:
             self.memory.update(measured)
             self.known.update((d[:DIGEST_BYTES], s) for d, s in measured)
@@ -125,27 +130,31 @@ class Scheduler:
                 except Uncacheable as e:
                     self.uncacheable = str(e)
 
-    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats) -> Iterator[list[Any]]:
+    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats
+                ) -> Iterator[tuple[list[int], list[Any]]]:
         """num_workers=0: every step in this process, batch by batch."""
-        digest = self.ds.digest
+        with_target = pairs(self.ds)
         for batch in batches:
-            out = []
+            done, out = [], []
             for i, x in zip(batch, self.ds.read(batch)):
                 records: list = []
+                x, tgt = x if with_target else (x, None)
                 try:
-                    out.append(self.pipeline.run(x, ItemContext(self.job_seed, epoch, digest.hashes[i].tobytes()),
-                                                 records=records)[0])
-                    stats.items += 1
+                    y = self.pipeline.run(x, ItemContext(self.job_seed, epoch, item_digest(self.ds, i)),
+                                          records=records)[0]
                 except StepError as e:
                     if self.on_error == "raise":
                         raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
                     stats.skipped += 1
+                else:
+                    done.append(i)
+                    out.append((y, tgt) if with_target else y)
+                    stats.items += 1
                 stats.add(records)
-            yield out
+            yield done, out
 
     def _describe(self, i: int) -> str:
-        path, offset, length = self.ds.digest.location(i)
-        return f"{path} @ {offset}+{length}"
+        return describe(self.ds, i)
 
     def yielded(self) -> set[int]:
         """Items of the current (or last) epoch handed to the training loop so far."""

@@ -21,7 +21,10 @@ import time
 import traceback
 from typing import Any
 
+from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
+
+NO_TARGET = object()  # the item is not a (sample, target) pair
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
 # [(index, to_background), ...]); None: stop
@@ -34,6 +37,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     bgq: queue.Queue = queue.Queue()
     bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q), name="slow-items", daemon=True)
     bg.start()
+    with_target = pairs(ds)
     while True:
         task = task_q.get()
         if task is None:
@@ -47,18 +51,23 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
             result_q.put(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
             continue
         for (i, to_bg), x in zip(items, data):
-            ctx = ItemContext(job_seed, epoch, ds.digest.hashes[i].tobytes())
+            x, tgt = x if with_target else (x, NO_TARGET)
+            ctx = ItemContext(job_seed, epoch, item_digest(ds, i))
+            job = (run, i, x, tgt, ctx, 0, [], time.perf_counter())
             if to_bg:
-                bgq.put((run, i, x, ctx, 0, [], time.perf_counter()))
+                bgq.put(job)
                 continue
-            _advance(wid, pipeline, run, i, x, ctx, 0, [], t_out, result_q, bgq, time.perf_counter())
+            _advance(wid, pipeline, job, t_out, result_q, bgq)
     bgq.put(None)
     bg.join()
     result_q.put(("exit", wid, None))
 
 
-def _advance(wid: int, pipeline: Pipeline, run: int, i: int, x: Any, ctx: ItemContext, pos: int,
-             records: list, t_out: float | None, result_q: Any, bgq: queue.Queue | None, started: float) -> None:
+def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, result_q: Any,
+             bgq: queue.Queue | None) -> None:
+    """Run an item's remaining steps; job = (run, index, data, target, context, next
+    step, records, start time). With a background queue, stop once over t_out."""
+    run, i, x, tgt, ctx, pos, records, started = job
     deadline = None if t_out is None or bgq is None else started + t_out
     try:
         x, pos = pipeline.run(x, ctx, pos, deadline, records)
@@ -68,9 +77,9 @@ def _advance(wid: int, pipeline: Pipeline, run: int, i: int, x: Any, ctx: ItemCo
         return
     if pos < len(pipeline.order):  # over its time: the rest runs in the background
         result_q.put(("moved", run, wid, i))
-        bgq.put((run, i, x, ctx, pos, records, started))
+        bgq.put((run, i, x, tgt, ctx, pos, records, started))
         return
-    result_q.put(("done", run, wid, i, x, records, bgq is None))
+    result_q.put(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
 
 
 def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any) -> None:
@@ -78,8 +87,7 @@ def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any) -
         job = bgq.get()
         if job is None:
             return
-        run, i, x, ctx, pos, records, started = job
-        _advance(wid, pipeline, run, i, x, ctx, pos, records, None, result_q, None, started)
+        _advance(wid, pipeline, job, None, result_q, None)
 
 
 def _set_worker_info(wid: int, n_workers: int, seed: int, ds: Any) -> None:

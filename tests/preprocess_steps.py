@@ -39,3 +39,8 @@ def pad(i):
 
 def first(x):
     return x[0]
+
+
+def index_mod3(entry):
+    """A target= function of the item's Entry."""
+    return entry.index % 3

@@ -15,7 +15,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest import DigestBuilder  # noqa: E402
 from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from preprocess import Pipeline, PipelineError  # noqa: E402
-from preprocess_steps import FailOn, SleepOn, first, index_of, pad  # noqa: E402
+from preprocess_steps import FailOn, SleepOn, first, index_mod3, index_of, pad  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -223,3 +223,32 @@ def test_a_slow_consumer_gets_the_last_items_too(tmp_path):
             assert sorted(got) == list(range(n))
     finally:
         loader.close()
+
+
+def test_resume_targets_and_drop_last_with_a_transform(tmp_path):
+    n, B = 60, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([index_of, SleepOn({3, 17, 42}, 0.2)])
+    ds = CachedDataset(path, cache=False, transform=pipe, target=index_mod3)
+    loader = ds.loader(B, num_workers=2, seed=7, cost_dir=False)
+    try:
+        seen = []
+        for k, batch in enumerate(loader):  # (sample, target): the transform saw the sample only
+            assert all(t == i % 3 for i, t in batch)
+            seen.extend(i for i, _ in batch)
+            if k == 2:
+                break
+        state = loader.state_dict()
+    finally:
+        loader.close()
+    assert state["sampler"]["items_delivered"] == len(seen) == 3 * B
+    resumed = CachedDataset(path, cache=False, transform=pipe, target=index_mod3).loader(
+        B, num_workers=2, seed=7, cost_dir=False, drop_last=True)
+    try:
+        resumed.load_state_dict(state)
+        rest = [i for b in resumed for i, _ in b]
+        # the saved epoch's other items, exactly once, in full batches (drop_last: a short tail is cut)
+        assert not set(rest) & set(seen) and len(rest) == (n - len(seen)) // B * B
+        assert len(set(rest)) == len(rest)
+    finally:
+        resumed.close()
