@@ -252,3 +252,17 @@ def test_resume_targets_and_drop_last_with_a_transform(tmp_path):
         assert len(set(rest)) == len(rest)
     finally:
         resumed.close()
+
+
+def test_num_workers_zero_runs_the_pipeline_in_process(tmp_path):
+    n = 20
+    path = indexed_items(tmp_path / "ds", n)
+    loader = CachedDataset(path, cache=False, transform=[index_of, FailOn(9), pad, first]).loader(
+        4, num_workers=0, on_error="skip", cost_dir=False)
+    got = [i for b in loader for i in b]
+    assert sorted(got) == [i for i in range(n) if i % 9]
+    st = loader.epoch_stats[-1].preprocess
+    assert st.skipped == 3 and st.items == n - 3 and st.workers == [0]
+    assert loader.epoch_stats[-1].items == n - 3  # delivered, as the sampler was told
+    with pytest.raises(ValueError, match="per-sample scheduler"):
+        CachedDataset(path, cache=False).loader(4, auto_order=True)
