@@ -159,17 +159,17 @@ class EpochRun:
         return False
 
     def _send_tasks(self) -> None:
-        """Tasks to the least loaded workers, each holding at most 2 tasks' worth of
-        items in its foreground; none while enough batches wait."""
+        """Tasks to the workers holding fewest items (background ones too, so known-slow
+        items spread over the workers' background threads), each holding at most 2
+        tasks' worth in its foreground; none while enough batches wait."""
         p = self.plan
         cap = p.task_items * 2
         while self.pending < 4 * cap * max(1, self.pool.size) and len(self.out) < p.prefetch_batches:
-            load = {w: sum(not bg for bg in self.held.get(w, {}).values()) for w in self.pool.active()}
-            if not load:
+            held = {w: self.held.get(w, {}) for w in self.pool.active()}
+            free = [w for w, h in held.items() if sum(not bg for bg in h.values()) < cap]
+            if not free:
                 return
-            wid = min(load, key=load.get)
-            if load[wid] >= cap:
-                return
+            wid = min(free, key=lambda w: len(held[w]))
             items = self._take(p.task_items)
             if not items:
                 return
