@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="period of the decision loop (time-outs, allocation, reconciling servers)")
     p.add_argument("--chunk-size", type=parse_size, default=15 * 10**9,
                    help="largest chunk (a chunk is min(this, 10%% of the dataset))")
+    p.add_argument("--chunks", action="store_true",
+                   help="allocate by the FULL / CHUNKED (double buffering) / NONE knapsack instead of the default "
+                        "benefit-sized shares with one shared LRU (docs/manager-policy.md)")
     p.add_argument("--no-chunks", action="store_true",
                    help="no double-buffered chunks: a dataset that does not fit in full shares the room "
                         "full datasets leave, as spare entries (LRU with substitutable hits)")
@@ -178,7 +181,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     model = ManagerConfig(
         budget=args.budget, dataset_grace_s=float(over.get("dataset_grace_s", args.dataset_grace_seconds)),
         probe=ProbeConfig(**over.get("probe", {})),
-        alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks, **over.get("alloc", {})}),
+        alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks,
+                             **({"mechanism": "chunks"} if args.chunks or args.no_chunks else {}), **over.get("alloc", {})}),
         buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}))
     return DaemonConfig(
         listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,

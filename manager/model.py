@@ -31,6 +31,7 @@ from .membership import Registry
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
                      StartLoading, Transition, allocate, demands, num_chunks)
+from .policy.shares import allocate_shares, share_items
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
 
@@ -55,6 +56,8 @@ class ManagerConfig:
         alloc = asdict(self.alloc)
         if alloc["chunked"]:  # left out at its default: the state stays readable where the flag is unknown
             del alloc["chunked"]
+        if alloc["mechanism"] == "shares":
+            del alloc["mechanism"]
         return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
                 "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer)}
 
@@ -244,8 +247,7 @@ class ManagerModel:
                 reserved += a.bytes
             else:
                 sizes[ds] = rec.bytes
-        current = {ds: a.knapsack_option for ds, a in self.allocs.items()}  # hysteresis, also under --no-chunks
-        new = allocate(demands(gains, sizes), max(0, self.budget() - reserved), cfg.alloc, current)
+        new = self._allocate(demands(gains, sizes), max(0, self.budget() - reserved))
         new.update(kept)
         out: list[Effect] = []
         for ds in sorted(new):
@@ -253,6 +255,9 @@ class ManagerModel:
             if (old is None or old.option is not a.option or old.spare != a.spare
                     or (a.option is Option.CHUNKED and old.chunk_size != a.chunk_size)):
                 out += self._reconfigure(ds, old, a, now)
+            elif old.share != a.share:  # same mechanism, another share: a new plan version
+                self.datasets[ds].plan_base += 1
+                out += self._decided(ds, old, a, now)
         self.allocs = new
         # Forget datasets nobody used for a whole grace period (their space is already
         # freed; spare entries they left go too, as nobody will read them).
@@ -265,14 +270,36 @@ class ManagerModel:
         return out
 
 
+    def _allocate(self, ds: list, budget: int) -> dict[str, Allocation]:
+        """shares (default): a pinned share per dataset sized by benefit (FULL when the
+        share is the whole dataset); chunks: the FULL / CHUNKED / NONE knapsack."""
+        cfg = self.config.alloc
+        if cfg.mechanism == "chunks":
+            current = {d: a.knapsack_option for d, a in self.allocs.items()}  # hysteresis, also under --no-chunks
+            return allocate(ds, budget, cfg, current)
+        shares = allocate_shares(ds, budget, cfg, {d: a.share for d, a in self.allocs.items()})
+        out = {}
+        for d in ds:
+            s = shares[d.name]
+            full = d.size_bytes > 0 and s.bytes >= d.size_bytes
+            benefits = any(j.benefit is None or j.benefit >= cfg.min_benefit for j in d.jobs)
+            out[d.name] = Allocation(d.name, Option.FULL if full else Option.NONE, s.bytes,
+                                     d.size_bytes if full else 0, s.value, s.reason,
+                                     spare=bool(d.jobs) and benefits, share=s.bytes)
+        return out
+
+    def _decided(self, ds: str, old: Allocation | None, a: Allocation, now: float) -> list[Effect]:
+        old_opt = old.option if old is not None else Option.NONE
+        self.counters["decisions"] = self.counters.get("decisions", 0) + 1
+        self.decisions.append({"at": now, "dataset": ds, "option": a.option.value, "reason": a.reason})
+        del self.decisions[:-MAX_DECISIONS]
+        return [note("allocation", dataset=ds, old=old_opt.value, new=a.option.value,
+                     bytes=a.bytes, reason=a.reason)]
+
     def _reconfigure(self, ds: str, old: Allocation | None, a: Allocation, now: float) -> list[Effect]:
         old_opt = old.option if old is not None else Option.NONE
         rec = self.datasets[ds]
-        self.counters["decisions"] = self.counters.get("decisions", 0) + 1
-        self.decisions.append({"at": now, "dataset": ds, "option": a.option.value, "reason": a.reason})
-        del self.decisions[:-50]
-        out: list[Effect] = [note("allocation", dataset=ds, old=old_opt.value, new=a.option.value,
-                                  bytes=a.bytes, reason=a.reason)]
+        out = self._decided(ds, old, a, now)
         buf = self.buffers.pop(ds, None)
         rec.plan_base = rec.plan_base + (buf.version if buf else 0) + 1
         if a.option is Option.NONE:
@@ -351,6 +378,7 @@ class ManagerModel:
         return {"dataset": ds, "option": self.option(ds).value, "spare": bool(a and a.spare),
                 "k": buf.k if buf else 1,
                 "n_items": rec.n_items, "chunk_size": a.chunk_size if a else 0,
+                "share_items": share_items(a.share, rec.bytes, rec.n_items) if a else 0,
                 "active": -1 if buf is None or buf.active is None else buf.active,
                 "loading": -1 if buf is None or buf.loading is None else buf.loading,
                 "chunks": chunks, "version": self.plan_version(ds), "waiting": waiting}

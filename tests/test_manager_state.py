@@ -14,7 +14,7 @@ from manager.state import StateError, StateStore
 CFG = ManagerConfig(budget=400_000, dataset_grace_s=5.0,
                     probe=ProbeConfig(warmup_batches=1, min_batches=3, max_batches=6, max_phase_s=30.0,
                                       reprobe_interval_s=40.0, retry_after_abort_s=10.0),
-                    alloc=AllocConfig(chunk_bytes=100_000),
+                    alloc=AllocConfig(chunk_bytes=100_000, mechanism="chunks"),
                     buffer=BufferConfig(straggler_timeout_s=4.0, min_straggler_s=2.0, max_straggler_s=20.0))
 
 
@@ -259,7 +259,8 @@ def test_no_chunks_keeps_its_incumbent_and_its_grace_period():
         nxt = allocate([a_ds, b_ds], 100 * GB, cfg, current)
         assert nxt["A"].option is Option.NONE and nxt["B"].knapsack_option is Option.CHUNKED
 
-    m = ManagerModel(replace(CFG, budget=250_000, alloc=AllocConfig(chunk_bytes=100_000, chunked=False)))
+    m = ManagerModel(replace(CFG, budget=250_000, alloc=AllocConfig(chunk_bytes=100_000, chunked=False,
+                                                                          mechanism="chunks")))
     for job in ("x", "y"):
         m.apply({"type": "job_register", "job": job, "dataset": "big", "dataset_bytes": 1_000_000, "n_items": 100,
                  "n_gpus": 1, "now": 1000.0})
@@ -282,3 +283,6 @@ def test_config_state_stays_readable_by_a_manager_from_before_no_chunks():
     assert ManagerConfig.from_dict(d).alloc.chunked
     off = replace(ManagerConfig(), alloc=AllocConfig(chunked=False))
     assert ManagerConfig.from_dict(off.to_dict()).alloc.chunked is False
+    assert "mechanism" not in d["alloc"] and ManagerConfig.from_dict(d).alloc.mechanism == "shares"
+    chunks = replace(ManagerConfig(), alloc=AllocConfig(mechanism="chunks"))
+    assert ManagerConfig.from_dict(chunks.to_dict()).alloc.mechanism == "chunks"

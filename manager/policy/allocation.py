@@ -104,6 +104,21 @@ class AllocConfig:
     # chunks of budget for it, so it keeps out FULL datasets worth less.
     # (tools/bench/allocation: better than double buffering at small budgets.)
     chunked: bool = True
+    # "shares" (default): each dataset holds a pinned share sized by benefit
+    # (shares.py), the rest is one LRU of spare entries; "chunks": the knapsack
+    # above with FULL / CHUNKED (double buffering) / NONE. tools/bench/allocation
+    # measures both (docs/benchmarks.md).
+    mechanism: str = "shares"
+    # shares: the part of the budget pinned shares leave to the shared LRU while
+    # any benefiting dataset is not pinned whole (tools/bench/allocation: pinning
+    # 90 of 100 GB lost 38% against one LRU; half the budget lost nothing).
+    spare_reserve: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.spare_reserve <= 1.0:
+            raise ValueError(f"spare_reserve must be in [0, 1], not {self.spare_reserve}")
+        if self.mechanism not in ("shares", "chunks"):
+            raise ValueError(f"mechanism must be 'shares' or 'chunks', not {self.mechanism!r}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class Allocation:
     value: float          # estimated GPU-equivalents saved
     reason: str
     spare: bool = False   # jobs insert items outside the chunks as spare entries
+    share: int = 0        # bytes of the dataset pinned as its share (shares.py; FULL: its size)
 
     @property
     def knapsack_option(self) -> Option:
@@ -127,14 +143,14 @@ class Allocation:
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "option": self.option.value, "bytes": self.bytes,
                 "chunk_size": self.chunk_size, "value": self.value, "reason": self.reason,
-                "spare": self.spare}
+                "spare": self.spare, **({"share": self.share} if self.share else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Allocation":
         # without the field: a chunked plan inserts spare entries
         opt = Option(d["option"])
         return cls(str(d["dataset"]), opt, int(d["bytes"]), int(d["chunk_size"]), float(d["value"]),
-                   str(d["reason"]), bool(d.get("spare", opt is Option.CHUNKED)))
+                   str(d["reason"]), bool(d.get("spare", opt is Option.CHUNKED)), int(d.get("share", 0)))
 
 
 def budget_from_capacities(capacities: Iterable[int], reserve_fraction: float = 0.0) -> int:
@@ -149,7 +165,8 @@ def chunk_size_for(size_bytes: int, cfg: AllocConfig = AllocConfig()) -> int:
     return max(1, min(cfg.chunk_bytes, int(size_bytes * cfg.chunk_fraction)))
 
 
-def _benefits(d: DatasetDemand, cfg: AllocConfig) -> list[tuple[int, float]]:
+def benefits(d: DatasetDemand, cfg: AllocConfig) -> list[tuple[int, float]]:
+    """(n_gpus, b) per job: the prior where unmeasured, 1 below ``min_benefit``."""
     out = []
     for j in d.jobs:
         b = j.benefit if j.benefit is not None else cfg.prior_benefit
@@ -159,7 +176,7 @@ def _benefits(d: DatasetDemand, cfg: AllocConfig) -> list[tuple[int, float]]:
 
 def option_values(d: DatasetDemand, cfg: AllocConfig = AllocConfig()) -> tuple[float, float]:
     """(V_chunked, V_full) for a dataset, see the module docstring."""
-    nb = _benefits(d, cfg)
+    nb = benefits(d, cfg)
     J = len(nb)
     v_full = sum(n * (b - 1.0) for n, b in nb)
     v_chunk = cfg.chunked_efficiency * sum(n * (min(b, J) - 1.0) for n, b in nb)

@@ -70,6 +70,8 @@ from typing import Any, Iterable, Mapping
 
 from cacheserver.vocab import CacheMode
 
+from .regression import regress_benefit
+
 #: Benefit assumed for a job with no measurement yet: a little above the
 #: no-benefit threshold (1.05 in allocation), so a new dataset ranks below any
 #: dataset measured to benefit clearly, but can still take spare space and be probed.
@@ -116,6 +118,13 @@ class ProbeConfig:
     compute_floor_margin: float = 0.1
     prior_benefit: float = DEFAULT_PRIOR_BENEFIT
     max_concurrent_per_dataset: int = 1  # probes of one dataset at a time
+    # passive: benefit from regressing batch time on the miss fraction
+    # (regression.py), no bypass; a job is probed in bypass only after
+    # ``passive_probe_after`` batches without a confident estimate.
+    passive: bool = False
+    passive_window: int = 300        # (miss fraction, time) pairs kept per job
+    passive_every: int = 25          # re-estimate after this many new pairs
+    passive_probe_after: int = 600
 
     def __post_init__(self) -> None:
         if self.min_batches < 1 or self.max_batches < self.min_batches:
@@ -245,6 +254,8 @@ class JobProbe:
     probes: int = 0
     aborts: int = 0
     reason: str = "new job"
+    obs: list[list[float]] = field(default_factory=list)   # passive: recent [miss fraction, seconds]
+    obs_total: int = 0                                     # passive: pairs seen since the last estimate
 
     # -- queries
     @property
@@ -255,10 +266,12 @@ class JobProbe:
     def probing(self) -> bool:
         return self.phase in (Phase.PROBE_BYPASS, Phase.MEASURE_NORMAL)
 
-    def due(self, now: float) -> bool:
+    def due(self, now: float, cfg: ProbeConfig | None = None) -> bool:
         """Wants a probe now (the board decides whether it may start)."""
         if self.phase not in (Phase.NEW, Phase.DECIDED):
             return False
+        if cfg is not None and cfg.passive:  # only when regression stays unsure for long
+            return self.obs_total >= cfg.passive_probe_after
         return self.next_probe_at is None or now >= self.next_probe_at
 
     def effective_benefit(self, prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float | None:
@@ -291,6 +304,7 @@ class JobProbe:
         self.skip = cfg.warmup_batches
         self.probe_t_miss = None
         self.recent, self.recent_hits = [], []
+        self.obs_total = 0
         return t
 
     def _phase_done(self, cfg: ProbeConfig) -> bool:
@@ -347,11 +361,32 @@ class JobProbe:
                 if self._phase_done(cfg):
                     why = "max batches" if len(self.samples) >= cfg.max_batches else "precise"
                     out.append(self._finish_phase(now, cfg, why))
+            elif cfg.passive:
+                t = self._observe(bt, now, cfg)
+                if t:
+                    out.append(t)
             elif self.phase is Phase.DECIDED:
                 t = self._watch_drift(bt, now, cfg)
                 if t:
                     out.append(t)
         return out
+
+    def _observe(self, bt: Batch, now: float, cfg: ProbeConfig) -> Transition | None:
+        """Passive mode: keep (miss fraction, time) pairs; re-estimate b now and then."""
+        if bt.hit_ratio is None:
+            return None
+        self.obs.append([1.0 - bt.hit_ratio, bt.duration])
+        del self.obs[:-cfg.passive_window]
+        self.obs_total += 1
+        if self.obs_total % cfg.passive_every:
+            return None
+        est = regress_benefit([(m, t) for m, t in self.obs])
+        if est is None:
+            return None
+        self.t_miss, self.t_hit, self.benefit, self.inconclusive = est.t_miss, est.t_hit, est.benefit, False
+        self.known_benefit, self.decided_at, self.obs_total = est.benefit, now, 0
+        return self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
+                                            f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%})")
 
     def _watch_drift(self, bt: Batch, now: float, cfg: ProbeConfig) -> Transition | None:
         self.recent.append(bt.duration)
@@ -404,6 +439,7 @@ class JobProbe:
         d["phase"] = Phase(d["phase"])
         for k in ("samples", "hits", "recent", "recent_hits"):
             d[k] = [float(x) for x in d.get(k, [])]
+        d["obs"] = [[float(m), float(t)] for m, t in d.get("obs", [])]
         return cls(**d)
 
 
@@ -455,7 +491,7 @@ class ProbeBoard:
         for j in self.jobs.values():
             if j.probing:
                 busy[j.dataset] = busy.get(j.dataset, 0) + 1
-        due = [j for j in self.jobs.values() if j.due(now)]
+        due = [j for j in self.jobs.values() if j.due(now, self.config)]
         # oldest due first; never-measured jobs first among equals; then by id
         due.sort(key=lambda j: (j.next_probe_at if j.next_probe_at is not None else -math.inf,
                                 j.benefit is not None, j.job_id))
