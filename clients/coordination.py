@@ -107,6 +107,10 @@ class JobCoordinator:
         self.report_seconds = report_seconds
         self.prefetch_bandwidth = prefetch_bandwidth
         self._batches: deque = deque(maxlen=10_000)
+        self._hit_ratios: deque = deque(maxlen=10_000)   # per sampled batch, not yet handed over
+        self._sampler: Any = None                         # watch_hits
+        self._stats: Any = None                           # its counters of the epoch
+        self._seen = (0, 0)
         self._consumed: Counter = Counter()
         self._released: set[int] = set()
         self._expected: np.ndarray | None = None  # items this epoch reads (None: all)
@@ -142,11 +146,33 @@ class JobCoordinator:
                 self.ds.plan.publish(plan)
 
     # ---- hooks called by the loader and sampler (main process) ------------
+    def watch_hits(self, sampler: Any) -> None:
+        """``sampler``: its ``stats`` (planned_hits, planned_misses; new each epoch)
+        give each batch's hit fraction, sent with the batch's time to the manager,
+        which regresses batch time on it to measure the job's benefit without
+        bypass probes."""
+        self._sampler = sampler
+
     def batch_time(self, end: float, duration: float) -> None:
-        self._batches.append((end, duration))
+        # Batches are handed over in the order they were sampled: the oldest
+        # sampled batch's hit fraction belongs to this one.
+        h = self._hit_ratios.popleft() if self._hit_ratios else None
+        self._batches.append((end, duration) if h is None else (end, duration, h))
+
+    def _note_hits(self) -> None:
+        st = getattr(self._sampler, "stats", None)
+        if st is None:
+            return
+        if st is not self._stats:  # a new epoch's counters
+            self._stats, self._seen = st, (0, 0)
+        hits, misses = st.planned_hits - self._seen[0], st.planned_misses - self._seen[1]
+        self._seen = (st.planned_hits, st.planned_misses)
+        self._hit_ratios.append(hits / (hits + misses) if hits + misses > 0 else None)
 
     def consumed(self, batch: list[int]) -> None:
-        """Count items read per chunk; a chunk read to the end is released."""
+        """Note the batch's hit fraction; count items read per chunk; a chunk read
+        to the end is released."""
+        self._note_hits()
         plan = self.plan
         if plan is None or plan.option != Option.CHUNKED:
             return
@@ -161,6 +187,7 @@ class JobCoordinator:
                     self._released.discard(c)  # try again after the next batch
 
     def epoch_start(self) -> None:
+        self._hit_ratios.clear()  # batches sampled ahead but never handed over
         self._consumed.clear()
         self._released.clear()
 

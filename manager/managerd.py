@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", action="store_true",
                    help="allocate by the FULL / CHUNKED (double buffering) / NONE knapsack instead of the default "
                         "benefit-sized shares with one shared LRU (docs/manager-policy.md)")
+    p.add_argument("--bypass-probes", action="store_true",
+                   help="measure each job's benefit by Quiver's probes (batches in bypass, then normal) instead "
+                        "of the default: regressing reported batch times on their miss fraction, with a bypass "
+                        "probe only for a job whose regression stays unsure")
     p.add_argument("--no-chunks", action="store_true",
                    help="no double-buffered chunks: a dataset that does not fit in full shares the room "
                         "full datasets leave, as spare entries (LRU with substitutable hits)")
@@ -180,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                   max_marked_s=args.max_marked_seconds)
     model = ManagerConfig(
         budget=args.budget, dataset_grace_s=float(over.get("dataset_grace_s", args.dataset_grace_seconds)),
-        probe=ProbeConfig(**over.get("probe", {})),
+        probe=ProbeConfig(**{"passive": not args.bypass_probes, **over.get("probe", {})}),
         alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks,
                              **({"mechanism": "chunks"} if args.chunks or args.no_chunks else {}), **over.get("alloc", {})}),
         buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}))

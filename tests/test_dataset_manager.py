@@ -171,3 +171,28 @@ def test_chunks_released_when_this_epochs_items_of_them_are_consumed(tmp_path, h
         assert sorted(released) == [0, 1, 2, 3]
     finally:
         ds.close()
+
+
+def test_default_manager_measures_without_bypass_from_reported_hit_ratios(tmp_path, cluster):
+    """The client sends each batch's hit fraction with its time; the default manager
+    regresses on them and never switches the job to bypass (no probe)."""
+    m, servers = cluster
+    path, items = make_dataset(tmp_path / "ds3", n=200, seed=7)
+    ds = CachedDataset(path, manager=m.address, job="job-p")
+    sent = []
+    coord = ds.coordinator
+    real = coord.client.report_batches
+    coord.client.report_batches = lambda job, batches: (sent.extend(batches), real(job, batches))[1]
+    try:
+        loader = ds.loader(batch_size=10, seed=3)
+        for _ in range(2):
+            assert Counter(x for b in loader for x in b) == Counter(items.values())
+        time.sleep(1.0)
+        with ManagerClient(m.address, timeout=2) as mc:
+            st = mc.status_dict()
+        job = next(j for j in st["jobs"] if j["job"] == "job-p")
+        assert job.get("probes", 0) == 0 and job.get("phase") != "probe_bypass"
+        hits = [b[2] for b in sent if len(b) == 3]
+        assert len(hits) >= 30 and min(hits) < 0.5 and max(hits) > 0.5  # epoch 1 misses, epoch 2 hits
+    finally:
+        ds.close()

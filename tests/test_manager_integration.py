@@ -37,6 +37,9 @@ def ids(n, seed):
     return [rng.randbytes(32) for _ in range(n)]
 
 
+OLD_POLICY = ("--chunks", "--bypass-probes")
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """Start processes with cluster.manager(...)/cluster.server(...); all killed at teardown."""
@@ -44,7 +47,9 @@ def cluster(tmp_path):
 
     class Cluster:
         def manager(self, *extra, state="m", port=0):
-            d = cachemanager(str(tmp_path / state), port, *extra).start()
+            # These tests drive the chunk knapsack and Quiver's bypass probes, both
+            # selectable; the default (shares, passive) is tested where named.
+            d = cachemanager(str(tmp_path / state), port, *OLD_POLICY, *extra).start()
             procs.append(d)
             return d
 
@@ -320,7 +325,7 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
     b = write_bundle(tmp_path / "certs")
     srv_tls = ["--tls-cert", str(b.server_cert), "--tls-key", str(b.server_key), "--tls-ca", str(b.ca)]
     cli = TlsFiles(str(b.client_cert), str(b.client_key), str(b.ca))
-    m = cachemanager(str(tmp_path / "m"), 0, *srv_tls).start()
+    m = cachemanager(str(tmp_path / "m"), 0, *OLD_POLICY, *srv_tls).start()
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0",
                     *srv_tls).start()
     try:

@@ -384,6 +384,7 @@ class JobProbe:
         if est is None:
             return None
         self.t_miss, self.t_hit, self.benefit, self.inconclusive = est.t_miss, est.t_hit, est.benefit, False
+        self.hit_ratio = 1.0 - sum(m for m, _ in self.obs) / len(self.obs)
         self.known_benefit, self.decided_at, self.obs_total = est.benefit, now, 0
         return self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
                                             f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%})")
