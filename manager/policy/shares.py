@@ -152,13 +152,21 @@ def _explain(d: DatasetDemand, s: int, budget: int, cfg: AllocConfig) -> Share:
         return Share(d.name, 0, 0.0, "no jobs use it")
     btxt = f"{len(bs)} job(s), b={min(bs):.2f}..{max(bs):.2f}"
     if s <= 0:
-        why = ("no job benefits" if max(bs) < cfg.min_benefit
-               else "outranked: other datasets save more GPU time per byte" if budget else "no budget")
+        if max(bs) < cfg.min_benefit:
+            why = f"no job benefits (b < {cfg.min_benefit}): its misses are not cached"
+        elif not budget:
+            why = "no budget"
+        elif len(d.jobs) > 1 and d.size_bytes > budget * (1.0 - cfg.spare_reserve):
+            why = ("the whole dataset does not fit beside the shared LRU; its jobs share their reads "
+                   "through spare entries")
+        else:
+            why = "outranked: other datasets save more GPU time per byte; misses go in as spare entries"
         return Share(d.name, 0, 0.0, f"no share: {why}; {btxt}")
     v = share_value(d, s, cfg)
     sat = max(1.0 - 1.0 / max(b, 1.0) for b in bs)
-    return Share(d.name, s, v, f"share {s / gb:.3g}GB ({s / d.size_bytes:.0%} of {d.size_bytes / gb:.3g}GB; "
-                               f"its jobs run at full speed from {sat:.0%}): saves {v:.2f} GPU-eq; {btxt}")
+    return Share(d.name, s, v, f"share {s / gb:.3g}GB, {s / d.size_bytes:.0%} of {d.size_bytes / gb:.3g}GB "
+                               f"(its jobs gain nothing beyond {sat:.0%}), saves {v:.2f} GPU-eq over the "
+                               f"shared LRU; {btxt}")
 
 
 # ---------------------------------------------------------------- which items
