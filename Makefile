@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath bench-tfdata bench-balancer bench-autoorder clean proto
+.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder clean proto
 
 venv: $(STAMP)
 
@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
-bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-misspath bench-tfdata bench-balancer bench-autoorder
+bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder
 
 bench-hitpath: venv
 	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
@@ -53,6 +53,9 @@ bench-autoorder: venv
 
 bench-allocation: venv
 	$(PY) tools/bench/allocation
+
+bench-managed: venv
+	$(PY) tools/bench/managed
 
 proto: venv
 	$(PY) tools/gen_proto.py

@@ -1,7 +1,9 @@
 """The manager's policy layer: pure functions and explicit state machines of
 measured inputs (no I/O, no threads, no clocks -- ``now`` is an argument).
 
+* regression    -- per-job benefit from batch time vs miss fraction, no bypass (default)
 * probing       -- per-job benefit probing (bypass vs normal mini-batch times)
+* shares        -- benefit-sized pinned shares beside one shared LRU (default allocation)
 * allocation    -- greedy multiple-choice knapsack: FULL / CHUNKED / NONE per dataset
 * chunks        -- striped chunk plan (which items form chunk c)
 * double_buffer -- per-dataset chunk double-buffering with two-step eviction
