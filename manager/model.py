@@ -31,7 +31,7 @@ from .membership import Registry
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
                      StartLoading, Transition, allocate, demands, num_chunks)
-from .policy.shares import allocate_shares, share_items
+from .policy.shares import Share, allocate_shares, share_items
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
 
@@ -278,6 +278,7 @@ class ManagerModel:
             current = {d: a.knapsack_option for d, a in self.allocs.items()}  # hysteresis, also under --no-chunks
             return allocate(ds, budget, cfg, current)
         shares = allocate_shares(ds, budget, cfg, {d: a.share for d, a in self.allocs.items()})
+        shares = _keep_full(shares, {d.name: d.size_bytes for d in ds}, self.allocs, budget)
         out = {}
         for d in ds:
             s = shares[d.name]
@@ -415,6 +416,22 @@ class ManagerModel:
     def digest(self) -> str:
         """sha256 of the canonical JSON state: equal digests mean equal state."""
         return hashlib.sha256(canonical(self.to_dict())).hexdigest()
+
+
+def _keep_full(shares: dict[str, Share], sizes: Mapping[str, int], allocs: Mapping[str, Allocation],
+               budget: int) -> dict[str, Share]:
+    """A FULL dataset offered a partial share stays FULL while the budget holds it:
+    leaving FULL evicts its entries, so the jobs still reading it would lose what
+    they read from the cache now (a job leaving made the share partial, say)."""
+    out = dict(shares)
+    for name, s in sorted(shares.items()):
+        a = allocs.get(name)
+        if a is None or a.option is not Option.FULL or not 0 < s.bytes < sizes[name]:
+            continue
+        if sum(x.bytes for x in out.values()) - s.bytes + sizes[name] <= budget:
+            out[name] = Share(name, sizes[name], s.value, f"kept full: a partial share would evict what its "
+                                                          f"jobs read now; {s.reason}")
+    return out
 
 
 def canonical(d: Any) -> bytes:

@@ -164,3 +164,18 @@ def test_model_default_gives_the_io_bound_dataset_the_room():
     assert m.allocs["io"].option is Option.FULL and m.allocs["io"].share == 200
     assert m.allocs["compute"].option is Option.NONE and not m.allocs["compute"].spare
     assert m.plan("io", "io0")["share_items"] == 2000
+
+
+def test_a_full_dataset_stays_full_when_a_job_leaving_makes_its_share_partial():
+    m = ManagerModel(ManagerConfig(budget=300, probe=ProbeConfig(passive=True)))
+    for j in ("a", "b"):
+        m.apply({"type": "job_register", "job": j, "dataset": "d", "dataset_bytes": 200, "n_items": 100,
+                 "n_gpus": 1, "now": 0.0})
+    m.apply({"type": "job_register", "job": "c", "dataset": "other", "dataset_bytes": 900, "n_items": 100,
+             "n_gpus": 1, "now": 0.0})
+    m.allocs["d"] = m.allocs["d"].__class__("d", Option.FULL, 200, 200, 1.0, "full", True, 200)
+    m.board.jobs["a"].benefit = m.board.jobs["a"].known_benefit = 2.0
+    effects = m.apply({"type": "job_unregister", "job": "b", "reason": "done", "now": 1.0})
+    # alone, "a" would get a partial share (half of 300 GB room: 100 of 200); it keeps FULL
+    assert m.allocs["d"].option is Option.FULL and "kept full" in m.allocs["d"].reason
+    assert not [e for e in effects if type(e).__name__ == "EvictDataset"]
