@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import rocksdict
 
 from .counters import Counters
-from .diskroom import DiskRoom
+from .diskroom import MARGIN, DiskRoom
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import unwrap, wrap
@@ -48,6 +48,8 @@ log = logging.getLogger("cacheserver")
 DURABILITY = ("cache", "process", "power")
 DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
+EMPTY_MEMTABLE = 1 << 16  # what an empty memtable reports (its first arena block)
+ROOM_FLUSH_WAIT_S = 60.0
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
 Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
@@ -112,6 +114,8 @@ class Store:
         self.policy = policy
         self.counters = counters
         self._lock = threading.Lock()
+        self._room_flush = threading.Lock()  # held by the one flush that keeps unflushed bytes in check
+        self._closing = False
         self._protected: Callable[[Tag], bool] = lambda tag: False
 
         self._dir_lock = _lock_dir(path)
@@ -443,13 +447,42 @@ class Store:
         need = sum(len(v) + OVERHEAD for _, v in items)
         unflushed = self._unflushed_bytes()
         if self.room.put_problem(need, unflushed) is None:
-            if unflushed and unflushed + need > self.room.reserve // 2:
-                self.flush()  # what is unflushed stays within what the reserve can flush
+            self._keep_flushable(need, unflushed)
             return None
         with self._lock:
             already = sum(1 for k, _ in items if k in self._index)
         self.counters.add_many({"rejected_disk_full": len(items) - already, "put_already": already})
         return 0, already, len(items) - already
+
+    def _keep_flushable(self, need: int, unflushed: int) -> None:
+        """Keep unflushed bytes within what the reserve can flush (diskroom.py) without
+        stalling every writer: past half the reserve one flush starts in the background
+        and puts go on; only a put that would pass the whole reserve waits for it (and
+        flushes again if that was not enough). A flush in every put's thread made all
+        writers queue behind it, each flushing in turn (puts at about 0.36x)."""
+        reserve = self.room.reserve
+        if unflushed + need <= reserve // 2 or self._closing:
+            return
+        if unflushed + need + MARGIN <= reserve:
+            if self._room_flush.acquire(blocking=False):
+                threading.Thread(target=self._flush_and_open, daemon=True, name="store-room-flush").start()
+            return
+        if not self._room_flush.acquire(timeout=ROOM_FLUSH_WAIT_S):  # closing, or a flush that hangs
+            return
+        try:
+            now = self._unflushed_bytes()
+            if now > EMPTY_MEMTABLE and now + need + MARGIN > reserve and not self._closing:
+                self.flush()
+        finally:
+            self._room_flush.release()
+
+    def _flush_and_open(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # flush() records write failures itself; keep the next put able to retry
+            log.exception("flushing the store for disk room failed")
+        finally:
+            self._room_flush.release()
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
         """Move present entries to `tag` (lock held): index, usage and, logged, their
@@ -581,6 +614,8 @@ class Store:
     def close(self) -> None:
         if self._flusher is not None:
             self._flusher.stop()
+        self._closing = True
+        self._room_flush.acquire()  # kept: a background flush (_keep_flushable) ends first, none starts later
         self.flush()
         try:
             # Column-family views share the DB handle; drop them so the lock is released.
