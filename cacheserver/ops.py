@@ -4,8 +4,10 @@ and over gRPC, and the CacheCore method that serves it.
 
 The data-plane server (dataplane.py) and the gRPC service (grpc_service.py)
 serve from TABLE; ServerClient and RingClient ask through the same objects.
-Adding an operation: declare it here, give CacheCore its method, and add its
-messages and rpc to cache.proto (then tools/gen_proto.py).
+Adding an operation: declare it here (with `feature`, a new name, if older
+servers lack it: FEATURES, what a server announces, comes from TABLE), give
+CacheCore its method, and add its messages and rpc to cache.proto (then
+tools/gen_proto.py).
 
 Frames (wire.py): every request body is job[aux_len] + the op's own part.
   LOOKUP, GET, GET_LOCAL, CLAIM   count x 32-byte ids
@@ -25,8 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from .proto import cache_pb2 as pb
-from .vocab import (FEATURE_ADOPT, FEATURE_CLAIM, FEATURE_INLINE, FEATURE_OPEN_FOLLOWER, FETCH, ID_LEN,
-                    BadRequest, split_ids)
+from .vocab import FLAG_FEATURES, FETCH, ID_LEN, BadRequest, split_ids
 
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
@@ -64,7 +65,7 @@ class Op:
     name = ""
     code = 0
     rpc = ""               # the Cache rpc serving it over gRPC ("" for data-plane-only ops)
-    feature: str | None = None
+    feature: str | None = None  # announced by servers that serve it (FEATURES); None: every server does
     keyed = True           # asks about ids (or items); without any, the answer is empty()
 
     def empty(self) -> Any:
@@ -113,7 +114,7 @@ class Lookup(Op):
 
 
 class Claim(Op):
-    name, code, rpc, feature = "claim", 6, "Claim", FEATURE_CLAIM
+    name, code, rpc, feature = "claim", 6, "Claim", "claim"
 
     def unserved(self, n: int) -> bytes:
         return bytes([FETCH]) * n  # nobody to wait for: read everything ourselves
@@ -129,7 +130,7 @@ class Claim(Op):
 
 
 class Adopt(Op):
-    name, code, rpc, feature = "adopt", 8, "Adopt", FEATURE_ADOPT
+    name, code, rpc, feature = "adopt", 8, "Adopt", "adopt"
 
     def frame(self, keys: Sequence[bytes], dataset: str = "", chunk: int = -1) -> Frame:
         return len(keys), [tag_bytes(dataset, chunk), b"".join(keys)], 0
@@ -174,7 +175,7 @@ class Get(Op):
 
 class GetLocal(Op):
     """A same-host reader announces a get whose values it reads itself from the
-    store files (client/localread.py); with `inline` (FEATURE_INLINE), values it
+    store files (client/localread.py); with `inline` (vocab.FEATURE_INLINE), values it
     cannot read there yet come inline."""
     name, code = "get_local", 5
 
@@ -228,7 +229,7 @@ class Put(Op):
 class OpenFollower(Op):
     """A same-host reader is about to open a follower: the server flushes a large
     memtable so that the follower's replay is short."""
-    name, code, feature, keyed = "open_follower", 7, FEATURE_OPEN_FOLLOWER, False
+    name, code, feature, keyed = "open_follower", 7, "open_follower", False
 
     def frame(self, keys: Sequence = ()) -> Frame:
         return 0, [], 0
@@ -259,6 +260,8 @@ LOOKUP, CLAIM, ADOPT, GET, GET_LOCAL, PUT = Lookup(), Claim(), Adopt(), Get(), G
 OPEN_FOLLOWER, PING = OpenFollower(), Ping()
 TABLE: dict[int, Op] = {op.code: op for op in (LOOKUP, CLAIM, ADOPT, GET, GET_LOCAL, PUT, OPEN_FOLLOWER, PING)}
 UNARY_RPCS = tuple(op for op in TABLE.values() if op.rpc and op is not GET)  # Get streams its answer
+# What a server announces in Info: the features of its operations and of their flags.
+FEATURES = frozenset(op.feature for op in TABLE.values() if op.feature) | FLAG_FEATURES
 
 
 # ---- shared pieces of the frames

@@ -24,7 +24,8 @@ from .roles import Roles, read_token
 from .runtime import bind_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
-from .vocab import FEATURES, PROTOCOL_VERSION
+from .ops import FEATURES
+from .vocab import PROTOCOL_VERSION
 
 log = logging.getLogger("cacheserver")
 SERVICE_NAME = "mlcache.v1.Cache"

@@ -90,14 +90,12 @@ ABSENT, HIT, PENDING = 0, 1, 2
 FETCH, WAIT, PRESENT = 1, 2, 3
 
 # ---- protocol: the version and the features a server announces in Info.
-# A client decides what it may ask by these names (cacheserver/client/features.py),
-# never by the text of an error.
+# A client decides what it may ask by these names (ServerClient.supports),
+# never by the text of an error. An operation only newer servers serve names
+# its feature in its declaration (ops.py), and ops.FEATURES, what a server
+# announces, is built from the op table plus the features of flags below.
 PROTOCOL_VERSION = 2
-FEATURE_CLAIM = "claim"                  # Claim / OP_CLAIM
-FEATURE_ADOPT = "adopt"                  # Adopt / OP_ADOPT
 FEATURE_PENDING = "lookup_pending"       # Lookup pending / FLAG_PENDING
 FEATURE_NOT_SPARE = "lookup_not_spare"   # Lookup not_spare / FLAG_NOT_SPARE
 FEATURE_INLINE = "get_local_inline"      # OP_GET_LOCAL with FLAG_INLINE
-FEATURE_OPEN_FOLLOWER = "open_follower"  # OP_OPEN_FOLLOWER
-FEATURES = frozenset({FEATURE_CLAIM, FEATURE_ADOPT, FEATURE_PENDING, FEATURE_NOT_SPARE, FEATURE_INLINE,
-                      FEATURE_OPEN_FOLLOWER})
+FLAG_FEATURES = frozenset({FEATURE_PENDING, FEATURE_NOT_SPARE, FEATURE_INLINE})

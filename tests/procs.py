@@ -129,7 +129,7 @@ def endpoint_process(argv: list[str], port: int, log_path: str, timeout: float =
 
 def without_features(client, *names: str):
     """Make `client` (a ServerClient) see its server as one from before the named
-    features (vocab.FEATURES): its Info announces all others only."""
+    features (ops.FEATURES): its Info announces all others only."""
     info = client.info
 
     def older():

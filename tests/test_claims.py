@@ -5,7 +5,8 @@ import pytest
 from procs import cacheserver, without_features
 
 from cacheserver.claims import ClaimTable
-from cacheserver.vocab import FEATURE_CLAIM, FETCH, PENDING, PRESENT, WAIT
+from cacheserver import ops
+from cacheserver.vocab import FETCH, PENDING, PRESENT, WAIT
 from cacheserver.client.server_client import ServerClient
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
@@ -108,7 +109,7 @@ def test_a_server_from_before_claims_makes_the_client_read_everything_itself(ser
     # then never asks and claims answer FETCH, so nothing waits and nothing fails.
     ids = [bytes([5]) * 32]
     for dataplane in (True, False):
-        with without_features(ServerClient(server.address, use_dataplane=dataplane), FEATURE_CLAIM) as c:
+        with without_features(ServerClient(server.address, use_dataplane=dataplane), ops.CLAIM.feature) as c:
             before = c.stats().counters.get("claims_granted", 0)
             assert c.claim(ids, "j") == bytes([FETCH])
             assert c.claim(ids, "j") == bytes([FETCH])

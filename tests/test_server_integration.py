@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheserver import ops, wire
 from cacheserver.client.server_client import ServerClient
-from cacheserver.vocab import FEATURE_ADOPT, FEATURE_INLINE, CacheMode
+from cacheserver.vocab import FEATURE_INLINE, CacheMode
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from procs import cacheserver, rss_bytes, without_features
@@ -535,7 +535,7 @@ def test_adopt_moves_spare_entries_into_a_chunk_without_their_values(tmp_path, t
 def test_adopt_against_a_server_without_it_reports_all_absent(server):
     """A ring mid-upgrade: an old server's Info announces no adopt; the client
     never asks and reads those items from the store, as before adopt existed."""
-    with without_features(ServerClient(server.address, prefer_unix=False), FEATURE_ADOPT) as c:
+    with without_features(ServerClient(server.address, prefer_unix=False), ops.ADOPT.feature) as c:
         k = ids(1, seed=43)
         c.put([(k[0], b"s" * 10)], dataset="ds", chunk=-1)
         assert c.adopt(k, "j", "ds", 0) == b"\x00"
@@ -544,12 +544,16 @@ def test_adopt_against_a_server_without_it_reports_all_absent(server):
 
 
 def test_info_announces_the_protocol_version_and_features(server):
-    from cacheserver.vocab import FEATURES, PROTOCOL_VERSION
+    from cacheserver.ops import FEATURES, TABLE
+    from cacheserver.vocab import FLAG_FEATURES, PROTOCOL_VERSION
 
+    gated = [op.feature for op in TABLE.values() if op.feature]
+    assert len(set(gated)) == len(gated) and not set(gated) & FLAG_FEATURES  # one name, one meaning
     with ServerClient(server.address) as c:
         info = c.info()
         assert info.protocol_version == PROTOCOL_VERSION
-        assert set(info.features) == FEATURES
+        assert set(info.features) == FEATURES == set(gated) | FLAG_FEATURES
+        assert {"claim", "adopt", "open_follower", "lookup_pending", "get_local_inline"} <= FEATURES  # names on the wire
         assert all(c.supports(f) for f in FEATURES) and not c.supports("no-such-feature")
 
 

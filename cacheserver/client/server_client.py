@@ -52,7 +52,7 @@ class ServerClient:
 
     # ---- what the server serves -------------------------------------------
     def supports(self, feature: str) -> bool:
-        """Whether the server announces `feature` in its Info (vocab.FEATURES):
+        """Whether the server announces `feature` in its Info (ops.FEATURES):
         the one place this client decides what it may ask. A server that
         announces none gets only what every server serves."""
         if self._features is None:
