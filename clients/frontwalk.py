@@ -9,7 +9,7 @@ Item states (`state[i]`), one way only within an epoch:
 
 Invariants, true between steps:
   * `left` counts the PENDING and SEEN items, `waiting` the SEEN ones;
-  * `ready` holds exactly the READY items, in the order they were found;
+  * `ready` holds exactly the READY items, each step's finds shuffled (seeded);
   * `front` holds PENDING or SEEN items only (DONE and READY ones are dropped
     when the front is rebuilt), each marked `infront`; an item marked
     `infront` is never looked up by the general scan, so no item is looked
