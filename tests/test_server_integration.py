@@ -225,6 +225,29 @@ def test_kill9_recovery_serves_only_whole_values(tmp_path):
         d2.kill()
 
 
+def _wait_for_flushed_and_unflushed_inserts(address: str, timeout: float = 30.0) -> None:
+    """Return once some of the writers' inserts were flushed and more are being stored.
+
+    A fixed sleep raced the writers on a loaded machine: either nothing was
+    flushed after the early items yet (present == 40), or the writers, starved,
+    paused long enough for the flusher to flush everything (nothing unflushed)."""
+    with ServerClient(address, local_read=False) as c:
+        first = last = c.stats().counters
+        base_flushes = None  # flushes when the writers were first seen to have stored something
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = c.stats().counters
+            if base_flushes is None and now["put_stored"] > first["put_stored"]:
+                base_flushes = now["flushes"]
+            # two flushes since: the second began after items stored before were in place
+            elif (base_flushes is not None and now["flushes"] >= base_flushes + 2
+                  and now["put_stored"] > last["put_stored"]):
+                return
+            last = now
+    raise AssertionError(f"in {timeout} s the writers' inserts were not flushed twice while more came")
+
+
 def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
     # The default (--durability cache) writes values without the RocksDB log:
     # a kill -9 may lose the last seconds of inserts, never anything flushed,
@@ -243,7 +266,7 @@ def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
                for s in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # less than flusher.MAX_AGE_S, with no pause: unflushed inserts at the kill
+    _wait_for_flushed_and_unflushed_inserts(d.address)
     d.proc.kill()
     d.proc.wait()
     stop.set()
