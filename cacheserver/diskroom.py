@@ -24,7 +24,9 @@ MARGIN = 1 << 20  # the log and MANIFEST appends of a flush
 
 
 def reserve_size(capacity: int) -> int:
-    return min(64 << 20, max(2 << 20, capacity // 64))
+    # Past half of it a flush starts: at 256 MiB that is past the 64 MiB memtable, so large
+    # stores flush no more often than RocksDB would by itself (tools/bench/revpath).
+    return min(256 << 20, max(2 << 20, capacity // 16))
 
 
 class DiskRoom:
