@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import NamedTuple
+
+import blake3 as _blake3
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -111,13 +114,24 @@ def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = 
     return item
 
 
+def sha256(item: Buffer) -> bytes:
+    return hashlib.sha256(item).digest()
+
+
+def blake3(item: Buffer) -> bytes:
+    """BLAKE3-256 of an item: the digest's (version 3) fast check of a cached value.
+    A cryptographic hash, so a value that passes is the item the digest describes."""
+    return _blake3.blake3(item).digest()
+
+
 def hashes_match(pairs: list[tuple[bytes, Buffer]], pool: Executor | None = None, threads: int = 1,
-                 min_share_bytes: int = 1 << 20) -> list[bool]:
-    """SHA-256(item) == K for each (K, item). With a pool, the batch is split into
-    up to `threads` shares (this thread takes one) of at least `min_share_bytes`:
-    hashlib releases the GIL while it hashes, so the shares run on separate cores."""
+                 min_share_bytes: int = 1 << 20, hash_fn: Callable[[Buffer], bytes] = sha256) -> list[bool]:
+    """hash_fn(item) == expected for each (expected, item); by default SHA-256 against K.
+    With a pool, the batch is split into up to `threads` shares (this thread takes one)
+    of at least `min_share_bytes`: hashlib and blake3 release the GIL while they hash,
+    so the shares run on separate cores."""
     def check(share: list[tuple[bytes, Buffer]]) -> list[bool]:
-        return [hashlib.sha256(item).digest() == K for K, item in share]
+        return [hash_fn(item) == expected for expected, item in share]
 
     total = sum(len(item) for _, item in pairs)
     n = 1 if pool is None else max(1, min(threads, total // min_share_bytes))

@@ -27,14 +27,15 @@ import numpy as np
 from clients.digest_paths import bad_path, path_problem
 
 MAGIC = b"MLCDIGST"
-VERSION = 2  # the newest this module reads and writes; see VERSIONS
-VERSIONS = (1, 2)  # 2 adds the optional targets and names columns
+VERSION = 3  # the newest this module reads and writes; see VERSIONS
+VERSIONS = (1, 2, 3)  # 2 adds the optional targets and names columns, 3 the BLAKE3 column
 # magic, version, kind, flags, root_len, count, npaths, strings_len,
 # meta_len, classes_len, total_len, names_len, header_crc32  (64 bytes;
 # in version 1 classes_len and names_len are reserved, 0)
 _HEADER = struct.Struct("<8sHBBIQQQIIQII")
 FLAG_TARGETS = 1  # version 2: a per-item i8 target column and the class names
 FLAG_NAMES = 2    # version 2: a per-item name (the tar member name) column
+FLAG_BLAKE3 = 4   # version 3: a per-item BLAKE3 column, the fast check of cached values
 _VERSION_END = 10  # magic + version: the only bytes every version keeps
 TRAILER_SIZE = 32
 FINGERPRINT_DOMAIN = b"mlcache/fingerprint/v1\x00"
@@ -89,6 +90,7 @@ class _Layout(NamedTuple):
     classes: int
     name_offsets: int
     names: int
+    blake3: int
     trailer: int
     total: int
 
@@ -113,24 +115,31 @@ def _layout(root_len: int, meta_len: int, count: int, npaths: int, strings_len: 
     if flags & FLAG_NAMES:
         names = name_offsets + 8 * (count + 1)
         end = _pad8(names + names_len)
+    blake3 = end
+    if flags & FLAG_BLAKE3:
+        end = blake3 + 32 * count
     return _Layout(root, meta, hashes, sizes, offsets, path_index, path_offsets,
-                   strings, targets, classes, name_offsets, names, end, end + TRAILER_SIZE)
+                   strings, targets, classes, name_offsets, names, blake3, end, end + TRAILER_SIZE)
 
 
 class Extras(NamedTuple):
-    """Version 2's optional per-item columns (None when absent)."""
+    """Version 2's (and 3's) optional per-item columns (None when absent)."""
 
     targets: np.ndarray | None = None  # i8 per item
     classes: tuple[str, ...] = ()  # name of each target value, when it names a class
     name_offsets: np.ndarray | None = None  # u8, n + 1 bounds into names
     names: bytes | memoryview = b""  # UTF-8 names (tar member names) concatenated
+    blake3: np.ndarray | None = None  # (n, 32) u8: BLAKE3 of each item (version 3)
 
     @property
     def flags(self) -> int:
         return (FLAG_TARGETS if self.targets is not None else 0) | (
-            FLAG_NAMES if self.name_offsets is not None else 0)
+            FLAG_NAMES if self.name_offsets is not None else 0) | (
+            FLAG_BLAKE3 if self.blake3 is not None else 0)
 
     def check(self, n: int) -> None:
+        if self.blake3 is not None and self.blake3.shape != (n, 32):
+            raise DigestError("corrupt digest: BLAKE3 column differs in length")
         if self.targets is not None and self.targets.shape != (n,):
             raise DigestError("corrupt digest: target column differs in length")
         if self.targets is not None and self.classes and n and (
@@ -148,7 +157,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 def _extras(targets: Sequence[int] | np.ndarray | None, classes: Sequence[str],
-            names: Sequence[str] | None) -> Extras:
+            names: Sequence[str] | None, blake3: np.ndarray | bytes | None = None) -> Extras:
     t = None if targets is None else _readonly(np.ascontiguousarray(targets, _I8))
     no, blob = None, b""
     if names is not None:
@@ -158,7 +167,11 @@ def _extras(targets: Sequence[int] | np.ndarray | None, classes: Sequence[str],
         no, blob = _readonly(no), b"".join(encoded)
     if classes and t is None:
         raise ValueError("classes given without targets")
-    return Extras(t, tuple(classes), no, blob)
+    b3 = None
+    if blake3 is not None:
+        raw = np.frombuffer(blake3, np.uint8) if isinstance(blake3, (bytes, bytearray)) else np.asarray(blake3, np.uint8)
+        b3 = _readonly(np.ascontiguousarray(raw.reshape(-1, 32)))
+    return Extras(t, tuple(classes), no, blob, b3)
 
 
 class Digest:
@@ -226,12 +239,15 @@ class Digest:
         targets: Sequence[int] | np.ndarray | None = None,
         classes: Sequence[str] = (),
         names: Sequence[str] | None = None,
+        blake3: np.ndarray | bytes | None = None,
     ) -> Digest:
         """Build from columns: ``hashes`` is (n, 32) uint8 (or n*32 bytes),
         ``path_index[i]`` indexes ``paths`` (de-duplicated relative paths).
         Optional (format version 2): ``targets`` per item (class indices into
         ``classes`` when classes are given, else the user's integers) and
-        ``names`` per item (tar member names)."""
+        ``names`` per item (tar member names). Optional (version 3): ``blake3``, (n, 32)
+        uint8 (or n*32 bytes), each item's BLAKE3: clients check cached values
+        against it, several times faster than SHA-256 (docs/security.md)."""
         if isinstance(hashes, (bytes, bytearray)):
             h = np.frombuffer(hashes, np.uint8)
         else:
@@ -245,7 +261,7 @@ class Digest:
             _readonly(np.ascontiguousarray(sizes, _U8)),
             _readonly(np.ascontiguousarray(offsets, _U8)),
             _readonly(np.ascontiguousarray(path_index, _U4)),
-            _readonly(poff), b"".join(encoded), meta, _extras(targets, classes, names),
+            _readonly(poff), b"".join(encoded), meta, _extras(targets, classes, names, blake3),
         )
 
     # -- item access ----------------------------------------------------------
@@ -320,8 +336,16 @@ class Digest:
 
     @property
     def version(self) -> int:
-        """The format version this digest is written in: 1 unless it has targets or names."""
-        return 2 if self._extras.flags else 1
+        """The format version this digest is written in: the oldest that holds its columns
+        (1 plain, 2 with targets or names, 3 with BLAKE3), so older readers read what they can."""
+        flags = self._extras.flags
+        return 3 if flags & FLAG_BLAKE3 else 2 if flags else 1
+
+    @property
+    def blake3(self) -> np.ndarray | None:
+        """Read-only (n, 32) uint8 BLAKE3 of each item (version 3), or None: the fast
+        check of a cached value; the SHA-256 stays the key and capability."""
+        return self._extras.blake3
 
     @property
     def targets(self) -> np.ndarray | None:
@@ -395,7 +419,7 @@ class Digest:
             (lay.offsets, self._offsets), (lay.path_index, self._path_index),
             (lay.path_offsets, self._path_offsets), (lay.strings, strings),
             (lay.targets, ex.targets), (lay.classes, classes),
-            (lay.name_offsets, ex.name_offsets), (lay.names, ex.names),
+            (lay.name_offsets, ex.name_offsets), (lay.names, ex.names), (lay.blake3, ex.blake3),
         ):
             if blob is None:
                 continue
@@ -444,7 +468,7 @@ class Digest:
          classes_len, total_len, names_len, head_crc) = _HEADER.unpack_from(data)
         if zlib.crc32(data[: _HEADER.size - 4]) != head_crc:
             raise DigestError(f"corrupt digest file {name}: header checksum mismatch")
-        known = 0 if version == 1 else FLAG_TARGETS | FLAG_NAMES
+        known = (0, FLAG_TARGETS | FLAG_NAMES, FLAG_TARGETS | FLAG_NAMES | FLAG_BLAKE3)[version - 1]
         if (flags & ~known or (classes_len and not flags & FLAG_TARGETS)
                 or (names_len and not flags & FLAG_NAMES)):
             raise DigestError(f"corrupt digest file {name}: inconsistent header")
@@ -488,6 +512,8 @@ class Digest:
         if flags & FLAG_NAMES:
             extras = extras._replace(name_offsets=arr(_U8, lay.name_offsets, count + 1),
                                      names=mv[lay.names: lay.names + names_len])
+        if flags & FLAG_BLAKE3:
+            extras = extras._replace(blake3=arr(np.uint8, lay.blake3, 32 * count).reshape(count, 32))
         return cls(
             root, kind,
             arr(np.uint8, lay.hashes, 32 * count).reshape(count, 32),
@@ -510,14 +536,21 @@ class DigestBuilder:
         self._pidx: list[int] = []
         self._paths: dict[str, int] = {}
         self._names: list[str] = []
+        self._blake3 = bytearray()
 
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def add(self, sha256: bytes, size: int, path: str, offset: int = 0, name: str | None = None) -> None:
-        """Append an item; ``name`` (a tar member's name) is given for all items or none."""
+    def add(self, sha256: bytes, size: int, path: str, offset: int = 0, name: str | None = None,
+            blake3: bytes | None = None) -> None:
+        """Append an item; ``name`` (a tar member's name) and ``blake3`` (its BLAKE3,
+        the fast check of cached values) are each given for all items or none."""
         if (name is None) != (not self._names) and self._sizes:
             raise ValueError("give a name for every item or for none")
+        if (blake3 is None) != (not self._blake3) and self._sizes:
+            raise ValueError("give a BLAKE3 for every item or for none")
+        if blake3 is not None and len(blake3) != 32:
+            raise ValueError("blake3 must be 32 bytes")
         if len(sha256) != 32:
             raise ValueError("sha256 must be 32 bytes")
         if size < 0 or offset < 0:
@@ -531,6 +564,8 @@ class DigestBuilder:
         self._pidx.append(self._paths.setdefault(path, len(self._paths)))
         if name is not None:
             self._names.append(name)
+        if blake3 is not None:
+            self._blake3 += blake3
 
     def item_paths(self) -> list[str]:
         """Each item's relative path, in order (e.g. to derive targets from)."""
@@ -541,7 +576,7 @@ class DigestBuilder:
         return Digest.from_arrays(
             self.root, self.kind, bytes(self._hashes), self._sizes, self._offsets,
             self._pidx, list(self._paths), self.meta, targets=targets, classes=classes,
-            names=self._names if self._names else None,
+            names=self._names if self._names else None, blake3=bytes(self._blake3) if self._blake3 else None,
         )
 
 
@@ -555,9 +590,21 @@ def _item_range(digest: Digest, i: int, base: str) -> tuple[str, int | None, int
     return full, offset, offset + length
 
 
+def item_matches(digest: Digest, i: int, data: bytes) -> bool:
+    """Whether data is item i: by its BLAKE3 where the digest carries it (version 3;
+    several times faster), else by its SHA-256. The digest is the user's own trusted
+    record, so either hash ties the data to the SHA-256 that is its key."""
+    b3 = digest.blake3
+    if b3 is not None:
+        import blake3  # lazy: loading digests must not need it
+
+        return blake3.blake3(data).digest() == b3[digest.index(i)].tobytes()
+    return hashlib.sha256(data).digest() == digest.sha256(i)
+
+
 def _check_item(digest: Digest, i: int, data: bytes, verify: bool) -> bytes:
     length = int(digest.size(i))
-    if verify and (len(data) != length or hashlib.sha256(data).digest() != digest.sha256(i)):
+    if verify and (len(data) != length or not item_matches(digest, i, data)):
         path, offset, _ = digest.location(i)
         if digest.kind is not Kind.FILES and len(data) > length:
             raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}): the store returned {len(data)} "

@@ -242,8 +242,8 @@ def test_wrong_version(raw: bytes) -> None:
     with pytest.raises(DigestError, match="unsupported version 7"):
         Digest.from_bytes(bad)
     # Version is judged before anything else, even on a short file.
-    with pytest.raises(DigestError, match="unsupported version 3"):
-        Digest.from_bytes(MAGIC + struct.pack("<H", 3))
+    with pytest.raises(DigestError, match="unsupported version 4"):
+        Digest.from_bytes(MAGIC + struct.pack("<H", 4))
 
 
 @pytest.mark.parametrize("where", [70, 150, 200, -40, -5])
