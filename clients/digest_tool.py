@@ -260,7 +260,7 @@ def check_range_support(fs: Any, root: str, files: list[SourceFile], per_file: l
     whole file would fail every read later with a misleading mismatch. Read one item
     that is not its whole file, and check its hash."""
     for f, items in zip(files, per_file):
-        for off, size, sha, _ in items:
+        for off, size, sha, *_ in items:
             if size and (off or f.size is None or size != f.size):
                 _range_probe(fs, root, f, off, size, sha)
                 return
@@ -466,8 +466,8 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     builder = DigestBuilder(fs.unstrip_protocol(root), kind, {"created": created, "tool": TOOL})
     for f, items in zip(files, per_file, strict=True):
-        for off, size, sha, name in items:
-            builder.add(sha, size, f.rel, off, name)
+        for off, size, sha, name, b3 in items:
+            builder.add(sha, size, f.rel, off, name, blake3=b3)
     if not len(builder):
         raise ToolError(f"empty dataset: {len(files)} file(s) under {args.src} hold no {kind.value} items")
     if not local and kind is not Kind.FILES:

@@ -1,9 +1,9 @@
 """Find and hash the items inside one data file: the unit of work of tools/digest.
 
-An item is ``(offset, size, sha256, name)``: the whole file for the ``files``
+An item is ``(offset, size, sha256, name, blake3)``: the whole file for the ``files``
 kind, the data of each record for ``tfrecord``, the data of each regular member
 for ``tar`` (whose member name is kept, for WebDataset sample grouping; None
-otherwise).  Everything here works on any seekable binary file object, so the
+otherwise); blake3 is the fast check of cached values (digest format 3).  Everything here works on any seekable binary file object, so the
 same code serves local files (in worker processes) and fsspec files (in
 threads).  This module stays free of heavy imports because worker processes
 import it.
@@ -17,9 +17,11 @@ import tarfile
 import threading
 from typing import Any, BinaryIO
 
+import blake3
+
 from clients.tfrecord import RecordError, iter_records
 
-Item = tuple[int, int, bytes, str | None]  # (offset, size, sha256, tar member name)
+Item = tuple[int, int, bytes, str | None, bytes]  # (offset, size, sha256, tar member name, blake3)
 
 CHUNK = 1024 * 1024  # measured: 1 MiB reads beat 64-256 KiB (fewer syscalls)
 SMALL_REMOTE = 32 * 1024 * 1024  # remote files up to this size: one GET
@@ -43,8 +45,9 @@ def _read_buffer() -> memoryview:
     return mv
 
 
-def hash_stream(f: BinaryIO, limit: int | None = None) -> tuple[bytes, int]:
-    """SHA-256 and length of the next ``limit`` bytes of ``f`` (all if None)."""
+def hash_stream(f: BinaryIO, limit: int | None = None, also: Any = None) -> tuple[bytes, int]:
+    """SHA-256 and length of the next ``limit`` bytes of ``f`` (all if None); ``also``
+    (a BLAKE3 hasher) is fed the same bytes."""
     h = hashlib.sha256()
     mv = _read_buffer()
     total = 0
@@ -60,18 +63,21 @@ def hash_stream(f: BinaryIO, limit: int | None = None) -> tuple[bytes, int]:
         if not n:
             break
         h.update(chunk)
+        if also is not None:
+            also.update(chunk)
         total += n
     return h.digest(), total
 
 
 def scan_whole(f: BinaryIO, name: str) -> list[Item]:
-    sha, size = hash_stream(f)
-    return [(0, size, sha, None)]
+    b3 = blake3.blake3()
+    sha, size = hash_stream(f, also=b3)
+    return [(0, size, sha, None, b3.digest())]
 
 
 def scan_tfrecord(f: BinaryIO, name: str, verify_data_crc: bool = True) -> list[Item]:
     return [
-        (off, len(data), hashlib.sha256(data).digest(), None)
+        (off, len(data), hashlib.sha256(data).digest(), None, blake3.blake3(data).digest())
         for off, data in iter_records(f, name, verify_data_crc)
     ]
 
@@ -93,12 +99,13 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
         if m.issparse():
             raise ScanError(f"{name}: sparse member {m.name!r} cannot be range-read")
         f.seek(m.offset_data)
-        sha, n = hash_stream(f, m.size)
+        b3 = blake3.blake3()
+        sha, n = hash_stream(f, m.size, also=b3)
         if n != m.size:
             raise ScanError(
                 f"{name}: truncated member {m.name!r} at offset {m.offset_data}"
             )
-        items.append((m.offset_data, m.size, sha, m.name))
+        items.append((m.offset_data, m.size, sha, m.name, b3.digest()))
     # tarfile silently stops at a bad or missing header; a real archive ends
     # with a zero block, so anything else means truncation or garbage.
     f.seek(end)

@@ -81,7 +81,7 @@ def digest_of(root: Path, kind: str) -> Digest:
     for p in sorted(q for q in root.rglob("*") if q.is_file()):
         rel = p.relative_to(root).as_posix()
         with open(p, "rb") as f:
-            for off, size, sha, _ in scan(kind, f, rel):
+            for off, size, sha, *_ in scan(kind, f, rel):
                 b.add(sha, size, rel, off)
     return b.build()
 

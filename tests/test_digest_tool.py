@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import fsspec
 import numpy as np
 import pytest
@@ -94,6 +95,9 @@ def test_cli_files_end_to_end(tmp_path: Path) -> None:
     assert d.root == f"file://{src}" and d.kind.value == "files"
     assert [d.location(i).path for i in range(len(d))] == sorted(items)
     assert all(d.sha256(i) == hashlib.sha256(items[d.location(i).path]).digest() for i in range(len(d)))
+    # format 3: each item's BLAKE3 too, the fast check of cached values
+    assert d.version == 3
+    assert all(d.blake3[i].tobytes() == blake3.blake3(items[d.location(i).path]).digest() for i in range(len(d)))
     assert (out.stat().st_mode & 0o777) == 0o600  # a digest is a read capability
 
     p = run_tool("info", str(out))
@@ -133,6 +137,7 @@ def test_records_deterministic_across_workers(tmp_path: Path, fmt: str) -> None:
     assert len(d) == len(expected)
     for i, blob in enumerate(expected):
         assert read_item(d, i) == blob  # location = offset of the data in the file
+        assert d.blake3[i].tobytes() == blake3.blake3(blob).digest()
     assert main(["verify", str(tmp_path / "1.dig"), "-q"]) == 0
 
 
