@@ -12,6 +12,7 @@ import atexit
 import os
 import threading
 
+from cacheserver import inproc
 from cacheserver.server import CacheServer, ServerConfig
 from cacheserver.store import DataDirBusy
 
@@ -44,6 +45,7 @@ class EmbeddedCache:
         self.server.start()
         self.cache_dir = cache_dir
         self.address = self.server.address
+        inproc.register(self.address, self.server.core)
         atexit.register(self.close)
 
     @classmethod
@@ -62,4 +64,5 @@ class EmbeddedCache:
                 del self._open[self.cache_dir]
             else:
                 return
+        inproc.unregister(self.address)
         self.server.stop(grace=2.0)

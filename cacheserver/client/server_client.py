@@ -16,7 +16,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from .. import ops, wire
+from .. import inproc, ops, wire
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
@@ -49,6 +49,7 @@ class ServerClient:
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
+        self._inproc_get = local_read  # gets from a server in this process go to its core (inproc.py)
 
     # ---- what the server serves -------------------------------------------
     def supports(self, feature: str) -> bool:
@@ -239,6 +240,9 @@ class ServerClient:
 
     # ---- gets: same-host reads from the store files, or over the socket
     def _get_steps(self, ids: Sequence[bytes], job: str) -> Steps:
+        core = inproc.core_for(self.address) if self._inproc_get else None
+        if core is not None:  # the embedded server, in this process: no socket, no follower
+            return core.get(job, ids)
         local = self._follower()
         if local is None:
             return (yield from self._remote_get_steps(ids, job))

@@ -1,0 +1,58 @@
+"""The embedded default's gets go straight to its core in the process that runs it
+(cacheserver/inproc.py): counted as gets, still verified by the client (a forged or
+flipped value is caught and replaced); DataLoader workers go through the socket."""
+import hashlib
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cacheserver import inproc  # noqa: E402
+from cacheserver.client.server_client import ServerClient  # noqa: E402
+from clients import capability  # noqa: E402
+from clients.dataset import CachedDataset  # noqa: E402
+from test_verify_blake3 import forge, make  # noqa: E402
+
+
+@pytest.mark.parametrize("with_blake3", [True, False], ids=["blake3", "sha256"])
+def test_embedded_gets_in_process_and_still_verified(tmp_path, with_blake3):
+    path, items = make(tmp_path / "ds", with_blake3)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    try:
+        core = ds.embedded.server.core
+        assert inproc.core_for(ds.embedded.address) is core
+        assert ds.__getitems__(list(range(len(items)))) == items  # fill
+        before = core.counters.snapshot()
+        assert ds.__getitems__([0, 1, 2]) == items[:3]
+        after = core.counters.snapshot()
+        assert after["get_hits"] - before["get_hits"] == 3
+        assert after["local_reads"] == before["local_reads"]  # no follower, no socket
+        k = hashlib.sha256(items[1]).digest()
+        flipped = bytearray(forge(k, items[1]))
+        flipped[12] ^= 0x10
+        for bad in (bytes(flipped), forge(k, bytes(len(items[1])))):
+            with ServerClient(ds.embedded.address) as c:
+                c.put([(capability.item_id(k), bad)], replace=True)
+            before = ds.counters.totals()
+            assert ds.__getitems__([0, 1, 2]) == items[:3]
+            after = ds.counters.totals()
+            assert after["poisoned"] - before["poisoned"] == 1 and after["hits"] - before["hits"] == 2
+    finally:
+        ds.close()
+    assert inproc.core_for(ds.cache_spec) is None  # closed: unregistered
+
+
+def test_embedded_forked_workers_read_through_the_socket(tmp_path):
+    """A forked worker inherits the table of in-process servers but not their threads."""
+    path, items = make(tmp_path / "ds", True)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    try:
+        loader = ds.loader(batch_size=8, num_workers=2, seed=0, multiprocessing_context="fork")
+        for _ in range(2):
+            assert sorted(x for b in loader for x in b) == sorted(items)
+        assert loader.epoch_stats[-1].hits == len(items)
+        assert inproc.core_for(ds.embedded.address) is not None
+        assert os.getpid() == inproc._cores[ds.embedded.address][0]
+    finally:
+        ds.close()
