@@ -65,7 +65,7 @@ def test_image_folder_targets(tmp_path):
             assert shape == (8, 8, 3) and cname == labels[path] and target == CLASSES.index(labels[path])
             seen.append(path)
     assert sorted(seen) == sorted(labels)
-    assert Digest.load(tmp_path / "t.dig").version == 2
+    assert Digest.load(tmp_path / "t.dig").version == 3  # targets (2) and BLAKE3 (3)
     info = subprocess.run([sys.executable, str(REPO / "tools" / "digest"), "info", str(tmp_path / "t.dig")],
                           capture_output=True, text=True, cwd=REPO)
     assert "3 classes" in info.stdout
