@@ -1,0 +1,114 @@
+"""Cachew's autoscaling rule (manager/policy/autoscale.py) and the HPA peer
+(manager/policy/hpa.py) on synthetic and recorded-style traces."""
+import pytest
+
+from manager.policy.autoscale import AutoscaleConfig, Autoscaler, ScalePhase
+from manager.policy.hpa import HpaConfig, HpaScaler, hpa_desired
+from manager.policy.scaling import Change, Measurement, change_from_dict, change_to_dict
+
+from scaling_traces import drive, pipeline_model, table_model
+
+
+def test_grows_one_at_a_time_and_converges_on_the_ideal_count():
+    # 20 ms items, batch 32, 50 ms step: 12.8 workers keep up, 13 is ideal
+    scaler = Autoscaler.start(AutoscaleConfig(settle=1))
+    scaler, counts = drive(scaler, pipeline_model(), 80)
+    assert scaler.phase is ScalePhase.CONVERGED and scaler.workers == 13
+    ups = [b[0] - a[0] for a, b in zip([(1, 0)] + counts, counts)]
+    assert set(ups) <= {-1, 0, 1}                  # one worker per change
+    assert max(c[0] for c in counts) == 14         # tried 14, it did not help, removed it
+    assert counts[-20:] == [(13, 0)] * 20          # and stays put on re-checks
+    assert scaler.conv.batch_time == pytest.approx(0.05)
+
+
+def test_settle_drops_the_measurements_straddling_a_change():
+    scaler = Autoscaler.start(AutoscaleConfig(settle=2))
+    assert scaler.observe(Measurement(1.0)) == Change(1, 0, 2, 0, "first measurement: try one more worker")
+    # the two straddling measurements are ignored, however bad they look
+    assert scaler.observe(Measurement(5.0)) is None
+    assert scaler.observe(Measurement(5.0)) is None
+    c = scaler.observe(Measurement(0.5))
+    assert (c.remote_delta, c.remote) == (1, 3)
+    c = scaler.observe(Measurement(0.49))          # settle still running: ignored
+    assert c is None and scaler.workers == 3
+
+
+def test_noisy_trace_converges_within_two_of_ideal():
+    for seed in range(8):
+        scaler = Autoscaler.start(AutoscaleConfig(settle=1))
+        scaler, _ = drive(scaler, pipeline_model(noise=0.01, seed=seed), 120)
+        assert abs(scaler.workers - 13) <= 2, (seed, scaler.workers)
+
+
+def test_recorded_sweep_stops_at_the_knee():
+    # a sweep shaped like Cachew Fig. 6: steep gains, then a noisy plateau
+    sweep = {1: 1.00, 2: 0.52, 3: 0.36, 4: 0.29, 5: 0.25, 6: 0.245, 7: 0.243, 8: 0.251, 9: 0.24}
+    scaler, counts = drive(Autoscaler.start(AutoscaleConfig(settle=0)), table_model(sweep), 30)
+    assert scaler.workers == 5 and scaler.converged
+    assert counts[:6] == [(2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (5, 0)]
+
+
+def test_recheck_adds_workers_when_items_get_dearer():
+    cfg = AutoscaleConfig(settle=1, recheck_every=5)
+    scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 60)
+    assert scaler.workers == 13
+    # items now cost 30 ms: 19.2 workers keep up; 19 is within 3% of the step
+    scaler, counts = drive(scaler, pipeline_model(item_s=0.030), 60)
+    assert scaler.converged and scaler.workers in (19, 20)
+    assert counts[0] == (13, 0) and (14, 0) in counts[:cfg.recheck_every]   # at the re-check
+
+
+def test_queue_growth_removes_workers_until_batch_time_suffers():
+    cfg = AutoscaleConfig(settle=1, recheck_every=3)
+    scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 60)
+    assert scaler.workers == 13
+    # items now cost 10 ms (say the cache now serves part of the chain): 6.4 needed
+    scaler, counts = drive(scaler, pipeline_model(item_s=0.010), 60)
+    assert scaler.converged and scaler.workers == 7
+    assert min(c[0] for c in counts) == 6          # 6 slowed batches: added back
+
+
+def test_bounds_and_bad_input():
+    scaler, _ = drive(Autoscaler.start(AutoscaleConfig(max_workers=4, settle=0)),
+                      pipeline_model(), 20)
+    assert scaler.workers == 4 and scaler.converged
+    with pytest.raises(ValueError, match="batch_time"):
+        Measurement(0.0)
+    with pytest.raises(ValueError, match="threshold"):
+        AutoscaleConfig(threshold=1.5)
+    with pytest.raises(ValueError, match="outside"):
+        Autoscaler.start(AutoscaleConfig(max_workers=2), workers=3)
+
+
+def test_journal_round_trip_mid_run_gives_the_same_decisions():
+    plain, a = drive(Autoscaler.start(), pipeline_model(noise=0.01, seed=3), 60)
+    again, b = drive(Autoscaler.start(), pipeline_model(noise=0.01, seed=3), 60, journal=True)
+    assert a == b and plain.to_dict() == again.to_dict()
+    c = Change(1, 0, 2, 0, "x")
+    assert change_from_dict(change_to_dict(c)) == c
+
+
+def test_hpa_rule_matches_kubernetes():
+    assert hpa_desired(10, 0.8) == 10
+    assert hpa_desired(10, 0.85) == 10              # within the 10% tolerance
+    assert hpa_desired(10, 1.0) == 13               # ceil(10 * 1.0 / 0.8)
+    assert hpa_desired(10, 0.4) == 5
+    assert hpa_desired(2, 0.0) == 1                 # min_workers
+    assert hpa_desired(60, 1.0, HpaConfig(max_workers=64)) == 64
+
+
+def test_hpa_scales_up_at_once_and_down_after_the_window():
+    hpa = HpaScaler(HpaConfig(stabilization=3), workers=4)
+    assert hpa.observe(Measurement(1.0, cpu=1.0)).remote == 5
+    assert hpa.observe(Measurement(1.0, cpu=1.0)).remote == 7
+    for _ in range(2):                              # a dip: the window remembers 7 and 9
+        assert hpa.observe(Measurement(1.0, cpu=0.2)) is None
+    assert hpa.observe(Measurement(1.0, cpu=0.2)).remote == 2
+    assert HpaScaler.from_dict(hpa.to_dict()) == hpa
+
+
+def test_hpa_on_a_cpu_bound_pipeline_overshoots_the_batch_time_plateau():
+    # workers busy 100% while they are the bottleneck; the HPA keeps adding
+    # until utilisation falls under target, past the 13 that batch time needs
+    hpa, _ = drive(HpaScaler(HpaConfig(), workers=1), pipeline_model(), 40)
+    assert hpa.workers >= 14

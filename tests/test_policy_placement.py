@@ -1,0 +1,105 @@
+"""Pecan's AutoPlacement (manager/policy/placement.py) on synthetic and
+recorded-style traces."""
+import pytest
+
+from manager.policy.placement import PlacePhase, Placement, PlacementConfig
+from manager.policy.scaling import Measurement
+
+from scaling_traces import drive, placement_model
+
+
+def test_moves_work_to_the_trainer_host_and_drops_remote_workers():
+    # 25 ms step, batch 32; remote items 8 ms, local items 4 ms, 3 spare cores
+    model = placement_model()
+    place, counts = drive(Placement.start_with(PlacementConfig(settle=1)), model, 200)
+    assert place.converged
+    assert (place.remote, place.local) == (4, 3)
+    # phase 1 went remote-only first: Cachew's plateau at 10 remote workers
+    assert max(c[0] for c in counts) == 11 and place.bpt_conv == pytest.approx(32 / 1250)
+    # the 4th local worker was tried and taken back (contention), never kept
+    assert max(c[1] for c in counts) == 4
+    cfg = place.config
+    ours = cfg.cost(model(4, 3).batch_time, 4)
+    remote_only = cfg.cost(model(10, 0).batch_time, 10)
+    assert ours <= 0.8 * remote_only                    # the placement bench's target
+    assert model(4, 3).batch_time <= model(10, 0).batch_time / 0.95
+
+
+def test_local_workers_alone_suffice_then_no_remote_worker_is_kept():
+    model = placement_model(local_item_s=0.002)          # 3 locals: 1500 items/s
+    place, _ = drive(Placement.start_with(PlacementConfig(settle=1)), model, 200)
+    assert place.converged and (place.remote, place.local) == (0, 3)
+
+
+def test_expensive_trainer_keeps_throughput_cheap_workers_go():
+    # remote workers nearly free next to the trainer: cost ~ batch time, so
+    # no removal that slows batches survives, even without the guard
+    model = placement_model()
+    cfg = PlacementConfig(settle=0, worker_price=0.001, slowdown_guard=None)
+    place, _ = drive(Placement.start_with(cfg), model, 200)
+    assert place.converged and place.remote == 5 and place.local == 3
+    assert model(place.remote, place.local).batch_time == pytest.approx(0.025)
+
+
+def test_pure_cost_rule_trades_throughput_when_workers_are_dear():
+    # without the slowdown guard and with pricey workers Pecan's rule accepts
+    # a slower batch for a smaller bill; the guard (default) refuses it
+    model = placement_model()
+    dear = PlacementConfig(settle=0, worker_price=1.0, slowdown_guard=None)
+    free, _ = drive(Placement.start_with(dear), model, 200)
+    guarded, _ = drive(Placement.start_with(PlacementConfig(settle=0, worker_price=1.0)), model, 200)
+    assert free.remote < guarded.remote
+    assert model(guarded.remote, guarded.local).batch_time <= 1.05 * guarded.bpt_conv
+
+
+def test_settle_and_one_change_at_a_time():
+    model = placement_model()
+    place = Placement.start_with(PlacementConfig(settle=2))
+    changes = 0
+    for _ in range(300):
+        c = place.observe(model(place.remote, place.local))
+        if c is not None:
+            changes += 1
+            assert abs(c.remote_delta) <= 1 and abs(c.local_delta) <= 1
+            assert place.observe(Measurement(99.0)) is None   # straddling: dropped
+            assert place.observe(Measurement(99.0)) is None
+    assert place.converged and (place.remote, place.local) == (4, 3)
+    assert changes < 40
+
+
+def test_recheck_restarts_after_degradation_and_reconverges():
+    cfg = PlacementConfig(settle=1, recheck_every=4)
+    place, _ = drive(Placement.start_with(cfg), placement_model(), 200)
+    assert (place.remote, place.local) == (4, 3)
+    # remote workers got slower (a noisy neighbour): batches slow, placement re-runs
+    place, counts = drive(place, placement_model(remote_item_s=0.016), 300)
+    assert place.phase is PlacePhase.CONVERGED
+    # 16 ms remote items: 8 remote + 3 local workers feed the 25 ms step again
+    assert (place.remote, place.local) == (8, 3) and max(c[1] for c in counts) == 4
+    assert placement_model(remote_item_s=0.016)(8, 3).batch_time <= 1.05 * place.bpt_conv
+
+
+def test_journal_round_trip_and_config_errors():
+    a_pol, a = drive(Placement.start_with(), placement_model(), 150)
+    b_pol, b = drive(Placement.start_with(), placement_model(), 150, journal=True)
+    assert a == b and a_pol.to_dict() == b_pol.to_dict()
+    with pytest.raises(ValueError, match="prices"):
+        PlacementConfig(worker_price=-1)
+    with pytest.raises(ValueError, match="max_local"):
+        PlacementConfig(max_local=-1)
+
+
+def test_recorded_style_trace_with_bounded_iterations():
+    # a table of measured batch times per (remote, local), as a sweep would record:
+    # locals help up to 2 on this host; remote-only plateau at 6
+    table = {}
+    for r in range(0, 10):
+        for l in range(0, 6):
+            rate = r * 30 + l * 40
+            step = 0.1 * (1.0 if l <= 2 else 1.2)
+            table[r, l] = max(step, 16 / rate) if rate else 10.0
+    model = lambda r, l: Measurement(table[min(r, 9), min(l, 5)])  # noqa: E731
+    place, counts = drive(Placement.start_with(PlacementConfig(settle=0, max_remote=9)), model, 100)
+    assert place.converged and place.local == 2
+    assert model(place.remote, place.local).batch_time == pytest.approx(0.1)
+    assert place.remote < 6
