@@ -68,6 +68,18 @@ def test_queue_growth_removes_workers_until_batch_time_suffers():
     assert min(c[0] for c in counts) == 6          # 6 slowed batches: added back
 
 
+def test_an_undone_shrink_is_not_retried_at_every_recheck():
+    cfg = AutoscaleConfig(settle=0, recheck_every=2)
+    scaler = Autoscaler(cfg, 4, ScalePhase.CONVERGED, conv=Measurement(0.05, queue=1.0))
+    full = Measurement(0.05, queue=30.0)                  # the queue ran full at 4 workers
+    assert scaler.observe(full) is None
+    assert scaler.observe(full).remote == 3               # re-check: queue high, try 3
+    assert scaler.observe(Measurement(0.06, queue=0.0)).remote == 4   # slower: back to 4
+    assert scaler.conv.queue == 30.0
+    for _ in range(10):
+        assert scaler.observe(full) is None               # no more probing at this queue
+
+
 def test_bounds_and_bad_input():
     scaler, _ = drive(Autoscaler.start(AutoscaleConfig(max_workers=4, settle=0)),
                       pipeline_model(), 20)

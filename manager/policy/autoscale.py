@@ -16,15 +16,18 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- batch time > conv x (1 + threshold) ---------> ref := m; add one    (GROWING)
       -- queue > conv.queue x (1 + queue_growth) + queue_slack
                                                  ---> remove one           (SHRINKING)
-    SHRINKING (conv kept as the reference)
-      -- batch time > conv x (1 + threshold) ---------> add the last one back (CONVERGED)
+    SHRINKING (conv kept as the reference; ref = the measurement that started it)
+      -- batch time > conv x (1 + threshold) ---------> add the last one back;
+                         conv.queue := max(conv.queue, ref.queue) ----------> (CONVERGED)
       -- queue still above the bar, above min --------> remove one           (SHRINKING)
       -- otherwise -----------------------------------> conv.queue := m.queue (CONVERGED)
 
 Better than the paper: the worker whose addition did not help is removed again
 (Cachew keeps it), so the job converges on the smallest count on the plateau;
 ``queue_slack`` keeps an empty queue at convergence from turning noise into
-removals. Counts stay within [min_workers, max_workers].
+removals; a shrink that had to be undone raises the recorded queue size, so a
+count whose queue runs full without being removable is not probed again at
+every re-check. Counts stay within [min_workers, max_workers].
 """
 from __future__ import annotations
 
@@ -127,7 +130,7 @@ class Autoscaler:
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
             return self.regrow(m)
         if self._queue_high(m) and self.workers > cfg.min_workers:
-            self.phase = ScalePhase.SHRINKING
+            self.phase, self.ref = ScalePhase.SHRINKING, m
             return self._change(-1, "queue well above its size at convergence")
         return None
 
@@ -135,12 +138,14 @@ class Autoscaler:
         cfg, conv = self.config, self.conv
         assert conv is not None
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
+            # this count's queue is as high as it was: not a reason to shrink again
+            high = max(conv.queue, self.ref.queue if self.ref else 0.0)
             self.phase, self.since_check = ScalePhase.CONVERGED, 0
+            self.conv, self.ref = replace(conv, queue=high), None
             return self._change(+1, "removal slowed batches: add the worker back")
         if self._queue_high(m) and self.workers > cfg.min_workers:
             return self._change(-1, "queue still well above its size at convergence")
-        self._converge(replace(conv, queue=m.queue))
-        return None
+        return self._converge(replace(conv, queue=m.queue))
 
     def _converge(self, m: Measurement) -> None:
         self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, m, None, 0
