@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import blake3
 from tqdm import tqdm
 
 from cacheserver.sizes import format_size
@@ -274,13 +275,22 @@ def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) ->
     rel = digest.path(j)
     full = f"{base}/{rel}"
     problems: list[tuple[int, str]] = []
+    col = digest.blake3  # format 3: clients check reads against it, so verify checks it too
 
-    def compare(i: int, sha: bytes, n: int) -> None:
+    def stream(f: Any, limit: int | None = None) -> tuple[bytes, int, bytes | None]:
+        b3 = None if col is None else blake3.blake3()
+        sha, n = hash_stream(f, limit, also=b3)
+        return sha, n, None if b3 is None else b3.digest()
+
+    def compare(i: int, sha: bytes, n: int, b3: bytes | None) -> None:
         _, off, size = digest.location(i)
         if n != size:
             problems.append((i, f"item {i}: {rel} @ {off}+{size}: size mismatch (store has {n} bytes)"))
         elif sha != digest.sha256(i):
             problems.append((i, f"item {i}: {rel} @ {off}+{size}: sha256 mismatch"))
+        elif col is not None and b3 != col[i].tobytes():
+            problems.append((i, f"item {i}: {rel} @ {off}+{size}: blake3 mismatch (the digest's BLAKE3 "
+                                "column disagrees with the data and its SHA-256)"))
 
     try:
         if digest.kind is Kind.FILES or len(items) <= 4:
@@ -288,19 +298,20 @@ def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) ->
                 _, off, size = digest.location(i)
                 if digest.kind is Kind.FILES and size > SMALL_REMOTE:
                     with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
-                        sha, n = hash_stream(f)
+                        sha, n, b3 = stream(f)
                 else:
                     # Whole file for 'files' (so growth shows); a range otherwise.
                     data = fs.cat_file(full) if digest.kind is Kind.FILES else (
                         fs.cat_file(full, start=off, end=off + size) if size else b"")
                     sha, n = hashlib.sha256(data).digest(), len(data)
-                compare(i, sha, n)
+                    b3 = None if col is None else blake3.blake3(data).digest()
+                compare(i, sha, n, b3)
         else:  # many records of one file: one sequential pass
             with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
                 for i in sorted(items, key=lambda i: int(digest.offsets[i])):
                     _, off, size = digest.location(i)
                     f.seek(off)
-                    compare(i, *hash_stream(f, size))
+                    compare(i, *stream(f, size))
     except Exception as e:  # any backend error: report, keep verifying others
         shown = ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
         problems.append((items[0], f"item(s) {shown} ({rel}): cannot read: {type(e).__name__}: {e}"))

@@ -325,3 +325,29 @@ def test_memory_fs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "item 3: x/3.bin @ 0+103: size mismatch (store has 7 bytes)" in capsys.readouterr().err
     finally:
         fs.rm(prefix, recursive=True)
+
+
+def _with_blake3_wrong(path: str, bad: int) -> None:
+    """Rewrite the digest at path with item `bad`'s BLAKE3 changed, its SHA-256 kept."""
+    d = Digest.load(path)
+    b3 = d.blake3.copy()
+    b3[bad] ^= 0xFF
+    Digest.from_arrays(d.root, d.kind, d.hashes, d.sizes, d.offsets, d.path_index, d.paths, d.meta,
+                       blake3=b3).save(path)
+
+
+@pytest.mark.parametrize("fmt", ["files", "tfrecord", "tfrecord-few"])
+def test_verify_checks_the_blake3_column(tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    """Clients check cache and store reads against the BLAKE3 column (format 3), so verify
+    must too: a digest whose BLAKE3 disagrees with the data is not OK."""
+    if fmt == "files":
+        make_files(tmp_path / "ds", n=5)
+    else:
+        make_tfrecords(tmp_path / "ds", files=1, per=3 if fmt == "tfrecord-few" else 8)
+    out = str(tmp_path / "d.dig")
+    assert main([str(tmp_path / "ds"), "-o", out, "-q", "-f", fmt.split("-")[0]]) == 0
+    assert main(["verify", out, "-q"]) == 0
+    _with_blake3_wrong(out, 2)
+    capsys.readouterr()
+    assert main(["verify", out, "-q"]) == 1
+    assert "item 2: " in capsys.readouterr().err
