@@ -44,7 +44,8 @@ from cacheserver.vocab import FETCH, HIT, PENDING
 from . import capability, itemview
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
-from .digest import Digest, Kind, read_items
+from .digest import Digest, Kind
+from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
 from .stats import SharedCounters

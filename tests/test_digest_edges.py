@@ -12,7 +12,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from clients.digest import Digest, ItemMismatch, read_item
+from clients.digest import Digest, ItemMismatch
+from clients.storeread import read_item
 from clients.tfrecord import encode_record
 
 REPO = Path(__file__).resolve().parents[1]

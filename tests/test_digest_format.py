@@ -30,10 +30,9 @@ from clients.digest import (
     ItemMismatch,
     Kind,
     Location,
-    read_item,
-    read_items,
 )
 from clients.itemscan import ScanError, scan
+from clients.storeread import read_item, read_items
 from clients.tfrecord import RecordError, encode_record, iter_records, masked_crc
 
 # -- helpers -------------------------------------------------------------------

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from procs import endpoint_process, free_port
 
-from clients.digest import Digest, read_item
+from clients.digest import Digest
+from clients.storeread import read_item
 from clients.tfrecord import encode_record
 
 pytestmark = pytest.mark.skipif(

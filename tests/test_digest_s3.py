@@ -14,7 +14,8 @@ import pytest
 from procs import endpoint_process, free_port
 from test_digest_tool import make_tars
 
-from clients.digest import Digest, ItemMismatch, read_item, read_items
+from clients.digest import Digest, ItemMismatch
+from clients.storeread import read_item, read_items
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None,

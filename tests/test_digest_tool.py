@@ -21,7 +21,8 @@ import fsspec
 import numpy as np
 import pytest
 
-from clients.digest import Digest, read_item
+from clients.digest import Digest
+from clients.storeread import read_item
 from clients.digest_tool import main
 from clients.tfrecord import encode_record
 
