@@ -63,14 +63,21 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             return data
         if not data:
             raise ConnectionError("connection closed by peer")
-        buf = bytearray(data)
     else:
-        buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), 1 << 22))
-        if not part:
+        data = b""
+    # The rest straight into one buffer of the final size: growing a bytearray by parts
+    # reallocates and copies, which held up to twice a large body while its sender paused.
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = len(data)
+    view[:got] = data
+    del data
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if not k:
             raise ConnectionError("connection closed by peer")
-        buf += part
+        got += k
+    view.release()
     return bytes(buf)
 
 
