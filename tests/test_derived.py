@@ -74,3 +74,30 @@ def test_codec_refuses_malformed_payloads():
     forged = b"MLT1" + b"d" + struct.pack("<I", 1) + b"l" + struct.pack("<I", 0) + b"N"
     with pytest.raises(CodecError, match="dict key"):
         decode(forged)
+
+
+def test_transformed_items_on_a_real_server(server):
+    """TransformedItems: what one job puts another finds; another transform or source misses;
+    a tampered value is counted poisoned and read as a miss."""
+    from cacheserver.client.ring_client import RingClient
+    from clients.transformed import TransformedItems, transformed_tag
+
+    Ks = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+    items = [{"x": np.full((8, 8), i, np.uint8), "label": i} for i in range(4)]
+    with RingClient([server.address]) as ring:
+        a = TransformedItems(ring, "job-a", "ds", "fp1")
+        assert a.get(Ks) == [None] * 4 and a.counts.misses == 4
+        assert a.put(Ks, items) == 4 and a.tag == transformed_tag("ds", "fp1")
+        b = TransformedItems(ring, "job-b", "ds", "fp1")  # another job, same pipeline: shares
+        got = b.get(Ks)
+        assert all(np.array_equal(g["x"], it["x"]) and g["label"] == it["label"] for g, it in zip(got, items))
+        assert b.counts.hits == 4
+        assert TransformedItems(ring, "job-b", "ds", "fp2").get(Ks) == [None] * 4  # changed transform
+        other = [hashlib.sha256(b"other" + K).digest() for K in Ks]
+        assert TransformedItems(ring, "job-c", "ds", "fp1").get(other) == [None] * 4
+        # a value stored under a's id but made with another key fails authentication
+        forged = seal_derived(derived_key(Ks[1], "fp1"), encode("forged"))
+        ring.put([(b.ids(Ks[:1])[0], forged.value)], "evil", "ds", 0, replace=True)
+        c = TransformedItems(ring, "job-c", "ds", "fp1")
+        assert c.get(Ks[:1]) == [None] and c.counts.poisoned == 1
+        assert c.put([Ks[0]], [object()]) == 0 and "cannot be cached" in c.counts.uncacheable[0]

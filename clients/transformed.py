@@ -1,0 +1,100 @@
+"""Get and put the transformed items of one (dataset, transform prefix) on a ring.
+
+The one place that turns source capabilities into transformed items in the cache
+and back: keys from clients/derived.py, payload bytes from preprocess/codec.py.
+Used by the loaders (autocache) and by remote preprocessing workers alike, so a
+worker's put is a trainer's hit.
+
+Transformed items are inserted under their own dataset name,
+`transformed_tag(dataset_tag, fingerprint)`, so the manager can count their bytes
+and benefit against the dataset's budget apart from its source items."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cacheserver.client.ring_client import RingClient
+from preprocess.codec import CodecError, decode, encode
+from preprocess.fingerprint import Uncacheable
+
+from .capability import PoisonedValue
+from .derived import derived_id, derived_key, open_derived, seal_derived
+
+MAX_PAYLOAD = 1 << 30  # a value this large is refused on read: no dataset item is
+
+
+def transformed_tag(dataset_tag: str, fingerprint: str) -> str:
+    """The dataset name transformed items are inserted under."""
+    return f"{dataset_tag}+t{fingerprint[:16]}"
+
+
+@dataclass
+class TransformedCounts:
+    hits: int = 0
+    misses: int = 0
+    poisoned: int = 0  # failed authentication or decoding: treated as a miss and replaced
+    inserted: int = 0
+    bytes_read: int = 0
+    bytes_put: int = 0
+    uncacheable: list[str] = field(default_factory=list)  # first reasons an output could not be encoded
+
+
+class TransformedItems:
+    """Transformed items of one dataset under one prefix fingerprint (and seed)."""
+
+    def __init__(self, ring: RingClient, job: str, dataset_tag: str, fingerprint: str,
+                 seed: int | None = None) -> None:
+        self.ring, self.job, self.fingerprint, self.seed = ring, job, fingerprint, seed
+        self.tag = transformed_tag(dataset_tag, fingerprint)
+        self.counts = TransformedCounts()
+
+    def key(self, K: bytes) -> bytes:
+        return derived_key(K, self.fingerprint, self.seed)
+
+    def ids(self, Ks: Sequence[bytes]) -> list[bytes]:
+        return [derived_id(self.key(K)) for K in Ks]
+
+    def lookup(self, Ks: Sequence[bytes]) -> list[bool]:
+        return self.ring.lookup(self.ids(Ks), self.job)
+
+    def get(self, Ks: Sequence[bytes]) -> list[Any | None]:
+        """The transformed item per source key K, None where absent or poisoned
+        (poisoned ones are counted; put them again with replace=True)."""
+        keys = [self.key(K) for K in Ks]
+        values = self.ring.get([derived_id(k) for k in keys], self.job)
+        out: list[Any | None] = [None] * len(keys)
+        c = self.counts
+        for j, (k, v) in enumerate(zip(keys, values)):
+            if v is None:
+                c.misses += 1
+                continue
+            try:
+                out[j] = decode(open_derived(k, v, MAX_PAYLOAD))
+            except (PoisonedValue, CodecError):
+                c.poisoned += 1
+                c.misses += 1
+                continue
+            c.hits += 1
+            c.bytes_read += len(v)
+        return out
+
+    def put(self, Ks: Sequence[bytes], items: Sequence[Any], chunk: int = 0, replace: bool = False) -> int:
+        """Encode, seal and insert; an item the codec cannot store is skipped (its reason
+        kept in counts.uncacheable). Returns how many were newly stored."""
+        batch = []
+        for K, item in zip(Ks, items):
+            try:
+                payload = encode(item)
+            except Uncacheable as e:
+                if len(self.counts.uncacheable) < 10:
+                    self.counts.uncacheable.append(str(e))
+                continue
+            sealed = seal_derived(self.key(K), payload)
+            batch.append((sealed.id, sealed.value))
+            self.counts.bytes_put += len(sealed.value)
+        if not batch:
+            return 0
+        stored = self.ring.put(batch, self.job, self.tag, chunk, replace=replace)
+        self.counts.inserted += stored
+        return stored
