@@ -7,11 +7,13 @@ measured inputs (no I/O, no threads, no clocks -- ``now`` is an argument).
 * allocation    -- greedy multiple-choice knapsack: FULL / CHUNKED / NONE per dataset
 * chunks        -- striped chunk plan (which items form chunk c)
 * double_buffer -- per-dataset chunk double-buffering with two-step eviction
+* autocache     -- per (dataset, pipeline): compute, cache source or cache transformed
 
 See docs/manager-policy.md.
 """
 from .allocation import (AllocConfig, Allocation, DatasetDemand, Option, allocate,
                          budget_from_capacities, chunk_size_for, demands, option_values)
+from .autocache import Decision, PipelineCosts, decide, merge_costs
 from .chunks import (ChunkPlan, chunk_len, chunk_members, chunk_of, iter_chunk, num_chunks,
                      partition_bounds)
 from .double_buffer import (Action, Activate, Assign, BufferConfig, ChunkState, DoubleBuffer,
@@ -21,6 +23,7 @@ from .probing import (DEFAULT_PRIOR_BENEFIT, Batch, CacheMode, JobGain, JobProbe
                       relative_stderr, robust_mean)
 
 __all__ = [
+    "Decision", "PipelineCosts", "decide", "merge_costs",
     "AllocConfig", "Allocation", "DatasetDemand", "Option", "allocate",
     "budget_from_capacities", "chunk_size_for", "demands", "option_values",
     "ChunkPlan", "chunk_len", "chunk_members", "chunk_of", "iter_chunk", "num_chunks",

@@ -1,0 +1,216 @@
+"""Autocache: per (dataset, pipeline), compute, cache the source items, or cache
+the transformed items at the caching point -- from the job's first-epoch
+measurements (Cachew ATC '22, section 4.4). Pure: no I/O, no clocks.
+
+Cost model. Our loader reads (store or cache) on threads while worker processes
+run the steps, so an epoch is *pipelined*: per item it costs about
+
+    max(read, cpu / workers) + (1 - overlap) * min(read, cpu / workers)
+
+``overlap = 1`` is the pure pipeline, ``overlap = 0`` Cachew's sum
+(``N x step time`` vs ``M x read + steps after``). ``DEFAULT_OVERLAP`` is what
+fits ``tools/bench/autocache`` best (docs/benchmarks.md gives the error of each).
+
+Options, per item, with ``phi`` the fraction of the set that fits ``room_bytes``
+(a transformed set larger than the room cannot be all hits: the rest is
+computed from the store every epoch):
+
+* compute:     read = store,                          cpu = prefix + rest
+* source:      read = phi_s cache_src + (1-phi_s) store,  cpu = prefix + rest
+* transformed: read = phi_t cache_marker + (1-phi_t) store,
+               cpu  = phi_t rest + (1-phi_t) (prefix + rest)
+
+The first remaining epoch fills what is not cached yet (``source_cached``,
+``transformed_cached`` say what already is; a fill of transformed items also
+pays ``put_marker_s`` of CPU per item). Costs are seconds per remaining epoch,
+averaged over ``epochs_left``, so a short job does not pay for a fill it
+cannot amortise.
+
+Tie rule: options within ``TIE`` (2%) of the cheapest are tied; among tied
+options the one that takes fewer cache bytes wins -- compute (none), then the
+smaller of source and transformed, source on equal bytes (it serves every
+pipeline over the dataset). Measurement noise is a few percent, so a near-tie
+is not worth cache space another dataset could use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping, Sequence
+
+MODES = ("compute", "source", "transformed")
+TIE = 0.02
+DEFAULT_OVERLAP = 1.0
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Measured in the job's first epoch (means per item)."""
+    items: int                # items per epoch for this job
+    epochs_left: int          # epochs still to run after the decision
+    source_bytes: float       # bytes per source item
+    marker_bytes: float       # bytes per item at the caching point (encoded transformed payload)
+    store_read_s: float       # wall seconds per item reading source items from the store (our read path)
+    cache_read_source_s: float  # wall seconds per item reading source items from the cache
+    cache_read_marker_s: float  # wall seconds per item reading transformed items (marker_bytes) from the cache
+    prefix_s: float           # CPU seconds per item of the steps before the caching point
+    rest_s: float             # CPU seconds per item of the steps after it
+    workers: int              # preprocess workers running the steps in parallel
+    cacheable: bool           # False: prefix empty / random unseeded / output not encodable
+    why_not: str = ""         # the reason when not cacheable
+    room_bytes: float = math.inf      # cache bytes this dataset may hold (its budget share)
+    source_cached: float = 0.0        # fraction of source items already cached at the decision
+    transformed_cached: float = 0.0   # fraction of transformed items already cached
+    put_marker_s: float = 0.0         # CPU seconds per item to encode, seal and put a transformed item
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or isinstance(v, str):
+                continue
+            if not (v >= 0) or (f.name != "room_bytes" and math.isinf(v)):
+                raise ValueError(f"PipelineCosts.{f.name} must be a finite number >= 0, got {v!r}")
+        if self.items < 1:
+            raise ValueError(f"PipelineCosts.items must be >= 1, got {self.items}")
+        for name in ("source_cached", "transformed_cached"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"PipelineCosts.{name} is a fraction in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str                 # "compute" | "source" | "transformed"
+    costs: dict[str, float]   # projected seconds per remaining epoch per option
+    reason: str               # one line: why (the measured costs)
+
+
+def item_time(read_s: float, cpu_s: float, workers: int, overlap: float = DEFAULT_OVERLAP) -> float:
+    """Seconds per item of a loader that reads on threads and computes on ``workers``."""
+    c = cpu_s / max(1, workers)
+    return max(read_s, c) + (1.0 - overlap) * min(read_s, c)
+
+
+def fit_fraction(set_bytes: float, room_bytes: float) -> float:
+    """How much of a set of ``set_bytes`` a room of ``room_bytes`` holds."""
+    if set_bytes <= 0:
+        return 1.0
+    return max(0.0, min(1.0, room_bytes / set_bytes))
+
+
+def _source_item(c: PipelineCosts, hit: float, overlap: float) -> float:
+    read = hit * c.cache_read_source_s + (1 - hit) * c.store_read_s
+    return item_time(read, c.prefix_s + c.rest_s, c.workers, overlap)
+
+
+def _transformed_item(c: PipelineCosts, hit: float, src_hit: float, fill: float,
+                      overlap: float) -> float:
+    miss_read = src_hit * c.cache_read_source_s + (1 - src_hit) * c.store_read_s
+    read = hit * c.cache_read_marker_s + (1 - hit) * miss_read
+    cpu = hit * c.rest_s + (1 - hit) * (c.prefix_s + c.rest_s) + fill * c.put_marker_s
+    return item_time(read, cpu, c.workers, overlap)
+
+
+def project(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP) -> dict[str, float]:
+    """Projected seconds per remaining epoch of each option (transformed only if cacheable)."""
+    e = max(1, c.epochs_left)
+    phi_s = fit_fraction(c.items * c.source_bytes, c.room_bytes)
+    phi_t = fit_fraction(c.items * c.marker_bytes, c.room_bytes)
+    out = {"compute": c.items * _source_item(c, 0.0, overlap)}
+    first = _source_item(c, min(c.source_cached, phi_s), overlap)
+    steady = _source_item(c, phi_s, overlap)
+    out["source"] = c.items * (first + (e - 1) * steady) / e
+    if c.cacheable:
+        t0 = min(c.transformed_cached, phi_t)
+        first = _transformed_item(c, t0, c.source_cached, phi_t - t0, overlap)
+        steady = _transformed_item(c, phi_t, 0.0, 0.0, overlap)
+        out["transformed"] = c.items * (first + (e - 1) * steady) / e
+    return out
+
+
+def _bytes_taken(c: PipelineCosts, mode: str) -> float:
+    return {"compute": 0.0, "source": c.source_bytes,
+            "transformed": c.marker_bytes}[mode] * c.items
+
+
+def choose(c: PipelineCosts, costs: Mapping[str, float], tie: float = TIE) -> str:
+    """The tie rule: cheapest within ``tie``, then fewest cache bytes, then MODES order."""
+    best = min(costs.values())
+    tied = [m for m in MODES if m in costs and costs[m] <= best * (1 + tie)]
+    return min(tied, key=lambda m: (_bytes_taken(c, m), MODES.index(m)))
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3g}"
+
+
+def explain(c: PipelineCosts, costs: Mapping[str, float], mode: str) -> str:
+    """One line: the choice, every option's projection and the measurements behind them."""
+    others = ", ".join(f"{m} {costs[m]:.3g}" for m in MODES if m in costs and m != mode)
+    why = "" if c.cacheable else f"; transformed not cacheable: {c.why_not or 'unknown'}"
+    fit = ""
+    if math.isfinite(c.room_bytes):
+        fit = (f"; room {c.room_bytes / 1e6:.4g} MB holds {fit_fraction(c.items * c.marker_bytes, c.room_bytes):.0%}"
+               f" transformed, {fit_fraction(c.items * c.source_bytes, c.room_bytes):.0%} source")
+    return (f"{mode} {costs[mode]:.3g} s/epoch vs {others} over {c.epochs_left} epochs"
+            f" (per item ms: store {_ms(c.store_read_s)}, cache src {_ms(c.cache_read_source_s)}"
+            f" marker {_ms(c.cache_read_marker_s)}, prefix {_ms(c.prefix_s)}, rest {_ms(c.rest_s)};"
+            f" {c.workers} workers; marker {c.marker_bytes / max(c.source_bytes, 1):.3g}x source){fit}{why}")
+
+
+def decide(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE) -> Decision:
+    """Compute, cache source or cache transformed, whichever the model projects
+    cheapest over the remaining epochs (tie rule in the module docstring)."""
+    if c.epochs_left <= 0:
+        costs = project(replace(c, epochs_left=1), overlap)
+        return Decision("compute", costs, "no epochs left: nothing to gain from caching")
+    costs = project(c, overlap)
+    mode = choose(c, costs, tie)
+    return Decision(mode, costs, explain(c, costs, mode))
+
+
+def merge_costs(measured: Sequence[PipelineCosts]) -> PipelineCosts:
+    """Several jobs' measurements of one (dataset, pipeline) as one: item-weighted
+    means of the per-item figures, and the *sum* of their remaining epochs (a
+    cached set serves every job, so its fill is amortised over all of them).
+    Cacheable only if every job found it cacheable."""
+    if not measured:
+        raise ValueError("merge_costs needs at least one PipelineCosts")
+    if len(measured) == 1:
+        return measured[0]
+    w = [m.items for m in measured]
+    total = float(sum(w))
+
+    def mean(name: str) -> float:
+        return sum(getattr(m, name) * k for m, k in zip(measured, w)) / total
+    means = {f.name: mean(f.name) for f in fields(PipelineCosts)
+             if f.name not in ("items", "epochs_left", "workers", "cacheable", "why_not", "room_bytes")}
+    blocked = [m.why_not for m in measured if not m.cacheable]
+    return PipelineCosts(items=max(w), epochs_left=sum(m.epochs_left for m in measured),
+                         workers=max(1, round(sum(m.workers * k for m, k in zip(measured, w)) / total)),
+                         cacheable=not blocked, why_not=blocked[0] if blocked else "",
+                         room_bytes=min(m.room_bytes for m in measured), **means)
+
+
+def costs_to_dict(c: PipelineCosts) -> dict[str, Any]:
+    d = asdict(c)
+    if math.isinf(c.room_bytes):
+        d["room_bytes"] = None  # JSON has no infinity
+    return d
+
+
+def costs_from_dict(d: Mapping[str, Any]) -> PipelineCosts:
+    d = dict(d)
+    if d.get("room_bytes") is None:
+        d.pop("room_bytes", None)
+    known = {f.name for f in fields(PipelineCosts)}
+    return PipelineCosts(**{k: v for k, v in d.items() if k in known})
+
+
+def decision_to_dict(x: Decision) -> dict[str, Any]:
+    return {"mode": x.mode, "costs": dict(x.costs), "reason": x.reason}
+
+
+def decision_from_dict(d: Mapping[str, Any]) -> Decision:
+    if d.get("mode") not in MODES:
+        raise ValueError(f"Decision.mode must be one of {MODES}, got {d.get('mode')!r}")
+    return Decision(d["mode"], {k: float(v) for k, v in d["costs"].items()}, str(d["reason"]))

@@ -1,0 +1,134 @@
+"""The autocache decision (manager/policy/autocache.py) on synthetic costs;
+recorded traces are in test_policy_autocache_trace.py."""
+import math
+
+import pytest
+
+from manager.policy.autocache import (MODES, Decision, PipelineCosts, costs_from_dict,
+                                      costs_to_dict, decide, decision_from_dict,
+                                      decision_to_dict, item_time, merge_costs, project)
+
+KIB = 1024
+
+
+def costs(**kw) -> PipelineCosts:
+    """The benchmark's shape: 2000 items of 128 KiB, store at ~64 MB/s."""
+    base = dict(items=2000, epochs_left=2, source_bytes=128 * KIB, marker_bytes=128 * KIB * 2.5,
+                store_read_s=0.002, cache_read_source_s=0.0003, cache_read_marker_s=0.0007,
+                prefix_s=0.004, rest_s=0.0, workers=2, cacheable=True,
+                source_cached=1.0, transformed_cached=1.0)
+    base.update(kw)
+    return PipelineCosts(**base)
+
+
+def test_cpu_heavy_prefix_caches_transformed():
+    d = decide(costs(prefix_s=0.008))
+    assert d.mode == "transformed"
+    assert d.costs["transformed"] < d.costs["source"] <= d.costs["compute"]
+    assert "transformed" in d.reason and "prefix 8" in d.reason
+
+
+def test_no_cpu_store_bound_caches_source_not_the_inflated_output():
+    d = decide(costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0025))
+    assert d.mode == "source"
+    assert d.costs["source"] == pytest.approx(2000 * 0.0003)
+    assert d.costs["compute"] == pytest.approx(2000 * 0.002)
+
+
+def test_fast_store_computes():
+    # the store is as fast as the cache: caching gains nothing, so nothing is cached (tie rule)
+    d = decide(costs(store_read_s=0.0003, prefix_s=0.0001, marker_bytes=128 * KIB,
+                     cache_read_marker_s=0.0003))
+    assert d.mode == "compute"
+    assert set(d.costs) == set(MODES)
+
+
+def test_tie_goes_to_fewer_cache_bytes():
+    # CPU-bound either way: all three are equal, compute takes no bytes
+    c = costs(store_read_s=0.001, prefix_s=0.0, rest_s=0.01, workers=1)
+    assert decide(c).mode == "compute"
+    # source and transformed tied (2% band), compute dearer: the smaller set wins
+    c = costs(prefix_s=0.0, marker_bytes=128 * KIB * 2, cache_read_marker_s=0.000305)
+    d = decide(c)
+    assert d.costs["transformed"] <= d.costs["source"] * 1.02
+    assert d.mode == "source"
+    # deflating prefix: the transformed set is the smaller one
+    c = costs(prefix_s=0.0, marker_bytes=64 * KIB, cache_read_marker_s=0.000299)
+    assert decide(c).mode == "transformed"
+
+
+def test_not_cacheable_never_transformed():
+    d = decide(costs(prefix_s=0.002, cacheable=False, why_not="step 1 random, unseeded"))
+    assert d.mode == "source" and "transformed" not in d.costs
+    assert "not cacheable: step 1 random, unseeded" in d.reason
+
+
+def test_no_epochs_left_computes():
+    d = decide(costs(prefix_s=0.05, epochs_left=0))
+    assert d.mode == "compute" and "no epochs left" in d.reason
+
+
+def test_fill_is_amortised_over_the_remaining_epochs():
+    # nothing cached yet: a transformed fill costs a compute epoch plus the puts
+    c = costs(prefix_s=0.006, transformed_cached=0.0, put_marker_s=0.002, epochs_left=1)
+    assert decide(c).mode != "transformed"
+    assert decide(costs(prefix_s=0.006, transformed_cached=0.0, put_marker_s=0.002,
+                        epochs_left=20)).mode == "transformed"
+
+
+def test_room_smaller_than_the_transformed_set():
+    # 2000 x 1 MiB transformed does not fit 500 MiB: half the items are computed every epoch,
+    # the 256 MiB source fits whole
+    big = dict(prefix_s=0.002, marker_bytes=1024 * KIB, cache_read_marker_s=0.0008)
+    assert decide(costs(**big)).mode == "transformed"
+    d = decide(costs(room_bytes=500 * 1024 * KIB, **big))
+    assert d.mode == "source"
+    assert "holds 25% transformed, 100% source" in d.reason
+    p = project(costs(room_bytes=500 * 1024 * KIB, source_cached=0.0, **big))
+    phi = 0.25  # the misses read the store and run the prefix
+    assert p["transformed"] == pytest.approx(
+        2000 * item_time(phi * 0.0008 + (1 - phi) * 0.002, (1 - phi) * 0.002, 2))
+
+
+def test_overlap_zero_is_cachews_sum():
+    c = costs(prefix_s=0.004, rest_s=0.001, workers=1, epochs_left=1)
+    p = project(c, overlap=0.0)
+    assert p["compute"] == pytest.approx(2000 * (0.002 + 0.005))
+    assert p["transformed"] == pytest.approx(2000 * (0.0007 + 0.001))
+    p1 = project(c, overlap=1.0)
+    assert p1["compute"] == pytest.approx(2000 * 0.005)
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ValueError, match="store_read_s"):
+        costs(store_read_s=-1)
+    with pytest.raises(ValueError, match="prefix_s"):
+        costs(prefix_s=math.nan)
+    with pytest.raises(ValueError, match="items"):
+        costs(items=0)
+    with pytest.raises(ValueError, match="source_cached"):
+        costs(source_cached=1.5)
+
+
+def test_merge_sums_epochs_and_weights_means():
+    a = costs(items=1000, epochs_left=1, prefix_s=0.002, workers=2)
+    b = costs(items=3000, epochs_left=2, prefix_s=0.006, workers=4)
+    m = merge_costs([a, b])
+    assert m.epochs_left == 3 and m.items == 3000
+    assert m.prefix_s == pytest.approx(0.005) and m.workers == 4
+    assert merge_costs([a]) is a
+    assert not merge_costs([a, costs(cacheable=False, why_not="x")]).cacheable
+    with pytest.raises(ValueError):
+        merge_costs([])
+
+
+def test_round_trips():
+    c = costs(why_not="")
+    assert costs_from_dict(costs_to_dict(c)) == c
+    c = costs(room_bytes=1e9)
+    assert costs_from_dict(costs_to_dict(c)) == c
+    d = decide(c)
+    assert decision_from_dict(decision_to_dict(d)) == d
+    with pytest.raises(ValueError):
+        decision_from_dict({"mode": "everything", "costs": {}, "reason": ""})
+    assert isinstance(d, Decision)
