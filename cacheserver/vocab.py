@@ -37,6 +37,12 @@ def check_ids(ids: Sequence[bytes], error: type[Exception] = BadRequest, what: s
 
 
 # ---- cache modes: per job, applied by the servers (bypass: every lookup misses).
+def transformed_tag(dataset_tag: str, fingerprint: str) -> str:
+    """The dataset name a pipeline's transformed items are inserted under (clients)
+    and allocated as (manager): the dataset's tag, then the prefix fingerprint."""
+    return f"{dataset_tag}+t{fingerprint[:16]}"
+
+
 class CacheMode(str, Enum):
     NORMAL = "normal"
     BYPASS = "bypass"

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from cacheserver.vocab import Option
-from manager.manager_client import ManagerClient, ManagerUnavailable, Plan, chunk_of
+from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
+from manager.policy.autocache import Decision, PipelineCosts
 
 log = logging.getLogger("mlcache.client")
 # The plan's option as the shared array holds it; _SPARE: a "none" plan whose
@@ -213,6 +214,20 @@ class JobCoordinator:
     def prefer(self, i: int) -> bool:
         plan = self.plan
         return plan is not None and self.ds.plan.loading_first(i, plan.loading)
+
+    def autocache_decision(self, dataset_tag: str, fingerprint: str, costs: PipelineCosts) -> Decision | None:
+        """The manager's autocache decision for (dataset, pipeline prefix fingerprint),
+        from this job's first-epoch ``costs`` and those of other jobs of the same
+        pipeline (the first report decides; later jobs get the same answer). None
+        when the manager cannot be reached or refuses (the job then decides alone:
+        ``manager.policy.autocache.decide(costs)``)."""
+        try:
+            d = self.client.report_pipeline(self.ds.job, dataset_tag, fingerprint, costs)
+            self.reached = True
+            return d
+        except ManagerError as e:  # ManagerUnavailable included
+            log.warning("autocache decision from the manager failed (%s): deciding alone", e)
+            return None
 
     # ---- background work --------------------------------------------------
     def _run(self) -> None:

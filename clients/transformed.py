@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cacheserver.client.ring_client import RingClient
+from cacheserver.vocab import transformed_tag
 from preprocess.codec import CodecError, decode, encode
 from preprocess.fingerprint import Uncacheable
 
@@ -22,11 +23,7 @@ from .capability import PoisonedValue
 from .derived import derived_id, derived_key, open_derived, seal_derived
 
 MAX_PAYLOAD = 1 << 30  # a value this large is refused on read: no dataset item is
-
-
-def transformed_tag(dataset_tag: str, fingerprint: str) -> str:
-    """The dataset name transformed items are inserted under."""
-    return f"{dataset_tag}+t{fingerprint[:16]}"
+__all__ = ["MAX_PAYLOAD", "TransformedCounts", "TransformedItems", "transformed_tag"]
 
 
 @dataclass

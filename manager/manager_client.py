@@ -32,6 +32,7 @@ from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
 
 from .policy import Batch, chunk_members, chunk_of
+from .policy.autocache import Decision, PipelineCosts, costs_to_dict
 
 #: A reported mini-batch: (end, duration), (end, duration, hit_ratio) or a policy Batch.
 BatchLike = Union[tuple[float, float], tuple[float, float, Union[float, None]], Batch]
@@ -131,8 +132,8 @@ class _Cache:
 def _int64_fields(msg: Any, d: dict[str, Any]) -> dict[str, Any]:
     """proto3 JSON writes 64-bit integers as strings; give them back as numbers."""
     for f in msg.DESCRIPTOR.fields:
-        if f.name not in d:
-            continue
+        if f.name not in d or (f.message_type is not None and f.message_type.GetOptions().map_entry):
+            continue  # maps here hold no 64-bit integers
         if f.message_type is not None:
             subs = getattr(msg, f.name)
             for sub, sd in (zip(subs, d[f.name]) if f.is_repeated else [(subs, d[f.name])]):
@@ -221,6 +222,15 @@ class ManagerClient:
                 del self._cache.plans[key]
             for ds in [d for d, j in self._jobs.items() if j == job]:
                 del self._jobs[ds]
+
+    def report_pipeline(self, job: str, dataset: str, fingerprint: str, costs: PipelineCosts) -> Decision:
+        """A job's first-epoch costs of a pipeline; returns the (dataset, pipeline)'s
+        decision (made by the first job that reported it, the same for every job)."""
+        d = costs_to_dict(costs)
+        d.pop("room_bytes", None)  # the manager knows the room
+        r = self._call("ReportPipeline", mpb.ReportPipelineRequest(
+            job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d)))
+        return Decision(r.mode, dict(r.costs), r.reason)
 
     def get_ring(self) -> Ring:
         r = self._call("GetRing", mpb.GetRingRequest())

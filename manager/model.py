@@ -15,6 +15,7 @@ Events (dicts; ``type`` and ``now`` always present):
   job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
   tick {}                                      configure {config}
+  pipeline {job, dataset, fingerprint, costs}  (autocache: pipelines.py)
 
 A request the model refuses raises ``Rejected`` before anything is mutated,
 so refused requests are never journaled.
@@ -28,6 +29,8 @@ from typing import Any, Mapping
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
 from .membership import Registry
+from .pipelines import PipelineRecord, move_gains, pipeline_key
+from .pipelines import report as report_pipeline
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
                      StartLoading, Transition, allocate, demands, num_chunks)
@@ -99,6 +102,7 @@ class ManagerModel:
     buffers: dict[str, DoubleBuffer] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    pipelines: dict[str, PipelineRecord] = field(default_factory=dict)  # autocache, by pipeline_key
 
     def __post_init__(self) -> None:
         if self.board.config != self.config.probe:
@@ -219,6 +223,43 @@ class ManagerModel:
             return []
         return self.effects_of_actions(buf.loaded(int(ev["chunk"]), float(ev["fraction"]), now))
 
+    def _on_pipeline(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        """A job's first-epoch costs of a pipeline: the (dataset, pipeline) is decided
+        by its first report; a transformed set becomes a dataset of its own."""
+        job, ds, fp = str(ev["job"]), str(ev["dataset"]), str(ev["fingerprint"])
+        if self._job(job).dataset != ds:
+            raise Rejected("INVALID_ARGUMENT", f"job {job} reads dataset {self.jobs[job].dataset}, not {ds}")
+        key = pipeline_key(ds, fp)
+        rec = self.pipelines.get(key) or PipelineRecord(ds, fp)
+        try:
+            decided = report_pipeline(rec, job, ev["costs"], self._room(ds, rec.tag), now)
+        except (ValueError, TypeError, KeyError) as e:
+            raise Rejected("INVALID_ARGUMENT", f"bad pipeline costs: {e}") from None
+        self.pipelines[key] = rec
+        out: list[Effect] = []
+        if decided:
+            self._count("autocache_decisions")
+            out.append(note("autocache", dataset=ds, fingerprint=fp, mode=rec.mode,
+                            reason=rec.decision["reason"] if rec.decision else ""))
+        if rec.mode == "transformed" and rec.tag not in self.datasets:
+            size, n = rec.transformed_bytes()
+            self.datasets[rec.tag] = DatasetRecord(rec.tag, size, n)
+        return out + self.reallocate(now)
+
+    def _room(self, ds: str, tag: str) -> float:
+        """Cache bytes a dataset's pipeline may count on: the budget less what the
+        other datasets hold now."""
+        return float(max(0, self.budget() - sum(a.bytes for d, a in self.allocs.items() if d not in (ds, tag))))
+
+    def _autocache_gains(self, gains: dict[str, list], now: float) -> None:
+        """Transformed sets take their jobs' gain (pipelines.move_gains); one whose
+        jobs all left starts its grace period like any dataset."""
+        move_gains(self.pipelines, {j: r.n_gpus for j, r in self.jobs.items()}, gains)
+        for rec in self.pipelines.values():
+            t = self.datasets.get(rec.tag)
+            if t is not None:
+                t.idle_since = None if rec.tag in gains else (t.idle_since if t.idle_since is not None else now)
+
     def _on_tick(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
         out = self._transitions(self.board.tick(now))
         for ds in sorted(self.buffers):
@@ -231,6 +272,7 @@ class ManagerModel:
         dataset whose option or chunk size changes gets a new ``DoubleBuffer``."""
         cfg = self.config
         gains = self.board.job_gains()
+        self._autocache_gains(gains, now)
         sizes: dict[str, int] = {}
         kept: dict[str, Allocation] = {}
         reserved = 0
@@ -267,6 +309,8 @@ class ManagerModel:
                 del self.datasets[ds]
                 out.append(EvictDataset(ds, "forgotten: no job for a whole grace period"))
                 self.allocs.pop(ds, None)
+        for key in [k for k, p in self.pipelines.items() if p.dataset not in self.datasets]:
+            del self.pipelines[key]
         return out
 
 
@@ -397,7 +441,7 @@ class ManagerModel:
             "allocs": {k: v.to_dict() for k, v in sorted(self.allocs.items())},
             "buffers": {k: v.to_dict() for k, v in sorted(self.buffers.items())},
             "decisions": list(self.decisions), "counters": dict(sorted(self.counters.items())),
-        }
+        } | ({"pipelines": {k: v.to_dict() for k, v in sorted(self.pipelines.items())}} if self.pipelines else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ManagerModel":
@@ -411,6 +455,7 @@ class ManagerModel:
             allocs={k: Allocation.from_dict(v) for k, v in d.get("allocs", {}).items()},
             buffers={k: DoubleBuffer.from_dict(v) for k, v in d.get("buffers", {}).items()},
             decisions=list(d.get("decisions", [])), counters=dict(d.get("counters", {})),
+            pipelines={k: PipelineRecord.from_dict(v) for k, v in d.get("pipelines", {}).items()},
         )
 
     def digest(self) -> str:

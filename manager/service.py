@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from cacheserver.counters import Counters
 from cacheserver.proto import manager_pb2 as mpb
@@ -17,6 +18,7 @@ from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 
 from .membership import Liveness
 from .model import ManagerModel, Rejected
+from .pipelines import PipelineRecord, pipeline_key
 from .policy import CacheMode, Option
 from .state import StateStore
 
@@ -163,6 +165,23 @@ class ManagerService(mpb_grpc.ManagerServicer):
         self.liveness.forget_job(request.job)
         return mpb.UnregisterJobResponse()
 
+    @_rpc
+    def ReportPipeline(self, request: mpb.ReportPipelineRequest, context) -> mpb.AutocacheDecision:
+        fp = request.fingerprint
+        if len(fp) < 16 or len(fp) > 128 or any(c not in HEX for c in fp):
+            raise Rejected("INVALID_ARGUMENT", f"fingerprint must be 16-128 lower-case hex digits, got {fp!r}")
+        if not request.HasField("costs"):
+            raise Rejected("INVALID_ARGUMENT", "costs are required")
+        costs = json_format.MessageToDict(request.costs, preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True)
+        costs["items"], costs["epochs_left"] = int(costs["items"]), int(costs["epochs_left"])
+        with self.store.lock:
+            self.store.submit({"type": "pipeline", "job": request.job, "dataset": request.dataset,
+                               "fingerprint": fp, "costs": costs, "now": self._now()})
+            self.liveness.touch_job(request.job, self._now())
+            rec = self.store.model.pipelines[pipeline_key(request.dataset, fp)]
+            return decision_message(rec)
+
     # ---------------------------------------------------------------- status
     @_rpc
     def Status(self, request: mpb.StatusRequest, context) -> mpb.StatusResponse:
@@ -170,6 +189,22 @@ class ManagerService(mpb_grpc.ManagerServicer):
         with self.store.lock:
             return build_status(self.store.model, self.liveness, now, seq=self.store.seq,
                                 heartbeat_s=self.heartbeat_s, decision_s=self.decision_s)
+
+
+def decision_message(rec: PipelineRecord) -> mpb.AutocacheDecision:
+    d = rec.decision or {"mode": "", "costs": {}, "reason": ""}
+    return mpb.AutocacheDecision(dataset=rec.dataset, fingerprint=rec.fingerprint, mode=d["mode"],
+                                 costs=d["costs"], reason=d["reason"], decided_at=rec.decided_at, tag=rec.tag,
+                                 jobs=sorted(rec.measured),
+                                 room_bytes=-1.0 if rec.room_bytes is None else rec.room_bytes)
+
+
+def _pipelines(r: mpb.StatusResponse, m: ManagerModel) -> None:
+    for key in sorted(m.pipelines):
+        rec = m.pipelines[key]
+        c = rec.combined()
+        measured = mpb.PipelineCosts(**{k: v for k, v in vars(c).items() if k != "room_bytes"})
+        r.pipelines.add(decision=decision_message(rec), measured=measured)
 
 
 def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heartbeat_s: float,
@@ -216,5 +251,6 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
                     setattr(js, name, getattr(p, name))
     for d in m.decisions:
         r.decisions.add(at=d["at"], dataset=d["dataset"], option=Option(d["option"]).code, reason=d["reason"])
+    _pipelines(r, m)
     return r
 

@@ -96,6 +96,8 @@ def render(d: dict[str, Any], address: str = "") -> str:
              f"journal seq {d.get('journal_seq', 0)}"]
     lines += ["", "SERVERS", *_servers(servers), "", "DATASETS", *_datasets(d.get("datasets", [])),
               "", "JOBS", *_jobs(d.get("jobs", []))]
+    if d.get("pipelines"):
+        lines += ["", "AUTOCACHE (per dataset and pipeline)", *_pipelines(d["pipelines"])]
     decisions = d.get("decisions", [])
     if decisions:
         lines += ["", "RECENT DECISIONS"]
@@ -134,6 +136,23 @@ def _datasets(datasets: list[dict[str, Any]]) -> list[str]:
         if x.get("waiting"):
             lines.append(f"    waiting: {', '.join(x['waiting'])}")
     return lines
+
+
+def _pipelines(pipelines: list[dict[str, Any]]) -> list[str]:
+    """Each pipeline's decision, its projected epoch times and the measured costs behind them."""
+    rows, why = [], []
+    for p in pipelines:
+        x, c = p.get("decision", {}), p.get("measured", {})
+        costs = x.get("costs", {})
+        rows.append([_short(x.get("dataset", "")), _short(x.get("fingerprint", ""), 12), x.get("mode", "") or "-",
+                     *(_num(costs.get(m)) for m in ("compute", "source", "transformed")),
+                     str(len(x.get("jobs", []))), _num(c.get("store_read_s", 0) * 1e3),
+                     _num(c.get("prefix_s", 0) * 1e3), _num(c.get("rest_s", 0) * 1e3),
+                     _num(float(c.get("marker_bytes", 0)) / max(1.0, float(c.get("source_bytes", 0) or 1)))])
+        why.append(f"  {_short(x.get('dataset', ''))}/{_short(x.get('fingerprint', ''), 12)}: {x.get('reason', '')}")
+    return table(rows, header=["DATASET", "PIPELINE", "MODE", "COMPUTE S", "SOURCE S", "TRANSF S", "JOBS",
+                               "STORE MS", "PREFIX MS", "REST MS", "INFLATE"]).splitlines() + why + [
+        "  (projected seconds per remaining epoch; measured per-item costs of the jobs' first epoch)"]
 
 
 def _jobs(jobs: list[dict[str, Any]]) -> list[str]:

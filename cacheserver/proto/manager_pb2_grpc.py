@@ -84,6 +84,11 @@ class ManagerStub:
                 request_serializer=cacheserver_dot_proto_dot_manager__pb2.StatusRequest.SerializeToString,
                 response_deserializer=cacheserver_dot_proto_dot_manager__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ReportPipeline = channel.unary_unary(
+                '/mlcache.v1.Manager/ReportPipeline',
+                request_serializer=cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.SerializeToString,
+                response_deserializer=cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.FromString,
+                _registered_method=True)
 
 
 class ManagerServicer:
@@ -149,6 +154,13 @@ class ManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPipeline(self, request, context):
+        """A job's first-epoch pipeline costs; answers the (dataset, pipeline)'s decision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +213,11 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=cacheserver_dot_proto_dot_manager__pb2.StatusRequest.FromString,
                     response_serializer=cacheserver_dot_proto_dot_manager__pb2.StatusResponse.SerializeToString,
+            ),
+            'ReportPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPipeline,
+                    request_deserializer=cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.FromString,
+                    response_serializer=cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +490,33 @@ class Manager:
             '/mlcache.v1.Manager/Status',
             cacheserver_dot_proto_dot_manager__pb2.StatusRequest.SerializeToString,
             cacheserver_dot_proto_dot_manager__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlcache.v1.Manager/ReportPipeline',
+            cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.SerializeToString,
+            cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.FromString,
             options,
             channel_credentials,
             insecure,

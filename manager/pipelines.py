@@ -1,0 +1,123 @@
+"""Autocache in the manager: per (dataset, pipeline fingerprint), the jobs'
+first-epoch costs, the decision made from them (manager/policy/autocache.py)
+and what it means for allocation.
+
+* The first report of a (dataset, pipeline) decides, with the cache room the
+  dataset can have (``room``: the budget less what other datasets hold). Later
+  reports of other jobs are kept (status shows them combined) but do not flip
+  the decision: a second job with the same pipeline gets the decision already
+  made, and the cached set it implies stays put.
+* A pipeline decided ``transformed`` becomes a dataset of its own under
+  ``transformed_tag(dataset, fingerprint)`` (its items' tag on the servers),
+  of ``items x marker_bytes`` bytes. Its jobs' gain moves from the source
+  dataset to it, with the decision's projected benefit
+  ``b = compute / transformed`` (their measured ``b`` is about source hits),
+  so allocation counts its bytes and benefit against the same budget, and
+  the source items it no longer needs lose their claim.
+
+State is plain data (JSON round trip); the model (model.py) journals the
+``pipeline`` event that changes it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from cacheserver.vocab import transformed_tag
+
+from .policy import JobGain
+from .policy.autocache import (PipelineCosts, costs_from_dict, costs_to_dict, decide,
+                               decision_to_dict, merge_costs)
+
+
+@dataclass
+class PipelineRecord:
+    dataset: str
+    fingerprint: str
+    measured: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> PipelineCosts as a dict
+    decision: dict[str, Any] | None = None                             # Decision as a dict
+    decided_at: float = 0.0
+    room_bytes: float | None = None                                    # None: unbounded
+
+    @property
+    def key(self) -> str:
+        return pipeline_key(self.dataset, self.fingerprint)
+
+    @property
+    def tag(self) -> str:
+        return transformed_tag(self.dataset, self.fingerprint)
+
+    @property
+    def mode(self) -> str:
+        return self.decision["mode"] if self.decision else ""
+
+    def combined(self) -> PipelineCosts:
+        return merge_costs([costs_from_dict(self.measured[j]) for j in sorted(self.measured)])
+
+    def transformed_bytes(self) -> tuple[int, int]:
+        """(bytes, items) of its transformed set."""
+        c = self.combined()
+        return int(math.ceil(c.items * c.marker_bytes)), c.items
+
+    def benefit(self) -> float:
+        """Projected speed-up of its jobs over compute: ``compute / chosen``."""
+        costs = self.decision["costs"] if self.decision else {}
+        chosen = costs.get(self.mode, 0.0)
+        return max(1.0, costs.get("compute", 0.0) / chosen) if chosen > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "fingerprint": self.fingerprint,
+                "measured": {j: dict(c) for j, c in sorted(self.measured.items())},
+                "decision": self.decision, "decided_at": self.decided_at, "room_bytes": self.room_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PipelineRecord":
+        return cls(d["dataset"], d["fingerprint"], {j: dict(c) for j, c in d.get("measured", {}).items()},
+                   d.get("decision"), float(d.get("decided_at", 0.0)), d.get("room_bytes"))
+
+
+def pipeline_key(dataset: str, fingerprint: str) -> str:
+    return f"{dataset}/{fingerprint}"
+
+
+def check_costs(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A reported costs dict validated (ValueError names the field) and normalised."""
+    return costs_to_dict(costs_from_dict(d))
+
+
+def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float, now: float) -> bool:
+    """Record ``job``'s costs; decide if not decided yet. True when it decided now."""
+    rec.measured[job] = check_costs(costs)
+    if rec.decision is not None:
+        return False
+    c = rec.combined()
+    if math.isfinite(room):
+        c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
+    rec.decision = decision_to_dict(decide(c))
+    rec.decided_at, rec.room_bytes = now, (room if math.isfinite(room) else None)
+    return True
+
+
+def live_jobs(rec: PipelineRecord, jobs: Mapping[str, Any]) -> list[str]:
+    return sorted(j for j in rec.measured if j in jobs)
+
+
+def move_gains(pipelines: Mapping[str, PipelineRecord], n_gpus: Mapping[str, int],
+               gains: dict[str, list[JobGain]]) -> None:
+    """Give each transformed set the gain of its live jobs (projected benefit),
+    taking those jobs off their source dataset's demand (in place)."""
+    for key in sorted(pipelines):
+        rec = pipelines[key]
+        if rec.mode != "transformed":
+            continue
+        jobs = live_jobs(rec, n_gpus)
+        if not jobs:
+            continue
+        b = rec.benefit()
+        gains[rec.tag] = [JobGain(j, n_gpus[j], b) for j in jobs]
+        left = [g for g in gains.get(rec.dataset, []) if g.job_id not in jobs]
+        if left:
+            gains[rec.dataset] = left
+        else:
+            gains.pop(rec.dataset, None)
