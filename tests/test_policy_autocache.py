@@ -132,3 +132,24 @@ def test_round_trips():
     with pytest.raises(ValueError):
         decision_from_dict({"mode": "everything", "costs": {}, "reason": ""})
     assert isinstance(d, Decision)
+
+
+def test_decision_a_quarter_into_the_first_epoch_projects_its_rest():
+    # "auto" decides after 25% of epoch 1 with 25% of the source items cached: the rest of
+    # epoch 1 runs in the chosen mode and fills, then 2 more epochs
+    c = costs(prefix_s=0.001, epochs_left=2, epoch_done=0.25, source_cached=0.25, transformed_cached=0.0)
+    p = project(c)
+    span = 2.75
+    # source: the rest of epoch 1 reads the 75% not read (nor cached) yet, from the store
+    src = 0.75 * item_time(0.002, 0.001, 2) + 2 * item_time(0.0003, 0.001, 2)
+    assert p["source"] == pytest.approx(2000 * src / span)
+    # transformed: the rest of epoch 1 computes and puts 75% of the set; epoch 2 hits those and
+    # computes the 25% read before the decision (their source items are cached), epoch 3 hits
+    tr = (0.75 * item_time(0.002, 0.001, 2) + item_time(0.75 * 0.0007 + 0.25 * 0.0003, 0.25 * 0.001, 2)
+          + item_time(0.0007, 0.0, 2))
+    assert p["transformed"] == pytest.approx(2000 * tr / span)
+    assert p["compute"] == pytest.approx(2000 * item_time(0.002, 0.001, 2))
+    # the fills cost more over a short run than over a long one
+    long = project(costs(prefix_s=0.001, epochs_left=50, epoch_done=0.25, source_cached=0.25,
+                         transformed_cached=0.0))
+    assert long["transformed"] < p["transformed"] and long["source"] < p["source"]

@@ -20,10 +20,12 @@ computed from the store every epoch):
 * transformed: read = phi_t cache_marker + (1-phi_t) store,
                cpu  = phi_t rest + (1-phi_t) (prefix + rest)
 
-The first remaining epoch fills what is not cached yet (``source_cached``,
-``transformed_cached`` say what already is; a fill of transformed items also
-pays ``put_marker_s`` of CPU per item). Costs are seconds per remaining epoch,
-averaged over ``epochs_left``, so a short job does not pay for a fill it
+Fills are projected, not assumed: ``source_cached`` and ``transformed_cached``
+say what is cached at the decision; the rest of the current epoch (``1 -
+epoch_done``: "auto" may decide a quarter into its first epoch) and every later
+epoch hit what is cached and put what they miss (a transformed put also pays
+``put_marker_s`` of CPU), up to what the room holds. Costs are seconds per
+remaining epoch, fills included, so a short job does not pay for a fill it
 cannot amortise.
 
 Tie rule: options within ``TIE`` (2%) of the cheapest are tied; among tied
@@ -47,7 +49,7 @@ DEFAULT_OVERLAP = 1.0
 class PipelineCosts:
     """Measured in the job's first epoch (means per item)."""
     items: int                # items per epoch for this job
-    epochs_left: int          # epochs still to run after the decision
+    epochs_left: int          # whole epochs still to run after the decision (after the current one: epoch_done)
     source_bytes: float       # bytes per source item
     marker_bytes: float       # bytes per item at the caching point (encoded transformed payload)
     store_read_s: float       # wall seconds per item reading source items from the store (our read path)
@@ -62,6 +64,8 @@ class PipelineCosts:
     source_cached: float = 0.0        # fraction of source items already cached at the decision
     transformed_cached: float = 0.0   # fraction of transformed items already cached
     put_marker_s: float = 0.0         # CPU seconds per item to encode, seal and put a transformed item
+    epoch_done: float = 1.0           # share of the current epoch done at the decision (its rest runs
+                                      # in the chosen mode and fills what that mode caches)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,7 +76,7 @@ class PipelineCosts:
                 raise ValueError(f"PipelineCosts.{f.name} must be a finite number >= 0, got {v!r}")
         if self.items < 1:
             raise ValueError(f"PipelineCosts.items must be >= 1, got {self.items}")
-        for name in ("source_cached", "transformed_cached"):
+        for name in ("source_cached", "transformed_cached", "epoch_done"):
             if getattr(self, name) > 1:
                 raise ValueError(f"PipelineCosts.{name} is a fraction in [0, 1], got {getattr(self, name)}")
 
@@ -97,33 +101,56 @@ def fit_fraction(set_bytes: float, room_bytes: float) -> float:
     return max(0.0, min(1.0, room_bytes / set_bytes))
 
 
-def _source_item(c: PipelineCosts, hit: float, overlap: float) -> float:
+def _source_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
     read = hit * c.cache_read_source_s + (1 - hit) * c.store_read_s
     return item_time(read, c.prefix_s + c.rest_s, c.workers, overlap)
 
 
-def _transformed_item(c: PipelineCosts, hit: float, src_hit: float, fill: float,
-                      overlap: float) -> float:
+def _transformed_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
     miss_read = src_hit * c.cache_read_source_s + (1 - src_hit) * c.store_read_s
     read = hit * c.cache_read_marker_s + (1 - hit) * miss_read
     cpu = hit * c.rest_s + (1 - hit) * (c.prefix_s + c.rest_s) + fill * c.put_marker_s
     return item_time(read, cpu, c.workers, overlap)
 
 
+def _source_left(c: PipelineCosts) -> float:
+    """Fraction of source items cached that a full transformed set leaves room for."""
+    t_set = c.items * c.marker_bytes
+    room_left = c.room_bytes - t_set * fit_fraction(t_set, c.room_bytes)
+    return min(c.source_cached, fit_fraction(c.items * c.source_bytes, room_left))
+
+
+def _run(c: PipelineCosts, per_item, cached: float, fit: float, overlap: float) -> float:
+    """Seconds of the rest of the current epoch and ``epochs_left`` epochs of one
+    option. The rest of the current epoch reads the items it has not read yet: what
+    is cached beyond the ``epoch_done`` share it read (and cached) is its hits. Each
+    epoch puts what it misses, up to the fraction ``fit`` the room holds. A
+    transformed miss reads its source item from the cache where it is cached: the
+    items read before the decision, so first the misses of the next epoch."""
+    total, h = 0.0, min(cached, fit)
+    src, rest = _source_left(c), 1.0 - c.epoch_done
+    if rest > 0:
+        hit = min(fit, max(0.0, cached - c.epoch_done) / rest)
+        src_hit = min(1.0, max(0.0, src - c.epoch_done) / rest)
+        total += rest * c.items * per_item(c, hit, max(0.0, fit - hit), src_hit, overlap)
+        h = min(fit, cached + rest * (1.0 - hit))
+    for _ in range(c.epochs_left):
+        src_hit = min(1.0, src / (1.0 - h)) if h < 1 else 0.0
+        total += c.items * per_item(c, h, fit - h, src_hit, overlap)
+        h = fit
+    return total
+
+
 def project(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP) -> dict[str, float]:
-    """Projected seconds per remaining epoch of each option (transformed only if cacheable)."""
-    e = max(1, c.epochs_left)
+    """Projected seconds per remaining epoch of each option (transformed only if cacheable),
+    fills included, over the rest of the current epoch and ``epochs_left`` more."""
+    span = max(1e-9, c.epochs_left + 1.0 - c.epoch_done)
     phi_s = fit_fraction(c.items * c.source_bytes, c.room_bytes)
-    phi_t = fit_fraction(c.items * c.marker_bytes, c.room_bytes)
-    out = {"compute": c.items * _source_item(c, 0.0, overlap)}
-    first = _source_item(c, min(c.source_cached, phi_s), overlap)
-    steady = _source_item(c, phi_s, overlap)
-    out["source"] = c.items * (first + (e - 1) * steady) / e
+    out = {"compute": _run(c, _source_item, 0.0, 0.0, overlap) / span,
+           "source": _run(c, _source_item, c.source_cached, phi_s, overlap) / span}
     if c.cacheable:
-        t0 = min(c.transformed_cached, phi_t)
-        first = _transformed_item(c, t0, c.source_cached, phi_t - t0, overlap)
-        steady = _transformed_item(c, phi_t, 0.0, 0.0, overlap)
-        out["transformed"] = c.items * (first + (e - 1) * steady) / e
+        phi_t = fit_fraction(c.items * c.marker_bytes, c.room_bytes)
+        out["transformed"] = _run(c, _transformed_item, c.transformed_cached, phi_t, overlap) / span
     return out
 
 
@@ -160,7 +187,7 @@ def explain(c: PipelineCosts, costs: Mapping[str, float], mode: str) -> str:
 def decide(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE) -> Decision:
     """Compute, cache source or cache transformed, whichever the model projects
     cheapest over the remaining epochs (tie rule in the module docstring)."""
-    if c.epochs_left <= 0:
+    if c.epochs_left <= 0 and c.epoch_done >= 1:
         costs = project(replace(c, epochs_left=1), overlap)
         return Decision("compute", costs, "no epochs left: nothing to gain from caching")
     costs = project(c, overlap)
