@@ -39,7 +39,7 @@ def test_jobs_share_the_managers_decision_and_it_survives_a_restart(tmp_path):
         wait_ring(m.address, 1)
         a = CachedDataset(path, manager=m.address, job="job-a")
         b = CachedDataset(path, manager=m.address, job="job-b")
-        heavy = costs(items=120, prefix_s=0.008)
+        heavy = costs(items=120, prefix_s=0.008, epoch_done=0.25, source_cached=0.25, transformed_cached=0.0)
         d1 = a.coordinator.autocache_decision(a.dataset_tag, FP, heavy)
         assert d1 is not None and d1.mode == "transformed" == decide(heavy).mode
         assert set(d1.costs) == {"compute", "source", "transformed"} and "prefix 8" in d1.reason
@@ -59,6 +59,7 @@ def test_jobs_share_the_managers_decision_and_it_survives_a_restart(tmp_path):
         p = st["pipelines"][0]
         assert p["decision"]["mode"] == "transformed" and sorted(p["decision"]["jobs"]) == ["job-a", "job-b"]
         assert p["measured"]["prefix_s"] == pytest.approx(0.004)  # item-weighted mean of the two jobs
+        assert p["measured"]["epoch_done"] == pytest.approx(0.625)  # mean of 0.25 and job-b's 1.0
         tag = transformed_tag(a.dataset_tag, FP)
         ds = {x["dataset"]: x for x in st["datasets"]}
         assert tag in ds and int(ds[tag]["allocated_bytes"]) > 0      # its bytes count in allocation
