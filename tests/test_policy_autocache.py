@@ -153,3 +153,19 @@ def test_decision_a_quarter_into_the_first_epoch_projects_its_rest():
     long = project(costs(prefix_s=0.001, epochs_left=50, epoch_done=0.25, source_cached=0.25,
                          transformed_cached=0.0))
     assert long["transformed"] < p["transformed"] and long["source"] < p["source"]
+
+
+def test_handoff_to_workers_counts_where_steps_run():
+    # f = 8 outputs cost 1.3 ms each to move out of a worker: a source hit pays it, a
+    # transformed hit with nothing after the caching point does not
+    c = costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0011, handoff_s=0.0013,
+              epochs_left=1)
+    p = project(c)
+    assert p["source"] == pytest.approx(2000 * (0.0003 + 0.0013))
+    assert p["transformed"] == pytest.approx(2000 * 0.0011)
+    assert decide(c).mode == "transformed"
+    assert decide(costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0011,
+                        epochs_left=1)).mode == "source"          # blind to the handoff
+    # steps after the caching point: its hits go to the workers too
+    p = project(costs(prefix_s=0.0, rest_s=0.0001, cache_read_marker_s=0.0011, handoff_s=0.0013, epochs_left=1))
+    assert p["transformed"] == pytest.approx(2000 * (0.0011 + 0.0013))

@@ -20,6 +20,11 @@ computed from the store every epoch):
 * transformed: read = phi_t cache_marker + (1-phi_t) store,
                cpu  = phi_t rest + (1-phi_t) (prefix + rest)
 
+where an item that runs steps also costs the loader ``handoff_s`` on the read side
+(passing it to a worker and its output back: large inflated outputs cost more to
+move than to read from the cache); a transformed hit with no steps after the caching
+point never goes to a worker.
+
 Fills are projected, not assumed: ``source_cached`` and ``transformed_cached``
 say what is cached at the decision; the rest of the current epoch (``1 -
 epoch_done``: "auto" may decide a quarter into its first epoch) and every later
@@ -66,6 +71,8 @@ class PipelineCosts:
     put_marker_s: float = 0.0         # CPU seconds per item to encode, seal and put a transformed item
     epoch_done: float = 1.0           # share of the current epoch done at the decision (its rest runs
                                       # in the chosen mode and fills what that mode caches)
+    handoff_s: float = 0.0            # wall seconds per item, in the loader's process, to hand an item to a
+                                      # worker and take its output back (pickling, pipes); 0: unknown
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -102,13 +109,15 @@ def fit_fraction(set_bytes: float, room_bytes: float) -> float:
 
 
 def _source_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
-    read = hit * c.cache_read_source_s + (1 - hit) * c.store_read_s
+    read = hit * c.cache_read_source_s + (1 - hit) * c.store_read_s + c.handoff_s
     return item_time(read, c.prefix_s + c.rest_s, c.workers, overlap)
 
 
 def _transformed_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
     miss_read = src_hit * c.cache_read_source_s + (1 - src_hit) * c.store_read_s
-    read = hit * c.cache_read_marker_s + (1 - hit) * miss_read
+    # a hit goes to a worker only if steps follow the caching point
+    handoff = (1 - hit) * c.handoff_s + (hit * c.handoff_s if c.rest_s > 0 else 0.0)
+    read = hit * c.cache_read_marker_s + (1 - hit) * miss_read + handoff
     cpu = hit * c.rest_s + (1 - hit) * (c.prefix_s + c.rest_s) + fill * c.put_marker_s
     return item_time(read, cpu, c.workers, overlap)
 
