@@ -16,6 +16,7 @@ from .counters import Counters
 from .getbound import bounded_get
 from .identity import PeerCounts, current_peer
 from .store import UNTAGGED, Store
+from .trust import WriteTrust
 from .vocab import FETCH, ID_LEN, PRESENT, WAIT, BadRequest, CacheMode, check_ids
 
 _NORMAL, _BYPASS = CacheMode.NORMAL.code, CacheMode.BYPASS.code
@@ -47,6 +48,8 @@ class CacheCore:
         self.claims = ClaimTable(claim_ttl)
         self._follower_lock = threading.Lock()
         self._last_follower_flush = float("-inf")
+        # values a client in this process wrote or checked (inproc.py); every other put forgets its ids
+        self.trust = WriteTrust()
 
     # ---- validation -----------------------------------------------------
     def _check_ids(self, ids: Sequence[bytes]) -> None:
@@ -136,7 +139,9 @@ class CacheCore:
         return out
 
     def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],
-            dataset: str = "", chunk: int = -1, replace: bool = False) -> tuple[int, int, int]:
+            dataset: str = "", chunk: int = -1, replace: bool = False, vouch: bool = False) -> tuple[int, int, int]:
+        """Store items; `vouch`: put by a client in this process (inproc.py) that sealed
+        them from items it had checked against its digest: vouched for (trust.py)."""
         if len(items) > self.limits.max_batch_items:
             raise BadRequest(f"batch of {len(items)} items exceeds the limit of {self.limits.max_batch_items}")
         total = 0
@@ -159,7 +164,14 @@ class CacheCore:
         if replace:
             self.counters.add("put_replaced", len(items))
             self.replacers.add(current_peer(), len(items))
-        result = self.store.put_many([(k, v) for k, _, v in items], tag, replace)
+        pairs = [(k, v) for k, _, v in items]
+        if vouch:
+            since, written = self.trust.mark(), []
+            result = self.store.put_many(pairs, tag, replace, written)
+            self.trust.vouch(written, since)
+        else:
+            with self.trust.foreign_write([k for k, _ in pairs]):
+                result = self.store.put_many(pairs, tag, replace)
         self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
         return result
 

@@ -1,17 +1,26 @@
 """Cache servers running inside this process (the embedded default), by address.
 
-A client in the process that runs a server takes its gets straight from the
-server's core (CacheCore.get: counted, ordered and bypassed exactly as over the
-wire) instead of through its own socket and a RocksDB follower: no frames, no
-copies, no server thread contending for the GIL. Only the process that
-registered a server sees it: a forked DataLoader worker inherits this table,
-but not the server's threads, so it goes through the socket as before.
+A client in the process that runs a server takes its gets and puts straight to
+the server's core (CacheCore.get and .put: counted, ordered and bypassed
+exactly as over the wire) instead of through its own socket and a RocksDB
+follower: no frames, no copies, no server thread contending for the GIL. Only
+the process that registered a server sees it: a forked DataLoader worker
+inherits this table, but not the server's threads, so it goes through the
+socket as before.
+
+A client that seals values from items it has just checked against its digest
+puts them with `vouch`, and vouches for values it has checked after a get: the
+core then vouches for those ids until anyone writes them otherwise (trust.py),
+and `get_vouched` says which values of a get need no hash check.
 """
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+from .trust import Since
 
 _lock = threading.Lock()
 _cores: dict[str, tuple[int, Any]] = {}  # address -> (pid, CacheCore)
@@ -34,3 +43,28 @@ def core_for(address: str) -> Any | None:
     if found is None or found[0] != os.getpid():
         return None
     return found[1]
+
+
+def put(core: Any, job: str, items: Sequence[tuple[bytes, Any]], dataset: str = "", chunk: int = -1,
+        replace: bool = False, vouch: bool = False) -> tuple[int, int, int]:
+    """A put by this process: (stored, already, rejected_full). With `vouch` (only for
+    values sealed from items just checked against the digest) the ids it wrote are
+    vouched for; any other put makes the core forget its ids, as one over the wire."""
+    return core.put(job, [(k, len(v), v) for k, v in items], dataset, chunk if dataset else -1, replace,
+                    vouch=vouch)
+
+
+def get_vouched(core: Any, job: str, ids: Sequence[bytes]) -> tuple[list, list[bool], Since]:
+    """(values, vouched, since): vouched[i] when the value was put or checked by this
+    process and nobody else has written it since; `since` for vouch() afterwards."""
+    since, vouched = core.trust.begin(ids)
+    values = core.get(job, ids)
+    if not core.trust.still(since):  # someone else wrote meanwhile: check them all, vouch none
+        return values, [False] * len(ids), None
+    return values, [v and x is not None for v, x in zip(vouched, values)], since
+
+
+def vouch(core: Any, ids: Sequence[bytes], since: Since) -> None:
+    """This process checked these ids' values, read after `since`, against its digest."""
+    if ids:
+        core.trust.vouch(ids, since)

@@ -367,9 +367,10 @@ class Store:
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
-                 replace: bool = False) -> tuple[int, int, int]:
+                 replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
         """Store values not yet present (or overwrite, with replace: a client found the
-        stored value poisoned). Returns (stored, already, rejected_full)."""
+        stored value poisoned). Returns (stored, already, rejected_full); the ids whose
+        values this call wrote are added to `written_ids`."""
         refused = self._no_room(items)
         if refused is not None:
             return refused
@@ -420,6 +421,8 @@ class Store:
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
                         self.policy.admitted(key)
+        if written_ids is not None:
+            written_ids.extend(k for k, _, _ in accepted)
         self.counters.add_many({"put_stored": len(accepted), "put_already": already,
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})

@@ -26,6 +26,7 @@ then keeps its peak heap. Pass False to leave the allocator alone.
 """
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import socket
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cacheserver import inproc
 from cacheserver.malloc import keep_freed_memory
 from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
@@ -50,6 +52,7 @@ from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
 from .stats import SharedCounters
 
+log = logging.getLogger("clients.dataset")
 # Longest wait for another job's insert of an item it claimed; a claim expires
 # sooner (claims.DEFAULT_TTL), after which the item is read here.
 CLAIM_WAIT_LIMIT = 30.0
@@ -73,6 +76,9 @@ class _ProcessState:
             keep_freed_memory()
         # resolved once in CachedDataset.__init__: every process routes over the same ring
         self.ring = RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff) if ds.cache_spec else None
+        # the embedded server, when it runs in this very process: gets that say which values it vouches for
+        nodes = self.ring.ring.nodes if self.ring is not None else []
+        self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
         self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
         self.pool = ThreadPoolExecutor(ds.fetch_threads, thread_name_prefix="store-fetch")
         # DataLoader workers already check in parallel, one process each: only the
@@ -310,8 +316,12 @@ class CachedDataset(_TorchDataset):
         keys = [self.digest.hashes[i].tobytes() for i in indices]
         ids = self.ids_for(indices)
         out: list[Any] = [None] * n
-        values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
-        opened = self._open_many(st, indices, keys, values)
+        if st.core is not None:
+            values, vouched, since = inproc.get_vouched(st.core, self.job, ids)
+        else:
+            values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
+            vouched, since = None, None
+        opened = self._open_many(st, indices, keys, values, vouched, (ids, since))
         todo, poisoned, cache_bytes = [], set(), 0
         for j, v in enumerate(values):
             item = opened[j]
@@ -322,7 +332,8 @@ class CachedDataset(_TorchDataset):
             else:
                 out[j] = item
                 cache_bytes += len(v)
-        counts = dict(hits=n - len(todo), misses=len(todo), cache_bytes=cache_bytes, poisoned=len(poisoned))
+        counts = dict(hits=n - len(todo), misses=len(todo), cache_bytes=cache_bytes, poisoned=len(poisoned),
+                      vouched=sum(1 for j in range(n) if vouched[j] and opened[j] is not None) if vouched else 0)
         if todo:
             items, fill = self._fill(st, [indices[j] for j in todo], [ids[j] for j in todo],
                                      [j in poisoned for j in todo])
@@ -350,11 +361,15 @@ class CachedDataset(_TorchDataset):
             raise
 
     def _open_many(self, st: _ProcessState, indices: Sequence[int], keys: list[bytes],
-                   values: list[memoryview | None]) -> list[bytes | None]:
+                   values: list[memoryview | None], vouched: list[bool] | None = None,
+                   read: tuple[list[bytes], inproc.Since] | None = None) -> list[bytes | None]:
         """_open for a batch: decrypt in this thread (AES-GCM holds the GIL), then
         check the hashes split over up to HASH_THREADS threads (hashlib and blake3 let
         go of the GIL): BLAKE3 where the digest carries it (version 3), several times
-        faster than the SHA-256 (K) that older digests are checked against."""
+        faster than the SHA-256 (K) that older digests are checked against. Values the
+        in-process server vouches for (put or checked by this process, written by
+        nobody else since: cacheserver/trust.py) skip the hash; those checked here
+        are vouched for from now on (`read`: their ids and when they were read)."""
         items: list[bytes | None] = [None] * len(values)
         for j, v in enumerate(values):
             if v is not None:
@@ -364,7 +379,7 @@ class CachedDataset(_TorchDataset):
                 except capability.PoisonedValue:
                     pass
         if self.verify_hash:
-            todo = [j for j, item in enumerate(items) if item is not None]
+            todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
             b3 = self.digest.blake3
             pairs = ([(b3[indices[j]].tobytes(), items[j]) for j in todo] if b3 is not None
                      else [(keys[j], items[j]) for j in todo])
@@ -373,6 +388,8 @@ class CachedDataset(_TorchDataset):
                                                            hash_fn=hash_fn)):
                 if not ok:
                     items[j] = None  # forged by a holder of the key: poisoned
+            if st.core is not None and read is not None and read[1] is not None:
+                inproc.vouch(st.core, [read[0][j] for j in todo if items[j] is not None], read[1])
         return items
 
     def _open(self, i: int, key: bytes, value: memoryview) -> bytes | None:
@@ -488,7 +505,15 @@ class CachedDataset(_TorchDataset):
             item_id, _, value = capability.seal(item, self.digest.sha256(i))
             groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
         for (chunk, replace), items in groups.items():
-            st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
+            if st.core is None:
+                st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
+                continue
+            try:  # sealed from checked items: the in-process server vouches for them
+                inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=True)
+            except ValueError:  # a malformed put: ours to fix, not the store's
+                raise
+            except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss
+                log.warning("embedded cache refused a put of %d items: %s", len(items), e)
         return sum(map(len, groups.values()))
 
     def prefetch(self, indices: Sequence[int]) -> None:

@@ -9,8 +9,10 @@ import multiprocessing
 from dataclasses import dataclass
 from typing import Any
 
+# vouched: hits taken without the hash check, the in-process server vouching for them
+# (cacheserver/trust.py); they are in `hits` too.
 FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
-          "coalesced", "cache_errors", "prefetched")
+          "coalesced", "cache_errors", "prefetched", "vouched")
 MAX_ROWS = 129  # row 0: the main process; rows 1..: workers by id
 
 
