@@ -19,10 +19,13 @@ import ssl
 import struct
 from collections.abc import Sequence
 
+import numpy
+
 MAGIC = b"MLC1"
 HEADER = struct.Struct("<4sBBHIQ")
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
+_SMALL = 1 << 16  # frames up to this size are read with one recv, as bytes
 
 
 class ProtocolError(ConnectionError):
@@ -53,32 +56,36 @@ def unpack_header_flags(raw: bytes) -> tuple[int, int, int, int, int]:
     return op, flags, aux_len, count, body_len
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly n bytes: usually one syscall (MSG_WAITALL), no zero-filling."""
+def recv_exact(sock: socket.socket, n: int) -> bytes | memoryview:
+    """Read exactly n bytes: bytes up to _SMALL (usually one syscall, MSG_WAITALL),
+    else a memoryview of one uninitialised buffer of the final size that the parts
+    are received into in place: no zero-filling, no second copy, no growing."""
     if n == 0:
         return b""
-    if not isinstance(sock, ssl.SSLSocket):
-        data = sock.recv(n, socket.MSG_WAITALL)
-        if len(data) == n:
-            return data
-        if not data:
-            raise ConnectionError("connection closed by peer")
-    else:
-        data = b""
-    # The rest straight into one buffer of the final size: growing a bytearray by parts
-    # reallocates and copies, which held up to twice a large body while its sender paused.
+    if n > _SMALL:
+        view = memoryview(numpy.empty(n, numpy.uint8))
+        _recv_into(sock, view, 0)
+        return view
+    data = b"" if isinstance(sock, ssl.SSLSocket) else sock.recv(n, socket.MSG_WAITALL)
+    if len(data) == n:
+        return data
+    if not data and not isinstance(sock, ssl.SSLSocket):
+        raise ConnectionError("connection closed by peer")
+    # A socket with a timeout is non-blocking underneath: MSG_WAITALL returns what has come.
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = len(data)
-    view[:got] = data
-    del data
+    buf[:len(data)] = data
+    with memoryview(buf) as view:
+        _recv_into(sock, view, len(data))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, got: int) -> None:
+    n = len(view)
     while got < n:
         k = sock.recv_into(view[got:], min(n - got, 1 << 22))
         if not k:
             raise ConnectionError("connection closed by peer")
         got += k
-    view.release()
-    return bytes(buf)
 
 
 def send_buffers(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:

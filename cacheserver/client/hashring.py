@@ -47,6 +47,8 @@ class HashRing:
 
     def route(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
         """Group key positions by owning node, preserving order within a node."""
+        if len(self._nodes) == 1:  # one server (the embedded default, or a host's own): no hashing
+            return {self._nodes[0]: list(range(len(keys)))} if keys else {}
         out: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             out.setdefault(self.node_for(k), []).append(i)

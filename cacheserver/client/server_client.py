@@ -49,6 +49,7 @@ class ServerClient:
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
+        self._read_ahead = True  # same-host gets read the follower while the server answers
         self._inproc_get = local_read  # gets and puts to a server in this process go to its core (inproc.py)
 
     # ---- what the server serves -------------------------------------------
@@ -250,25 +251,43 @@ class ServerClient:
         if local is None:
             return (yield from self._remote_get_steps(ids, job))
         inline = self.supports(FEATURE_INLINE)
-        count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline))
+        # While the server answers which ids it holds, read them all from the follower
+        # (Call runs `ahead` between sending and receiving): the round trip no longer
+        # adds to the reads. Only while most ids were present last time.
+        ahead: list = []
+        read_ahead = (lambda: ahead.append(self._timed_read(local, ids))) if self._read_ahead else None
+        count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline), read_ahead)
         if inline:  # values the follower cannot see yet (not flushed) came inline
             out, want = ops.values_of(count, body)
         else:
             out, want = [None] * len(ids), [i for i, p in enumerate(body) if p]
-        missing = self._read_local(local, ids, want, out)
+        self._read_ahead = 2 * len(want) >= len(ids)
+        missing = self._read_local(local, ids, want, out, ahead[0] if ahead else None)
         if missing:  # not visible to the follower yet, or damaged: the server decides
             got = yield from self._remote_get_steps([ids[i] for i in missing], job, counted=True)
             for i, v in zip(missing, got):
                 out[i] = v
         return out
 
-    def _read_local(self, local: LocalReader, ids: Sequence[bytes], want: list[int],
-                    out: list[memoryview | None]) -> list[int]:
-        """Fill out[i] for i in want from the follower (catching up once for what
-        it lacks); the indices still missing."""
+    @staticmethod
+    def _timed_read(local: LocalReader, ids: Sequence[bytes]) -> tuple[list[memoryview | None], float]:
         t = time.perf_counter()
-        for i, v in zip(want, local.read([ids[i] for i in want])):
-            out[i] = v
+        return local.read(ids), time.perf_counter() - t
+
+    def _read_local(self, local: LocalReader, ids: Sequence[bytes], want: list[int],
+                    out: list[memoryview | None],
+                    ahead: tuple[list[memoryview | None], float] | None = None) -> list[int]:
+        """Fill out[i] for i in want from the follower (catching up once for what
+        it lacks), or from `ahead` (all ids read before the answer came, and how
+        long that took); the indices still missing."""
+        t = time.perf_counter()
+        if ahead is None:
+            for i, v in zip(want, local.read([ids[i] for i in want])):
+                out[i] = v
+        else:
+            t -= ahead[1]
+            for i in want:
+                out[i] = ahead[0][i]
         missing = [i for i in want if out[i] is None]
         if missing:
             t1 = time.perf_counter()
@@ -357,12 +376,20 @@ class Call:
         self._done, self._value = False, None
         if steps is None:
             return
+        self._meanwhile = None
         try:
             req = next(steps)
         except StopIteration as stop:  # answered without a call
             self._done, self._value = True, stop.value
             return
-        self._sock = client._send(*req)
+        self._sock = self._send(req)
+
+    def _send(self, req: tuple) -> socket.socket:
+        """Send (op, job, count, parts, flags[, meanwhile]): `meanwhile` runs after the
+        request is sent and before its answer is read."""
+        sock = self._client._send(*req[:5])
+        self._meanwhile = req[5] if len(req) > 5 else None
+        return sock
 
     @classmethod
     def done(cls, value: Any) -> "Call":
@@ -377,16 +404,20 @@ class Call:
         sock, self._sock = self._sock, None
         while True:
             try:
+                if self._meanwhile is not None:
+                    meanwhile, self._meanwhile = self._meanwhile, None
+                    meanwhile()
                 answer = client._recv(sock)
             except BaseException:
                 steps.close()
+                sock.close()  # its answer was never read: the connection cannot be reused
                 raise
             try:
                 req = steps.send(answer)
             except StopIteration as stop:
                 value = stop.value
                 break
-            sock = client._send(*req)
+            sock = self._send(req)
         self._done, self._value = True, value
         return value
 
