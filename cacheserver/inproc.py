@@ -1,9 +1,8 @@
 """Cache servers running inside this process (the embedded default), by address.
 
-A client in the process that runs a server takes its gets and puts straight to
-the server's core (CacheCore.get and .put: counted, ordered and bypassed
-exactly as over the wire) instead of through its own socket and a RocksDB
-follower: no frames, no copies, no server thread contending for the GIL. Only
+A client in the process that runs a server asks the server's core directly
+(CacheCore.get, .put and the others: counted, ordered and bypassed exactly as
+over the wire) instead of through its own socket and a RocksDB follower: no frames, no copies, no server thread contending for the GIL. Only
 the process that registered a server sees it: a forked DataLoader worker
 inherits this table, but not the server's threads, so it goes through the
 socket as before.
@@ -20,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from . import ops
 from .trust import Since
 
 _lock = threading.Lock()
@@ -43,6 +43,19 @@ def core_for(address: str) -> Any | None:
     if found is None or found[0] != os.getpid():
         return None
     return found[1]
+
+
+def ask(core: Any, op: ops.Op, job: str, keys: Sequence, opts: dict[str, Any]) -> Any:
+    """An operation of ServerClient's on a server in this process: gets and puts
+    straight to the core, the others through the op's own frame and serve (the
+    same checks as over the wire), without a socket."""
+    if op is ops.GET:
+        return core.get(job, keys)
+    if op is ops.PUT:
+        return put(core, job, keys, **opts)
+    count, parts, flags = op.frame(keys, **opts)
+    rcount, answer = op.serve(core, job, flags, count, memoryview(b"".join(parts)))
+    return op.result(rcount, b"".join(answer))
 
 
 def put(core: Any, job: str, items: Sequence[tuple[bytes, Any]], dataset: str = "", chunk: int = -1,

@@ -50,7 +50,7 @@ class ServerClient:
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
         self._read_ahead = True  # same-host gets read the follower while the server answers
-        self._inproc_get = local_read  # gets and puts to a server in this process go to its core (inproc.py)
+        self._inproc_get = local_read  # operations on a server in this process go to its core (inproc.py)
 
     # ---- what the server serves -------------------------------------------
     def supports(self, feature: str) -> bool:
@@ -208,12 +208,14 @@ class ServerClient:
 
     def _steps(self, op: ops.Op, keys: Sequence, job: str, opts: dict[str, Any]) -> Steps:
         """Generators that yield each request (op, job, count, parts, flags) and are
-        sent its answer (count, body); Call runs them."""
+        sent its answer (count, body); Call runs them. A server in this very process
+        (the embedded default) is asked straight through its core: no socket, no
+        server thread taking the GIL (its puts are not vouched for: inproc.py)."""
+        core = inproc.core_for(self.address) if self._inproc_get else None
+        if core is not None:
+            return inproc.ask(core, op, job, keys, opts)
         if op is ops.GET:
             return (yield from self._get_steps(keys, job))
-        core = inproc.core_for(self.address) if op is ops.PUT and self._inproc_get else None
-        if core is not None:  # the embedded server, in this process: no socket (not vouched for)
-            return inproc.put(core, job, keys, **opts)
         count, body = yield (op.code, job, *op.frame(keys, **opts))
         return op.result(count, body)
 
@@ -244,9 +246,6 @@ class ServerClient:
 
     # ---- gets: same-host reads from the store files, or over the socket
     def _get_steps(self, ids: Sequence[bytes], job: str) -> Steps:
-        core = inproc.core_for(self.address) if self._inproc_get else None
-        if core is not None:  # the embedded server, in this process: no socket, no follower
-            return core.get(job, ids)
         local = self._follower()
         if local is None:
             return (yield from self._remote_get_steps(ids, job))
