@@ -78,11 +78,16 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
     An async filesystem (http, gcs, s3) reads the whole batch in one call on its
     event loop (``cat_ranges``): per item that costs about half the client CPU
     of one blocking ``cat_file`` per thread (tools/bench/misspath). Others
-    (local) read in ``pool`` when given, else one after another."""
+    (local) read in ``pool`` when given, else one after another: in at most
+    ``concurrency`` shares of consecutive items, each share one task (a task per
+    item cost a thread hand-off per item, about as much CPU as the read)."""
     indices = list(indices)
     if len(indices) <= 1 or not getattr(fs, "async_impl", False):
         if len(indices) > 1 and pool is not None:
-            return list(pool.map(lambda i: read_item(digest, i, fs, verify=verify), indices))
+            n = min(len(indices), max(1, concurrency))
+            shares = [indices[len(indices) * k // n:len(indices) * (k + 1) // n] for k in range(n)]
+            return [data for part in pool.map(lambda share: [read_item(digest, i, fs, verify=verify)
+                                                              for i in share], shares) for data in part]
         return [read_item(digest, i, fs, verify=verify) for i in indices]
     base = fs._strip_protocol(digest.root)
     ranges = [_item_range(digest, i, base) for i in indices]

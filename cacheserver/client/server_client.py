@@ -90,6 +90,8 @@ class ServerClient:
     def _open_local(self, db_path: str) -> None:
         if not (self._local_read and db_path and os.access(db_path, os.R_OK | os.X_OK)):
             return
+        if inproc.core_for(self.address) is not None:  # served in this process: no follower needed
+            return
         try:
             self._local = self._new_follower(db_path)
         except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
