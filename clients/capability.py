@@ -114,6 +114,29 @@ def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = 
     return item
 
 
+def open_values(keys: list[bytes], ids: list[bytes], values: list[Buffer | None], sizes: list[int]
+                ) -> list[bytes | None]:
+    """open_value(K, value, size, verify_hash=False) for a batch whose ids (item_id(K))
+    the caller already holds: None for a missing value and for one that fails a
+    check (PoisonedValue). The hash check (step 4) is the caller's, batched."""
+    out: list[bytes | None] = []
+    hsize, unpack, version = _HEADER.size, _HEADER.unpack_from, VALUE_VERSION
+    for K, ident, value, size in zip(keys, ids, values, sizes):
+        if value is None:
+            out.append(None)
+            continue
+        mv = memoryview(value)
+        if len(mv) != size + OVERHEAD or len(K) != 32 or unpack(mv)[:2] != (version, size):
+            out.append(None)  # malformed, another version, or the wrong size
+            continue
+        try:
+            out.append(AESGCM(hashlib.sha256(KEY_DOMAIN + K).digest()).decrypt(
+                NONCE, mv[hsize:], ident + bytes(mv[:hsize])))
+        except InvalidTag:
+            out.append(None)
+    return out
+
+
 def sha256(item: Buffer) -> bytes:
     return hashlib.sha256(item).digest()
 
