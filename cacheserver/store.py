@@ -368,9 +368,8 @@ class Store:
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
-        """Store values not yet present (or overwrite, with replace: a client found the
-        stored value poisoned). Returns (stored, already, rejected_full); the ids whose
-        values this call wrote are added to `written_ids`."""
+        """Store values not yet present (or overwrite, with replace: a client found the stored
+        value poisoned). Returns (stored, already, rejected_full); adds the ids written to written_ids."""
         refused = self._no_room(items)
         if refused is not None:
             return refused
