@@ -19,8 +19,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from . import ops
+from . import ops, wire
 from .trust import Since
+from .vocab import BadRequest
 
 _lock = threading.Lock()
 _cores: dict[str, tuple[int, Any]] = {}  # address -> (pid, CacheCore)
@@ -48,14 +49,20 @@ def core_for(address: str) -> Any | None:
 def ask(core: Any, op: ops.Op, job: str, keys: Sequence, opts: dict[str, Any]) -> Any:
     """An operation of ServerClient's on a server in this process: gets and puts
     straight to the core, the others through the op's own frame and serve (the
-    same checks as over the wire), without a socket."""
-    if op is ops.GET:
-        return core.get(job, keys)
-    if op is ops.PUT:
-        return put(core, job, keys, **opts)
-    count, parts, flags = op.frame(keys, **opts)
-    rcount, answer = op.serve(core, job, flags, count, memoryview(b"".join(parts)))
-    return op.result(rcount, b"".join(answer))
+    same checks as over the wire), without a socket. Failures come back as they
+    would over the wire: RemoteError, BAD_REQUEST or INTERNAL (dataplane.py)."""
+    try:
+        if op is ops.GET:
+            return core.get(job, keys)
+        if op is ops.PUT:
+            return put(core, job, keys, **opts)
+        count, parts, flags = op.frame(keys, **opts)
+        rcount, answer = op.serve(core, job, flags, count, memoryview(b"".join(parts)))
+        return op.result(rcount, b"".join(answer))
+    except BadRequest as e:
+        raise wire.RemoteError(wire.BAD_REQUEST, str(e)) from None
+    except Exception as e:  # as the data plane answers: the client takes the server as failed
+        raise wire.RemoteError(wire.INTERNAL, f"internal error: {e}") from e
 
 
 def put(core: Any, job: str, items: Sequence[tuple[bytes, Any]], dataset: str = "", chunk: int = -1,
