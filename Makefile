@@ -37,6 +37,7 @@ bench-partial: venv
 	$(PY) tools/bench/partial
 
 bench-epoch: venv
+	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
 	$(PY) tools/bench/epoch
 
 bench-misspath: venv
