@@ -33,6 +33,7 @@ from .membership import Liveness
 from .metrics import MANAGER_COUNTERS, gather, serve_metrics
 from .model import ManagerConfig
 from .policy import AllocConfig, BufferConfig, ProbeConfig
+from .policy.admission import AdmissionConfig
 from .service import ManagerService
 from .state import StateError, StateStore
 
@@ -159,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-marked-seconds", type=float, default=None,
                    help="evict a marked chunk after this long regardless (default: off)")
     p.add_argument("--policy-config", default=None, metavar="FILE",
-                   help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}} (docs/manager-policy.md)')
+                   help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}, "admission": {...}} '
+                        '(docs/manager-policy.md)')
     p.add_argument("--snapshot-every", type=int, default=1000, help="journal events between snapshots")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
     p.add_argument("--server-timeout", type=float, default=2.0, help="seconds per call to a cache server")
@@ -174,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if args.policy_config:
         with open(args.policy_config) as f:
             over = json.load(f)
-        unknown = set(over) - {"probe", "alloc", "buffer", "dataset_grace_s"}
+        unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s"}
         if unknown:
             raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
     for name in ("heartbeat_seconds", "decision_seconds"):
@@ -187,7 +189,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         probe=ProbeConfig(**{"passive": not args.bypass_probes, **over.get("probe", {})}),
         alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks,
                              **({"mechanism": "chunks"} if args.chunks or args.no_chunks else {}), **over.get("alloc", {})}),
-        buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}))
+        buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}),
+        admission=AdmissionConfig(**over.get("admission", {})))
     return DaemonConfig(
         listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,
         tls=tls_from_args(args),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
@@ -34,6 +34,7 @@ from .pipelines import report as report_pipeline
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
                      StartLoading, Transition, allocate, demands, num_chunks)
+from .policy.admission import AdmissionBoard, AdmissionConfig
 from .policy.shares import Share, allocate_shares, share_items
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
@@ -54,6 +55,7 @@ class ManagerConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     alloc: AllocConfig = field(default_factory=AllocConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         alloc = asdict(self.alloc)
@@ -62,14 +64,15 @@ class ManagerConfig:
         if alloc["mechanism"] == "shares":
             del alloc["mechanism"]
         return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
-                "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer)}
+                "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer),
+                "admission": asdict(self.admission)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ManagerConfig":
         return cls(None if d.get("budget") is None else int(d["budget"]),
                    float(d.get("dataset_grace_s", 300.0)),
                    ProbeConfig(**d.get("probe", {})), AllocConfig(**d.get("alloc", {})),
-                   BufferConfig(**d.get("buffer", {})))
+                   BufferConfig(**d.get("buffer", {})), AdmissionConfig(**d.get("admission", {})))
 
 
 @dataclass
@@ -103,6 +106,7 @@ class ManagerModel:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     pipelines: dict[str, PipelineRecord] = field(default_factory=dict)  # autocache, by pipeline_key
+    admission: AdmissionBoard = field(default_factory=AdmissionBoard)   # who inserts into the shared LRU
 
     def __post_init__(self) -> None:
         if self.board.config != self.config.probe:
@@ -203,6 +207,7 @@ class ManagerModel:
         batches = [Batch(float(b[0]), float(b[1]), None if b[2] is None else float(b[2]))
                    for b in ev["batches"]]
         rec.batches += len(batches)
+        self.admission.observe(rec.dataset, batches, self.config.admission)
         return self._transitions(self.board.report(rec.job, batches, now))
 
     def _buffer_for(self, job: str | None, ds: str, chunk: int) -> DoubleBuffer | None:
@@ -290,6 +295,7 @@ class ManagerModel:
             else:
                 sizes[ds] = rec.bytes
         new = self._allocate(demands(gains, sizes), max(0, self.budget() - reserved))
+        self._admit(new, gains, now)
         new.update(kept)
         out: list[Effect] = []
         for ds in sorted(new):
@@ -313,6 +319,17 @@ class ManagerModel:
             del self.pipelines[key]
         return out
 
+    def _admit(self, new: dict[str, Allocation], gains: Mapping[str, list], now: float) -> None:
+        """Shares: datasets whose misses yield too few hits in the shared LRU stop
+        inserting there (policy/admission.py), measured while all of them insert."""
+        if self.config.alloc.mechanism != "shares":
+            return
+        users = [ds for ds, a in new.items() if a.spare and a.option is Option.NONE and ds in gains]
+        jobs = {g.job_id: ds for ds, gs in gains.items() for g in gs}
+        self.admission.step(jobs, users, self.budget(), now, self.config.admission)
+        for ds, why in sorted(self.admission.excluded.items()):
+            if ds in new and new[ds].spare:
+                new[ds] = replace(new[ds], spare=False, reason=f"{why}; {new[ds].reason}")
 
     def _allocate(self, ds: list, budget: int) -> dict[str, Allocation]:
         """shares (default): a pinned share per dataset sized by benefit (FULL when the
@@ -441,7 +458,7 @@ class ManagerModel:
             "allocs": {k: v.to_dict() for k, v in sorted(self.allocs.items())},
             "buffers": {k: v.to_dict() for k, v in sorted(self.buffers.items())},
             "decisions": list(self.decisions), "counters": dict(sorted(self.counters.items())),
-        } | ({"pipelines": {k: v.to_dict() for k, v in sorted(self.pipelines.items())}} if self.pipelines else {})
+        } | ({"admission": self.admission.to_dict()} if self.admission.key else {}) | ({"pipelines": {k: v.to_dict() for k, v in sorted(self.pipelines.items())}} if self.pipelines else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ManagerModel":
@@ -456,6 +473,7 @@ class ManagerModel:
             buffers={k: DoubleBuffer.from_dict(v) for k, v in d.get("buffers", {}).items()},
             decisions=list(d.get("decisions", [])), counters=dict(d.get("counters", {})),
             pipelines={k: PipelineRecord.from_dict(v) for k, v in d.get("pipelines", {}).items()},
+            admission=AdmissionBoard.from_dict(d.get("admission", {})),
         )
 
     def digest(self) -> str:

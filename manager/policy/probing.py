@@ -125,6 +125,13 @@ class ProbeConfig:
     passive_window: int = 300        # (miss fraction, time) pairs kept per job
     passive_every: int = 25          # re-estimate after this many new pairs
     passive_probe_after: int = 600
+    # the estimate of b is conclusive only with this share of pairs at or above this
+    # miss fraction; otherwise it is a lower bound (counts as at least the prior)
+    passive_high_miss: float = 0.8
+    passive_high_share: float = 0.1
+    # such a lower bound below this (no gain as far as seen) gets one bypass probe:
+    # allocation would otherwise keep the dataset out of the cache on no evidence
+    passive_probe_below: float = 1.05
 
     def __post_init__(self) -> None:
         if self.min_batches < 1 or self.max_batches < self.min_batches:
@@ -270,8 +277,11 @@ class JobProbe:
         """Wants a probe now (the board decides whether it may start)."""
         if self.phase not in (Phase.NEW, Phase.DECIDED):
             return False
-        if cfg is not None and cfg.passive:  # only when regression stays unsure for long
-            return self.obs_total >= cfg.passive_probe_after
+        if cfg is not None and cfg.passive:  # only when regression stays unsure for long ...
+            # ... or says "no gain" without having seen the batches that would show one
+            flat = (self.inconclusive and self.known_benefit is None and self.benefit is not None
+                    and self.benefit < cfg.passive_probe_below)
+            return flat or self.obs_total >= cfg.passive_probe_after
         return self.next_probe_at is None or now >= self.next_probe_at
 
     def effective_benefit(self, prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float | None:
@@ -383,11 +393,19 @@ class JobProbe:
         est = regress_benefit([(m, t) for m, t in self.obs])
         if est is None:
             return None
-        self.t_miss, self.t_hit, self.benefit, self.inconclusive = est.t_miss, est.t_hit, est.benefit, False
+        # A line read at m = 1 is only known where batches near m = 1 were seen: a job
+        # that ran at its compute speed at every miss fraction it met may still be
+        # I/O-bound when it misses all (its loader's prefetch hid the misses it had).
+        high = sum(1 for m, _ in self.obs if m >= cfg.passive_high_miss) / len(self.obs)
+        seen = high >= cfg.passive_high_share
+        self.t_miss, self.t_hit, self.benefit, self.inconclusive = est.t_miss, est.t_hit, est.benefit, not seen
         self.hit_ratio = 1.0 - sum(m for m, _ in self.obs) / len(self.obs)
-        self.known_benefit, self.decided_at, self.obs_total = est.benefit, now, 0
+        self.decided_at, self.obs_total = now, 0
+        if seen:
+            self.known_benefit = est.benefit
+        note = "" if seen else f", a lower bound: {high:.0%} of batches missed >= {cfg.passive_high_miss:.0%}"
         return self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
-                                            f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%})")
+                                            f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%}{note})")
 
     def _watch_drift(self, bt: Batch, now: float, cfg: ProbeConfig) -> Transition | None:
         self.recent.append(bt.duration)
