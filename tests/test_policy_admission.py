@@ -166,3 +166,37 @@ def test_flat_times_seen_at_high_miss_fractions_are_no_gain():
         t += 8.0
         job.report([Batch(t, 8.0 * rng.uniform(0.98, 1.02), 1.0 - m)], t, cfg)
     assert not job.inconclusive and job.known_benefit < 1.05 and not job.due(t, cfg)
+
+
+def _flat_job(job, cfg, seed):
+    rng = random.Random(seed)
+    t = 0.0
+    for _ in range(100):
+        m = rng.choice([0.0, 0.25, 0.5, 0.75])
+        t += 5.3
+        job.report([Batch(t, 5.3 * rng.uniform(0.98, 1.02), 1.0 - m)], t, cfg)
+    return t
+
+
+def test_flat_jobs_are_not_probed_once_a_job_of_their_dataset_is_known_to_gain():
+    from manager.policy import ProbeBoard
+    cfg = ProbeConfig(passive=True)
+    board = ProbeBoard(cfg)
+    for j in ("a", "b"):
+        board.add_job(j, "d", 1, 0.0)
+    t = _flat_job(board.jobs["a"], cfg, 1)
+    _flat_job(board.jobs["b"], cfg, 2)
+    assert [tr.job_id for tr in board.tick(t)] == ["a"]         # one at a time per dataset
+    board.jobs["a"].known_benefit = 2.0                          # its probe found a gain
+    board.jobs["a"].phase = Phase.DECIDED
+    assert board.tick(t + 1) == []                               # "b" needs no probe of its own
+
+
+def test_a_job_cached_whole_with_a_known_benefit_is_not_probed_again():
+    cfg = ProbeConfig(passive=True, passive_probe_after=50)
+    job = JobProbe("j", "d", 1)
+    job.benefit = job.known_benefit = 3.0
+    job.phase = Phase.DECIDED
+    for k in range(60):   # all hits: nothing to regress
+        job.report([Batch(k + 1.0, 1.0, 1.0)], k + 1.0, cfg)
+    assert not job.due(61.0, cfg)

@@ -278,11 +278,17 @@ class JobProbe:
         if self.phase not in (Phase.NEW, Phase.DECIDED):
             return False
         if cfg is not None and cfg.passive:  # only when regression stays unsure for long ...
-            # ... or says "no gain" without having seen the batches that would show one
-            flat = (self.inconclusive and self.known_benefit is None and self.benefit is not None
-                    and self.benefit < cfg.passive_probe_below)
-            return flat or self.obs_total >= cfg.passive_probe_after
+            # (a job with a conclusive b keeps it: a dataset cached whole shows no misses
+            # to regress on, and probing it would only slow it down to confirm the b
+            # that got it cached) ...
+            return self.flat(cfg) or (self.obs_total >= cfg.passive_probe_after and self.known_benefit is None)
         return self.next_probe_at is None or now >= self.next_probe_at
+
+    def flat(self, cfg: ProbeConfig) -> bool:
+        """Passive: ... or it says "no gain" without having seen the batches that would
+        show one (the board probes it only if no other job of its dataset is known to gain)."""
+        return (cfg.passive and self.inconclusive and self.known_benefit is None and self.benefit is not None
+                and self.benefit < cfg.passive_probe_below)
 
     def effective_benefit(self, prior_benefit: float = DEFAULT_PRIOR_BENEFIT) -> float | None:
         """Benefit for allocation: None if never measured. An inconclusive
@@ -510,7 +516,11 @@ class ProbeBoard:
         for j in self.jobs.values():
             if j.probing:
                 busy[j.dataset] = busy.get(j.dataset, 0) + 1
-        due = [j for j in self.jobs.values() if j.due(now, self.config)]
+        # a dataset one of whose jobs is known to gain stays cached whatever its flat
+        # jobs' probes would say: they need none
+        gaining = {j.dataset for j in self.jobs.values() if (j.known_benefit or 0.0) >= self.config.passive_probe_below}
+        due = [j for j in self.jobs.values() if j.due(now, self.config)
+               and not (j.dataset in gaining and j.flat(self.config) and j.obs_total < self.config.passive_probe_after)]
         # oldest due first; never-measured jobs first among equals; then by id
         due.sort(key=lambda j: (j.next_probe_at if j.next_probe_at is not None else -math.inf,
                                 j.benefit is not None, j.job_id))
