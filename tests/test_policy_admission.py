@@ -200,3 +200,25 @@ def test_a_job_cached_whole_with_a_known_benefit_is_not_probed_again():
     for k in range(60):   # all hits: nothing to regress
         job.report([Batch(k + 1.0, 1.0, 1.0)], k + 1.0, cfg)
     assert not job.due(61.0, cfg)
+
+
+def test_policy_config_sets_admission_and_refuses_unknown_sections(tmp_path):
+    import json
+
+    from manager.managerd import build_parser, config_from_args
+    f = tmp_path / "policy.json"
+    f.write_text(json.dumps({"admission": {"enabled": False, "settle_s": 30}}))
+    args = build_parser().parse_args(["--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+                                      "--policy-config", str(f)])
+    cfg = config_from_args(args)
+    assert cfg.model.admission == AdmissionConfig(enabled=False, settle_s=30)
+    f.write_text(json.dumps({"admision": {}}))
+    with pytest.raises(ValueError, match="unknown sections"):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("bad", [{"settle_s": -1}, {"measure_s": float("nan")}, {"margin": -0.1},
+                                 {"min_batches": 0}])
+def test_bad_admission_config_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        AdmissionConfig(**bad)

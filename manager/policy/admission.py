@@ -106,6 +106,13 @@ class AdmissionConfig:
     min_batches: int = 20       # per dataset in the window
     margin: float = 0.25        # the gain must beat the loss by this much (noise)
 
+    def __post_init__(self) -> None:
+        for name in ("settle_s", "measure_s", "margin"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"admission {name} must be >= 0, not {getattr(self, name)!r}")
+        if self.min_batches < 1:
+            raise ValueError(f"admission min_batches must be >= 1, not {self.min_batches!r}")
+
 
 @dataclass
 class AdmissionBoard:
