@@ -256,10 +256,14 @@ class ManagerModel:
         other datasets hold now."""
         return float(max(0, self.budget() - sum(a.bytes for d, a in self.allocs.items() if d not in (ds, tag))))
 
-    def _autocache_gains(self, gains: dict[str, list], now: float) -> None:
-        """Transformed sets take their jobs' gain (pipelines.move_gains); one whose
-        jobs all left starts its grace period like any dataset."""
+    def job_gains(self) -> dict[str, list]:
+        """Per dataset its jobs' gains, transformed sets taking theirs (pipelines.move_gains)."""
+        gains = self.board.job_gains()
         move_gains(self.pipelines, {j: r.n_gpus for j, r in self.jobs.items()}, gains)
+        return gains
+
+    def _mark_idle_sets(self, gains: Mapping[str, list], now: float) -> None:
+        """A transformed set whose jobs all left starts its grace period like any dataset."""
         for rec in self.pipelines.values():
             t = self.datasets.get(rec.tag)
             if t is not None:
@@ -276,8 +280,8 @@ class ManagerModel:
         under the budget (``--budget`` or the alive servers' total capacity); a
         dataset whose option or chunk size changes gets a new ``DoubleBuffer``."""
         cfg = self.config
-        gains = self.board.job_gains()
-        self._autocache_gains(gains, now)
+        gains = self.job_gains()
+        self._mark_idle_sets(gains, now)
         sizes: dict[str, int] = {}
         kept: dict[str, Allocation] = {}
         reserved = 0

@@ -19,7 +19,7 @@ from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from .membership import Liveness
 from .model import ManagerModel, Rejected
 from .pipelines import PipelineRecord, pipeline_key
-from .policy import CacheMode, Option
+from .policy import CacheMode, Option, dataset_gain
 from .state import StateStore
 
 log = logging.getLogger("manager.service")
@@ -220,7 +220,7 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
         r.servers.add(server_id=sid, address=s.address, capacity=s.capacity, alive=s.alive,
                       used=beat.used if beat else 0, items=beat.items if beat else 0,
                       last_heartbeat_age=now - beat.at if beat else -1.0)
-    gains = m.board.dataset_gains()
+    gains = {ds: dataset_gain(js, m.board.config.prior_benefit) for ds, js in m.job_gains().items()}
     for ds in sorted(m.datasets):
         rec, a, buf = m.datasets[ds], m.allocs.get(ds), m.buffers.get(ds)
         d = r.datasets.add(dataset=ds, bytes=rec.bytes, n_items=rec.n_items, option=m.option(ds).code,

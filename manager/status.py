@@ -74,6 +74,12 @@ def _short(s: str, n: int = 16) -> str:
     return s if len(s) <= n else s[:n - 1] + "…"
 
 
+def _ds(name: str) -> str:
+    """A dataset name for a table: a transformed set (<dataset>+t<fp>) keeps its suffix."""
+    base, plus, fp = name.partition("+t")
+    return _short(base, 10) + "+t" + fp[:6] if plus else _short(name)
+
+
 def _opt(v: str) -> str:
     """A proto enum name (the manager's JSON) in the shared words: "chunked"."""
     return Option.of_code(mpb.CacheOption.Value(v)).value
@@ -103,7 +109,7 @@ def render(d: dict[str, Any], address: str = "") -> str:
         lines += ["", "RECENT DECISIONS"]
         for x in decisions[-10:]:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.get("at", 0)))
-            lines.append(f"  {at}Z {_short(x['dataset'])} -> {_opt(x['option'])}: {x.get('reason', '')}")
+            lines.append(f"  {at}Z {_ds(x['dataset'])} -> {_opt(x['option'])}: {x.get('reason', '')}")
     return "\n".join(lines) + "\n"
 
 
@@ -122,7 +128,7 @@ def _servers(servers: list[dict[str, Any]]) -> list[str]:
 def _datasets(datasets: list[dict[str, Any]]) -> list[str]:
     if not datasets:
         return ["  (none)"]
-    rows = [[_short(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)),
+    rows = [[_ds(x["dataset"]), _size(x.get("bytes")), str(x.get("n_items", 0)),
              _opt(x["option"]) + ("+spare" if x.get("spare") else ""),
              _size(x.get("allocated_bytes")), str(x.get("k", 0) or "-"), _chunk(x.get("active")),
              _chunk(x.get("loading")), _chunk(x.get("marked")), _num(x.get("gain")), _num(x.get("value"))]
@@ -130,7 +136,7 @@ def _datasets(datasets: list[dict[str, Any]]) -> list[str]:
     lines = table(rows, header=["DATASET", "SIZE", "ITEMS", "OPTION", "ALLOCATED", "K", "ACTIVE", "LOADING",
                                 "MARKED", "G", "VALUE"]).splitlines()
     for x in datasets:
-        lines.append(f"  {_short(x['dataset'])}: {x.get('reason', '')}")
+        lines.append(f"  {_ds(x['dataset'])}: {x.get('reason', '')}")
         for c in x.get("chunks", []):
             lines.append(f"    chunk {c['chunk']} {c['state']}: {', '.join(c.get('jobs', [])) or '(no readers)'}")
         if x.get("waiting"):
