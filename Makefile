@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale clean proto
+.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache clean proto
 
 venv: $(STAMP)
 
@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
-bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale
+bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache
 
 bench-hitpath: venv
 	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
@@ -60,6 +60,9 @@ bench-managed: venv
 
 bench-autoscale: venv
 	$(PY) tools/bench/autoscale --duration 120 --window 0.5
+
+bench-autocache: venv
+	$(PY) tools/bench/autocache
 
 proto: venv
 	$(PY) tools/gen_proto.py
