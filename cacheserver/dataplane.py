@@ -167,13 +167,21 @@ class DataPlaneServer:
         self.core.counters.add("dataplane_requests")
         try:
             rcount, parts = self._answer(code, flags, aux_len, count, body)
-            wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, rcount, sum(len(p) for p in parts)), *parts])
         except (BadRequest, UnicodeDecodeError) as e:
             self.core.counters.add("bad_requests")
             self._reply_error(conn, wire.BAD_REQUEST, str(e))
+            return True
         except Exception as e:  # never let one request kill the server
             log.exception("dataplane request failed")
             self._reply_error(conn, wire.INTERNAL, f"internal error: {e}")
+            return True
+        try:
+            wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, rcount, sum(len(p) for p in parts)), *parts])
+        except TimeoutError:  # the reader took nothing for a whole timeout; a slow one is served
+            self.core.counters.add("reply_stalls")
+            log.warning("closed a data-plane connection whose reader took nothing for %.0f s",
+                        self.core.limits.request_timeout_s)
+            return False  # part of the answer is out: the framing cannot go on
         return True
 
     def _answer(self, code: int, flags: int, aux_len: int, count: int, body: memoryview) -> tuple[int, list]:

@@ -26,6 +26,9 @@ HEADER = struct.Struct("<4sBBHIQ")
 OK, BAD_REQUEST, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
 _SMALL = 1 << 16  # frames up to this size are read with one recv, as bytes
+# A TLS write of one buffer runs under one deadline (the socket's timeout) however long
+# the buffer: written in slices, the timeout bounds a stall, not a slow reader's whole answer.
+TLS_SLICE = 256 << 10
 
 
 class ProtocolError(ConnectionError):
@@ -89,10 +92,13 @@ def _recv_into(sock: socket.socket, view: memoryview, got: int) -> None:
 
 
 def send_buffers(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
-    """Gather-write all buffers without joining them (sendmsg), resuming after partial writes."""
+    """Gather-write all buffers without joining them (sendmsg), resuming after partial writes.
+    The socket's timeout bounds each wait for the peer to take more bytes, not the whole write."""
     if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
         for b in bufs:
-            sock.sendall(b)
+            with memoryview(b).cast("B") as view:
+                for at in range(0, len(view), TLS_SLICE):
+                    sock.sendall(view[at:at + TLS_SLICE])
         return
     pending = [memoryview(b) for b in bufs if len(b)]
     i = 0
