@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import rocksdict
 
 from .counters import Counters
+from .diskbudget import DISK_WAIT_S, MEASURE_EVERY_S, STUCK_S, Compactor, DiskUse, bounded, hopeless, room, size_lsm
 from .diskroom import MARGIN, DiskRoom
 from .eviction import EvictionPolicy
 from .flusher import Flusher
@@ -131,7 +132,7 @@ class Store:
         opts.create_missing_column_families(True)
         opts.set_paranoid_checks(True)
         opts.set_max_background_jobs(2)
-        opts.set_write_buffer_size(64 << 20)
+        size_lsm(opts, self.capacity)  # bytes on disk within --capacity (diskbudget.py)
         # A memtable that fills up flushes every column family at once, so values
         # and their index entries reach the table files together.
         opts.set_atomic_flush(True)
@@ -170,6 +171,9 @@ class Store:
         self._reserved = 0
         self._seq = 0
         self.room = DiskRoom(path, self.capacity)
+        self.disk = DiskUse(path)
+        self._disk_bounded = bounded(self.capacity)
+        self._compactor = Compactor(self._db, self.capacity)
         self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
@@ -373,6 +377,7 @@ class Store:
         refused = self._no_room(items)
         if refused is not None:
             return refused
+        self._make_disk_room(sum(len(v) + OVERHEAD for _, v in items), is_spare(tag))
         already = 0
         todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:
@@ -434,12 +439,40 @@ class Store:
         if need > free:
             self._evict_for(need - free, spare_only=is_spare(tag))
             free = self.capacity - self.used - self._reserved
+        if self._disk_bounded:  # what the files on disk leave (diskbudget.py); _make_disk_room waited for it
+            free = min(free, room(self.capacity, self.disk.measure(), self._unflushed_bytes(), self.used,
+                                  self._reserved, need)[0])
         accepted = []
         for key, value, charge in todo:
             if charge <= free:
                 accepted.append((key, value, charge))
                 free -= charge
         return accepted
+
+    def _make_disk_room(self, need: int, spare_only: bool) -> None:
+        """Wait, at most DISK_WAIT_S, until the files on disk leave room for ``need`` bytes
+        (diskbudget.py), evicting where compacting the deletes would not free enough."""
+        start = idle_since = time.monotonic()
+        waited = False
+        while self._disk_bounded and not self._closing:
+            disk, now = self.disk.measure(), time.monotonic()
+            if hopeless(self.capacity, disk, need):
+                break
+            if self._compactor.running():
+                idle_since = now
+            with self._lock:
+                free, evict = room(self.capacity, disk, self._unflushed_bytes(), self.used, self._reserved, need,
+                                   stuck=now - idle_since >= STUCK_S)
+                if evict:
+                    self._evict_for(evict, spare_only=spare_only)
+                    idle_since = now
+            if free >= need or now - start >= DISK_WAIT_S:
+                break
+            waited = True
+            self._compactor.nudge()
+            time.sleep(MEASURE_EVERY_S)
+        if waited:
+            self.counters.add("disk_waits")
 
     def _unflushed_bytes(self) -> int:
         return self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
@@ -617,6 +650,7 @@ class Store:
         if self._flusher is not None:
             self._flusher.stop()
         self._closing = True
+        self._compactor.stop()
         self._room_flush.acquire()  # kept: a background flush (_keep_flushable) ends first, none starts later
         self.flush()
         try:

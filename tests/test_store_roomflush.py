@@ -5,6 +5,7 @@ import os
 import threading
 import time
 
+from cacheserver import store as store_mod
 from cacheserver.counters import Counters
 from cacheserver.diskroom import MARGIN
 from cacheserver.eviction import LRUPolicy
@@ -12,9 +13,18 @@ from cacheserver.getbound import GROUP, bounded_get
 from cacheserver.store import Store
 
 SLOW_FLUSH_S = 1.0
+_REAL_SIZE_LSM = store_mod.size_lsm
 
 
-def _slow_flush_store(path):
+def _big_memtable(opts, capacity):
+    """The LSM sized for the capacity (diskbudget.py), but with RocksDB's 64 MiB memtable:
+    one that holds more than half the reserve before RocksDB flushes it by itself."""
+    _REAL_SIZE_LSM(opts, capacity)
+    opts.set_write_buffer_size(64 << 20)
+
+
+def _slow_flush_store(path, monkeypatch):
+    monkeypatch.setattr(store_mod, "size_lsm", _big_memtable)
     s = Store(path, 1 << 30, LRUPolicy(), Counters(), durability="process")
     real, flushes = s.flush, []
 
@@ -26,8 +36,8 @@ def _slow_flush_store(path):
     return s, flushes
 
 
-def test_put_past_half_the_reserve_flushes_in_the_background(tmp_path):
-    s, flushes = _slow_flush_store(str(tmp_path / "s"))
+def test_put_past_half_the_reserve_flushes_in_the_background(tmp_path, monkeypatch):
+    s, flushes = _slow_flush_store(str(tmp_path / "s"), monkeypatch)
     try:
         chunk = s.room.reserve // 8
         waited = []
@@ -45,8 +55,8 @@ def test_put_past_half_the_reserve_flushes_in_the_background(tmp_path):
         s.close()
 
 
-def test_put_that_would_pass_the_reserve_waits_for_the_flush(tmp_path):
-    s, flushes = _slow_flush_store(str(tmp_path / "s"))
+def test_put_that_would_pass_the_reserve_waits_for_the_flush(tmp_path, monkeypatch):
+    s, flushes = _slow_flush_store(str(tmp_path / "s"), monkeypatch)
     try:
         chunk = s.room.reserve // 4
         for _ in range(5):  # the last ones cannot be taken on top of what is unflushed

@@ -1,0 +1,87 @@
+"""Issue 12 item 4: under LRU churn at several times --capacity, the data dir's
+bytes on disk (as `du` counts them) stay within the capacity; a real daemon."""
+import hashlib
+import os
+import threading
+import time
+
+import numpy as np
+
+from cacheserver.client.server_client import ServerClient
+from procs import cacheserver
+
+CAPACITY = 48 << 20
+ITEM = 128 << 10
+CHURN = 3  # capacities' worth of new items
+LIMIT_S = 240.0
+
+
+def du(path: str) -> int:
+    """Allocated bytes under ``path``, as `du` counts them."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:  # a compaction removed it meanwhile
+                pass
+    return total
+
+
+class DuSampler(threading.Thread):
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.path, self.peak, self.stop = path, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, du(self.path))
+
+
+def test_disk_use_stays_within_capacity_under_churn(tmp_path):
+    data = str(tmp_path / "d")
+    s = cacheserver(data, str(CAPACITY), 0, "--unix-socket", "off").start()
+    sampler = DuSampler(data)
+    sampler.start()
+    try:
+        recent: dict[bytes, bytes] = {}
+        rng = np.random.default_rng(12)
+        deadline = time.monotonic() + LIMIT_S
+        with ServerClient(s.address, local_read=False) as c:
+            for _ in range(CHURN * CAPACITY // (16 * ITEM)):
+                items = []
+                for _ in range(16):
+                    v = rng.bytes(ITEM)  # incompressible
+                    items.append((hashlib.sha256(v).digest(), v))
+                c.put(items)
+                recent = dict(items)
+                assert time.monotonic() < deadline, "churn did not finish in time"
+            time.sleep(1.0)
+            st = c.stats()
+            got = c.get(list(recent))
+        sampler.stop.set()
+        sampler.join()
+        end = du(data)
+        assert all(g is not None and bytes(g) == recent[k] for k, g in zip(recent, got))  # the last batch is held
+        assert st.counters["evicted_items"] > 0 and st.used_bytes <= CAPACITY
+        assert sampler.peak <= 1.10 * CAPACITY, f"du peaked at {sampler.peak / CAPACITY:.2f}x --capacity"
+        assert end <= CAPACITY, f"du ended at {end / CAPACITY:.2f}x --capacity"
+    finally:
+        sampler.stop.set()
+        assert s.stop() == 0
+
+
+def test_room_waits_for_dead_bytes_and_evicts_only_what_they_lack():
+    from cacheserver.diskbudget import HEADROOM, SLACK, OnDisk, room
+    cap = 100 << 20
+    budget = cap - int(cap * HEADROOM)
+    # Room left: admitted, nothing evicted.
+    assert room(cap, OnDisk(50 << 20, 5 << 20), 0, 50 << 20, 0, 1 << 20) == (budget - (55 << 20), 0)
+    # Full on disk, 30 MiB of evicted values not compacted yet: wait, evict nothing.
+    full = OnDisk(budget - (5 << 20), 5 << 20)
+    assert room(cap, full, 0, budget - (35 << 20), 0, 1 << 20) == (0, 0)
+    # Full, nothing dead: evict the put and the slack ahead.
+    used = full.tables * 100 // 102 + 1  # the table files hold nothing but live entries
+    assert room(cap, full, 0, used, 0, 1 << 20) == (0, (1 << 20) + int(cap * SLACK))
+    # Waiting did not help (no compaction ran): what looked dead is not.
+    assert room(cap, full, 0, budget - (35 << 20), 0, 1 << 20, stuck=True)[1] == (1 << 20) + int(cap * SLACK)
