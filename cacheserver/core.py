@@ -31,6 +31,7 @@ class Limits:
     max_inflight_bytes: int = 1 << 30  # request bodies held at once, all data-plane connections
     max_connections: int = 4096  # open data-plane connections
     request_timeout_s: float = 30.0  # a request's frame must arrive within this once it starts
+    max_grpc_calls: int = 64  # gRPC calls served at once; past it RESOURCE_EXHAUSTED (grpcopts.py)
 
 
 class CacheCore:

@@ -16,6 +16,7 @@ from .dataplane import DataPlaneServer
 from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
+from .grpcopts import grpc_server_options
 from .logs import event
 from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
@@ -65,11 +66,9 @@ class CacheServer:
         self.server_id = sid.decode()
         self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
 
-        opts = [("grpc.max_receive_message_length", cfg.limits.max_batch_bytes + (8 << 20)),
-                ("grpc.max_send_message_length", -1),
-                ("grpc.so_reuseport", 0)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
-                                options=opts)
+                                options=grpc_server_options(cfg.limits),
+                                maximum_concurrent_rpcs=cfg.limits.max_grpc_calls)
         token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")

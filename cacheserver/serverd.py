@@ -29,6 +29,16 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheserver", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -53,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=4096, help="open data-plane connections at most")
     p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                    help="a data-plane request that stalls this long while being sent or answered is cut off")
+    p.add_argument("--max-grpc-calls", type=_positive_int, default=64, metavar="N",
+                   help="gRPC calls served at once (each may hold up to --max-batch-size); past it a call "
+                        "is refused with RESOURCE_EXHAUSTED")
     p.add_argument("--durability", default="cache", choices=list(DURABILITY),
                    help="what a killed server may lose: 'cache' the inserts of its last few seconds "
                         "(refetched as misses; values skip the RocksDB log, about half the CPU per insert), "
@@ -89,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         salvage=args.salvage, cluster_token_file=args.cluster_token_file,
         limits=Limits(max_item_bytes=args.max_item_size, max_batch_bytes=args.max_batch_size,
                       max_inflight_bytes=args.max_inflight_bytes, max_connections=args.max_connections,
-                      request_timeout_s=args.request_timeout),
+                      request_timeout_s=args.request_timeout, max_grpc_calls=args.max_grpc_calls),
     )
 
 
