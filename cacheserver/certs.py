@@ -5,6 +5,10 @@ servers signed by it (tls.py). Server certificates carry a SubjectAltName
 with every DNS name and IP clients use to reach a server: gRPC checks it
 against the address it dials. Keys are EC P-256 by default (RSA 2048 on
 request), written as unencrypted PKCS#8 PEM with mode 0600.
+
+Each leaf names its role in the subject's organizational unit (ROLES): a
+cache server gives the manager role only to a `manager` certificate
+(roles.py); `server` (peers) and `client` certificates are plain clients.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ CA_DAYS = 3650
 CERT_DAYS = 825  # leaf certificates; renew with `cachectl certs --force` and a restart
 BACKDATE = dt.timedelta(minutes=5)  # tolerate small clock skew between hosts
 KEY_TYPES = ("ec", "rsa")
+ROLES = ("server", "manager", "client")  # the subject's OU (roles.py)
 
 Key = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
@@ -38,9 +43,17 @@ def new_key(key_type: str = "ec") -> Key:
     raise ValueError(f"key type must be one of {', '.join(KEY_TYPES)}, got {key_type!r}")
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "mlcache"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+def _name(common_name: str, role: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "mlcache")]
+    if role is not None:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    return x509.Name(attrs + [x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def cert_role(cert: x509.Certificate) -> str | None:
+    """The role a leaf certificate names (its OU, one of ROLES), or None."""
+    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    return next((str(a.value) for a in ous if a.value in ROLES), None)
 
 
 def _validity(days: int) -> tuple[dt.datetime, dt.datetime]:
@@ -83,17 +96,20 @@ def parse_ips(values: Sequence[str]) -> list[ipaddress.IPv4Address | ipaddress.I
 
 def make_cert(ca_key: Key, ca_cert: x509.Certificate, common_name: str, *, server: bool,
               dns_names: Sequence[str] = (), ips: Sequence[str] = (), days: int = CERT_DAYS,
-              key_type: str = "ec") -> tuple[Key, x509.Certificate]:
+              key_type: str = "ec", role: str | None = None) -> tuple[Key, x509.Certificate]:
     """A leaf certificate signed by the CA. Server certificates are valid for
     serverAuth and clientAuth (a node may also call its peers); client ones
-    for clientAuth only."""
+    for clientAuth only. ``role``: see ROLES (default: server or client)."""
+    role = role or ("server" if server else "client")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     key = new_key(key_type)
     not_before, not_after = _validity(days)
     usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server \
         else [ExtendedKeyUsageOID.CLIENT_AUTH]
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     b = (x509.CertificateBuilder()
-         .subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+         .subject_name(_name(common_name, role)).issuer_name(ca_cert.subject)
          .public_key(key.public_key()).serial_number(x509.random_serial_number())
          .not_valid_before(not_before).not_valid_after(min(not_after, ca_cert.not_valid_after_utc))
          .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -165,6 +181,14 @@ class Bundle:
         return self.out_dir / "server-key.pem"
 
     @property
+    def manager_cert(self) -> Path:
+        return self.out_dir / "manager.pem"
+
+    @property
+    def manager_key(self) -> Path:
+        return self.out_dir / "manager-key.pem"
+
+    @property
     def client_cert(self) -> Path:
         return self.out_dir / "client.pem"
 
@@ -175,7 +199,7 @@ class Bundle:
 
 def bundle_names(clients: int = 1) -> list[str]:
     """Files `write_bundle` creates: client i >= 2 gets client-i.pem / client-i-key.pem."""
-    names = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem"]
+    names = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "manager.pem", "manager-key.pem"]
     for i in range(1, clients + 1):
         stem = "client" if i == 1 else f"client-{i}"
         names += [f"{stem}.pem", f"{stem}-key.pem"]
@@ -204,6 +228,10 @@ def write_bundle(out_dir: str | os.PathLike, *, server_names: Sequence[str] = DE
     key, cert = make_cert(ca_key, ca_cert, cn, server=True, dns_names=server_names, ips=ips,
                           days=days, key_type=key_type)
     pems["server.pem"], pems["server-key.pem"] = (cert_pem(cert), 0o644), (key_pem(key), 0o600)
+    # The manager serves its own gRPC (same names) and calls servers with the manager role.
+    key, cert = make_cert(ca_key, ca_cert, "mlcache-manager", server=True, dns_names=server_names, ips=ips,
+                          days=days, key_type=key_type, role="manager")
+    pems["manager.pem"], pems["manager-key.pem"] = (cert_pem(cert), 0o644), (key_pem(key), 0o600)
     for i in range(1, clients + 1):
         stem = "client" if i == 1 else f"client-{i}"
         key, cert = make_cert(ca_key, ca_cert, f"mlcache-{stem}", server=False, days=days,

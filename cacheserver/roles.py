@@ -1,20 +1,27 @@
 """Who may do what on a cache server (docs/security.md, the role matrix).
 
-Without TLS the manager proves its role with a shared cluster token, read
+Under mutual TLS the role comes from the caller's certificate: only one whose
+subject names the `manager` role (certs.py, `cachectl certs` writes
+manager.pem) is the manager; `server` (peer) and `client` certificates are
+plain clients. Without TLS the manager proves its role with a shared cluster token, read
 from a file given to the servers and the manager (--cluster-token-file) and
 sent as gRPC metadata. Control operations that change another job's
 service (modes, chunk references, active chunks, evictions) need it; plain
 clients look up, get, put and replace. Stats for a caller without it carry
-no job or dataset names. A server started without a token file keeps the
-open behaviour of earlier versions (every caller is the manager) and says
-so in its log."""
+no job or dataset names. The token also gives the role under TLS. A server
+started with neither TLS nor a token file keeps the open behaviour of
+earlier versions (every caller is the manager) and says so in its log."""
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 from typing import Any
 
 import grpc
+from cryptography import x509
+
+from .certs import cert_role
 
 TOKEN_HEADER = "x-mlcache-token"
 MIN_TOKEN_BYTES = 16
@@ -40,21 +47,47 @@ def metadata(token: bytes | None) -> tuple[tuple[str, str], ...] | None:
     return None if token is None else ((TOKEN_HEADER, token.decode()),)
 
 
+@functools.lru_cache(maxsize=256)
+def _pem_role(pem: bytes) -> str | None:
+    try:
+        return cert_role(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return None
+
+
+def grpc_cert_role(context: Any) -> str | None:
+    """The role named by the caller's TLS certificate (certs.ROLES), or None."""
+    try:
+        pems = context.auth_context().get("x509_pem_cert")
+    except Exception:  # a context without one (in-process calls)
+        return None
+    return _pem_role(bytes(pems[0])) if pems else None
+
+
 class Roles:
-    def __init__(self, token: bytes | None) -> None:
+    def __init__(self, token: bytes | None, tls: bool = False) -> None:
         self.token = token
+        self.tls = tls
 
     def is_manager(self, context: Any) -> bool:
-        if self.token is None:
+        if self.token is None and not self.tls:
             return True
+        if self.tls and grpc_cert_role(context) == "manager":
+            return True
+        if self.token is None:
+            return False
         given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER)
         return given is not None and hmac.compare_digest(given.encode(), self.token)
 
     def require_manager(self, context: Any, op: str) -> None:
         if not self.is_manager(context):
+            how = "a manager certificate (manager.pem from `cachectl certs`)" if self.tls else ""
+            if self.token is not None:
+                how = f"{how} or the cluster token (--cluster-token-file)" if how else \
+                    "the cluster token (--cluster-token-file)"
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{op} is an operation of the cache manager: it needs the cluster token "
-                          "(--cluster-token-file); plain clients may look up, get, put and replace")
+                          f"{op} is an operation of the cache manager: it needs {how}; "
+                          "plain clients may look up, get, put and replace")
 
 
 def strip_tenants(resp: Any) -> Any:

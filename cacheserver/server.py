@@ -72,7 +72,8 @@ class CacheServer:
         token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
-        pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id, Roles(token)),
+        pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id,
+                                                         Roles(token, tls=cfg.tls is not None)),
                                             self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -126,6 +126,8 @@ def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"server certificate valid for: {', '.join(names + ips)}")
     print(f"server: cacheserver ... --tls-cert {out / 'server.pem'} --tls-key {out / 'server-key.pem'}"
           f" --tls-ca {out / 'ca.pem'}")
+    print(f"manager: cachemanager ... --tls-cert {out / 'manager.pem'} --tls-key {out / 'manager-key.pem'}"
+          f" --tls-ca {out / 'ca.pem'}  (the manager role on servers)")
     if args.clients:
         print(f"client: cachectl stats ADDR --tls-cert {out / 'client.pem'} --tls-key {out / 'client-key.pem'}"
               f" --tls-ca {out / 'ca.pem'}")
@@ -299,8 +301,10 @@ def _add_certs(sub: Any) -> None:
     from cacheserver import certs
     c = sub.add_parser("certs", formatter_class=HelpFormatter,
                        help="create a CA and server/client certificates for mutual TLS",
-                       description="Create ca.pem, ca-key.pem, server.pem, server-key.pem, client.pem and "
-                                   "client-key.pem (client-N.pem for N >= 2) in DIR. Keys are mode 0600.")
+                       description="Create ca.pem, ca-key.pem, server.pem, server-key.pem, manager.pem, "
+                                   "manager-key.pem, client.pem and client-key.pem (client-N.pem for N >= 2) "
+                                   "in DIR. Keys are mode 0600. Only manager.pem has the manager role on "
+                                   "servers (docs/security.md).")
     c.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     c.add_argument("--server-names", nargs="+", metavar="NAME",
                    help="DNS names for the server certificate's SubjectAltName (default: localhost)")

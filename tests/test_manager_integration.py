@@ -325,11 +325,13 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
     b = write_bundle(tmp_path / "certs")
     srv_tls = ["--tls-cert", str(b.server_cert), "--tls-key", str(b.server_key), "--tls-ca", str(b.ca)]
     cli = TlsFiles(str(b.client_cert), str(b.client_key), str(b.ca))
-    m = cachemanager(str(tmp_path / "m"), 0, *OLD_POLICY, *srv_tls).start()
+    mgr_tls = ["--tls-cert", str(b.manager_cert), "--tls-key", str(b.manager_key), "--tls-ca", str(b.ca)]
+    m = cachemanager(str(tmp_path / "m"), 0, *OLD_POLICY, *mgr_tls).start()  # the manager role (roles.py)
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0",
                     *srv_tls).start()
     try:
-        with ManagerClient(m.address, tls=cli) as mc, ServerClient(s.address, tls=cli) as sc:
+        as_mgr = TlsFiles(str(b.manager_cert), str(b.manager_key), str(b.ca))  # Stats with tenants
+        with ManagerClient(m.address, tls=cli) as mc, ServerClient(s.address, tls=as_mgr) as sc:
             wait_for(lambda: ring(mc).addresses == (s.address,), what="server registered over TLS")
             assert mc.register_job("job-tls", DS_IO, 50_000, 10).mode == "bypass"
             wait_for(lambda: sc.stats().job_modes.get("job-tls") == CacheMode.BYPASS.code, what="mode pushed over TLS")

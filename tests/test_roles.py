@@ -90,3 +90,34 @@ def test_replaces_counted_per_client_identity(tmp_path):
         assert f'mlcache_server_replaces_total{{peer="unix:uid={os.getuid()}"}} 3.0' in text
     finally:
         assert s.stop() == 0
+
+
+def test_under_mutual_tls_the_manager_role_comes_from_the_certificate(tmp_path):
+    from cacheserver.certs import write_bundle
+    from cacheserver.tls import TlsFiles
+    b = write_bundle(tmp_path / "certs")
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--tls-cert", str(b.server_cert),
+                    "--tls-key", str(b.server_key), "--tls-ca", str(b.ca)).start()
+    as_manager = TlsFiles(str(b.manager_cert), str(b.manager_key), str(b.ca))
+    as_client = TlsFiles(str(b.client_cert), str(b.client_key), str(b.ca))
+    as_peer = TlsFiles(str(b.server_cert), str(b.server_key), str(b.ca))
+    try:
+        value = b"m" * 300
+        key = hashlib.sha256(value).digest()
+        with ServerClient(s.address, tls=as_manager) as manager:
+            assert manager.set_job_mode("victim", BYPASS) == 0
+            manager.active_chunk("ds", 1)
+            full = manager.stats()
+        assert dict(full.job_modes) == {"victim": BYPASS} and dict(full.active_chunks) == {"ds": 1}
+        for who in (as_client, as_peer):
+            with ServerClient(s.address, tls=who) as c:
+                for call in (lambda: c.set_job_mode("victim", 0), lambda: c.evict_dataset("ds")):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "needs a manager certificate (manager.pem" in e.value.details()
+                assert c.put([(key, value)])[0] in (0, 1) and bytes(c.get([key])[0]) == value
+                public = c.stats()
+            assert not public.job_modes and not public.active_chunks and public.items == 1
+    finally:
+        assert s.stop() == 0

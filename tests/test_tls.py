@@ -23,7 +23,8 @@ from cacheserver.proto import cache_pb2_grpc as pb_grpc
 from cacheserver.tls import TlsFiles
 from procs import free_port, ROOT, cacheserver
 
-BUNDLE = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem"]
+BUNDLE = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "manager.pem", "manager-key.pem",
+          "client.pem", "client-key.pem"]
 
 
 def cachectl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
