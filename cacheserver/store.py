@@ -377,7 +377,10 @@ class Store:
         refused = self._no_room(items)
         if refused is not None:
             return refused
-        self._make_disk_room(sum(len(v) + OVERHEAD for _, v in items), is_spare(tag))
+        index = self._index  # ids already held take no room (unless overwritten)
+        need = sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
+        if need:
+            self._make_disk_room(need, is_spare(tag))
         already = 0
         todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:

@@ -85,3 +85,26 @@ def test_room_waits_for_dead_bytes_and_evicts_only_what_they_lack():
     assert room(cap, full, 0, used, 0, 1 << 20) == (0, (1 << 20) + int(cap * SLACK))
     # Waiting did not help (no compaction ran): what looked dead is not.
     assert room(cap, full, 0, budget - (35 << 20), 0, 1 << 20, stuck=True)[1] == (1 << 20) + int(cap * SLACK)
+
+
+def test_putting_held_ids_again_evicts_nothing_when_full(tmp_path):
+    from cacheserver.counters import Counters
+    from cacheserver.eviction import LRUPolicy
+    from cacheserver.store import Store
+    s = Store(str(tmp_path / "s"), CAPACITY, LRUPolicy(), Counters())
+    try:
+        rng = np.random.default_rng(7)
+        held = []
+        for _ in range(CAPACITY // (8 * ITEM)):  # fill until the files on disk leave no room
+            items = [(hashlib.sha256(v).digest(), v) for v in (rng.bytes(ITEM) for _ in range(8))]
+            s.put_many(items)
+            held = items
+        s.flush()
+        before = s.counters.snapshot()
+        t0 = time.monotonic()
+        assert s.put_many(held) == (0, len(held), 0)  # co-operative misses put held ids again
+        after = s.counters.snapshot()
+        assert after["evicted_items"] == before["evicted_items"] and after["disk_waits"] == before["disk_waits"]
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        s.close()
