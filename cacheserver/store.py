@@ -374,13 +374,9 @@ class Store:
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
         """Store values not yet present (or overwrite, with replace: a client found the stored
         value poisoned). Returns (stored, already, rejected_full); adds the ids written to written_ids."""
-        refused = self._no_room(items)
+        refused = self._room_for(items, tag, replace)
         if refused is not None:
             return refused
-        index = self._index  # ids already held take no room (unless overwritten)
-        need = sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
-        if need:
-            self._make_disk_room(need, is_spare(tag))
         already = 0
         todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:
@@ -451,6 +447,18 @@ class Store:
                 accepted.append((key, value, charge))
                 free -= charge
         return accepted
+
+    def _room_for(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag,
+                  replace: bool) -> tuple[int, int, int] | None:
+        """put_many's answer when the file system has no room (_no_room); else None, once the
+        files on disk leave room within the capacity for the ids not held yet (_make_disk_room)."""
+        refused = self._no_room(items)
+        if refused is None:
+            index = self._index  # ids already held take no room (unless overwritten)
+            need = sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
+            if need:
+                self._make_disk_room(need, is_spare(tag))
+        return refused
 
     def _make_disk_room(self, need: int, spare_only: bool) -> None:
         """Wait, at most DISK_WAIT_S, until the files on disk leave room for ``need`` bytes
