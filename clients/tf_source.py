@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from .dataset import CachedDataset
 from .digest import Digest
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
+from . import tf_transform
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -48,24 +49,38 @@ class TFSource(EpochLog):
     """What `tf_dataset` returns as `ds.mlcache`: the CachedDataset, the sampler, and the
     epoch log (`epoch_stats`, `batch_times`, callbacks), as on the PyTorch loader."""
 
-    def __init__(self, cached: CachedDataset, sampler: SubstitutableBatchSampler, read_ahead: int) -> None:
+    def __init__(self, cached: CachedDataset, sampler: SubstitutableBatchSampler, read_ahead: int,
+                 engine: Any = None) -> None:
         super().__init__()
         self.cached = cached
         self.sampler = sampler
         self.read_ahead = max(0, read_ahead)
+        self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self._pool: ThreadPoolExecutor | None = None
         self.attach_coordinator(cached)
 
-    def epoch(self) -> Iterator[np.ndarray]:
-        """One epoch: numpy object arrays of item bytes, one per sampler batch. An epoch
-        that stops early (abandoned, or a read failed) is recorded with complete=False."""
+    def epoch(self) -> Iterator[Any]:
+        """One epoch: numpy object arrays of item bytes, one per sampler batch (with a
+        map_fn: the function's outputs). An epoch that stops early (abandoned, or a read
+        failed) is recorded with complete=False."""
         run = EpochRun(self.cached, self.sampler, self)
         complete = False
         try:
-            yield from self._batches(run)
+            yield from (self._batches(run) if self.preprocess is None else self._mapped(run))
             complete = True
         finally:
-            run.finish(complete)
+            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None)
+
+    def _mapped(self, run: EpochRun) -> Iterator[Any]:
+        """Batches of map_fn's outputs as the workers finish them (or single outputs,
+        where they cannot be stacked); the sampler learns which items each one held."""
+        stacked = tf_transform.stackable(tf_transform.tf_map_step(self.preprocess).element_spec)
+        for indices, out in tf_transform.batches(self.preprocess, self.sampler):
+            run.batch(indices)
+            if stacked:
+                yield out
+            else:
+                yield from out
 
     def _batches(self, run: EpochRun) -> Iterator[np.ndarray]:
         if not self.read_ahead:  # read in TensorFlow's thread: no hand-off between threads
@@ -102,6 +117,8 @@ class TFSource(EpochLog):
         return self._pool
 
     def close(self) -> None:
+        if self.preprocess is not None:  # stops the preprocessing workers
+            self.preprocess.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -111,32 +128,50 @@ class TFSource(EpochLog):
 def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = None,
                manager: str | None = None, job: str | None = None, seed: int = 0, *,
                read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, lookahead: int = 10,
-               substitute: bool = True, miss_seed: int | None = None, **dataset_kwargs: Any) -> "tf.data.Dataset":
+               substitute: bool = True, miss_seed: int | None = None, map_fn: Callable[[Any], Any] | None = None,
+               num_workers: int | None = None, **dataset_kwargs: Any) -> "tf.data.Dataset":
     """A tf.data.Dataset of tf.string items, one per digest entry, read through the cache.
 
     `cache`, `manager`, `job` and the keyword arguments (`storage_options`, `cache_dir`,
     `capacity`, `verify_hash`, `insert`, `fetch_threads`, `claims`, ...) are
     CachedDataset's; `seed`, `lookahead`, `substitute` and `miss_seed` are its loader's.
+    `map_fn` (a function of TF ops on one item, or a preprocess.tf_map.TFMap) runs in
+    `num_workers` preprocessing worker processes (None: adaptive, 0: in this process);
+    the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`,
+    `exactly_once` are the scheduler's, docs/preprocess.md).
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
     if read_batch < 1:
         raise ValueError(f"read_batch must be >= 1, got {read_batch}")
-    for name in ("decode", "target", "samples"):
+    for name in ("decode", "target", "samples", "transform"):
         if name in dataset_kwargs:
             raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
-                            f"decode in a .map() of the dataset")
+                            f"decode in a .map() of the dataset, or pass map_fn= to run it in our workers")
+    options = {k: dataset_kwargs.pop(k) for k in tf_transform.SCHEDULER_OPTIONS if k in dataset_kwargs}
+    if map_fn is None and (options or num_workers is not None):
+        raise ValueError(f"{', '.join([*options, *(['num_workers'] if num_workers is not None else [])])}: "
+                         f"options of the preprocessing workers, which run only with a map_fn=")
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
+    engine = None
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
                                miss_seed=miss_seed)
-        source = TFSource(cached, sampler, read_ahead)
+        if map_fn is not None:
+            engine = tf_transform.make_engine(cached, map_fn, num_workers, seed, options)
+        source = TFSource(cached, sampler, read_ahead, engine)
     except BaseException:
+        if engine is not None:
+            engine.close()
         cached.close()
         raise
-    batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
-    ds = batches.unbatch().apply(tf.data.experimental.assert_cardinality(len(cached)))
+    if engine is None:
+        batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
+        ds = batches.unbatch()
+    else:
+        ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
+    if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
+        ds = ds.apply(tf.data.experimental.assert_cardinality(len(cached)))  # else items may be left out
     ds.mlcache = source
     return ds
-

@@ -1,7 +1,8 @@
 """Structural fingerprints of transform steps: the key of transformed items.
 
 A step's fingerprint covers its class (module, name, library version) and its
-parameters (the instance's attributes), and for functions their bytecode,
+parameters (the instance's attributes; an object with a `__fingerprint__()`
+method is keyed by what that returns), and for functions their bytecode,
 constants, defaults, closures and the globals they reference, recursively. Two
 steps with equal fingerprints compute the same function of their input (given
 equal library versions). What cannot be fingerprinted (an open file, a lock, a
@@ -151,6 +152,11 @@ class _Hasher:
 
     def instance(self, x: Any, path: str, d: int) -> None:
         cls = type(x)
+        keyed = getattr(cls, "__fingerprint__", None)
+        if keyed is not None:  # keys itself (a TF graph: preprocess/tf_map.py), not by its attributes
+            self.put("self-keyed", f"{cls.__module__}.{cls.__qualname__}".encode())
+            self.value(keyed(x), f"{path}.__fingerprint__()", d)
+            return
         self.klass(cls, f"{path} class", d)
         state = getattr(x, "__dict__", None)
         slots = [s for c in cls.__mro__ for s in getattr(c, "__slots__", ())]

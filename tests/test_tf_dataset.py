@@ -15,7 +15,7 @@ from clients import tf_dataset  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest_tool import main as digest_main  # noqa: E402
 from procs import cachemanager, cacheserver  # noqa: E402
-from tfexamples import parse, write_shards  # noqa: E402
+from tfexamples import digested_shards, parse, write_shards  # noqa: E402
 
 N = 240
 
@@ -23,11 +23,7 @@ N = 240
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """(digest path, TFRecord paths, records in file order)."""
-    root = tmp_path_factory.mktemp("tfdata")
-    paths, records = write_shards(str(root / "data"), N, shards=3)
-    digest = str(root / "train.dig")
-    assert digest_main([str(root / "data"), "-o", digest, "-f", "tfrecord", "-q"]) == 0
-    return digest, paths, records
+    return digested_shards(str(tmp_path_factory.mktemp("tfdata")), N)
 
 
 @pytest.fixture

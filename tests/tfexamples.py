@@ -49,3 +49,15 @@ def parse(record):
                 "x": tf.io.FixedLenFeature([4], tf.float32),
                 "label": tf.io.FixedLenFeature([], tf.int64)}
     return tf.io.parse_single_example(record, features)
+
+
+def digested_shards(root: str, n: int, shards: int = 3) -> tuple[str, list[str], list[bytes]]:
+    """n records in TFRecord files under root/data, digested (--format tfrecord):
+    (digest path, TFRecord paths, records in file order)."""
+    from clients.digest_tool import main as digest_main
+
+    paths, records = write_shards(os.path.join(root, "data"), n, shards=shards)
+    digest = os.path.join(root, "train.dig")
+    if digest_main([os.path.join(root, "data"), "-o", digest, "-f", "tfrecord", "-q"]) != 0:
+        raise RuntimeError(f"tools/digest failed on {root}/data")
+    return digest, paths, records

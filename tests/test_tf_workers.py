@@ -1,0 +1,156 @@
+"""tf_dataset(map_fn=...): a `.map` of TF ops run in our preprocessing worker processes
+(spawned for real, killed for real), keyed by the TF chain's fingerprint."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 'tf' extra): "
+                                              "pip install -e '.[tf]' to run the tf.data tests")
+
+from clients import tf_dataset  # noqa: E402
+from clients.digest_tool import main as digest_main  # noqa: E402
+from preprocess import Pipeline, PipelineError  # noqa: E402
+from preprocess.tf_fingerprint import UnfingerprintableChain, chain_fingerprint  # noqa: E402
+from preprocess.tf_map import TFMap  # noqa: E402
+from procs import cacheserver  # noqa: E402
+from tfexamples import digested_shards, parse, write_shards  # noqa: E402
+
+N = 240
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return digested_shards(str(tmp_path_factory.mktemp("tfw")), N)
+
+
+def features(record):
+    ex = parse(record)
+    return {"label": ex["label"], "x": ex["x"] * 2.0, "size": tf.strings.length(ex["image"])}
+
+
+def features_renamed(rec):  # the same graph under other names
+    e = parse(rec)
+    return {"label": e["label"], "x": e["x"] * 2.0, "size": tf.strings.length(e["image"])}
+
+
+def as_rows(elements) -> Counter:
+    return Counter((int(e["label"]), tuple(float(v) for v in e["x"]), int(e["size"])) for e in elements)
+
+
+def reference(paths) -> Counter:
+    return as_rows(tf.data.TFRecordDataset(paths).map(features).as_numpy_iterator())
+
+
+def test_map_runs_in_worker_processes_and_equals_tf_map(shards, tmp_path):
+    digest, paths, _ = shards
+    server = cacheserver(str(tmp_path / "srv"), "256MB").start()
+    ds = tf_dataset(digest, cache=server.address, seed=1, read_batch=32, map_fn=features, num_workers=2,
+                    cost_dir=str(tmp_path / "costs"))
+    try:
+        assert ds.element_spec["x"] == tf.TensorSpec([4], tf.float32)
+        pool = ds.mlcache.preprocess.pool
+        assert len(pool.procs) == 2 and all(p.is_alive() and p.pid != os.getpid() for p in pool.procs.values())
+        for e in range(2):  # epoch 0 fills the cache, epoch 1 reads it: the workers read both
+            got = list(ds.as_numpy_iterator())
+            assert as_rows(got) == reference(paths)  # every record, once, mapped as TensorFlow maps it
+            st = ds.mlcache.epoch_stats[-1]
+            assert st.items == N and st.preprocess.items == N and st.preprocess.workers[0] == 2
+        first, second = ds.mlcache.epoch_stats
+        assert first.misses >= N - 16 and second.hits == N  # (the 16 items profiled first were cached then)
+        batched = next(iter(ds.batch(16)))  # stacked per component, then unbatched: batches as usual
+        assert batched["x"].shape == (16, 4)
+    finally:
+        ds.mlcache.close()
+        server.kill()
+
+
+def test_a_worker_killed_mid_epoch_its_items_run_again(shards, tmp_path):
+    digest, paths, _ = shards
+    ds = tf_dataset(digest, cache=False, seed=2, read_batch=16, map_fn=features, num_workers=2,
+                    cost_dir=False)
+    try:
+        got, killed = [], None
+        for k, x in enumerate(ds.as_numpy_iterator()):
+            got.append(x)
+            if k == 20:
+                killed = next(iter(ds.mlcache.preprocess.pool.procs.values()))
+                os.kill(killed.pid, signal.SIGKILL)
+        assert as_rows(got) == reference(paths)  # exactly once, though a worker died holding items
+        deadline = time.monotonic() + 10
+        while killed.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not killed.is_alive()
+        assert ds.mlcache.epoch_stats[-1].complete
+    finally:
+        ds.mlcache.close()
+
+
+def test_outputs_of_varying_shape_go_one_by_one(shards, tmp_path):
+    """An output whose shape varies per item cannot be stacked into a batch."""
+    digest, paths, records = shards
+    ds = tf_dataset(digest, cache=False, map_fn=_raw_bytes, num_workers=1, cost_dir=False)
+    try:
+        assert ds.element_spec == tf.TensorSpec([None], tf.uint8)
+        got = Counter(bytes(x) for x in ds.as_numpy_iterator())
+        assert got == Counter(records)
+    finally:
+        ds.mlcache.close()
+
+
+def _raw_bytes(record):
+    return tf.io.decode_raw(record, tf.uint8)
+
+
+def test_a_failing_map_names_the_item_and_the_step(tmp_path):
+    write_shards(str(tmp_path / "d"), 20, shards=1)
+    assert digest_main([str(tmp_path / "d"), "-o", str(tmp_path / "d.dig"), "-f", "tfrecord", "-q"]) == 0
+    with pytest.raises(PipelineError, match="TFMap"):  # fails on every sample item while preparing
+        tf_dataset(str(tmp_path / "d.dig"), cache=False, map_fn=_wrong_feature, num_workers=1, cost_dir=False)
+
+
+def _wrong_feature(record):
+    return tf.io.parse_single_example(record, {"absent": tf.io.FixedLenFeature([], tf.int64)})["absent"]
+
+
+def test_keys_are_the_tf_chains_fingerprint():
+    step = TFMap(features)
+    assert step.key == chain_fingerprint(lambda d: d.map(features)).key
+    assert not step.random
+    p = Pipeline([step]).fingerprint()
+    assert p == Pipeline([TFMap(features)]).fingerprint()  # rebuilt: the same key
+    assert p == Pipeline([TFMap(features_renamed)]).fingerprint()  # names do not count
+    assert p != Pipeline([TFMap(parse)]).fingerprint()  # another graph, another key
+    code = ("import os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; sys.path.insert(0, 'tests'); "
+            "from test_tf_workers import features; from preprocess import Pipeline; "
+            "from preprocess.tf_map import TFMap; print(Pipeline([TFMap(features)]).fingerprint())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == p  # another process: the same key
+
+
+def test_random_maps_are_random_steps_and_python_is_refused():
+    noisy = TFMap(lambda r: tf.strings.length(r) + tf.random.uniform([], 0, 3, tf.int32))
+    assert noisy.random
+    assert Pipeline([_as_step(noisy)]).cacheable_prefix() == 0  # nothing after it is cached
+    with pytest.raises(UnfingerprintableChain, match="py_function"):
+        TFMap(lambda r: tf.py_function(lambda x: x, [r], tf.string))
+
+
+def _as_step(fn):
+    from preprocess import step
+    return step(fn, random=fn.random)
+
+
+def test_worker_options_need_a_map(shards):
+    digest, _, _ = shards
+    with pytest.raises(ValueError, match="num_workers: options of the preprocessing workers"):
+        tf_dataset(digest, cache=False, num_workers=2)
+    with pytest.raises(TypeError, match="does not take transform="):
+        tf_dataset(digest, cache=False, transform=parse)
