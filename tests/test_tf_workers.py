@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -48,54 +47,56 @@ def reference(paths) -> Counter:
     return as_rows(tf.data.TFRecordDataset(paths).map(features).as_numpy_iterator())
 
 
-def test_map_runs_in_worker_processes_and_equals_tf_map(shards, tmp_path):
-    digest, paths, _ = shards
-    server = cacheserver(str(tmp_path / "srv"), "256MB").start()
-    ds = tf_dataset(digest, cache=server.address, seed=1, read_batch=32, map_fn=features, num_workers=2,
-                    cost_dir=str(tmp_path / "costs"))
-    try:
-        assert ds.element_spec["x"] == tf.TensorSpec([4], tf.float32)
-        pool = ds.mlcache.preprocess.pool
-        assert len(pool.procs) == 2 and all(p.is_alive() and p.pid != os.getpid() for p in pool.procs.values())
-        for e in range(2):  # epoch 0 fills the cache, epoch 1 reads it: the workers read both
-            got = list(ds.as_numpy_iterator())
-            assert as_rows(got) == reference(paths)  # every record, once, mapped as TensorFlow maps it
-            st = ds.mlcache.epoch_stats[-1]
-            assert st.items == N and st.preprocess.items == N and st.preprocess.workers[0] == 2
-        first, second = ds.mlcache.epoch_stats
-        assert first.misses >= N - 16 and second.hits == N  # (the 16 items profiled first were cached then)
-        batched = next(iter(ds.batch(16)))  # stacked per component, then unbatched: batches as usual
-        assert batched["x"].shape == (16, 4)
-    finally:
-        ds.mlcache.close()
-        server.kill()
+@pytest.fixture(scope="module")
+def mapped(shards, tmp_path_factory):
+    """tf_dataset(map_fn=features) with 2 worker processes over a cache server (one
+    start-up of the workers, which import TensorFlow, for the tests that use them)."""
+    tmp = tmp_path_factory.mktemp("mapped")
+    server = cacheserver(str(tmp / "srv"), "256MB").start()
+    ds = tf_dataset(shards[0], cache=server.address, seed=1, read_batch=32, map_fn=features, num_workers=2,
+                    cost_dir=str(tmp / "costs"))
+    yield ds
+    ds.mlcache.close()
+    server.kill()
 
 
-def test_a_worker_killed_mid_epoch_its_items_run_again(shards, tmp_path):
-    digest, paths, _ = shards
-    ds = tf_dataset(digest, cache=False, seed=2, read_batch=16, map_fn=features, num_workers=2,
-                    cost_dir=False)
-    try:
-        got, killed = [], None
-        for k, x in enumerate(ds.as_numpy_iterator()):
-            got.append(x)
-            if k == 20:
-                killed = next(iter(ds.mlcache.preprocess.pool.procs.values()))
-                os.kill(killed.pid, signal.SIGKILL)
-        assert as_rows(got) == reference(paths)  # exactly once, though a worker died holding items
-        deadline = time.monotonic() + 10
-        while killed.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not killed.is_alive()
-        assert ds.mlcache.epoch_stats[-1].complete
-    finally:
-        ds.mlcache.close()
+def test_map_runs_in_worker_processes_and_equals_tf_map(shards, mapped):
+    _, paths, _ = shards
+    ds = mapped
+    assert ds.element_spec["x"] == tf.TensorSpec([4], tf.float32)
+    pool = ds.mlcache.preprocess.pool
+    assert len(pool.procs) == 2 and all(p.is_alive() and p.pid != os.getpid() for p in pool.procs.values())
+    for e in range(2):  # epoch 0 fills the cache, epoch 1 reads it: the workers read both
+        got = list(ds.as_numpy_iterator())
+        assert as_rows(got) == reference(paths)  # every record, once, mapped as TensorFlow maps it
+        st = ds.mlcache.epoch_stats[-1]
+        assert st.items == N and st.preprocess.items == N and st.preprocess.workers[0] == 2
+    first, second = ds.mlcache.epoch_stats[-2:]
+    assert first.misses >= N - 16 and second.hits == N  # (the 16 items profiled first were cached then)
+    batched = next(iter(ds.batch(16)))  # stacked per component, then unbatched: batches as usual
+    assert batched["x"].shape == (16, 4)
+
+
+def test_a_worker_killed_mid_epoch_its_items_run_again(shards, mapped):
+    _, paths, _ = shards
+    ds = mapped
+    got, killed = [], None
+    for k, x in enumerate(ds.as_numpy_iterator()):
+        got.append(x)
+        if k == 20:
+            killed = next(iter(ds.mlcache.preprocess.pool.procs.values()))
+            os.kill(killed.pid, signal.SIGKILL)
+    assert as_rows(got) == reference(paths)  # exactly once, though a worker died holding items
+    killed.join(10)
+    assert not killed.is_alive() and killed.exitcode == -signal.SIGKILL
+    assert ds.mlcache.epoch_stats[-1].complete and ds.mlcache.epoch_stats[-1].items == N
+    assert len(ds.mlcache.preprocess.pool.procs) == 2  # replaced
 
 
 def test_outputs_of_varying_shape_go_one_by_one(shards, tmp_path):
     """An output whose shape varies per item cannot be stacked into a batch."""
     digest, paths, records = shards
-    ds = tf_dataset(digest, cache=False, map_fn=_raw_bytes, num_workers=1, cost_dir=False)
+    ds = tf_dataset(digest, cache=False, map_fn=_raw_bytes, num_workers=0, cost_dir=False)  # 0: in this process
     try:
         assert ds.element_spec == tf.TensorSpec([None], tf.uint8)
         got = Counter(bytes(x) for x in ds.as_numpy_iterator())
