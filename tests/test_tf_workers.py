@@ -155,3 +155,20 @@ def test_worker_options_need_a_map(shards):
         tf_dataset(digest, cache=False, num_workers=2)
     with pytest.raises(TypeError, match="does not take transform="):
         tf_dataset(digest, cache=False, transform=parse)
+
+
+def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
+    """What a remote worker gets: the pickled step carries its graph, so a process that
+    cannot import the function (a lambda over a closure here) still runs it."""
+    import pickle
+
+    scale = 3
+
+    step = TFMap(lambda r: tf.strings.length(r) * scale)
+    code = ("import os, pickle, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; "
+            "step = pickle.loads(sys.stdin.buffer.read()); print(int(step(b'abcd')))")
+    env = dict(os.environ, PYTHONPATH=ROOT)  # our package only: not the tests, not this module
+    r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(step), capture_output=True,
+                       cwd=str(tmp_path), env=env, timeout=180)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.decode().strip().splitlines()[-1] == "12"
