@@ -172,3 +172,24 @@ def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
                        cwd=str(tmp_path), env=env, timeout=180)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     assert r.stdout.decode().strip().splitlines()[-1] == "12"
+
+
+@pytest.mark.timeout(300)
+def test_the_step_runs_in_a_ray_worker(tmp_path):
+    """A Ray task (a worker process Ray starts) runs the shipped step; skipped without
+    the `ray` extra (make venv does not install it)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (the 'ray' extra)")
+    step = TFMap(features)
+    records = [bytes(r) for r in tf.data.TFRecordDataset(write_shards(str(tmp_path / "d"), 8, 1)[0])
+               .as_numpy_iterator()]
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,  # our own, never a shared one
+             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}})
+    try:
+        def run_step(step, records):  # local: Ray ships it by value (no test module there)
+            return [step(r) for r in records]
+
+        remote = ray.remote(run_step)
+        got = ray.get(remote.remote(step, records), timeout=240)
+    finally:
+        ray.shutdown()
+    assert as_rows(got) == as_rows([step(r) for r in records])
