@@ -129,7 +129,8 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
                manager: str | None = None, job: str | None = None, seed: int = 0, *,
                read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, lookahead: int = 10,
                substitute: bool = True, miss_seed: int | None = None, map_fn: Callable[[Any], Any] | None = None,
-               num_workers: int | None = None, **dataset_kwargs: Any) -> "tf.data.Dataset":
+               num_workers: int | None = None, rank: int | None = None, world_size: int | None = None,
+               **dataset_kwargs: Any) -> "tf.data.Dataset":
     """A tf.data.Dataset of tf.string items, one per digest entry, read through the cache.
 
     `cache`, `manager`, `job` and the keyword arguments (`storage_options`, `cache_dir`,
@@ -138,12 +139,16 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     `map_fn` (a function of TF ops on one item, or a preprocess.tf_map.TFMap) runs in
     `num_workers` preprocessing worker processes (None: adaptive, 0: in this process);
     the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`,
-    `exactly_once` are the scheduler's, docs/preprocess.md).
+    `exactly_once` are the scheduler's, docs/preprocess.md). `rank`/`world_size` give this
+    process its share of every epoch, as DistributedSampler (with tf.distribute:
+    `input_context.input_pipeline_id` and `num_input_pipelines`).
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
     if read_batch < 1:
         raise ValueError(f"read_batch must be >= 1, got {read_batch}")
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
     for name in ("decode", "target", "samples", "transform"):
         if name in dataset_kwargs:
             raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
@@ -157,7 +162,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     engine = None
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
-                               miss_seed=miss_seed)
+                               miss_seed=miss_seed, rank=rank or 0, world_size=world_size or 1)
         if map_fn is not None:
             engine = tf_transform.make_engine(cached, map_fn, num_workers, seed, options)
         source = TFSource(cached, sampler, read_ahead, engine)
@@ -172,6 +177,6 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     else:
         ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
     if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
-        ds = ds.apply(tf.data.experimental.assert_cardinality(len(cached)))  # else items may be left out
+        ds = ds.apply(tf.data.experimental.assert_cardinality(sampler.share.size))  # else items may be left out
     ds.mlcache = source
     return ds

@@ -194,6 +194,10 @@ def test_bad_arguments_say_what_is_wrong(shards):
         tf_dataset(digest, cache=False, read_batch=0)
     with pytest.raises(ValueError, match="names no server"):
         tf_dataset(digest, cache=" , ")
+    with pytest.raises(ValueError, match="pass rank= and world_size= together"):
+        tf_dataset(digest, cache=False, rank=1)
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        tf_dataset(digest, cache=False, rank=2, world_size=2)
 
 
 @pytest.mark.parametrize("shards", [1, 2], ids=["one-file", "hashed-in-parallel"])
@@ -286,3 +290,27 @@ def test_tar_shards_yield_their_members_not_samples(tmp_path):
         assert Counter(epoch(ds)) == Counter(members.values())
     finally:
         ds.mlcache.close()
+
+
+@pytest.mark.timeout(300)
+def test_ranks_in_two_processes_share_each_epoch(shards, ring3):
+    """rank/world_size (DDP, or tf.distribute's input pipelines): two real processes,
+    disjoint shares that make up the dataset, in every epoch, hits substituted per share."""
+    digest, _, records = shards
+    spec = ",".join(s.address for s in ring3)
+    code = ("import os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; from clients import tf_dataset; "
+            "r = int(sys.argv[1]); "
+            f"ds = tf_dataset({digest!r}, cache={spec!r}, seed=9, rank=r, world_size=2, read_batch=16); "
+            "assert int(ds.cardinality()) == len(ds.mlcache.cached) // 2; "
+            "[print(e, bytes(x).hex()) for e in range(2) for x in ds.as_numpy_iterator()]; "
+            "ds.mlcache.close()")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    for e in ("0", "1"):
+        shares = [[bytes.fromhex(h) for ep, h in (ln.split() for ln in out.splitlines()) if ep == e]
+                  for out, _ in outs]
+        assert len(shares[0]) == len(shares[1]) == N // 2
+        assert Counter(shares[0]) + Counter(shares[1]) == Counter(records)  # disjoint, complete
