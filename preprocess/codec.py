@@ -41,9 +41,10 @@ def encode(obj: Any) -> bytes:
 def _put_array(a: np.ndarray, parts: list[bytes], tag: bytes, path: str) -> None:
     if a.dtype.hasobject:
         raise Uncacheable(f"{path}: an array of Python objects cannot be cached")
+    shape = a.shape  # ascontiguousarray makes a 0-d array (a numpy scalar's) 1-d
     a = np.ascontiguousarray(a)
     dt = a.dtype.str.encode()
-    parts += [tag, bytes([len(dt)]), dt, bytes([a.ndim]), *(_U64.pack(n) for n in a.shape),
+    parts += [tag, bytes([len(dt)]), dt, bytes([len(shape)]), *(_U64.pack(n) for n in shape),
               _U64.pack(a.nbytes), a.tobytes()]
 
 

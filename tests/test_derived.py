@@ -57,6 +57,9 @@ def test_codec_round_trips_supported_types():
     assert isinstance(out["t"], torch.Tensor) and torch.equal(out["t"], item["t"])
     assert out["meta"][:7] == [1, -2, 3.5, "s", b"b", None, True] and out["meta"][7] == (7,)
     assert out[3].tobytes() == item[3].tobytes() and out[3].mode == "RGB"
+    assert type(out["meta"][7][0]) is np.int64  # a numpy scalar stays one (not a 1-element array)
+    zero_d = decode(encode(np.array(5.0)))
+    assert zero_d.shape == () and zero_d == 5.0
 
 
 def test_codec_refuses_what_it_cannot_store():

@@ -193,3 +193,19 @@ def test_the_step_runs_in_a_ray_worker(tmp_path):
     finally:
         ray.shutdown()
     assert as_rows(got) == as_rows([step(r) for r in records])
+
+
+def test_outputs_round_trip_through_the_transformed_item_codec(shards):
+    """What autocache stores of a TF map's output (preprocess/codec.py: no pickle)."""
+    import numpy as np
+
+    from preprocess import codec
+
+    _, paths, _ = shards
+    rec = next(tf.data.TFRecordDataset(paths).as_numpy_iterator())
+    for fn in (parse, features):
+        out = TFMap(fn)(rec)
+        back = codec.decode(codec.encode(out))
+        assert back.keys() == out.keys()
+        for k, v in out.items():
+            assert type(back[k]) is type(v) and np.array_equal(back[k], v), k
