@@ -93,6 +93,19 @@ def test_a_worker_killed_mid_epoch_its_items_run_again(shards, mapped):
     assert len(ds.mlcache.preprocess.pool.procs) == 2  # replaced
 
 
+def test_an_abandoned_epoch_then_full_epochs_by_repeat(shards, mapped):
+    _, paths, _ = shards
+    ds = mapped
+    for k, _ in enumerate(ds.as_numpy_iterator()):
+        if k == 10:
+            break  # the iterator is dropped mid-epoch: the workers' queued tasks are dropped
+    st = ds.mlcache.epoch_stats[-1]
+    assert not st.complete and st.items < N
+    got = list(ds.repeat(2).as_numpy_iterator())
+    assert as_rows(got[:N]) == reference(paths) and as_rows(got[N:]) == reference(paths)
+    assert [s.complete for s in ds.mlcache.epoch_stats[-2:]] == [True, True]
+
+
 def test_outputs_of_varying_shape_go_one_by_one(shards, tmp_path):
     """An output whose shape varies per item cannot be stacked into a batch."""
     digest, paths, records = shards
