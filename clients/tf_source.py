@@ -21,6 +21,10 @@ TensorFlow's thread instead (no hand-off between threads).
 Each iteration of the dataset is one epoch of the sampler (a new order, new
 stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
 iteration at a time: two interleaved iterators would share one sampler.
+`rank`/`world_size` give each training process its share of every epoch.
+
+With `map_fn=` (a function of TF ops) the items go through our preprocessing
+workers instead and the dataset yields the function's outputs (tf_transform.py).
 """
 from __future__ import annotations
 
@@ -145,18 +149,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
-    if read_batch < 1:
-        raise ValueError(f"read_batch must be >= 1, got {read_batch}")
-    if (rank is None) != (world_size is None):
-        raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
-    for name in ("decode", "target", "samples", "transform"):
-        if name in dataset_kwargs:
-            raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
-                            f"decode in a .map() of the dataset, or pass map_fn= to run it in our workers")
-    options = {k: dataset_kwargs.pop(k) for k in tf_transform.SCHEDULER_OPTIONS if k in dataset_kwargs}
-    if map_fn is None and (options or num_workers is not None):
-        raise ValueError(f"{', '.join([*options, *(['num_workers'] if num_workers is not None else [])])}: "
-                         f"options of the preprocessing workers, which run only with a map_fn=")
+    options = _check_arguments(read_batch, rank, world_size, map_fn, num_workers, dataset_kwargs)
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
     engine = None
@@ -180,3 +173,22 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
         ds = ds.apply(tf.data.experimental.assert_cardinality(sampler.share.size))  # else items may be left out
     ds.mlcache = source
     return ds
+
+
+def _check_arguments(read_batch: int, rank: int | None, world_size: int | None, map_fn: Any,
+                     num_workers: int | None, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Refuse what tf_dataset cannot do, naming what to do instead; take the scheduler's
+    options out of dataset_kwargs (returned)."""
+    if read_batch < 1:
+        raise ValueError(f"read_batch must be >= 1, got {read_batch}")
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
+    for name in ("decode", "target", "samples", "transform"):
+        if name in dataset_kwargs:
+            raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
+                            f"decode in a .map() of the dataset, or pass map_fn= to run it in our workers")
+    options = {k: dataset_kwargs.pop(k) for k in tf_transform.SCHEDULER_OPTIONS if k in dataset_kwargs}
+    if map_fn is None and (options or num_workers is not None):
+        named = [*options, *(["num_workers"] if num_workers is not None else [])]
+        raise ValueError(f"{', '.join(named)}: options of the preprocessing workers, which run only with a map_fn=")
+    return options
