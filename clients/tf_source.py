@@ -81,6 +81,8 @@ class TFSource(EpochLog):
         stacked = tf_transform.stackable(tf_transform.tf_map_step(self.preprocess).element_spec)
         for indices, out in tf_transform.batches(self.preprocess, self.sampler):
             run.batch(indices)
+            if not indices:  # every item of it was skipped (on_error="skip"): nothing to hand over
+                continue
             if stacked:
                 yield out
             else:

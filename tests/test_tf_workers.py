@@ -133,6 +133,27 @@ def _wrong_feature(record):
     return tf.io.parse_single_example(record, {"absent": tf.io.FixedLenFeature([], tf.int64)})["absent"]
 
 
+def _label_0_only(record):
+    ex = parse(record)
+    with tf.control_dependencies([tf.debugging.assert_equal(ex["label"], tf.constant(0, tf.int64))]):
+        return tf.identity(ex["x"])
+
+
+def test_on_error_skip_leaves_out_failing_items_even_whole_batches(shards):
+    digest, paths, records = shards
+    ds = tf_dataset(digest, cache=False, map_fn=_label_0_only, num_workers=0, on_error="skip", read_batch=2,
+                    cost_dir=False)
+    try:
+        got = Counter(tuple(float(v) for v in x) for x in ds.as_numpy_iterator())
+        want = Counter(tuple(float(v) for v in e["x"]) for e in tf.data.TFRecordDataset(paths).map(parse)
+                       .as_numpy_iterator() if int(e["label"]) == 0)
+        assert got == want and sum(want.values()) == N // 4
+        st = ds.mlcache.epoch_stats[-1]
+        assert st.complete and st.preprocess.skipped == N - N // 4
+    finally:
+        ds.mlcache.close()
+
+
 def test_keys_are_the_tf_chains_fingerprint():
     step = TFMap(features)
     assert step.key == chain_fingerprint(lambda d: d.map(features)).key
