@@ -55,11 +55,12 @@ class EpochLog:
         self.on_batch_time: list[Callable[[float, float], None]] = []
         self.on_epoch_end: list[Callable[[EpochStats], None]] = []
 
-    def attach_coordinator(self, ds: Source) -> None:
+    def attach_coordinator(self, ds: Source, sampler: SubstitutableBatchSampler) -> None:
         coord = ds.coordinator
         if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
             self.on_batch_time.append(coord.batch_time)
             self.on_epoch_start.append(coord.epoch_start)
+            coord.watch_hits(sampler)  # each batch's hit fraction goes with its time (benefit by regression)
             coord.start()
 
 

@@ -162,9 +162,7 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
     kwargs.setdefault("collate_fn", _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
     loader.preprocess = engine
-    loader.attach_coordinator(ds)
-    if ds.coordinator is not None:  # each batch's hit fraction goes with its time (benefit by regression)
-        ds.coordinator.watch_hits(sampler)
+    loader.attach_coordinator(ds, sampler)
     return loader
 
 

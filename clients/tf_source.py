@@ -61,7 +61,7 @@ class TFSource(EpochLog):
         self.read_ahead = max(0, read_ahead)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self._pool: ThreadPoolExecutor | None = None
-        self.attach_coordinator(cached)
+        self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
         """One epoch: numpy object arrays of item bytes, one per sampler batch (with a
