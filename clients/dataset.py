@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import pickle
 import socket
 import time
 import uuid
@@ -183,10 +184,23 @@ class CachedDataset(_TorchDataset):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if self.counters is None:  # pickled for another machine (remote_copy)
+            self.counters, self.plan = SharedCounters(), SharedPlan()
         raw = state["digest"]
         self.digest = Digest.load(self._digest_path) if raw is None else Digest.from_bytes(raw)
         if self.samples is not None:
             self.samples.rebind(self.digest)
+
+    def remote_copy(self, transform: Any = None) -> bytes:
+        """This dataset pickled for a process on another machine (a remote preprocessing
+        worker): the digest as bytes, no shared memory, no manager connection. Where a
+        manager plans the cache budget the copy inserts no source items it reads."""
+        clone = CachedDataset.__new__(CachedDataset)
+        clone.__dict__.update(self.__dict__)
+        clone.__dict__.update(_digest_path=None, counters=None, plan=None, manager=None,
+                              insert=self.insert and self.manager is None,
+                              transform=self.transform if transform is None else transform)
+        return pickle.dumps(clone)  # __getstate__: the digest as bytes (no path), no process state
 
     def _proc(self) -> _ProcessState:
         st = self._state

@@ -1,0 +1,76 @@
+"""Reaching the Ray cluster that runs remote preprocessing workers.
+
+The trainer joins as a Ray Client (`ray://HOST:PORT`, the head's client server,
+port 10001 by default), not as a driver of the cluster: a driver's process is
+ended by Ray when its cluster goes, while a client only sees its calls fail,
+and the job falls back to local workers and keeps training.
+
+`remote="auto"` takes the address from RAY_ADDRESS (a ray:// one), else from the
+cache manager when it knows one (not yet: the manager has no Ray address to give).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+GRACE_ENV = "RAY_CLIENT_RECONNECT_GRACE_PERIOD"
+DEFAULT_GRACE_S = 10  # Ray's default is 30 s of stalled calls before a lost cluster is reported
+CHECK_TIMEOUT_S = 3.0
+
+
+class ClusterUnavailable(RuntimeError):
+    """The Ray cluster cannot be reached, or was lost; the job runs local workers."""
+
+
+def resolve(remote: str, manager_address: str | None = None) -> str:
+    """The ray:// address that `remote=` names; ValueError naming what is wrong."""
+    if remote == "auto":
+        env = os.environ.get("RAY_ADDRESS", "")
+        if env.startswith("ray://"):
+            return env
+        why = f"RAY_ADDRESS is {env!r}" if env else "RAY_ADDRESS is not set"
+        raise ValueError(f"remote='auto' needs a Ray Client address (ray://HOST:PORT) in RAY_ADDRESS; {why}"
+                         + (f" (the cache manager {manager_address} gives none)" if manager_address else ""))
+    if not isinstance(remote, str) or not remote.startswith("ray://"):
+        raise ValueError(f"remote= takes 'ray://HOST:PORT' (the Ray head's client server) or 'auto', got {remote!r}")
+    host, _, port = remote[len("ray://"):].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"remote={remote!r}: expected ray://HOST:PORT with a port number")
+    return remote
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("remote= needs Ray: install the extra, pip install '.[ray]'") from None
+    return ray
+
+
+def connect(address: str) -> tuple[Any, bool]:
+    """Connect this process as a Ray Client, or reuse its live connection: (the ray
+    module, whether this call made the connection). ClusterUnavailable when the head
+    cannot be reached."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray, False
+    host, _, port = address[len("ray://"):].rpartition(":")
+    try:  # a refused port fails here in milliseconds, not after Ray's minute of retries
+        socket.create_connection((host, int(port)), CHECK_TIMEOUT_S).close()
+    except OSError as e:
+        raise ClusterUnavailable(f"Ray cluster {address} cannot be reached: {e}") from None
+    os.environ.setdefault(GRACE_ENV, str(DEFAULT_GRACE_S))
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:
+        raise ClusterUnavailable(f"Ray cluster {address}: {type(e).__name__}: {e}") from None
+    return ray, True
+
+
+def disconnect(ray: Any, timeout: float = 5.0) -> None:
+    """Leave the cluster without waiting on a lost one for long (shutdown can stall)."""
+    t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    t.start()
+    t.join(timeout)

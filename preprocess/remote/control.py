@@ -1,0 +1,89 @@
+"""Sizes a job's remote and local preprocessing workers with the scaling policies
+(manager/policy: Cachew's autoscaling, Pecan's AutoPlacement), decided by the job
+itself: every `every` batches the feeder's measurements (mean batch time, mean
+ready queue) go to the policy, and its Change is carried out at once: remote
+workers are started or drained (pool.resize), local ones set through
+`set_local`, and the feeder leaves the local workers their share of each batch.
+When the remote pool breaks (the cluster is gone) the policy is dropped and the
+local workers are set to `fallback_local`, once."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Any
+
+from manager.policy.autoscale import Autoscaler
+from manager.policy.placement import Placement
+from manager.policy.scaling import Change, Measurement
+
+
+@dataclass
+class Decision:
+    at: float           # seconds since the controller started
+    batch: int          # batches handed on by then
+    change: Change
+
+
+@dataclass
+class Controller:
+    pool: Any
+    policy: Autoscaler | Placement
+    set_local: Callable[[int], None] | None = None
+    every: int = 20
+    fallback_local: int = 1
+    decisions: list[Decision] = field(default_factory=list)
+    fell_back: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1 batch, got {self.every}")
+        self._t0 = time.monotonic()
+        self._seen = 0
+        self.pool.resize(self.remote)
+        if self.set_local is not None:
+            self.set_local(self.local)
+
+    @property
+    def remote(self) -> int:
+        p = self.policy
+        return p.remote if isinstance(p, Placement) else p.workers
+
+    @property
+    def local(self) -> int:
+        p = self.policy
+        return p.local if isinstance(p, Placement) else 0
+
+    def local_share(self) -> float:
+        r, l = (0, max(1, self.local)) if self.fell_back else (self.pool.size, self.local)
+        return l / (r + l) if r + l else 1.0
+
+    def __call__(self, feeder: Any) -> None:
+        """After each batch the feeder hands on."""
+        if self.pool.broken:
+            self._fall_back()
+        else:
+            st = feeder.stats
+            times, queues = st.batch_times[self._seen:], st.queues[self._seen:]
+            if len(times) >= self.every:
+                self._seen = len(st.batch_times)
+                self.observe(Measurement(batch_time=fmean(times), queue=fmean(queues)), st.batches)
+        feeder.local_share = self.local_share()
+
+    def observe(self, m: Measurement, batch: int = 0) -> Change | None:
+        change = self.policy.observe(m)
+        if change is None:
+            return None
+        self.decisions.append(Decision(time.monotonic() - self._t0, batch, change))
+        self.pool.resize(change.remote)
+        if self.set_local is not None and change.local_delta:
+            self.set_local(change.local)
+        return change
+
+    def _fall_back(self) -> None:
+        if self.fell_back:
+            return
+        self.fell_back = True
+        if self.set_local is not None:
+            self.set_local(max(self.local, self.fallback_local))

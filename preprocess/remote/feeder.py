@@ -1,0 +1,107 @@
+"""The feeder: keeps remote workers a bounded window ahead of the trainer.
+
+It sits between the batch sampler and whatever runs the rest of the pipeline on
+the trainer's host. It takes the sampler's batches up to `window` batches
+before the trainer needs them (the sampler's order is then known), sends the
+items of each (less the local workers' share) to the remote workers in tasks of
+`task_items`, and hands a batch on, unchanged and in order, once its tasks have
+finished or `wait_limit` seconds have passed since the trainer asked for it.
+The trainer side then finds the remote workers' outputs as hits and computes
+what is missing (a failed task, a dead worker, a slow one past the limit, the
+local share). Which items an epoch yields, and that each comes exactly once, is
+the sampler's: the feeder neither adds nor drops an index.
+
+It also measures what the scaling policies are fed: the time between batches
+handed on (the trainer's batch time once the pipeline is full) and the ready
+queue (batches taken ahead whose remote work is done; Cachew's result queue)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Ahead:
+    batch: list[int]
+    refs: list[Any]
+    local: int                  # items of the batch left to the local workers
+
+
+@dataclass
+class FeedStats:
+    batches: int = 0
+    remote_items: int = 0       # items sent to remote workers
+    local_items: int = 0        # items left to local workers (their share, or no remote worker)
+    waited: float = 0.0         # seconds the trainer side waited on remote work
+    timed_out: int = 0          # batches handed on with remote work unfinished
+    batch_times: list[float] = field(default_factory=list)
+    queues: list[float] = field(default_factory=list)
+
+
+class Feeder:
+    def __init__(self, pool: Any, *, window: int = 4, task_items: int = 8, wait_limit: float = 10.0,
+                 on_batch: Callable[["Feeder"], None] | None = None) -> None:
+        if window < 1 or task_items < 1 or wait_limit < 0:
+            raise ValueError(f"need window >= 1, task_items >= 1, wait_limit >= 0; "
+                             f"got {window}, {task_items}, {wait_limit}")
+        self.pool, self.window, self.task_items, self.wait_limit = pool, window, task_items, wait_limit
+        self.on_batch = on_batch  # after each batch handed on (the controller)
+        self.local_share = 0.0    # fraction of each batch's items the local workers make
+        self.stats = FeedStats()
+        self._last: float | None = None
+
+    def batches(self, source: Iterable[list[int]], epoch: int) -> Iterator[list[int]]:
+        """The source's batches, unchanged and in order, each once its remote work is done."""
+        it = iter(source)
+        ahead: deque[Ahead] = deque()
+        exhausted = False
+        self._last = None
+        while True:
+            while not exhausted and len(ahead) < self.window:
+                batch = next(it, None)
+                if batch is None:
+                    exhausted = True
+                else:
+                    ahead.append(self._send(batch, epoch))
+            if not ahead:
+                return
+            item = ahead.popleft()
+            self._await(item)
+            self._measure(ahead)
+            yield item.batch
+            if self.on_batch is not None:
+                self.on_batch(self)
+
+    def _send(self, batch: list[int], epoch: int) -> Ahead:
+        n_local = round(len(batch) * min(1.0, max(0.0, self.local_share)))
+        refs = []
+        rest = batch[n_local:]
+        for k in range(0, len(rest), self.task_items):
+            ref = self.pool.submit(epoch, rest[k:k + self.task_items])
+            if ref is None:  # no remote worker (none yet, or the cluster is gone)
+                n_local += len(rest) - k
+                break
+            refs.append(ref)
+        self.stats.local_items += n_local
+        self.stats.remote_items += len(batch) - n_local
+        return Ahead(batch, refs, n_local)
+
+    def _await(self, item: Ahead) -> None:
+        t0 = time.monotonic()
+        rest = self.pool.wait(item.refs, self.wait_limit)
+        self.stats.waited += time.monotonic() - t0
+        if rest:
+            self.stats.timed_out += 1
+
+    def _measure(self, ahead: deque[Ahead]) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self.stats.batch_times.append(now - self._last)
+        self._last = now
+        self.pool.poll()
+        ready = sum(all(r not in self.pool.tasks for r in a.refs) for a in ahead)
+        self.stats.queues.append(float(ready))
+        self.stats.batches += 1

@@ -1,0 +1,230 @@
+"""The remote workers of one job: Ray actors running PrefixRunner, one task queue each.
+
+Worker states: starting (configured, takes tasks at once: Ray queues them behind
+its configuration) -> running -> draining (removed by a scaling decision: takes
+no new task, is killed once its queued tasks are done) -> gone; or dead (its
+process died: its unfinished tasks are reported failed, and it is replaced, at
+most `max_replace` times over the pool's life).
+
+A task is a few item indices; its result is a small report (runner.Report). A
+failed task's items are simply not in the cache: the trainer computes them (so
+nothing is lost, and nothing doubled: which items an epoch yields is the
+sampler's business). Any Ray error other than a dead actor (the connection
+lost, the cluster gone) breaks the pool: one warning, no further Ray call, the
+job goes on with local workers."""
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cluster import disconnect
+from .runner import FAILED, PrefixRunner, Report
+from .spec import WorkSpec
+
+
+@dataclass
+class Worker:
+    wid: int
+    handle: Any
+    queued: int = 0            # items in its unfinished tasks
+    draining: bool = False
+
+
+@dataclass
+class Task:
+    wid: int
+    epoch: int
+    indices: list[int]
+    sent: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PoolCounts:
+    tasks: int = 0
+    items: int = 0
+    made: int = 0
+    present: int = 0
+    failed: int = 0            # items a worker could not make (the trainer made them)
+    lost: int = 0              # items of tasks whose worker died or whose cluster went
+    deaths: int = 0
+    seconds: float = 0.0       # work reported by the workers
+
+
+class RemotePool:
+    def __init__(self, ray: Any, spec: WorkSpec, *, cpus: float = 1.0, max_replace: int = 8,
+                 owns_connection: bool = False) -> None:
+        self.ray, self.spec = ray, spec
+        self.actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, max_task_retries=0)(PrefixRunner)
+        self.workers: dict[int, Worker] = {}
+        self.tasks: dict[Any, Task] = {}
+        self.target = 0
+        self.max_replace, self.replaced = max_replace, 0
+        self.owns_connection = owns_connection
+        self.broken: str | None = None
+        self.counts = PoolCounts()
+        self._ids = itertools.count()
+
+    # ---- size ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Workers taking tasks (draining ones excluded)."""
+        return sum(not w.draining for w in self.workers.values())
+
+    def resize(self, n: int) -> None:
+        """Start workers, or drain the least loaded ones, until `n` take tasks."""
+        self.target = max(0, n)
+        if self.broken:
+            return
+        try:
+            while self.size < self.target:
+                self._start()
+            live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.queued)
+            for w in live[:max(0, self.size - self.target)]:
+                w.draining = True
+            self._stop_drained()
+        except Exception as e:
+            self._break(e)
+
+    def set_spec(self, spec: WorkSpec) -> None:
+        """A new version of the job's spec (the pipeline was reordered): every worker
+        takes it before its next task."""
+        self.spec = spec
+        if not self.broken:
+            try:
+                for w in self.workers.values():
+                    w.handle.configure.remote(spec)
+            except Exception as e:
+                self._break(e)
+
+    def _start(self) -> None:
+        wid = next(self._ids)
+        handle = self.actor_cls.options(name=None).remote()
+        handle.configure.remote(self.spec)
+        self.workers[wid] = Worker(wid, handle)
+
+    def _stop_drained(self) -> None:
+        for w in [w for w in self.workers.values() if w.draining and w.queued == 0]:
+            del self.workers[w.wid]
+            self.ray.kill(w.handle)
+
+    # ---- tasks -----------------------------------------------------------------
+    def submit(self, epoch: int, indices: list[int]) -> Any | None:
+        """Queue a task on the least loaded worker; its ref, or None (no worker, broken)."""
+        live = [w for w in self.workers.values() if not w.draining]
+        if self.broken or not live or not indices:
+            return None
+        w = min(live, key=lambda w: w.queued)
+        try:
+            ref = w.handle.run.remote(self.spec.version, epoch, list(indices))
+        except Exception as e:
+            self._break(e)
+            return None
+        w.queued += len(indices)
+        self.tasks[ref] = Task(w.wid, epoch, list(indices))
+        self.counts.tasks += 1
+        self.counts.items += len(indices)
+        return ref
+
+    def wait(self, refs: list[Any], timeout: float) -> list[Any]:
+        """Wait up to `timeout` for these tasks; settles those finished; returns the refs
+        still running (all of them once the pool is broken: the caller moves on)."""
+        todo = [r for r in refs if r in self.tasks]
+        if self.broken or not todo:
+            return []
+        try:
+            done, rest = self.ray.wait(todo, num_returns=len(todo), timeout=max(0.0, timeout))
+        except Exception as e:
+            self._break(e)
+            return []
+        for r in done:
+            self._settle(r)
+        return [] if self.broken else list(rest)
+
+    def poll(self) -> None:
+        """Settle whatever has finished, without waiting."""
+        self.wait(list(self.tasks), 0.0)
+
+    def _settle(self, ref: Any) -> None:
+        task = self.tasks.pop(ref)
+        w = self.workers.get(task.wid)
+        if w is not None:
+            w.queued -= len(task.indices)
+        try:
+            report: Report = self.ray.get(ref, timeout=30)
+        except self.ray.exceptions.RayActorError:
+            self.counts.lost += len(task.indices)
+            self._died(task.wid)
+            return
+        except self.ray.exceptions.RayTaskError as e:  # the runner raised (e.g. no ring): a failed task
+            self.counts.failed += len(task.indices)
+            self._warn_once_task(e)
+            return
+        except Exception as e:
+            self.counts.lost += len(task.indices)
+            self._break(e)
+            return
+        self._count(report)
+        self._stop_drained()
+
+    def _count(self, report: Report) -> None:
+        c = self.counts
+        for _, seconds, status in report:
+            c.seconds += seconds
+            if status == "made":
+                c.made += 1
+            elif status == "present":
+                c.present += 1
+            elif status.startswith(FAILED):
+                c.failed += 1
+
+    def _died(self, wid: int) -> None:
+        """A worker's process died: forget it (its other tasks fail as they settle) and
+        start another while replacements are left."""
+        w = self.workers.pop(wid, None)
+        if w is None:
+            return
+        self.counts.deaths += 1
+        if not w.draining and self.replaced < self.max_replace:
+            self.replaced += 1
+            try:
+                self._start()
+            except Exception as e:
+                self._break(e)
+
+    _task_warned = False
+
+    def _warn_once_task(self, e: BaseException) -> None:
+        if not self._task_warned:
+            self._task_warned = True
+            warnings.warn(f"a remote preprocessing task failed (its items are made locally): {e}",
+                          RuntimeWarning, stacklevel=3)
+
+    def _break(self, e: BaseException) -> None:
+        """The cluster is gone (or the connection to it): one warning, no more Ray calls."""
+        if self.broken:
+            return
+        self.broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        self.counts.lost += sum(len(t.indices) for t in self.tasks.values())
+        self.tasks.clear()
+        self.workers.clear()
+        warnings.warn(f"remote preprocessing workers lost ({self.broken}); the job goes on with local "
+                      f"workers", RuntimeWarning, stacklevel=3)
+        if self.owns_connection:
+            disconnect(self.ray)
+
+    def close(self) -> None:
+        """Stop every worker (without waiting for their tasks) and leave the cluster if
+        this pool joined it."""
+        if not self.broken:
+            for w in self.workers.values():
+                try:
+                    self.ray.kill(w.handle)
+                except Exception:  # gone already
+                    pass
+            if self.owns_connection:
+                disconnect(self.ray)
+        self.workers.clear()
+        self.tasks.clear()

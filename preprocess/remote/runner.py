@@ -1,0 +1,97 @@
+"""The work of one remote preprocessing worker, without Ray: given a job's WorkSpec
+and a task (a few item indices of an epoch), skip the items whose transformed
+item the cache already holds, read the others through the dataset's read path
+(the ring, else the store, verified), run the cacheable prefix on them and put
+the results into the ring under their transformed keys (clients/transformed.py).
+The trainer then finds them as hits. Nothing but a small report goes back:
+per item (index, seconds, status)."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+from clients.transformed import TransformedItems
+
+from ..items import item_digest, pairs
+from ..pipeline import ItemContext, StepError
+from .spec import WorkSpec, open_dataset
+
+# statuses in a report
+MADE, PRESENT, FAILED = "made", "present", "failed"
+
+Report = list[tuple[int, float, str]]  # (index, seconds of work, status)
+
+
+class SpecMismatch(RuntimeError):
+    """A task for a spec version this worker was not given."""
+
+
+class PrefixRunner:
+    def __init__(self) -> None:
+        self.spec: WorkSpec | None = None
+        self.ds: Any = None
+        self.items: TransformedItems | None = None
+        self.done = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def configure(self, spec: WorkSpec) -> int:
+        """Take (a new version of) the job's spec; returns its version."""
+        if self.spec is not None and self.spec.version == spec.version:
+            return spec.version
+        if self.ds is not None:
+            self.ds.close()
+        self.spec, self.ds = spec, open_dataset(spec)
+        ring = self.ds._proc().ring
+        if ring is None:
+            raise ValueError("remote workers need a cache ring to put transformed items into (cache=False given)")
+        self.items = TransformedItems(ring, self.ds.job, self.ds.dataset_tag, spec.fingerprint)
+        return spec.version
+
+    def run(self, version: int, epoch: int, indices: list[int]) -> Report:
+        spec, ds = self.spec, self.ds
+        if spec is None or spec.version != version:
+            raise SpecMismatch(f"task for spec version {version}, worker has "
+                               f"{None if spec is None else spec.version}")
+        Ks = [item_digest(ds, i) for i in indices]
+        present = self.items.lookup(Ks)
+        report: Report = [(i, 0.0, PRESENT) for i, p in zip(indices, present) if p]
+        todo = [(i, K) for i, K, p in zip(indices, Ks, present) if not p]
+        if not todo:
+            return report
+        t0 = time.perf_counter()
+        try:
+            raw = ds.read([i for i, _ in todo])
+        except Exception:  # the trainer reads and computes these itself
+            text = traceback.format_exc(limit=2).strip().splitlines()[-1]
+            return report + [(i, 0.0, f"{FAILED}: reading: {text}") for i, _ in todo]
+        read_share = (time.perf_counter() - t0) / len(todo)
+        outs, keys = [], []
+        for (i, K), x in zip(todo, raw):
+            t1 = time.perf_counter()
+            try:
+                y = self._prefix(x[0] if pairs(ds) else x, ItemContext(spec.job_seed, epoch, K))
+            except StepError as e:  # the trainer runs it again and reports it as on_error says
+                report.append((i, read_share + time.perf_counter() - t1, f"{FAILED}: {e}"))
+                continue
+            outs.append(y)
+            keys.append(K)
+            report.append((i, read_share + time.perf_counter() - t1, MADE))
+        if outs:
+            self.items.put(keys, outs)
+        self.done += len(outs)
+        return report
+
+    def _prefix(self, x: Any, ctx: ItemContext) -> Any:
+        pipe = self.ds.transform
+        for pos in range(self.spec.prefix):
+            x = pipe.call_step(pipe.order[pos], x, ctx)
+        return x
+
+    def close(self) -> None:
+        if self.ds is not None:
+            self.ds.close()
+            self.ds = None

@@ -1,0 +1,73 @@
+"""A real Ray head on loopback for the remote-worker tests: `ray start --head --block`
+in its own process group (so a test can kill the whole cluster with one signal),
+its files under a temp dir of its own, the client server on a free port."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from procs import ROOT, free_port
+
+# Ray resolves 127.0.0.1 to the host's outward address unless told it is not a cluster;
+# token auth off: the tests' client and the head share no token file.
+HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+class RayHead:
+    def __init__(self, cpus: int = 2) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths have a length limit
+        self.port, self.client_port = free_port(), free_port()
+        env = dict(os.environ, **HEAD_ENV, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        self.log = open(os.path.join(self.tmp, "head.log"), "wb")
+        self.proc = subprocess.Popen(
+            [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
+             f"--ray-client-server-port={self.client_port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={self.tmp}"],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def address(self) -> str:
+        return f"ray://127.0.0.1:{self.client_port}"
+
+    def connect(self, timeout: float = 60.0):
+        """Join as a Ray Client (this process); returns the ray module."""
+        import ray
+
+        os.environ.update(HEAD_ENV)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+                return ray
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"Ray head did not come up; log tail:\n{self.tail()}") from None
+                time.sleep(0.5)
+
+    def tail(self) -> str:
+        with open(os.path.join(self.tmp, "head.log"), "rb") as f:
+            return f.read()[-3000:].decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the head's whole process group: the cluster is gone at once."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def disconnect(ray) -> None:
+    from preprocess.remote.cluster import disconnect as leave
+
+    leave(ray)

@@ -1,0 +1,32 @@
+"""Steps for the remote-worker tests: module-level, importable by Ray's workers
+(the test head puts tests/ on their path)."""
+import random
+import struct
+import time
+
+import numpy as np
+
+
+def decode(data: bytes) -> np.ndarray:
+    """Deterministic: the item's index and content as an array."""
+    i = struct.unpack_from("<q", data)[0]
+    return np.frombuffer(data, np.uint8).astype(np.int32) + i
+
+
+class Slow:
+    """Deterministic, taking `secs` per item (so a task is in flight when a worker dies)."""
+
+    def __init__(self, secs: float) -> None:
+        self.secs = secs
+
+    def __call__(self, x):
+        time.sleep(self.secs)
+        return x * 2
+
+
+class Jitter:
+    """Random: the part of the pipeline the trainer runs after a hit."""
+    random = True
+
+    def __call__(self, x):
+        return x + random.randint(0, 3)

@@ -1,0 +1,138 @@
+"""Remote preprocessing workers on a real Ray head (loopback), a real cacheserver and
+real files: workers put transformed items, the trainer side reads them as hits; a
+worker killed with SIGKILL mid-epoch loses and doubles nothing."""
+import os
+import signal
+import sys
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.sampler import SubstitutableBatchSampler  # noqa: E402
+from clients.transformed import TransformedItems  # noqa: E402
+from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
+from preprocess import Pipeline  # noqa: E402
+from preprocess.items import item_digest  # noqa: E402
+from preprocess.remote import start  # noqa: E402
+from procs import cacheserver  # noqa: E402
+from rayhead import RayHead, disconnect  # noqa: E402
+from remote_steps import Jitter, Slow, decode  # noqa: E402
+from test_preprocess_loader import indexed_items  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = RayHead(cpus=2)
+    try:
+        yield h, h.connect()
+    finally:
+        if ray.is_initialized():
+            disconnect(ray)
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = cacheserver(str(tmp_path_factory.mktemp("srv"))).start()
+    yield d
+    d.kill()
+
+
+def trainer_epoch(ds, pipe, feed, n, B, seed, epoch=0):
+    """The trainer's side until the loader's transformed mode does it: per batch, the
+    transformed items as hits; a miss is read and its prefix run here, then put."""
+    fp = pipe.fingerprint(pipe.cacheable_prefix())
+    items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, fp)
+    sampler = SubstitutableBatchSampler(n, B, None, seed=seed)
+    sampler.set_epoch(epoch)
+    seen, out, computed = [], {}, 0
+    for batch in feed(sampler, epoch):
+        Ks = [item_digest(ds, i) for i in batch]
+        got = items.get(Ks)
+        miss = [p for p, g in enumerate(got) if g is None]
+        if miss:
+            raw = ds.read([batch[p] for p in miss])
+            made = [_prefix(pipe, x) for x in raw]
+            items.put([Ks[p] for p in miss], made)
+            for p, y in zip(miss, made):
+                got[p] = y
+            computed += len(miss)
+        seen += batch
+        out.update(zip(batch, got))
+    return seen, out, items.counts, computed
+
+
+def _prefix(pipe, x):
+    for pos in range(pipe.cacheable_prefix()):
+        x = pipe.call_step(pipe.order[pos], x, None)
+    return x
+
+
+def expected(ds, pipe, n):
+    return {i: _prefix(pipe, x) for i, x in zip(range(n), ds.read(list(range(n))))}
+
+
+def test_remote_workers_put_what_the_trainer_reads_as_hits(head, server, tmp_path):
+    n, B = 48, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, Slow(0.0), Jitter()])
+    ds = CachedDataset(path, cache=server.address, job="remote-hits", transform=pipe)
+    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
+               wait_limit=60.0, task_items=4)
+    try:
+        assert rw is not None and rw.pool.size == 2
+        seen, out, counts, computed = trainer_epoch(ds, pipe, rw.batches, n, B, seed=1)
+        assert Counter(seen) == Counter(range(n))            # the sampler's items, exactly once
+        want = expected(ds, pipe, n)
+        assert all(np.array_equal(out[i], want[i]) for i in range(n))
+        assert counts.hits == n and computed == 0              # all made remotely, read as hits
+        assert rw.pool.counts.made == n and rw.pool.counts.lost == 0
+        assert rw.feeder.stats.remote_items == n
+        # another epoch: the cache has them all, the workers make nothing again
+        seen2, _, counts2, computed2 = trainer_epoch(ds, pipe, rw.batches, n, B, seed=1, epoch=1)
+        assert Counter(seen2) == Counter(range(n)) and counts2.hits == n and computed2 == 0
+        assert rw.pool.counts.present == n and rw.pool.counts.made == n
+    finally:
+        if rw is not None:
+            rw.close()
+        ds.close()
+
+
+def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, server, tmp_path):
+    n, B = 96, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, Slow(0.03), Jitter()])
+    ds = CachedDataset(path, cache=server.address, job="remote-kill", transform=pipe)
+    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
+               wait_limit=60.0, task_items=4, window=4)
+    killed = []
+
+    def feed(sampler, epoch):
+        for k, batch in enumerate(rw.batches(sampler, epoch)):
+            if k == 2:  # mid-epoch, with tasks queued on every worker
+                w = max(rw.pool.workers.values(), key=lambda w: w.queued)
+                pid = ray.get(w.handle.pid.remote(), timeout=30)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            yield batch
+
+    try:
+        seen, out, counts, computed = trainer_epoch(ds, pipe, feed, n, B, seed=2)
+        assert Counter(seen) == Counter(range(n))            # nothing lost, nothing doubled
+        want = expected(ds, pipe, n)
+        assert all(np.array_equal(out[i], want[i]) for i in range(n))
+        c = rw.pool.counts
+        assert killed and c.deaths == 1 and c.lost > 0
+        assert computed > 0 and counts.hits + computed == n   # the trainer made the dead worker's items
+        assert rw.pool.size == 2 and rw.pool.broken is None    # replaced, still remote
+    finally:
+        rw.close()
+        ds.close()
