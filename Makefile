@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on disk; a bare `torch` may pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,torch,gcs,s3,tf]'
+	$(PY) -m pip install -q -e '.[dev,torch,gcs,s3,tf,ray]'
 	touch $(STAMP)
 
 demo: venv

@@ -76,7 +76,7 @@ class RemotePool:
     def resize(self, n: int) -> None:
         """Start workers, or drain the least loaded ones, until `n` take tasks."""
         self.target = max(0, n)
-        if self.broken:
+        if not self._live():
             return
         try:
             while self.size < self.target:
@@ -92,7 +92,7 @@ class RemotePool:
         """A new version of the job's spec (the pipeline was reordered): every worker
         takes it before its next task."""
         self.spec = spec
-        if not self.broken:
+        if self._live():
             try:
                 for w in self.workers.values():
                     w.handle.configure.remote(spec)
@@ -114,16 +114,16 @@ class RemotePool:
     def submit(self, epoch: int, indices: list[int]) -> Any | None:
         """Queue a task on the least loaded worker; its ref, or None (no worker, broken)."""
         live = [w for w in self.workers.values() if not w.draining]
-        if self.broken or not live or not indices:
+        if not live or not indices or not self._live():
             return None
         w = min(live, key=lambda w: w.queued)
-        try:
+        try:  # a client ref is hashed once the server answers: a lost cluster shows here too
             ref = w.handle.run.remote(self.spec.version, epoch, list(indices))
+            self.tasks[ref] = Task(w.wid, epoch, list(indices))
         except Exception as e:
             self._break(e)
             return None
         w.queued += len(indices)
-        self.tasks[ref] = Task(w.wid, epoch, list(indices))
         self.counts.tasks += 1
         self.counts.items += len(indices)
         return ref
@@ -131,8 +131,10 @@ class RemotePool:
     def wait(self, refs: list[Any], timeout: float) -> list[Any]:
         """Wait up to `timeout` for these tasks; settles those finished; returns the refs
         still running (all of them once the pool is broken: the caller moves on)."""
+        if not self._live():
+            return []
         todo = [r for r in refs if r in self.tasks]
-        if self.broken or not todo:
+        if not todo:
             return []
         try:
             done, rest = self.ray.wait(todo, num_returns=len(todo), timeout=max(0.0, timeout))
@@ -202,6 +204,16 @@ class RemotePool:
             warnings.warn(f"a remote preprocessing task failed (its items are made locally): {e}",
                           RuntimeWarning, stacklevel=3)
 
+    def _live(self) -> bool:
+        """May Ray be called? Not once broken, nor once the client connection is closed
+        (Ray would then start or join a cluster of its own on the next call)."""
+        if self.broken:
+            return False
+        if not self.ray.is_initialized():
+            self._break(ConnectionError("the Ray Client connection is closed"))
+            return False
+        return True
+
     def _break(self, e: BaseException) -> None:
         """The cluster is gone (or the connection to it): one warning, no more Ray calls."""
         if self.broken:
@@ -218,7 +230,7 @@ class RemotePool:
     def close(self) -> None:
         """Stop every worker (without waiting for their tasks) and leave the cluster if
         this pool joined it."""
-        if not self.broken:
+        if not self.broken and self.ray.is_initialized():
             for w in self.workers.values():
                 try:
                     self.ray.kill(w.handle)

@@ -1,0 +1,85 @@
+"""The Ray cluster gone mid-epoch (its head's processes killed with SIGKILL): one
+warning, every item still comes exactly once (the trainer side makes the rest), the
+local workers are set to the fallback count. And a cluster never reached: local only."""
+import os
+import sys
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+
+from clients.dataset import CachedDataset  # noqa: E402
+from preprocess import Pipeline  # noqa: E402
+from preprocess.remote import start  # noqa: E402
+from procs import cacheserver, free_port  # noqa: E402
+from rayhead import RayHead, disconnect  # noqa: E402
+from remote_steps import Jitter, Slow, decode  # noqa: E402
+from test_preprocess_loader import indexed_items  # noqa: E402
+from test_remote_workers import expected, trainer_epoch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def server(tmp_path):
+    d = cacheserver(str(tmp_path / "srv")).start()
+    yield d
+    d.kill()
+
+
+def test_cluster_gone_mid_epoch_falls_back_to_local_workers(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_CLIENT_RECONNECT_GRACE_PERIOD", "3")  # how long calls stall before the loss shows
+    n, B = 64, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, Slow(0.02), Jitter()])
+    ds = CachedDataset(path, cache=server.address, job="remote-gone", transform=pipe)
+    head = RayHead(cpus=2)
+    rw = None
+    try:
+        head.connect()
+        local = []
+        rw = start(ds, pipe, 0, head.address, set_local=local.append, wait_limit=60.0, task_items=4,
+                   fallback_local=3)
+        assert rw is not None and local == [0] and rw.pool.size == 1
+
+        def feed(sampler, epoch):
+            for k, batch in enumerate(rw.batches(sampler, epoch)):
+                if k == 1:
+                    head.kill()  # every process of the cluster, at once
+                yield batch
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen, out, counts, computed = trainer_epoch(ds, pipe, feed, n, B, seed=3)
+        assert Counter(seen) == Counter(range(n))              # training went on, nothing lost or doubled
+        want = expected(ds, pipe, n)
+        assert all(np.array_equal(out[i], want[i]) for i in range(n))
+        lost = [w for w in caught if "remote preprocessing workers lost" in str(w.message)]
+        assert len(lost) == 1, [str(w.message) for w in caught]  # one warning
+        assert rw.pool.broken and computed > 0 and rw.controller.fell_back
+        assert local[-1] == 3 and rw.feeder.local_share == 1.0  # everything local from then on
+        assert rw.feeder.stats.local_items > 0
+    finally:
+        if rw is not None:
+            rw.close()
+        if ray.is_initialized():
+            disconnect(ray)
+        head.close()
+        ds.close()
+
+
+def test_cluster_never_reached_runs_local_only(server, tmp_path):
+    path = indexed_items(tmp_path / "ds", 8)
+    pipe = Pipeline([decode, Jitter()])
+    ds = CachedDataset(path, cache=server.address, transform=pipe)
+    with pytest.warns(RuntimeWarning, match="cannot be reached.*local workers only"):
+        assert start(ds, pipe, 0, f"ray://127.0.0.1:{free_port()}") is None
+    with pytest.warns(RuntimeWarning, match="no cacheable prefix"):
+        assert start(ds, Pipeline([Jitter(), decode]), 0, "ray://127.0.0.1:1") is None
+    with pytest.raises(ValueError, match="not the embedded cache"):
+        start(CachedDataset(path, cache=False, transform=pipe), pipe, 0, "ray://127.0.0.1:1")
+    ds.close()
