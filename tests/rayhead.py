@@ -29,7 +29,7 @@ class RayHead:
         self.proc = subprocess.Popen(
             [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
              f"--ray-client-server-port={self.client_port}", f"--num-cpus={cpus}", "--include-dashboard=false",
-             "--disable-usage-stats", f"--temp-dir={self.tmp}"],
+             "--object-store-memory=100000000", "--disable-usage-stats", f"--temp-dir={self.tmp}"],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
