@@ -1,0 +1,134 @@
+"""The remote-worker pieces that need no cluster: the feeder's order, window and
+local share (against an in-process pool that records what it is sent), the
+controller's use of the policies, and what remote= accepts."""
+from collections import Counter
+
+import pytest
+
+from manager.policy.autoscale import AutoscaleConfig, Autoscaler
+from manager.policy.placement import Placement, PlacementConfig
+from manager.policy.scaling import Measurement
+from preprocess.remote.cluster import resolve
+from preprocess.remote.control import Controller
+from preprocess.remote.feeder import Feeder
+
+
+class RecordingPool:
+    """The pool's interface: tasks finish when the test says so."""
+
+    def __init__(self, workers=1):
+        self.size, self.broken, self.target = workers, None, workers
+        self.sent, self.tasks, self.waits, self._n = [], {}, [], 0
+
+    def submit(self, epoch, indices):
+        if not self.size or self.broken:
+            return None
+        self._n += 1
+        self.tasks[self._n] = list(indices)
+        self.sent.append((epoch, list(indices)))
+        return self._n
+
+    def wait(self, refs, timeout):
+        self.waits.append(list(refs))
+        for r in refs:
+            self.tasks.pop(r, None)
+        return []
+
+    def poll(self):
+        pass
+
+    def resize(self, n):
+        self.size = self.target = n
+
+
+def batches(n, B):
+    return [list(range(k, min(n, k + B))) for k in range(0, n, B)]
+
+
+def test_feeder_hands_on_the_sampler_batches_unchanged_a_bounded_window_ahead():
+    pool = RecordingPool()
+    src = batches(50, 8)
+    pulled = []
+
+    def source():
+        for b in src:
+            pulled.append(b)
+            yield b
+
+    f = Feeder(pool, window=3, task_items=3)
+    out = []
+    for b in f.batches(source(), epoch=5):
+        out.append(b)
+        assert len(pulled) - len(out) <= 3 - 1 or len(pulled) == len(src)  # never more than the window ahead
+    assert out == src                                          # same batches, same order
+    sent = [i for _, idx in pool.sent for i in idx]
+    assert Counter(sent) == Counter(range(50))                # every item sent once
+    assert all(e == 5 for e, _ in pool.sent) and max(len(i) for _, i in pool.sent) == 3
+    assert f.stats.batches == len(src) and f.stats.remote_items == 50 and f.stats.local_items == 0
+
+
+def test_feeder_leaves_the_local_share_and_everything_when_no_worker():
+    pool = RecordingPool()
+    f = Feeder(pool, window=2, task_items=4)
+    f.local_share = 0.25
+    out = list(f.batches(iter(batches(32, 8)), 0))
+    assert out == batches(32, 8)
+    assert f.stats.local_items == 8 and f.stats.remote_items == 24
+    assert all(i % 8 >= 2 for _, idx in pool.sent for i in idx)   # the first quarter of each batch stays local
+    none = Feeder(RecordingPool(workers=0), window=2)
+    assert list(none.batches(iter(batches(16, 8)), 0)) == batches(16, 8)
+    assert none.stats.local_items == 16 and none.stats.remote_items == 0
+
+
+def test_feeder_refuses_bad_settings():
+    with pytest.raises(ValueError, match="window"):
+        Feeder(RecordingPool(), window=0)
+
+
+def test_controller_applies_the_autoscaler_every_window_of_batches():
+    pool = RecordingPool(workers=0)
+    ctl = Controller(pool, Autoscaler.start(AutoscaleConfig(settle=0)), every=2)
+    assert pool.target == 1                                    # Cachew: start with one
+    f = Feeder(pool, window=1, on_batch=ctl)
+    f.stats.batch_times += [0.2, 0.2]
+    f.stats.queues += [0.0, 0.0]
+    ctl(f)                                                     # first measurement: try one more
+    assert pool.target == 2 and ctl.decisions[-1].change.remote == 2
+    f.stats.batch_times += [0.1, 0.1]
+    f.stats.queues += [0.0, 0.0]
+    ctl(f)                                                     # improved: try another
+    assert pool.target == 3 and f.local_share == 0.0
+
+
+def test_controller_places_local_workers_and_falls_back_once():
+    pool = RecordingPool(workers=0)
+    local = []
+    place = Placement.start_with(PlacementConfig(settle=0))
+    ctl = Controller(pool, place, local.append, every=1, fallback_local=2)
+    assert pool.target == 1 and local == [0]
+    for bt in (0.2, 0.1, 0.1, 0.1):                            # remote plateau at 2, then a local worker
+        ctl.observe(Measurement(bt))
+    assert [(d.change.remote, d.change.local) for d in ctl.decisions] == [(2, 0), (3, 0), (2, 0), (2, 1)]
+    assert ctl.local == 1 and local[-1] == 1 and pool.target == 2
+    f = Feeder(pool, window=1)
+    ctl(f)
+    assert f.local_share == pytest.approx(1 / 3)
+    pool.broken = "ConnectionError: gone"
+    ctl(f)
+    ctl(f)
+    assert ctl.fell_back and local[-1] == 2 and local.count(2) == 1 and f.local_share == 1.0
+
+
+def test_remote_addresses(monkeypatch):
+    assert resolve("ray://10.0.0.1:10001") == "ray://10.0.0.1:10001"
+    for bad in ("10.0.0.1:10001", "ray://host", "ray://:1", "ray://h:99999"):
+        with pytest.raises(ValueError, match="ray://HOST:PORT"):
+            resolve(bad)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert resolve("auto") == "ray://head:10001"
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    with pytest.raises(ValueError, match="RAY_ADDRESS is 'head:6379'"):
+        resolve("auto")
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ValueError, match="not set"):
+        resolve("auto")
