@@ -27,16 +27,19 @@ def prefix_of(pipeline: Any) -> int:
     return point() if point is not None else pipeline.cacheable_prefix()
 
 
-def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int) -> WorkSpec | None:
+def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int, *, key: str | None = None,
+              prefix: int | None = None) -> WorkSpec | None:
     """The spec of a prepared pipeline; None when it has no cacheable prefix (nothing a
-    remote worker could make that the trainer would find) or it cannot be keyed."""
+    remote worker could make that the trainer would find) or it cannot be keyed.
+    `key` and `prefix`: what the trainer side keys its transformed items by, and after
+    how many steps (the loader's autocache); by default the prefix's own fingerprint."""
     from preprocess.fingerprint import Uncacheable
 
-    n = prefix_of(pipeline)
+    n = prefix_of(pipeline) if prefix is None else prefix
     if n == 0:
         return None
     try:
-        fp = pipeline.fingerprint(n)
+        fp = pipeline.fingerprint(n) if key is None else key
     except Uncacheable:
         return None
     return WorkSpec(version, ds.remote_copy(pipeline), n, fp, job_seed)

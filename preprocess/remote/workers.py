@@ -26,9 +26,10 @@ class RemoteWorkers:
     def batches(self, source: Iterable[list[int]], epoch: int) -> Iterator[list[int]]:
         return self.feeder.batches(source, epoch)
 
-    def refresh(self, ds: Any, pipeline: Any, job_seed: int) -> None:
+    def refresh(self, ds: Any, pipeline: Any, job_seed: int, *, key: str | None = None,
+                prefix: int | None = None) -> None:
         """The pipeline changed (AutoOrder after the first epoch): a new spec version."""
-        spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1)
+        spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix)
         if spec is not None and spec.fingerprint != self.pool.spec.fingerprint:
             self.pool.set_spec(spec)
 
@@ -46,15 +47,17 @@ class RemoteWorkers:
 def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: PlacementConfig | None = None,
           autoscale: AutoscaleConfig | None = None, set_local: Callable[[int], None] | None = None,
           window: int = 4, task_items: int = 8, wait_limit: float = 10.0, every: int = 20,
-          cpus: float = 1.0, fallback_local: int = 1) -> RemoteWorkers | None:
-    """Remote workers for a prepared pipeline. With `set_local` (the local worker count)
-    AutoPlacement sizes both kinds (`placement` config: prices); without, Cachew's
-    autoscaling sizes the remote ones."""
+          cpus: float = 1.0, fallback_local: int = 1, key: str | None = None,
+          prefix: int | None = None) -> RemoteWorkers | None:
+    """Remote workers for a prepared pipeline. With a `placement` config (prices) or
+    `set_local` (the local worker count), AutoPlacement sizes both kinds (the local
+    count sets the share of each batch left to local workers); else Cachew's
+    autoscaling sizes the remote ones. `key`/`prefix`: see spec.make_spec."""
     address = resolve(remote, getattr(ds, "manager", None))
     if getattr(ds, "embedded", None) is not None or getattr(ds, "cache_spec", None) is None:
         raise ValueError("remote workers put their outputs into the cache ring: pass cache='host:port,...' "
                          "(servers they can reach) or a manager, not the embedded cache or cache=False")
-    spec = make_spec(ds, pipeline, job_seed, 1)
+    spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix)
     if spec is None:
         warnings.warn(f"remote={remote!r}: the pipeline {pipeline!r} has no cacheable prefix (its first step is "
                       f"random, or it cannot be fingerprinted): nothing to run remotely; local workers only",
@@ -66,7 +69,8 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
         warnings.warn(f"{e}; the job runs local workers only", RuntimeWarning, stacklevel=3)
         return None
     pool = RemotePool(ray, spec, cpus=cpus, owns_connection=owned)
-    policy: Autoscaler | Placement = (Placement.start_with(placement) if set_local is not None
+    policy: Autoscaler | Placement = (Placement.start_with(placement)
+                                      if placement is not None or set_local is not None
                                       else Autoscaler.start(autoscale))
     controller = Controller(pool, policy, set_local, every, fallback_local)
     feeder = Feeder(pool, window=window, task_items=task_items, wait_limit=wait_limit, on_batch=controller)
