@@ -103,3 +103,17 @@ def test_recorded_style_trace_with_bounded_iterations():
     assert place.converged and place.local == 2
     assert model(place.remote, place.local).batch_time == pytest.approx(0.1)
     assert place.remote < 6
+
+
+def test_never_removes_the_last_worker_of_all():
+    """One remote worker on its plateau, and a local worker that slows batches (noise, or
+    a host with no spare core): the local one goes, the remote one stays. Removing it too
+    would leave no worker: no batch, no measurement, nothing to undo it (seen in
+    tools/bench/placement on a loaded 2-core host)."""
+    p = Placement.start_with(PlacementConfig(settle=0, min_remote=0))
+    counts = []
+    for bt in (0.10, 0.10, 0.10, 0.20, 0.10, 0.10):
+        c = p.observe(Measurement(bt))
+        counts.append((p.remote, p.local))
+        assert p.remote + p.local >= 1, counts
+    assert (1, 1) in counts and counts[-1] == (1, 0) and p.converged

@@ -20,7 +20,8 @@ States and transitions (each change sets ``settle_left = settle``; the next
                      (at max_local: ref_cost := cost(m); remove a remote one)
     REMOVE_REMOTE
       -- cost <= ref_cost and batch time within slowdown_guard of bpt_conv
-                 -----> ref_cost := cost; remove another (at min_remote: end)
+                 -----> ref_cost := cost; remove another (at min_remote, or
+                        where it would leave no worker at all: end)
       -- otherwise -----> add the last remote worker back; end
       end of an iteration: counts as at its start -------------------> CONVERGED
                            else a new iteration -------------------> ADD_LOCAL
@@ -140,7 +141,7 @@ class Placement:
     def _to_remove_remote(self, good: Measurement, local_delta: int, why: str) -> Change | None:
         self.phase = PlacePhase.REMOVE_REMOTE
         self.ref_cost = self.config.cost(good.batch_time, self.remote)
-        if self.remote > self.config.min_remote:
+        if self._may_remove_remote(self.local + local_delta):
             return self._change(-1, local_delta, f"{why}; remove a remote worker")
         return self._end_iteration(0, local_delta, why)
 
@@ -150,10 +151,15 @@ class Placement:
         cost = self.cost(m)
         if cost <= self.ref_cost and (guard is None or relative(m.batch_time, self.bpt_conv) <= guard):
             self.ref_cost = cost
-            if self.remote > self.config.min_remote:
+            if self._may_remove_remote(self.local):
                 return self._change(-1, 0, "batch cost did not rise: remove another remote worker")
             return self._end_iteration(0, 0, "")
         return self._end_iteration(+1, 0, "removal raised batch cost: add the remote worker back")
+
+    def _may_remove_remote(self, local: int) -> bool:
+        """Above min_remote, and some worker is left: with none, no batch would finish,
+        so no measurement would ever come to undo the removal."""
+        return self.remote > self.config.min_remote and self.remote - 1 + local >= 1
 
     def _end_iteration(self, remote_delta: int, local_delta: int, why: str) -> Change | None:
         after = (self.remote + remote_delta, self.local + local_delta)
