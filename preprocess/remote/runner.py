@@ -48,7 +48,7 @@ class PrefixRunner:
         ring = self.ds._proc().ring
         if ring is None:
             raise ValueError("remote workers need a cache ring to put transformed items into (cache=False given)")
-        self.items = TransformedItems(ring, self.ds.job, self.ds.dataset_tag, spec.fingerprint)
+        self.items = TransformedItems(ring, self.ds.job, self.ds.dataset_tag, spec.fingerprint, spec.key_seed)
         return spec.version
 
     def run(self, version: int, epoch: int, indices: list[int]) -> Report:

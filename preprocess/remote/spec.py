@@ -18,6 +18,7 @@ class WorkSpec:
     prefix: int           # steps (execution order) the remote worker runs
     fingerprint: str      # key of those steps (clients/derived.py)
     job_seed: int
+    key_seed: int | None = None  # the derived key's seed (a kept step that draws random numbers)
 
 
 def prefix_of(pipeline: Any) -> int:
@@ -28,11 +29,12 @@ def prefix_of(pipeline: Any) -> int:
 
 
 def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int, *, key: str | None = None,
-              prefix: int | None = None) -> WorkSpec | None:
+              prefix: int | None = None, key_seed: int | None = None) -> WorkSpec | None:
     """The spec of a prepared pipeline; None when it has no cacheable prefix (nothing a
     remote worker could make that the trainer would find) or it cannot be keyed.
-    `key` and `prefix`: what the trainer side keys its transformed items by, and after
-    how many steps (the loader's autocache); by default the prefix's own fingerprint."""
+    `key`, `prefix`, `key_seed`: what the trainer side keys its transformed items by,
+    after how many steps, under which seed (the loader's autocache); by default the
+    prefix's own fingerprint, no seed."""
     from preprocess.fingerprint import Uncacheable
 
     n = prefix_of(pipeline) if prefix is None else prefix
@@ -42,7 +44,7 @@ def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int, *, key: str |
         fp = pipeline.fingerprint(n) if key is None else key
     except Uncacheable:
         return None
-    return WorkSpec(version, ds.remote_copy(pipeline), n, fp, job_seed)
+    return WorkSpec(version, ds.remote_copy(pipeline), n, fp, job_seed, key_seed)
 
 
 def open_dataset(spec: WorkSpec) -> Any:

@@ -27,10 +27,13 @@ class RemoteWorkers:
         return self.feeder.batches(source, epoch)
 
     def refresh(self, ds: Any, pipeline: Any, job_seed: int, *, key: str | None = None,
-                prefix: int | None = None) -> None:
+                prefix: int | None = None, key_seed: int | None = None) -> None:
         """The pipeline changed (AutoOrder after the first epoch): a new spec version."""
-        spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix)
-        if spec is not None and spec.fingerprint != self.pool.spec.fingerprint:
+        spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix,
+                         key_seed=key_seed)
+        old = self.pool.spec
+        if spec is not None and (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix,
+                                                                                   old.key_seed):
             self.pool.set_spec(spec)
 
     def summary(self) -> dict[str, Any]:
@@ -48,7 +51,7 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
           autoscale: AutoscaleConfig | None = None, set_local: Callable[[int], None] | None = None,
           window: int = 4, task_items: int = 8, wait_limit: float = 10.0, every: int = 20,
           cpus: float = 1.0, fallback_local: int = 1, key: str | None = None,
-          prefix: int | None = None) -> RemoteWorkers | None:
+          prefix: int | None = None, key_seed: int | None = None) -> RemoteWorkers | None:
     """Remote workers for a prepared pipeline. With a `placement` config (prices) or
     `set_local` (the local worker count), AutoPlacement sizes both kinds (the local
     count sets the share of each batch left to local workers); else Cachew's
@@ -57,7 +60,7 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
     if getattr(ds, "embedded", None) is not None or getattr(ds, "cache_spec", None) is None:
         raise ValueError("remote workers put their outputs into the cache ring: pass cache='host:port,...' "
                          "(servers they can reach) or a manager, not the embedded cache or cache=False")
-    spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix)
+    spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix, key_seed=key_seed)
     if spec is None:
         warnings.warn(f"remote={remote!r}: the pipeline {pipeline!r} has no cacheable prefix (its first step is "
                       f"random, or it cannot be fingerprinted): nothing to run remotely; local workers only",
