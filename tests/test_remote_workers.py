@@ -136,3 +136,27 @@ def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, server, tmp_pat
     finally:
         rw.close()
         ds.close()
+
+
+def test_a_removed_worker_drains_its_queued_tasks_first(head, server, tmp_path):
+    n = 32
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, Slow(0.02), Jitter()])
+    ds = CachedDataset(path, cache=server.address, job="remote-drain", transform=pipe)
+    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
+    pool = rw.pool
+    try:
+        refs = [pool.submit(0, list(range(k, k + 4))) for k in range(0, n, 4)]
+        busy = {t.wid for t in pool.tasks.values()}
+        assert len(busy) == 2 and all(refs)
+        pool.resize(1)                                       # one goes: it takes no new task...
+        draining = [w for w in pool.workers.values() if w.draining]
+        assert pool.size == 1 and len(draining) == 1 and draining[0].queued > 0
+        assert pool.wait(refs, 60.0) == []                    # ...but finishes what it holds
+        assert pool.counts.made == n and pool.counts.lost == 0
+        assert len(pool.workers) == 1 and not any(w.draining for w in pool.workers.values())  # then stops
+        items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, pool.spec.fingerprint)
+        assert all(v is not None for v in items.get([item_digest(ds, i) for i in range(n)]))
+    finally:
+        rw.close()
+        ds.close()
