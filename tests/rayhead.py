@@ -36,8 +36,9 @@ class RayHead:
     def address(self) -> str:
         return f"ray://127.0.0.1:{self.client_port}"
 
-    def connect(self, timeout: float = 60.0):
-        """Join as a Ray Client (this process); returns the ray module."""
+    def connect(self, timeout: float = 150.0):
+        """Join as a Ray Client (this process); returns the ray module. The bound is for a
+        loaded machine: the head and the client's server each start Python processes."""
         import ray
 
         os.environ.update(HEAD_ENV)
@@ -46,9 +47,10 @@ class RayHead:
             try:
                 ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
                 return ray
-            except Exception:
+            except Exception as e:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"Ray head did not come up; log tail:\n{self.tail()}") from None
+                    raise RuntimeError(f"Ray head did not come up ({type(e).__name__}: {e}); "
+                                       f"log tail:\n{self.tail()}") from None
                 time.sleep(0.5)
 
     def tail(self) -> str:

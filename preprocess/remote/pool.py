@@ -1,7 +1,7 @@
 """The remote workers of one job: Ray actors running PrefixRunner, one task queue each.
 
-Worker states: starting (configured, takes tasks at once: Ray queues them behind
-its configuration) -> running -> draining (removed by a scaling decision: takes
+Worker states: starting (configured; takes one task, queued by Ray behind its
+configuration, until it answers one) -> running -> draining (removed by a scaling decision: takes
 no new task, is killed once its queued tasks are done) -> gone; or dead (its
 process died: its unfinished tasks are reported failed, and it is replaced, at
 most `max_replace` times over the pool's life).
@@ -31,6 +31,13 @@ class Worker:
     handle: Any
     queued: int = 0            # items in its unfinished tasks
     draining: bool = False
+    finished: int = 0          # tasks it has answered
+
+    @property
+    def on_probation(self) -> bool:
+        """Not known to run yet (starting, or no CPU for it in the cluster): one task at a
+        time, so a worker that never starts holds back one task, not every batch."""
+        return self.finished == 0 and self.queued > 0
 
 
 @dataclass
@@ -108,12 +115,17 @@ class RemotePool:
     def _stop_drained(self) -> None:
         for w in [w for w in self.workers.values() if w.draining and w.queued == 0]:
             del self.workers[w.wid]
-            self.ray.kill(w.handle)
+            try:
+                self.ray.kill(w.handle)
+            except Exception as e:
+                self._break(e)
+                return
 
     # ---- tasks -----------------------------------------------------------------
     def submit(self, epoch: int, indices: list[int]) -> Any | None:
-        """Queue a task on the least loaded worker; its ref, or None (no worker, broken)."""
-        live = [w for w in self.workers.values() if not w.draining]
+        """Queue a task on the least loaded worker; its ref, or None (no worker free to
+        take it: none, all on probation, or the pool broken)."""
+        live = [w for w in self.workers.values() if not w.draining and not w.on_probation]
         if not live or not indices or not self._live():
             return None
         w = min(live, key=lambda w: w.queued)
@@ -161,6 +173,8 @@ class RemotePool:
             self._died(task.wid)
             return
         except self.ray.exceptions.RayTaskError as e:  # the runner raised (e.g. no ring): a failed task
+            if w is not None:
+                w.finished += 1
             self.counts.failed += len(task.indices)
             self._warn_once_task(e)
             return
@@ -168,6 +182,8 @@ class RemotePool:
             self.counts.lost += len(task.indices)
             self._break(e)
             return
+        if w is not None:
+            w.finished += 1
         self._count(report)
         self._stop_drained()
 
