@@ -66,8 +66,7 @@ def test_cluster_gone_mid_epoch_falls_back_to_local_workers(server, tmp_path, mo
     finally:
         if rw is not None:
             rw.close()
-        if ray.is_initialized():
-            disconnect(ray)
+        disconnect(ray)  # also after a lost cluster, when Ray no longer counts itself initialized
         head.close()
         ds.close()
 

@@ -34,8 +34,7 @@ def head():
     try:
         yield h, h.connect()
     finally:
-        if ray.is_initialized():
-            disconnect(ray)
+        disconnect(ray)  # also after a lost cluster, when Ray no longer counts itself initialized
         h.close()
 
 

@@ -62,6 +62,7 @@ def connect(address: str) -> tuple[Any, bool]:
     except OSError as e:
         raise ClusterUnavailable(f"Ray cluster {address} cannot be reached: {e}") from None
     os.environ.setdefault(GRACE_ENV, str(DEFAULT_GRACE_S))
+    disconnect(ray)  # a client whose cluster was lost stays half-connected until shut down
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except Exception as e:
