@@ -52,6 +52,7 @@ from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
 from .stats import SharedCounters
+from .stats import worker_row as _worker_row
 
 log = logging.getLogger("clients.dataset")
 # Longest wait for another job's insert of an item it claimed; a claim expires
@@ -599,11 +600,3 @@ def _not_while_spawning() -> None:
             "script: workers are spawned and re-import it, so put the code that makes the dataset and "
             "iterates the loader under `if __name__ == \"__main__\":` (see README)")
 
-
-def _worker_row() -> int:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return 0
-    info = get_worker_info()
-    return 0 if info is None else info.id + 1

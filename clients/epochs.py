@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .sampler import SubstitutableBatchSampler
-from .stats import EpochStats, SharedCounters
+from .stats import T_FIELDS, EpochStats, SharedCounters
 
 
 class Source(Protocol):
@@ -93,9 +93,10 @@ class EpochRun:
         else:
             self.sampler.delivered_items(indices)
 
-    def finish(self, complete: bool, preprocess: Any = None) -> EpochStats:
+    def finish(self, complete: bool, preprocess: Any = None, autocache: Any = None) -> EpochStats:
         """The epoch's stats (complete=False: it stopped early), recorded in the log;
-        then the log's epoch-end callbacks run."""
+        then the log's epoch-end callbacks run. `autocache`: the front end's
+        (clients/autocache.py), whose mode and counts the stats then carry."""
         elapsed = time.perf_counter() - self.t0
         after = self.counters.totals()
         d = {k: after[k] - self.before[k] for k in after}
@@ -107,6 +108,9 @@ class EpochRun:
                         batch_time_median=statistics.median(times) if times else 0.0,
                         batch_time_p95=sorted(times)[int(0.95 * (len(times) - 1))] if times else 0.0,
                         complete=complete, preprocess=preprocess)
+        if autocache is not None:
+            st.transformed = {k[2:]: d[k] for k in T_FIELDS}
+            st.autocache = autocache.line()
         self.log.batch_times = times
         self.log.epoch_stats.append(st)
         for cb in self.log.on_epoch_end:

@@ -42,8 +42,11 @@ class CachedLoader(DataLoader, EpochLog):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         EpochLog.__init__(self)  # epoch_stats, batch_times, callbacks
         self.preprocess: Any = None  # a preprocess.Scheduler when the dataset has a transform
+        self.autocache: Any = None  # a clients.autocache.Autocache with autocache= other than "source"
 
     def __iter__(self) -> Iterator:
+        if self.autocache is not None:
+            self.autocache.start_epoch(self.preprocess)
         run = EpochRun(self.dataset, self.batch_sampler, self)
         complete = False
         try:
@@ -52,7 +55,8 @@ class CachedLoader(DataLoader, EpochLog):
                 yield batch
             complete = True
         finally:  # an epoch stopped early keeps its statistics too (complete=False)
-            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None)
+            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None,
+                       self.autocache)
 
     def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
         """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
@@ -63,11 +67,15 @@ class CachedLoader(DataLoader, EpochLog):
         sampler = self.batch_sampler
         for indices, items in self.preprocess.epoch(sampler, sampler.epoch, sampler.batch_size):
             yield self.collate_fn(items), indices
+            if self.autocache is not None:  # auto decides once enough of the first epoch is measured
+                self.autocache.after_batch(self.preprocess, sampler.share.size, sampler.batch_size)
 
     def close(self) -> None:
         """Stop the preprocessing workers (DataLoader workers stop with the loader)."""
         if self.preprocess is not None:
             self.preprocess.close()
+        if self.autocache is not None:
+            self.autocache.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
@@ -131,7 +139,7 @@ def distributed_rank(rank: int | None, world_size: int | None) -> tuple[int, int
 def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int = 0, lookahead: int = 10,
                 substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
                 rank: int | None = None, world_size: int | None = None, scheduler: str = "sample",
-                **kwargs) -> CachedLoader:
+                autocache: str = "source", epochs: int | None = None, **kwargs) -> CachedLoader:
     check_kwargs(kwargs)
     if scheduler not in ("sample", "torch"):
         raise ValueError(f"scheduler must be 'sample' (per sample, preprocess/) or 'torch', got {scheduler!r}")
@@ -140,18 +148,19 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         raise ValueError(f"{', '.join(options)}: options of the per-sample scheduler, which runs only with "
                          f"a transform= (docs/preprocess.md)")
     per_sample = ds.transform is not None and scheduler == "sample"
+    if autocache != "source" and not per_sample:
+        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= run by "
+                         f"the per-sample scheduler (docs/preprocess.md, Autocache)")
     if per_sample or (num_workers or 0) > 0:
         check_picklable(ds, kwargs)
     rank, world_size = distributed_rank(rank, world_size)
     sampler = make_sampler(ds, batch_size, seed=seed, lookahead=lookahead, substitute=substitute,
                            miss_seed=miss_seed, drop_last=drop_last, rank=rank, world_size=world_size)
-    engine = None
+    engine = ac = None
     if per_sample:
-        from preprocess.scheduler import Scheduler
-
-        engine = Scheduler(ds, ds.transform, num_workers=num_workers, job_seed=seed, drop_last=drop_last,
-                           **options)
-        engine.prepare()  # profiles the pipeline and starts its workers
+        engine, ac = _scheduler(ds, num_workers, seed, drop_last, autocache, epochs, options)
+        if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
+            sampler.lookup = ac.lookup_codes
         num_workers = 0
     num_workers = num_workers or 0
     if num_workers > 0:
@@ -161,9 +170,29 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         kwargs.setdefault("persistent_workers", True)
     kwargs.setdefault("collate_fn", _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
-    loader.preprocess = engine
+    loader.preprocess, loader.autocache = engine, ac
     loader.attach_coordinator(ds, sampler)
     return loader
+
+
+def _scheduler(ds, num_workers: int | None, seed: int, drop_last: bool, autocache: str, epochs: int | None,
+               options: dict[str, Any]) -> tuple[Any, Any]:
+    """The preprocess scheduler, prepared (profiled, workers started), and its autocache."""
+    from preprocess.scheduler import Scheduler
+
+    from .autocache import Autocache
+
+    ac = Autocache(ds, autocache, epochs) if autocache != "source" else None
+    engine = Scheduler(ds, ds.transform, num_workers=num_workers, job_seed=seed, drop_last=drop_last,
+                       feed=ac.feed if ac is not None else None, **options)
+    try:
+        engine.prepare()  # profiles the pipeline and starts its workers
+        if ac is not None:
+            ac.prepare(engine)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, ac
 
 
 def _as_list(batch: list) -> list:

@@ -13,7 +13,20 @@ from typing import Any
 # (cacheserver/trust.py); they are in `hits` too.
 FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
           "coalesced", "cache_errors", "prefetched", "vouched")
+# transformed items (autocache): found, not found, stored, poisoned, outputs the format cannot store
+T_FIELDS = ("t_hits", "t_misses", "t_puts", "t_poisoned", "t_uncacheable")
+FIELDS += T_FIELDS
 MAX_ROWS = 129  # row 0: the main process; rows 1..: workers by id
+
+
+def worker_row() -> int:
+    """This process's row: 0 in the main process, a DataLoader (or preprocessing) worker's id + 1."""
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return 0
+    info = get_worker_info()
+    return 0 if info is None else info.id + 1
 
 
 class SharedCounters:
@@ -56,6 +69,8 @@ class EpochStats:
     batch_time_p95: float
     complete: bool = True  # False: the loop stopped (break, exception) before the epoch's end
     preprocess: Any = None  # preprocess.stats.PreprocessStats when the loader ran a transform
+    transformed: dict[str, int] | None = None  # autocache: T_FIELDS' counts without "t_"
+    autocache: str = ""  # autocache: the mode the epoch ended in and why
 
     @property
     def hit_rate(self) -> float:
@@ -68,4 +83,11 @@ class EpochStats:
                 f"substituted {self.substituted}, store {self.store_bytes / 2**20:.1f} MiB, "
                 f"cache {self.cache_bytes / 2**20:.1f} MiB, poisoned {self.poisoned}, "
                 f"batch median {self.batch_time_median * 1e3:.1f} ms"
-                + (f"\n  {self.preprocess.line()}" if self.preprocess is not None else ""))
+                + (f"\n  {self.preprocess.line()}" if self.preprocess is not None else "")
+                + (f"\n  {self.autocache_line()}" if self.autocache else ""))
+
+    def autocache_line(self) -> str:
+        t = self.transformed or {}
+        counts = ", ".join(f"{t.get(k, 0)} {k}" for k in ("hits", "misses", "puts", "poisoned"))
+        bad = f", {t['uncacheable']} not storable" if t.get("uncacheable") else ""
+        return f"autocache {self.autocache}; transformed items: {counts}{bad}"

@@ -55,9 +55,10 @@ class TransformedItems:
     def lookup(self, Ks: Sequence[bytes]) -> list[bool]:
         return self.ring.lookup(self.ids(Ks), self.job)
 
-    def get(self, Ks: Sequence[bytes]) -> list[Any | None]:
+    def get(self, Ks: Sequence[bytes], poisoned: list[int] | None = None) -> list[Any | None]:
         """The transformed item per source key K, None where absent or poisoned
-        (poisoned ones are counted; put them again with replace=True)."""
+        (poisoned ones are counted, and their positions appended to `poisoned`: put
+        them again with replace=True)."""
         keys = [self.key(K) for K in Ks]
         values = self.ring.get([derived_id(k) for k in keys], self.job)
         out: list[Any | None] = [None] * len(keys)
@@ -71,6 +72,8 @@ class TransformedItems:
             except (PoisonedValue, CodecError):
                 c.poisoned += 1
                 c.misses += 1
+                if poisoned is not None:
+                    poisoned.append(j)
                 continue
             c.hits += 1
             c.bytes_read += len(v)
@@ -79,14 +82,24 @@ class TransformedItems:
     def put(self, Ks: Sequence[bytes], items: Sequence[Any], chunk: int = 0, replace: bool = False) -> int:
         """Encode, seal and insert; an item the codec cannot store is skipped (its reason
         kept in counts.uncacheable). Returns how many were newly stored."""
+        kept = [(K, p) for K, p in zip(Ks, map(self.encode, items)) if p is not None]
+        return self.put_payloads([K for K, _ in kept], [p for _, p in kept], chunk, replace)
+
+    def encode(self, item: Any) -> bytes | None:
+        """The payload of an item, None (its reason kept in counts.uncacheable) where
+        the format cannot store it. Encoding copies: the item may change afterwards."""
+        try:
+            return encode(item)
+        except Uncacheable as e:
+            if len(self.counts.uncacheable) < 10:
+                self.counts.uncacheable.append(str(e))
+            return None
+
+    def put_payloads(self, Ks: Sequence[bytes], payloads: Sequence[bytes], chunk: int = 0,
+                     replace: bool = False) -> int:
+        """put() of items encoded already (encode()); returns how many were newly stored."""
         batch = []
-        for K, item in zip(Ks, items):
-            try:
-                payload = encode(item)
-            except Uncacheable as e:
-                if len(self.counts.uncacheable) < 10:
-                    self.counts.uncacheable.append(str(e))
-                continue
+        for K, payload in zip(Ks, payloads):
             sealed = seal_derived(self.key(K), payload)
             batch.append((sealed.id, sealed.value))
             self.counts.bytes_put += len(sealed.value)

@@ -105,7 +105,7 @@ def sample_commutes(pipeline: Pipeline, tr: Trace) -> Commutes:
 def choose_order(pipeline: Pipeline, tr: Trace, factors: dict[int, float] | None = None) -> str:
     """Reorder `pipeline` (traced in its current order as `tr`) and say what was done."""
     factors = factors or tr.factors()
-    fixed = {j for j, s in enumerate(pipeline.steps) if s.keep_position} | tr.changes_kind()
+    fixed = pipeline.barriers() | tr.changes_kind()
     new, swaps = reorder(pipeline.order, fixed, factors, sample_commutes(pipeline, tr), tr.makes_half())
     names = [s.name for s in pipeline.steps]
     detail = ", ".join(f"{names[j]} x{factors[j]:.2f}" for j in pipeline.order)

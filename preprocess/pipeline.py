@@ -6,6 +6,7 @@ item digest, the step's written position) before they run (seeding.py)."""
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from .fingerprint import Uncacheable, fingerprint, library_version, sub_fingerpr
 from .measure import nbytes
 from .seeding import item_seed, seed_globals
 from .steps import Step, as_step
+
+_SEEDED = threading.Lock()  # one seeded random step at a time per process
 
 # (written position, seconds, bytes in, bytes out) of one step on one item
 StepRecord = tuple[int, float, int, int]
@@ -36,11 +39,32 @@ class StepError(Exception):
         self.position, self.name, self.error = position, name, error
 
 
+class _Marker:
+    """`preprocess.autocache`: written between two steps of a Pipeline, it marks where
+    autocache may keep items (docs/preprocess.md, "Autocache")."""
+
+    def __repr__(self) -> str:
+        return "preprocess.autocache"
+
+
+autocache = _Marker()
+
+
 class Pipeline:
-    def __init__(self, steps: Iterable[Callable[[Any], Any] | Step], *, auto_order: bool = False) -> None:
-        self.steps: tuple[Step, ...] = tuple(as_step(s) for s in steps)
+    def __init__(self, steps: Iterable[Callable[[Any], Any] | Step | _Marker], *, auto_order: bool = False,
+                 cache_at: int | None = None) -> None:
+        written = list(steps)
+        marks = [k for k, s in enumerate(written) if isinstance(s, _Marker)]
+        if len(marks) > 1 or (marks and cache_at is not None and cache_at != marks[0]):
+            raise ValueError("a Pipeline takes one caching point: one preprocess.autocache marker or cache_at=")
+        self.steps: tuple[Step, ...] = tuple(as_step(s) for s in written if not isinstance(s, _Marker))
         if not self.steps:
             raise ValueError("a Pipeline needs at least one step")
+        # the caching point: after this many written steps (None: the cacheable prefix's end)
+        self.cache_at: int | None = marks[0] if marks else cache_at
+        if self.cache_at is not None and not 1 <= self.cache_at <= len(self.steps):
+            raise ValueError(f"the caching point must come after 1 to {len(self.steps)} steps, "
+                             f"got cache_at={self.cache_at}")
         self.order: tuple[int, ...] = tuple(range(len(self.steps)))
         self.auto_order = auto_order
         self.caught_random: dict[int, str] = {}  # declared non-random, but differs under two seeds
@@ -59,17 +83,21 @@ class Pipeline:
     def set_order(self, order: Sequence[int], report: str = "") -> None:
         if sorted(order) != list(range(len(self.steps))):
             raise ValueError(f"order {list(order)} is not a permutation of {len(self.steps)} steps")
+        k = self.cache_at
+        if k is not None and set(order[:k]) != set(range(k)):
+            raise ValueError(f"order {list(order)} moves a step across the caching point (after step {k - 1})")
         self.order = tuple(order)
         self.order_report = report or self.order_report
 
     # ---- running ----------------------------------------------------------
     def run(self, x: Any, ctx: ItemContext | None, start: int = 0, deadline: float | None = None,
-            records: list[StepRecord] | None = None) -> tuple[Any, int]:
-        """Run steps order[start:] on x; stops early (returning the next position) once
+            records: list[StepRecord] | None = None, stop: int | None = None) -> tuple[Any, int]:
+        """Run steps order[start:stop] on x; stops early (returning the next position) once
         `deadline` (time.perf_counter) has passed after a step. Raises StepError."""
         out = records if records is not None else []
         pos = start
-        while pos < len(self.order):
+        end = len(self.order) if stop is None else stop
+        while pos < end:
             j = self.order[pos]
             b_in = nbytes(x)
             t0 = time.perf_counter()
@@ -85,9 +113,13 @@ class Pipeline:
         """Step j (written position) on x, seeded if it is random and ctx is given;
         raises StepError."""
         s = self.steps[j]
-        if ctx is not None and self.is_random(j):
-            seed_globals(item_seed(ctx.job_seed, ctx.epoch, ctx.digest, j))
         try:
+            if ctx is not None and self.is_random(j):
+                # the generators are global: a worker's background thread must not re-seed them
+                # between this seeding and this step's draws
+                with _SEEDED:
+                    seed_globals(item_seed(ctx.job_seed, ctx.epoch, ctx.digest, j))
+                    return s.fn(x)
             return s.fn(x)
         except Exception as e:
             raise StepError(j, s.name, e) from e
@@ -138,14 +170,35 @@ class Pipeline:
                 return pos
         return len(self.order)
 
+    def barriers(self) -> set[int]:
+        """Steps (written positions) AutoOrder moves nothing across: keep_position ones,
+        and the last step before the caching point."""
+        out = {j for j, s in enumerate(self.steps) if s.keep_position}
+        return out | ({self.cache_at - 1} if self.cache_at else set())
+
+    def caching_point(self) -> int:
+        """Execution position where autocache keeps items: the user's marker, else the
+        end of the cacheable prefix (0: nothing can be kept). ValueError for a marker
+        after a random step: a random step's output is never cached."""
+        n = self.cacheable_prefix()
+        k = self.cache_at
+        if k is None or k <= n:
+            return n if k is None else k
+        j = self.order[n]
+        raise ValueError(f"the caching point after step {k - 1} ({self.steps[k - 1].name}) comes after random "
+                         f"step {j} ({self.steps[j].name}): its outputs differ per epoch and are never cached; "
+                         f"move preprocess.autocache before it")
+
     def prefix_fingerprint(self) -> str | None:
         """Key of the cacheable prefix, None when it is empty."""
         n = self.cacheable_prefix()
         return self.fingerprint(n) if n else None
 
     def describe(self) -> str:
-        names = " -> ".join(self.steps[j].name + ("*" if self.is_random(j) else "") for j in self.order)
-        return f"{names} ({self.order_report})"
+        names = [self.steps[j].name + ("*" if self.is_random(j) else "") for j in self.order]
+        if self.cache_at is not None:
+            names.insert(self.cache_at, "[autocache]")
+        return f"{' -> '.join(names)} ({self.order_report})"
 
 
 def as_pipeline(transform: Any) -> Pipeline | None:

@@ -33,9 +33,9 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int) -> None:
+    def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int, feed: Any = None) -> None:
         self.ctx = _context()
-        self.ds, self.pipeline, self.job_seed = ds, pipeline, job_seed
+        self.ds, self.pipeline, self.job_seed, self.feed = ds, pipeline, job_seed, feed
         self.result_q = self.ctx.Queue()
         self.procs: dict[int, Any] = {}
         self.queues: dict[int, Any] = {}
@@ -62,7 +62,7 @@ class WorkerPool:
             wid = min(free)
             q = self.ctx.Queue()
             p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
-                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, self.result_q))
+                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, self.result_q, self.feed))
             p.start()
             self.procs[wid], self.queues[wid] = p, q
         for wid in sorted(self.active(), reverse=True)[:max(0, self.size - n)]:

@@ -13,6 +13,7 @@ from .autoorder import choose_order, revise
 from .costs import DIGEST_BYTES, CostMemory, default_dir, open_memory
 from .determinism import check_declared
 from .engine import EpochPlan, EpochRun, PipelineError
+from .feed import PlainFeed, run_item
 from .fingerprint import Uncacheable
 from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
@@ -30,13 +31,15 @@ class Scheduler:
     def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
                  on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
                  task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS,
-                 exactly_once: bool = True, drop_last: bool = False) -> None:
+                 exactly_once: bool = True, drop_last: bool = False, feed: Any = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 or None (adaptive), got {num_workers}")
         pipeline.check_picklable()  # before any worker starts
         self.ds, self.pipeline, self.job_seed, self.on_error = ds, pipeline, job_seed, on_error
+        self.feed = PlainFeed(ds) if feed is None else feed  # where items come from (feed.py)
+        self.sample_indices: list[int] = []
         self.auto_order = pipeline.auto_order if auto_order is None else auto_order
         self.adaptive = num_workers is None
         self.max_workers = max_workers()
@@ -64,7 +67,8 @@ class Scheduler:
         ds, n = self.ds, len(self.ds)
         idx = random.Random(f"{self.job_seed}/sample").sample(range(n), min(n, self.sample_items))
         ctxs = [ItemContext(self.job_seed, -1, item_digest(ds, i)) for i in idx]
-        raw = ds.read(idx)
+        self.sample_indices = idx
+        raw = self.feed.read(idx)
         if pairs(ds):
             raw = [x for x, _ in raw]
         try:
@@ -84,7 +88,7 @@ class Scheduler:
         self.memory = open_memory(self.cost_dir, key)
         self.known = self.memory.load() if self.memory else {}
         if self.workers > 0:
-            self.pool = WorkerPool(ds, self.pipeline, self.job_seed)
+            self.pool = WorkerPool(ds, self.pipeline, self.job_seed, self.feed)
             self.pool.resize(self.workers)
 
     # ---- epochs ---------------------------------------------------------------
@@ -136,12 +140,12 @@ class Scheduler:
         with_target = pairs(self.ds)
         for batch in batches:
             done, out = [], []
-            for i, x in zip(batch, self.ds.read(batch)):
+            for i, f in zip(batch, self.feed.fetch(batch, epoch)):
                 records: list = []
-                x, tgt = x if with_target else (x, None)
+                x, tgt = f.item if with_target else (f.item, None)
+                ctx = ItemContext(self.job_seed, epoch, item_digest(self.ds, i))
                 try:
-                    y = self.pipeline.run(x, ItemContext(self.job_seed, epoch, item_digest(self.ds, i)),
-                                          records=records)[0]
+                    y = run_item(self.pipeline, self.feed, f.keep, f.token, x, ctx, f.start, None, records)[0]
                 except StepError as e:
                     if self.on_error == "raise":
                         raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
@@ -152,6 +156,7 @@ class Scheduler:
                     stats.items += 1
                 stats.add(records)
             yield done, out
+        self.feed.idle()
 
     def _describe(self, i: int) -> str:
         return describe(self.ds, i)
@@ -167,3 +172,4 @@ class Scheduler:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+        self.feed.close()

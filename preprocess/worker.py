@@ -21,6 +21,7 @@ import time
 import traceback
 from typing import Any
 
+from .feed import PlainFeed, run_item
 from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 
@@ -31,63 +32,72 @@ NO_TARGET = object()  # the item is not a (sample, target) pair
 
 
 def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed: int,
-                task_q: Any, result_q: Any) -> None:
-    """task_q: this worker's own task queue; result_q: shared by all."""
+                task_q: Any, result_q: Any, feed: Any = None) -> None:
+    """task_q: this worker's own task queue; result_q: shared by all; feed: where items
+    come from (preprocess/feed.py; default: ds.read)."""
     _set_worker_info(wid, n_workers, job_seed, ds)
+    feed = PlainFeed(ds) if feed is None else feed
     bgq: queue.Queue = queue.Queue()
-    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q), name="slow-items", daemon=True)
+    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q, feed), name="slow-items",
+                          daemon=True)
     bg.start()
     with_target = pairs(ds)
     while True:
-        task = task_q.get()
+        try:
+            task = task_q.get_nowait()
+        except queue.Empty:
+            feed.idle()  # nothing to do: what the feed buffered goes out now
+            task = task_q.get()
         if task is None:
             break
         _, run, epoch, order, t_out, items = task
         if tuple(order) != pipeline.order:
             pipeline.order = tuple(order)
         try:
-            data = ds.read([i for i, _ in items])
+            fed = feed.fetch([i for i, _ in items], epoch)
         except Exception:
             result_q.put(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
             continue
-        for (i, to_bg), x in zip(items, data):
-            x, tgt = x if with_target else (x, NO_TARGET)
+        for (i, to_bg), f in zip(items, fed):
+            x, tgt = f.item if with_target else (f.item, NO_TARGET)
             ctx = ItemContext(job_seed, epoch, item_digest(ds, i))
-            job = (run, i, x, tgt, ctx, 0, [], time.perf_counter())
+            job = (run, i, x, tgt, ctx, f.start, [], time.perf_counter(), f.keep, f.token)
             if to_bg:
                 bgq.put(job)
                 continue
-            _advance(wid, pipeline, job, t_out, result_q, bgq)
+            _advance(wid, pipeline, job, t_out, result_q, bgq, feed)
     bgq.put(None)
     bg.join()
+    feed.close()
     result_q.put(("exit", wid, None))
 
 
 def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, result_q: Any,
-             bgq: queue.Queue | None) -> None:
+             bgq: queue.Queue | None, feed: Any) -> None:
     """Run an item's remaining steps; job = (run, index, data, target, context, next
-    step, records, start time). With a background queue, stop once over t_out."""
-    run, i, x, tgt, ctx, pos, records, started = job
+    step, records, start time, caching point to hand it to the feed at or None, the
+    feed's token). With a background queue, stop once over t_out."""
+    run, i, x, tgt, ctx, pos, records, started, keep, token = job
     deadline = None if t_out is None or bgq is None else started + t_out
     try:
-        x, pos = pipeline.run(x, ctx, pos, deadline, records)
+        x, pos = run_item(pipeline, feed, keep, token, x, ctx, pos, deadline, records)
     except StepError as e:
         text = "".join(traceback.format_exception(e.error))
         result_q.put(("error", run, wid, i, e.position, e.name, text, records))
         return
     if pos < len(pipeline.order):  # over its time: the rest runs in the background
         result_q.put(("moved", run, wid, i))
-        bgq.put((run, i, x, tgt, ctx, pos, records, started))
+        bgq.put((run, i, x, tgt, ctx, pos, records, started, keep, token))
         return
     result_q.put(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
 
 
-def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any) -> None:
+def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any, feed: Any) -> None:
     while True:
         job = bgq.get()
         if job is None:
             return
-        _advance(wid, pipeline, job, None, result_q, None)
+        _advance(wid, pipeline, job, None, result_q, None, feed)
 
 
 def _set_worker_info(wid: int, n_workers: int, seed: int, ds: Any) -> None:

@@ -1,0 +1,236 @@
+"""Autocache in the clients: which of compute, source or transformed a loader runs,
+the cell its workers read the mode from, and the decision of "auto".
+
+Modes (docs/preprocess.md, "Autocache"; the mechanism is clients/autofeed.py):
+    compute      read the store, put nothing in the cache (the no-cache baseline)
+    source       read through the cache, insert misses (the default: as without autocache)
+    transformed  keep the sample's output at the caching point in the cache
+    auto         decide among the three from measurements of the first epoch
+
+A loader's autocache state (`state`), its transitions:
+    fixed                         compute, source or transformed as asked, all run long
+    measuring -> decided          auto: the first epoch runs as source and measures; once
+                                  DECIDE_AFTER items are done, choose() picks the mode for
+                                  the rest of the run (transformed: puts start at once)
+    found                         auto: the transformed items of the sample were in the cache
+                                  already (another job ran this pipeline): transformed at
+                                  once, nothing measured (Cachew §4.4 does the same)
+The caching point is the user's marker (preprocess.autocache / cache_at=) or the end of
+the cacheable prefix. Nothing is kept when it is 0 (the first step is random), when
+the key cannot be made (a step or decode that cannot be fingerprinted, a decode that
+reads the entry, WebDataset samples: not functions of the content alone), or when the
+sample's outputs there are not storable (preprocess/codec.py): `why_not` says which;
+"auto" then chooses between compute and source."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cacheserver.vocab import HIT
+from preprocess.codec import encode
+from preprocess.fingerprint import Uncacheable, fingerprint, sub_fingerprint
+
+from .autofeed import CacheFeed
+
+MODES = ("compute", "source", "transformed")
+CHOICES = MODES + ("auto",)
+_CODES = {m: k for k, m in enumerate(MODES)}
+MAX_KEY = 128
+EPOCHS_UNKNOWN = 100  # epochs_left when the loader was not told `epochs` (Cachew ignores the fill)
+DECIDE_BATCHES = 300  # Cachew decides after 300 batches ...
+DECIDE_SHARE = 0.25   # ... here at most a quarter of the first epoch
+FOUND_SHARE = 0.5     # "found": at least this share of the sample's transformed items cached
+
+
+def choose(costs: Any, coordinator: Any = None, dataset: str = "", pipeline: str = "") -> Any:
+    """The decision (manager.policy.autocache.Decision) for one (dataset, pipeline) from
+    its measured costs: the manager's where the job has one (the manager path hooks in
+    here), else this job's own, by the same pure function."""
+    from manager.policy.autocache import decide
+
+    return decide(costs)
+
+
+class SharedMode:
+    """The mode, caching point and key in shared memory: the loader publishes, its
+    preprocessing workers read before each task."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._a = ctx.RawArray("q", 3)  # version (0: being written), mode code, caching point
+        self._key = ctx.RawArray("c", MAX_KEY)
+        self._version = 0
+
+    def publish(self, mode: str, cut: int = 0, key: str = "") -> None:
+        raw = key.encode()
+        if len(raw) >= MAX_KEY:
+            raise ValueError(f"autocache key of {len(raw)} bytes")
+        self._version += 1
+        self._a[0] = 0
+        self._a[1], self._a[2] = _CODES[mode], cut
+        self._key.value = raw
+        self._a[0] = self._version
+
+    def read(self) -> tuple[str, int, str]:
+        """(mode, caching point, key)."""
+        for _ in range(10000):
+            v = self._a[0]
+            mode, cut, key = MODES[self._a[1]], self._a[2], self._key.value.decode()
+            if v and self._a[0] == v:
+                return mode, cut, key
+            time.sleep(0.0001)
+        raise RuntimeError("autocache: the shared mode stayed mid-update")
+
+
+def transform_key(ds: Any, pipeline: Any, cut: int) -> str:
+    """What the transformed items of ds under the pipeline's first `cut` steps are keyed
+    by (with each item's content key): those steps and the decode that makes their
+    input. Raises Uncacheable where the output is not a function of the content."""
+    if ds.samples is not None:
+        raise Uncacheable("WebDataset samples carry their key and shard URL: not a function of the content")
+    if ds.decode is not None and ds._decode_entry:
+        raise Uncacheable("decode takes the entry (path, target): its output is not a function of the content")
+    dec = "" if ds.decode is None else fingerprint(ds.decode, path="decode")
+    return sub_fingerprint(("mlcache-autocache/1", dec, pipeline.fingerprint(cut)))
+
+
+def storable(outputs: Sequence[Any]) -> str:
+    """'' when the codec stores every output, else why not."""
+    try:
+        for x in outputs:
+            encode(x)
+    except Uncacheable as e:
+        return f"the output at the caching point cannot be stored: {e}"
+    return ""
+
+
+class Autocache:
+    """A loader's autocache: `mode`, `state`, `decision` (mode, costs, reason)."""
+
+    def __init__(self, ds: Any, requested: str, epochs: int | None = None) -> None:
+        if requested not in CHOICES:
+            raise ValueError(f"autocache must be one of {CHOICES}, got {requested!r}")
+        if requested in ("auto", "transformed") and ds.cache_spec is None:
+            raise ValueError(f"autocache={requested!r} keeps items in the cache, but this dataset has none "
+                             f"(cache=False)")
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        self.ds, self.requested, self.epochs = ds, requested, epochs
+        self.mode = "source" if requested == "auto" else requested
+        self.state = "measuring" if requested == "auto" else "fixed"
+        self.decision: Any = None
+        self.costs: Any = None  # the PipelineCosts measured (auto)
+        self.cut, self.key, self.why_not = 0, "", ""
+        self._order: tuple[int, ...] | None = None
+        self.shared = SharedMode()
+        self.feed = CacheFeed(ds, self.shared)
+        self.shared.publish(self.mode)
+
+    # ---- what the loader sees --------------------------------------------------
+    @property
+    def reason(self) -> str:
+        if self.decision is not None:
+            return self.decision.reason
+        if self.state == "measuring":
+            return "measuring the first epoch (running as source)"
+        return f"fixed by the loader's autocache={self.requested!r}" + (
+            f"; nothing can be kept: {self.why_not}" if self.why_not else "")
+
+    def line(self) -> str:
+        return f"{self.mode} ({self.state}): {self.reason}"
+
+    # ---- before the first epoch, and at each ------------------------------------
+    def prepare(self, engine: Any) -> None:
+        """After the scheduler's prepare (profiled sample, final declared-random steps):
+        the caching point, the key, and whether anything can be kept."""
+        pipe = engine.pipeline
+        self.cut = pipe.caching_point()  # ValueError: a marker after a random step
+        self._rekey(engine)
+        if self.requested == "transformed" and self.why_not:
+            raise ValueError(f"autocache='transformed' cannot keep this pipeline's items: {self.why_not}")
+        if self.requested == "auto" and not self.why_not:
+            self._look_for_others(engine)
+        self._publish()
+
+    def _rekey(self, engine: Any) -> None:
+        pipe, ds = engine.pipeline, self.ds
+        self._order = pipe.order
+        self.key, self.why_not = "", ""
+        if self.cut == 0:
+            j = pipe.order[0]
+            self.why_not = f"step {j} ({pipe.steps[j].name}) is random and runs first: nothing comes before it"
+            return
+        try:
+            self.key = transform_key(ds, pipe, self.cut)
+        except Uncacheable as e:
+            self.why_not = str(e)
+            return
+        if engine.sample is not None and engine.sample.order == pipe.order:
+            self.why_not = storable(engine.sample.inputs[self.cut])
+        if self.why_not:
+            self.key = ""
+
+    def _publish(self) -> None:
+        self.shared.publish(self.mode, self.cut, self.key)
+
+    def start_epoch(self, engine: Any) -> None:
+        """AutoOrder may have changed the order after the first epoch: a new key."""
+        if engine.pipeline.order != self._order:
+            self._rekey(engine)
+            if self.mode == "transformed" and not self.key:
+                self.mode = "source"
+            self._publish()
+
+    def _look_for_others(self, engine: Any) -> None:
+        idx = engine.sample_indices
+        if not idx:
+            return
+        got = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in idx])
+        if sum(got) >= FOUND_SHARE * len(idx):
+            from manager.policy.autocache import Decision
+
+            self.mode, self.state = "transformed", "found"
+            self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} sample items' "
+                                                        f"transformed items were cached already (another job)")
+
+    def transformed(self) -> Any:
+        """This process's TransformedItems under the current key."""
+        return self.feed.proc().transformed(self.ds, self.key)
+
+    # ---- during the first epoch ------------------------------------------------
+    def threshold(self, epoch_items: int, batch_size: int) -> int:
+        """Items measured before deciding: Cachew's 300 batches, at most a quarter of
+        the epoch, at least one batch."""
+        return max(batch_size, min(DECIDE_BATCHES * batch_size, int(DECIDE_SHARE * epoch_items)))
+
+    def after_batch(self, engine: Any, epoch_items: int, batch_size: int) -> None:
+        """Auto: once enough of the first epoch is measured, decide and switch."""
+        if self.state != "measuring":
+            return
+        stats = engine.last_stats
+        if stats is None or stats.items < self.threshold(epoch_items, batch_size):
+            return
+        from .automeasure import measure
+
+        epochs_left = EPOCHS_UNKNOWN if self.epochs is None else max(0, self.epochs - 1)
+        self.costs = measure(self, engine, epoch_items, epochs_left)
+        self.decision = choose(self.costs, self.ds.coordinator, self.ds.dataset_tag, self.key)
+        self.mode, self.state = self.decision.mode, "decided"
+        if self.mode == "transformed" and not self.key:  # a policy must not pick it; never trusted to
+            self.mode = "source"
+        self._publish()
+
+    def lookup_codes(self, indices: Sequence[int]) -> list[int]:
+        """The sampler's look-ahead in the current mode: in transformed mode an item is
+        a hit when its transformed item is cached; in compute mode nothing is."""
+        if self.mode == "source":
+            return self.ds.lookup_codes(indices)
+        if self.mode == "compute":
+            return [0] * len(indices)
+        present = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in indices])
+        return [HIT if p else 0 for p in present]
+
+    def close(self) -> None:
+        self.feed.close()

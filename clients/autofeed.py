@@ -1,0 +1,202 @@
+"""The autocache feed of a CachedDataset: where the scheduler's items come from in
+each mode (preprocess/feed.py), and the store of what passes the caching point.
+
+    source       ds.read: through the cache, misses inserted (as without autocache)
+    compute      the store only: nothing read from the cache, nothing put in it
+    transformed  the item kept at the caching point when the cache holds it (the
+                 steps before the point are skipped, the source is not read); else
+                 the source (from the cache if it holds it, never inserted), every
+                 step run, and the sample put in the cache as it passes the point
+
+The mode is read from a SharedMode (clients/autocache.py) before each task, so a
+decision taken in the main process reaches every worker at its next task. Puts go
+through a thread of the process (Putter), a batch at a time: no item waits for one.
+The feed is pickled into the preprocessing workers with the dataset; each process
+opens its own state."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from preprocess.feed import Fed
+
+from . import itemview
+from .stats import SharedCounters, worker_row
+from .transformed import TransformedItems
+
+log = logging.getLogger("mlcache.autocache")
+PUT_BATCH = 64      # kept items per put
+PUT_QUEUE = 256     # kept items waiting for their put (then passed() waits: memory stays bounded)
+FLUSH_LIMIT = 30.0  # longest wait for the puts in flight (idle, close)
+
+
+def reader(ds: Any, cache: bool) -> Any:
+    """ds reading the same items without inserting misses (cache=False: without the
+    cache at all: the store only). A shallow twin: the digest and counters are shared,
+    the per-process state (connections, pools) is its own."""
+    v = object.__new__(type(ds))
+    v.__dict__.update(ds.__dict__)
+    v._state, v.coordinator, v.embedded = None, None, None
+    v.insert, v.coalesce = False, False
+    if not cache:
+        v.cache_spec = None
+    return v
+
+
+def raw(ds: Any) -> Any:
+    """A reader of ds's items as bytes: no decode, no target."""
+    v = object.__new__(type(ds))
+    v.__dict__.update(ds.__dict__)
+    v.decode, v.target, v._decode_entry = None, None, False
+    return v
+
+
+class Putter:
+    """Kept items, encoded by the caller (steps after the point may change the item in
+    place), sealed and put by this process's put thread, PUT_BATCH at a time."""
+
+    def __init__(self, counters: SharedCounters, row: int) -> None:
+        self.counters, self.row = counters, row
+        self.q: queue.Queue = queue.Queue(PUT_QUEUE)
+        self.thread: threading.Thread | None = None
+
+    def add(self, token: tuple, x: Any) -> None:
+        t, K, chunk, replace = token
+        payload = t.encode(x)
+        if payload is None:  # the format cannot store this output: counted, never cached
+            self.counters.add(self.row, t_uncacheable=1)
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="autocache-put", daemon=True)
+            self.thread.start()
+        self.q.put((t, K, payload, chunk, replace))
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.q.get()]
+            while len(batch) < PUT_BATCH and batch[-1] is not None:
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is None
+            entries = [e for e in batch if e is not None]
+            groups: dict[tuple, list] = {}
+            for t, K, payload, chunk, replace in entries:
+                groups.setdefault((id(t), chunk, replace), [t, [], []])
+                groups[(id(t), chunk, replace)][1].append(K)
+                groups[(id(t), chunk, replace)][2].append(payload)
+            for (_, chunk, replace), (t, Ks, payloads) in groups.items():
+                try:
+                    self.counters.add(self.row, t_puts=t.put_payloads(Ks, payloads, chunk, replace))
+                except Exception as e:  # a cache: a failed put is a later miss, never an error
+                    log.warning("autocache: putting %d transformed items failed: %s", len(Ks), e)
+            for _ in batch:
+                self.q.task_done()
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Wait (bounded) until every item added so far has been put."""
+        deadline = time.monotonic() + FLUSH_LIMIT
+        while (self.q.unfinished_tasks and self.thread is not None and self.thread.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        if self.thread is not None and self.thread.is_alive():
+            self.flush()
+            self.q.put(None)
+            self.thread.join(FLUSH_LIMIT)
+
+
+class _ProcState:
+    """One process's side of the feed."""
+
+    def __init__(self, ds: Any) -> None:
+        self.pid = os.getpid()
+        self.row = worker_row()
+        self.store = reader(ds, cache=False)
+        self.source = reader(ds, cache=True)
+        self.putter = Putter(ds.counters, self.row)
+        self.items: dict[str, TransformedItems] = {}
+
+    def transformed(self, ds: Any, key: str) -> TransformedItems:
+        t = self.items.get(key)
+        if t is None:
+            t = self.items[key] = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, key)
+        return t
+
+    def close(self) -> None:
+        self.putter.close()
+        for v in (self.store, self.source):
+            if v._state is not None:
+                v._state.close()
+                v._state = None
+
+
+class CacheFeed:
+    """preprocess.feed.Feed over a CachedDataset, in the mode `shared` says."""
+
+    def __init__(self, ds: Any, shared: Any) -> None:
+        self.ds, self.shared = ds, shared
+        self._st: _ProcState | None = None
+
+    def __getstate__(self) -> dict:
+        return {"ds": self.ds, "shared": self.shared, "_st": None}
+
+    def proc(self) -> _ProcState:
+        if self._st is None or self._st.pid != os.getpid():
+            self._st = _ProcState(self.ds)
+        return self._st
+
+    def read(self, indices: list[int]) -> list[Any]:
+        """Items before the pipeline, read as the mode reads sources."""
+        mode = self.shared.read()[0]
+        if mode == "source":
+            return self.ds.read(indices)
+        st = self.proc()
+        return (st.store if mode == "compute" else st.source).read(indices)
+
+    def fetch(self, indices: list[int], epoch: int) -> list[Fed]:
+        mode, cut, key = self.shared.read()
+        if mode != "transformed" or not key:
+            return [Fed(x) for x in self.read(indices)]
+        return self._transformed(self.proc(), indices, cut, key)
+
+    def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str) -> list[Fed]:
+        ds = self.ds
+        t = st.transformed(ds, key)
+        Ks = [ds.digest.hashes[i].tobytes() for i in indices]
+        before = (t.counts.hits, t.counts.misses, t.counts.poisoned)
+        bad: list[int] = []
+        got = t.get(Ks, bad)
+        ds.counters.add(st.row, t_hits=t.counts.hits - before[0], t_misses=t.counts.misses - before[1],
+                        t_poisoned=t.counts.poisoned - before[2])
+        miss = [p for p, v in enumerate(got) if v is None]
+        sources = iter(st.source.read([indices[p] for p in miss]) if miss else [])
+        with_target = ds.target is not None
+        out = []
+        for p, (i, v) in enumerate(zip(indices, got)):
+            if v is None:
+                chunk = ds.plan.insert_chunk(i)  # the source's place in the manager's plan
+                out.append(Fed(next(sources), 0, None if chunk is None else cut, (t, Ks[p], chunk, p in bad)))
+            else:
+                out.append(Fed((v, itemview.target_of(ds.target, ds.entry(i))) if with_target else v, cut))
+        return out
+
+    def passed(self, token: Any, x: Any) -> None:
+        self.proc().putter.add(token, x)
+
+    def idle(self) -> None:
+        if self._st is not None and self._st.pid == os.getpid():
+            self._st.putter.flush()
+
+    def close(self) -> None:
+        if self._st is not None and self._st.pid == os.getpid():
+            self._st.close()
+            self._st = None

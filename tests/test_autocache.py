@@ -1,0 +1,267 @@
+"""Autocache in the PyTorch loader: real cache servers, real files, real spawned workers."""
+import hashlib
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from autocache_steps import (Scale, Slow, as_array, as_object, double_in_place, jitter, noise,  # noqa: E402
+                             pick_x, scale_two, scale_two_v2, shrink, total)
+from clients.capability import PoisonedValue  # noqa: E402
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.derived import derived_id, derived_key, open_derived  # noqa: E402
+from clients.digest import DigestBuilder  # noqa: E402
+from preprocess import Pipeline, autocache, step  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+N, B = 64, 8
+
+
+def make_items(root, n=N, size=256, salt=b""):
+    """n files of `size` random bytes; returns the digest path."""
+    os.makedirs(root, exist_ok=True)
+    b = DigestBuilder(str(root), "files")
+    for i in range(n):
+        data = hashlib.sha256(salt + i.to_bytes(4, "little")).digest() * (size // 32)
+        with open(os.path.join(root, f"{i:05d}"), "wb") as f:
+            f.write(data)
+        b.add(hashlib.sha256(data).digest(), len(data), f"{i:05d}")
+    path = str(root) + ".digest"
+    b.build().save(path)
+    return path
+
+
+def pipe(*middle, last=total):
+    return Pipeline([as_array, *middle, autocache, step(noise, random=True), last])
+
+
+def wait_kept(ds, loader, n=N, limit=20.0):
+    """Puts are asynchronous: wait (bounded) until every transformed item is stored."""
+    t = loader.autocache.transformed()
+    Ks = [ds.digest.hashes[i].tobytes() for i in range(n)]
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and not all(t.lookup(Ks)):
+        time.sleep(0.05)
+    assert all(t.lookup(Ks)), "transformed items were not all stored"
+
+
+def one_epoch(path, server, transform, wait=True):
+    """A job that runs one epoch in transformed mode (and waits for its puts):
+    (its dataset, its loader, closed)."""
+    ds = CachedDataset(path, cache=server.address, transform=transform)
+    loader = ds.loader(B, num_workers=0, seed=1, autocache="transformed", cost_dir=False)
+    try:
+        list(loader)
+        if wait:
+            wait_kept(ds, loader)
+    finally:
+        loader.close()
+    return ds, loader
+
+
+def collect(loader, epochs):
+    """Per epoch, the multiset of outputs (floats, rounded) and the epoch stats."""
+    out = []
+    for _ in range(epochs):
+        items = [x for batch in loader for x in batch]
+        out.append((Counter(round(float(x), 3) for x in items), loader.epoch_stats[-1]))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_transformed_items_hit_in_epoch_two_and_match_compute(tmp_path, server, workers):
+    path = make_items(tmp_path / "ds")
+    p = pipe(Scale(2.0))
+    ds = CachedDataset(path, cache=server.address, transform=p)
+    loader = ds.loader(B, num_workers=workers, seed=5, autocache="transformed", cost_dir=False)
+    ref = CachedDataset(path, cache=False, transform=p).loader(B, num_workers=workers, seed=5,
+                                                                autocache="compute", cost_dir=False)
+    try:
+        (e1, s1), = collect(loader, 1)
+        assert (s1.transformed["misses"], s1.transformed["hits"]) == (N, 0)
+        assert s1.store_bytes == N * 256 and s1.inserted == 0  # sources are not kept in this mode
+        assert s1.transformed["puts"] == N if workers == 0 else s1.transformed["puts"] <= N  # workers: async
+        wait_kept(ds, loader)
+        (e2, s2), = collect(loader, 1)
+        assert (s2.transformed["hits"], s2.transformed["misses"]) == (N, 0)
+        assert s2.store_bytes == 0 and s2.cache_bytes == 0 and s2.misses == 0  # no source read at all
+        prefix = [s.items for j, s in s2.preprocess.steps.items() if j < 2]
+        assert prefix == [0, 0] and s2.preprocess.steps[3].items == N  # the prefix never ran; noise did
+        assert "autocache transformed (fixed)" in s2.line() and f"{N} hits" in s2.line()
+        (r1, _), (r2, _) = collect(ref, 2)
+        assert (e1, e2) == (r1, r2)  # the same outputs as computing everything (noise seeded per epoch)
+        assert e1 != e2  # the random step after the point still draws anew each epoch
+    finally:
+        loader.close()
+        ref.close()
+
+
+def test_compute_reads_the_store_and_puts_nothing(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    ds = CachedDataset(path, cache=server.address, transform=pipe(Scale(2.0)))
+    loader = ds.loader(B, num_workers=1, seed=1, autocache="compute", cost_dir=False)
+    try:
+        for _ in range(2):
+            assert sum(len(b) for b in loader) == N
+            st = loader.epoch_stats[-1]
+            assert (st.hits, st.inserted, st.store_bytes) == (0, 0, N * 256)
+            assert st.transformed == {"hits": 0, "misses": 0, "puts": 0, "poisoned": 0, "uncacheable": 0}
+        assert not any(ds.lookup(range(N)))  # nothing in the cache, not even the profiled sample
+    finally:
+        loader.close()
+
+
+def test_changed_transform_misses(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    one_epoch(path, server, pipe(Scale(2.0)))
+    # a parameter; a function for the class; the same function with other code: each misses
+    for changed in (Scale(3.0), scale_two, scale_two_v2):
+        _, lo = one_epoch(path, server, pipe(changed), wait=False)
+        assert lo.epoch_stats[-1].transformed["hits"] == 0
+    _, lo = one_epoch(path, server, pipe(Scale(2.0)), wait=False)
+    assert lo.epoch_stats[-1].transformed["hits"] == N  # the same transform: every item found
+
+
+def test_random_steps_are_never_cached(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    first_random = Pipeline([step(noise, random=True), total])
+    ds = CachedDataset(path, cache=server.address, decode=as_array, transform=first_random)
+    with pytest.raises(ValueError, match="is random and runs first"):
+        ds.loader(B, num_workers=0, autocache="transformed", cost_dir=False)
+    marked = Pipeline([as_array, step(noise, random=True), autocache, total])
+    with pytest.raises(ValueError, match="comes after random step 1"):
+        CachedDataset(path, cache=server.address, transform=marked).loader(
+            B, num_workers=0, autocache="transformed", cost_dir=False)
+    # a step that draws random numbers without saying so is caught, and the point moves before it
+    caught = Pipeline([as_array, jitter, total])
+    ds = CachedDataset(path, cache=server.address, transform=caught)
+    with pytest.warns(UserWarning, match="not declared random"):
+        loader = ds.loader(B, num_workers=1, seed=2, autocache="transformed", cost_dir=False)
+    try:
+        assert loader.autocache.cut == 1
+        epochs = collect(loader, 1)
+        wait_kept(ds, loader)
+        epochs += collect(loader, 1)
+        (e1, _), (e2, s2) = epochs
+        assert s2.transformed["hits"] == N and s2.preprocess.steps[1].items == N  # jitter ran again
+        assert e1 != e2
+    finally:
+        loader.close()
+
+
+def test_two_jobs_share_transformed_items(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    p = pipe(Scale(2.0), Slow(0.002))
+    a = CachedDataset(path, cache=server.address, job="job-a", transform=p)
+    la = a.loader(B, num_workers=2, seed=1, autocache="transformed", cost_dir=False)
+    (ea, _), = collect(la, 1)
+    wait_kept(a, la)
+    la.close()
+    b = CachedDataset(path, cache=server.address, job="job-b", transform=pipe(Scale(2.0), Slow(0.002)))
+    lb = b.loader(B, num_workers=2, seed=1, autocache="auto", cost_dir=False)
+    try:
+        assert (lb.autocache.mode, lb.autocache.state) == ("transformed", "found")
+        (eb, sb), = collect(lb, 1)
+        assert sb.transformed["hits"] == N and sb.store_bytes == 0
+        assert all(s.items == 0 for j, s in sb.preprocess.steps.items() if j < 3)  # no prefix computed
+        assert ea == eb
+    finally:
+        lb.close()
+
+
+def test_a_holder_of_another_dataset_cannot_read_them(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    ds, loader = one_epoch(path, server, pipe(Scale(2.0)))
+    key = loader.autocache.key
+    theirs = [derived_id(derived_key(ds.digest.hashes[i].tobytes(), key)) for i in range(N)]
+    values = ds._proc().ring.get(theirs)
+    assert all(v is not None for v in values)
+    other_path = make_items(tmp_path / "other", salt=b"other")  # other content, the same pipeline
+    other, lo = one_epoch(other_path, server, pipe(Scale(2.0)), wait=False)
+    assert lo.epoch_stats[-1].transformed["hits"] == 0
+    for i, v in enumerate(values[:8]):  # what its own keys derive cannot open them
+        with pytest.raises(PoisonedValue):
+            open_derived(derived_key(other.digest.hashes[i].tobytes(), key), v)
+
+
+def test_kept_item_is_the_one_at_the_point_even_if_later_steps_change_it(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    p = Pipeline([as_array, Scale(2.0), autocache, double_in_place, total])
+    ds = CachedDataset(path, cache=server.address, transform=p)
+    loader = ds.loader(B, num_workers=2, seed=1, autocache="transformed", cost_dir=False)
+    ref = CachedDataset(path, cache=False, transform=p).loader(B, num_workers=0, seed=1, cost_dir=False)
+    try:
+        first = collect(loader, 1)
+        wait_kept(ds, loader)
+        second = collect(loader, 1)
+        expected = collect(ref, 1)[0][0]
+        assert first[0][0] == expected and second[0][0] == expected
+        assert second[0][1].transformed["hits"] == N
+    finally:
+        loader.close()
+
+
+def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server):
+    path = make_items(tmp_path / "ds", n=96, size=4096)
+    p = Pipeline([as_array, Slow(0.01), shrink, autocache, step(noise, random=True), total])
+    ds = CachedDataset(path, cache=server.address, transform=p)
+    loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=5, cost_dir=False)
+    ref = CachedDataset(path, cache=False, transform=p).loader(B, num_workers=0, seed=3, cost_dir=False)
+    try:
+        assert loader.autocache.state == "measuring" and "measuring" in loader.autocache.reason
+        (e1, s1), = collect(loader, 1)
+        ac = loader.autocache
+        assert (ac.mode, ac.state) == ("transformed", "decided"), ac.reason
+        c = ac.costs
+        assert c.cacheable and c.items == 96 and c.epochs_left == 4 and c.workers == 1
+        assert c.prefix_s >= 0.008 and c.marker_bytes < c.source_bytes * 4  # float32 of 16 of 4096 bytes
+        assert c.store_read_s > 0 and c.cache_read_source_s > 0 and c.cache_read_marker_s > 0
+        assert set(ac.decision.costs) >= {"compute", "source", "transformed"} and ac.decision.reason
+        assert "autocache transformed (decided)" in s1.line()
+        assert 0 < s1.transformed["puts"] < 96  # the first quarter ran as source
+        (e2, s2), = collect(loader, 1)
+        # epoch 2: what epoch 1 put is found; the items done as source before the switch are put
+        # now, their sources read from the cache
+        assert s2.transformed["hits"] >= s1.transformed["puts"] and s2.store_bytes == 0
+        assert s2.transformed["hits"] + s2.transformed["misses"] == 96
+        wait_kept(ds, loader, 96)
+        (e3, s3), = collect(loader, 1)
+        assert s3.transformed["hits"] == 96 and s3.store_bytes == 0 and s3.cache_bytes == 0
+        assert [e1, e2, e3] == [e for e, _ in collect(ref, 3)]
+    finally:
+        loader.close()
+
+
+def test_auto_with_nothing_to_keep_chooses_between_compute_and_source(tmp_path, server):
+    path = make_items(tmp_path / "ds")
+    p = Pipeline([as_array, as_object, autocache, pick_x, total])
+    ds = CachedDataset(path, cache=server.address, transform=p)
+    loader = ds.loader(B, num_workers=0, seed=1, autocache="auto", cost_dir=False)
+    try:
+        assert "cannot be stored" in loader.autocache.why_not
+        collect(loader, 2)
+        ac = loader.autocache
+        assert ac.state == "decided" and ac.mode in ("compute", "source") and not ac.costs.cacheable
+        assert "cannot be stored" in ac.costs.why_not and "transformed" not in ac.decision.costs
+        assert sum(st.transformed["puts"] for st in loader.epoch_stats) == 0
+    finally:
+        loader.close()
+
+
+def test_loader_refuses_bad_autocache_arguments(tmp_path, server):
+    path = make_items(tmp_path / "ds", n=8)
+    with pytest.raises(ValueError, match="autocache must be one of"):
+        CachedDataset(path, cache=server.address, transform=pipe()).loader(4, autocache="sometimes")
+    with pytest.raises(ValueError, match="need a transform"):
+        CachedDataset(path, cache=server.address).loader(4, autocache="transformed")
+    with pytest.raises(ValueError, match="cache=False"):
+        CachedDataset(path, cache=False, transform=pipe()).loader(4, autocache="auto", cost_dir=False)
+    with pytest.raises(ValueError, match="cannot be stored"):
+        CachedDataset(path, cache=server.address, transform=Pipeline([as_array, as_object])).loader(
+            4, autocache="transformed", cost_dir=False)
