@@ -214,12 +214,26 @@ class Autocache:
             return
         from .automeasure import measure
 
-        epochs_left = EPOCHS_UNKNOWN if self.epochs is None else max(0, self.epochs - 1)
-        self.costs = measure(self, engine, epoch_items, epochs_left)
-        self.decision = choose(self.costs, self.ds.coordinator, self.ds.dataset_tag, self.key)
+        self.decide(measure(self, engine, epoch_items, self.epochs_left()))
+
+    def epochs_left(self) -> int:
+        return EPOCHS_UNKNOWN if self.epochs is None else max(0, self.epochs - 1)
+
+    def decide(self, costs: Any) -> None:
+        """Measuring -> decided: choose() on the measured costs, and switch."""
+        self.costs = costs
+        self.decision = choose(costs, self.ds.coordinator, self.ds.dataset_tag, self.key)
         self.mode, self.state = self.decision.mode, "decided"
         if self.mode == "transformed" and not self.key:  # a policy must not pick it; never trusted to
             self.mode = "source"
+        self._publish()
+
+    def set_point(self, key: str, why_not: str) -> None:
+        """A front end that keys its transform itself (tf.data: the chain's fingerprint,
+        the whole chain being the prefix)."""
+        self.cut, self.key, self.why_not = 1, ("" if why_not else key), why_not
+        if self.requested == "transformed" and why_not:
+            raise ValueError(f"autocache='transformed' cannot keep this transform's items: {why_not}")
         self._publish()
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:

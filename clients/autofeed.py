@@ -139,6 +139,20 @@ class _ProcState:
                 v._state = None
 
 
+def kept_items(st: _ProcState, ds: Any, indices: list[int], key: str
+               ) -> tuple[TransformedItems, list[bytes], list[Any], list[int]]:
+    """The transformed items of `indices` under `key`, counted in ds.counters:
+    (their TransformedItems, source keys, item or None each, poisoned positions)."""
+    t = st.transformed(ds, key)
+    Ks = [ds.digest.hashes[i].tobytes() for i in indices]
+    before = (t.counts.hits, t.counts.misses, t.counts.poisoned)
+    bad: list[int] = []
+    got = t.get(Ks, bad)
+    ds.counters.add(st.row, t_hits=t.counts.hits - before[0], t_misses=t.counts.misses - before[1],
+                    t_poisoned=t.counts.poisoned - before[2])
+    return t, Ks, got, bad
+
+
 class CacheFeed:
     """preprocess.feed.Feed over a CachedDataset, in the mode `shared` says."""
 
@@ -170,13 +184,7 @@ class CacheFeed:
 
     def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str) -> list[Fed]:
         ds = self.ds
-        t = st.transformed(ds, key)
-        Ks = [ds.digest.hashes[i].tobytes() for i in indices]
-        before = (t.counts.hits, t.counts.misses, t.counts.poisoned)
-        bad: list[int] = []
-        got = t.get(Ks, bad)
-        ds.counters.add(st.row, t_hits=t.counts.hits - before[0], t_misses=t.counts.misses - before[1],
-                        t_poisoned=t.counts.poisoned - before[2])
+        t, Ks, got, bad = kept_items(st, ds, indices, key)
         miss = [p for p, v in enumerate(got) if v is None]
         sources = iter(st.source.read([indices[p] for p in miss]) if miss else [])
         with_target = ds.target is not None

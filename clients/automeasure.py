@@ -44,48 +44,67 @@ def step_seconds(pipeline: Any, stats: Any, cut: int) -> tuple[float, float]:
             sum(per.get(j, 0.0) for j in pipeline.order[cut:]))
 
 
-def marker_read(ac: Any, engine: Any) -> tuple[float, float]:
-    """(mean bytes of an encoded transformed item, seconds per item to read one back)."""
-    tr = engine.sample
-    if not ac.key or tr is None or tr.order != engine.pipeline.order:
+def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> tuple[float, float]:
+    """(mean bytes of an encoded transformed item, seconds per item to read one back),
+    from `kept`: (source key, output at the caching point) of sample items, put first."""
+    if not ac.key:
         return 0.0, 0.0
     t = ac.transformed()
-    Ks = [c.digest for c in tr.ctxs]
-    outputs = tr.inputs[ac.cut]
-    payloads = [t.encode(x) for x in outputs]
-    kept = [(K, p) for K, p in zip(Ks, payloads) if p is not None]
-    if not kept:
+    pairs = [(K, p) for K, p in ((K, t.encode(x)) for K, x in kept) if p is not None]
+    if not pairs:
         return 0.0, 0.0
-    t.put_payloads([K for K, _ in kept], [p for _, p in kept])
-    Ks = [K for K, _ in kept]
-    return statistics.fmean(len(p) for _, p in kept), _per_item(lambda: t.get(Ks), len(Ks))
+    Ks = [K for K, _ in pairs]
+    t.put_payloads(Ks, [p for _, p in pairs])
+    return statistics.fmean(len(p) for _, p in pairs), _per_item(lambda: t.get(Ks), len(Ks))
 
 
-def measure(ac: Any, engine: Any, epoch_items: int, epochs_left: int) -> Any:
-    """The PipelineCosts of the loader whose Autocache is `ac`."""
-    from manager.policy.autocache import PipelineCosts
+def sample_outputs(ac: Any, engine: Any) -> list[tuple[bytes, Any]]:
+    """The scheduler's profiled sample at the caching point: (source key, output)."""
+    tr = engine.sample
+    if not ac.key or tr is None or tr.order != engine.pipeline.order:
+        return []
+    return [(c.digest, x) for c, x in zip(tr.ctxs, tr.inputs[ac.cut])]
 
-    ds, pipe, idx = ac.ds, engine.pipeline, list(engine.sample_indices)
-    prefix_s, rest_s = step_seconds(pipe, engine.last_stats, ac.cut)
+
+def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[str, float]:
+    """Per item: the store read, the cache read of the source and of the kept item at
+    the caching point (and its bytes), the decode; over sample items `idx`."""
+    ds = ac.ds
     store, cached = _quiet(raw(reader(ds, cache=False))), _quiet(raw(reader(ds, cache=True)))
     try:
         t0 = time.perf_counter()
         data = store.read(idx)
-        store_read_s = (time.perf_counter() - t0) / max(1, len(idx))
+        out = {"store_read_s": (time.perf_counter() - t0) / max(1, len(idx)), "decode_s": 0.0,
+               "source_bytes": statistics.fmean(ds.entry(i).length for i in idx) if idx else 0.0}
         if ds.decode is not None:
-            prefix_s += _per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
+            out["decode_s"] = _per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
         missing = [i for i, p in zip(idx, ds.lookup(idx)) if not p]
-        if missing:  # evicted since the sample was read, or outside the manager's plan
+        if missing:  # not read through the cache yet, evicted since, or outside the manager's plan
             ds.read(missing)
-        cache_source_s = _per_item(lambda: cached.read(idx), len(idx))
-        marker_bytes, cache_marker_s = marker_read(ac, engine)
+        out["cache_read_source_s"] = _per_item(lambda: cached.read(idx), len(idx))
+        out["marker_bytes"], out["cache_read_marker_s"] = marker_read(ac, kept)
     finally:
         for v in (store, cached):
             if v._state is not None:
                 v._state.close()
-    workers = engine.pool.size if engine.pool is not None else 1
+    return out
+
+
+def costs(ac: Any, reads: dict[str, float], items: int, epochs_left: int, prefix_s: float, rest_s: float,
+          workers: int) -> Any:
+    from manager.policy.autocache import PipelineCosts
+
     return PipelineCosts(
-        items=epoch_items, epochs_left=epochs_left,
-        source_bytes=statistics.fmean(ds.entry(i).length for i in idx) if idx else 0.0, marker_bytes=marker_bytes,
-        store_read_s=store_read_s, cache_read_source_s=cache_source_s, cache_read_marker_s=cache_marker_s,
-        prefix_s=prefix_s, rest_s=rest_s, workers=max(1, workers), cacheable=bool(ac.key), why_not=ac.why_not)
+        items=items, epochs_left=epochs_left, source_bytes=reads["source_bytes"],
+        marker_bytes=reads["marker_bytes"], store_read_s=reads["store_read_s"],
+        cache_read_source_s=reads["cache_read_source_s"], cache_read_marker_s=reads["cache_read_marker_s"],
+        prefix_s=prefix_s + reads["decode_s"], rest_s=rest_s, workers=max(1, workers), cacheable=bool(ac.key),
+        why_not=ac.why_not)
+
+
+def measure(ac: Any, engine: Any, epoch_items: int, epochs_left: int) -> Any:
+    """The PipelineCosts of the loader whose Autocache is `ac`."""
+    prefix_s, rest_s = step_seconds(engine.pipeline, engine.last_stats, ac.cut)
+    reads = read_costs(ac, list(engine.sample_indices), sample_outputs(ac, engine))
+    workers = engine.pool.size if engine.pool is not None else 1
+    return costs(ac, reads, epoch_items, epochs_left, prefix_s, rest_s, workers)

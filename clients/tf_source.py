@@ -61,6 +61,7 @@ class TFSource(EpochLog):
         self.read_ahead = max(0, read_ahead)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self._pool: ThreadPoolExecutor | None = None
+        self.autocache: Any = None  # clients.autocache.Autocache with a transform in another mode than source
         self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
@@ -128,6 +129,8 @@ class TFSource(EpochLog):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if self.autocache is not None:
+            self.autocache.close()
         self.cached.close()
 
 
@@ -136,8 +139,14 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
                read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, lookahead: int = 10,
                substitute: bool = True, miss_seed: int | None = None, map_fn: Callable[[Any], Any] | None = None,
                num_workers: int | None = None, rank: int | None = None, world_size: int | None = None,
+               transform: Any = None, autocache: str = "source", epochs: int | None = None,
                **dataset_kwargs: Any) -> "tf.data.Dataset":
     """A tf.data.Dataset of tf.string items, one per digest entry, read through the cache.
+
+    `transform` (a function of a tf.data.Dataset of items returning one element per
+    item, e.g. `lambda ds: ds.map(parse)`) is applied to it; with `autocache` other than
+    "source" ("transformed", "compute", "auto"; docs/preprocess.md) its outputs may be
+    kept in the cache instead of being made again each epoch (clients/tf_autocache.py).
 
     `cache`, `manager`, `job` and the keyword arguments (`storage_options`, `cache_dir`,
     `capacity`, `verify_hash`, `insert`, `fetch_threads`, `claims`, ...) are
@@ -152,6 +161,10 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     import tensorflow as tf
 
     options = _check_arguments(read_batch, rank, world_size, map_fn, num_workers, dataset_kwargs)
+    if autocache != "source" and transform is None:
+        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform=")
+    if transform is not None and map_fn is not None:
+        raise ValueError("pass transform= (a chain of the dataset) or map_fn= (run in our workers), not both")
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
     engine = None
@@ -166,13 +179,11 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
             engine.close()
         cached.close()
         raise
-    if engine is None:
-        batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
-        ds = batches.unbatch()
-    else:
-        ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
-    if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
-        ds = ds.apply(tf.data.experimental.assert_cardinality(sampler.share.size))  # else items may be left out
+    try:
+        ds = _elements(source, engine, options, transform, autocache, epochs)
+    except BaseException:
+        source.close()
+        raise
     ds.mlcache = source
     return ds
 
@@ -185,7 +196,7 @@ def _check_arguments(read_batch: int, rank: int | None, world_size: int | None, 
         raise ValueError(f"read_batch must be >= 1, got {read_batch}")
     if (rank is None) != (world_size is None):
         raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
-    for name in ("decode", "target", "samples", "transform"):
+    for name in ("decode", "target", "samples"):
         if name in dataset_kwargs:
             raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
                             f"decode in a .map() of the dataset, or pass map_fn= to run it in our workers")
@@ -194,3 +205,23 @@ def _check_arguments(read_batch: int, rank: int | None, world_size: int | None, 
         named = [*options, *(["num_workers"] if num_workers is not None else [])]
         raise ValueError(f"{', '.join(named)}: options of the preprocessing workers, which run only with a map_fn=")
     return options
+
+
+def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform: Any, autocache: str,
+              epochs: int | None) -> "tf.data.Dataset":
+    """The items (a map_fn's outputs with an engine), transformed by `transform` where given:
+    in TensorFlow, or in autocache's generator in its other modes (clients/tf_autocache.py)."""
+    import tensorflow as tf
+
+    if autocache != "source":
+        from .tf_autocache import transformed_dataset
+
+        return transformed_dataset(source, transform, autocache, epochs)
+    if engine is None:
+        batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
+        ds = batches.unbatch()
+    else:
+        ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
+    if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
+        ds = ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))  # else items may be left out
+    return ds if transform is None else transform(ds)

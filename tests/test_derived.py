@@ -62,6 +62,14 @@ def test_codec_round_trips_supported_types():
     assert zero_d.shape == () and zero_d == 5.0
 
 
+def test_codec_keeps_shapes_of_scalars_and_zero_d_arrays():
+    for x in (np.int64(3), np.float32(2.5), np.array(7, np.int16), np.zeros((2, 0, 3)), np.arange(6).reshape(2, 3).T):
+        y = decode(encode(x))
+        assert type(y) is type(x) and y.shape == x.shape and y.dtype == x.dtype and np.array_equal(y, x)
+    t = decode(encode(torch.tensor(1.5)))
+    assert isinstance(t, torch.Tensor) and t.shape == () and float(t) == 1.5
+
+
 def test_codec_refuses_what_it_cannot_store():
     for bad in (object(), np.array([object()]), {(1, 2): 3}, 1 << 70):
         with pytest.raises(Uncacheable):

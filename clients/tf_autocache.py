@@ -1,0 +1,142 @@
+"""tf_dataset(..., transform=chain, autocache=...): autocache for the tf.data front end.
+(map_fn=, num_workers=: clients/tf_transform.py.)
+
+`transform` is a per-item chain, a function from a tf.data.Dataset of items to a
+dataset with one element per item (`lambda ds: ds.map(parse).map(resize)`). Its key is
+preprocess/tf_fingerprint.chain_fingerprint; the whole chain is the prefix (the
+caching point is its end). With autocache="source" (the default) the chain is simply
+applied to the dataset in TensorFlow. In the other modes the elements come from a
+Python generator, one sampler batch at a time:
+
+    transformed  the batch's transformed items are looked up; hits are decoded
+                 (numpy, preprocess/codec.py); the misses' sources are read (from
+                 the cache if it holds them, never inserted), the chain runs on them
+                 in this process, and its outputs are put (asynchronously) and yielded
+    compute      the store is read, the chain runs on every item, nothing is cached
+    auto         runs as source (reads inserted) while timing the chain, then
+                 decides (clients/autocache.choose) as the PyTorch loader does
+
+Every item still comes exactly once per epoch (the sampler's batches, in its
+order); the element_spec is the chain's. The chain must keep one element per item
+(no filter, batch, repeat): a ValueError says so otherwise. A chain that cannot be
+keyed (tf.py_function, tf.Variables) or that draws random numbers is never cached:
+autocache="transformed" refuses it, "auto" chooses between compute and source."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from preprocess.tf_fingerprint import UnfingerprintableChain, chain_fingerprint, dummy_source
+
+from .autocache import Autocache
+from .autofeed import kept_items
+from .automeasure import costs, read_costs
+from .epochs import EpochRun
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+SAMPLE = 16  # items of a batch whose reads auto times
+
+
+def chain_key(transform: Callable[[Any], Any]) -> tuple[str, str]:
+    """(key, why not cacheable) of a tf.data chain."""
+    try:
+        ck = chain_fingerprint(transform)
+    except UnfingerprintableChain as e:
+        return "", str(e)
+    if ck.random:
+        return "", "the chain draws random numbers (stateful random ops): its outputs differ per call"
+    return f"tfchain/{ck.key}", ""
+
+
+class ChainRunner:
+    """The chain on a batch of items, in this process (traced once)."""
+
+    def __init__(self, transform: Callable[[Any], Any]) -> None:
+        import tensorflow as tf
+
+        self.spec = transform(dummy_source()).element_spec
+        self._fn = tf.function(lambda xs: transform(tf.data.Dataset.from_tensor_slices(xs)),
+                               input_signature=[tf.TensorSpec([None], tf.string)])
+        self.seconds, self.items = 0.0, 0
+
+    def run(self, items: list[bytes]) -> list[Any]:
+        if not items:
+            return []
+        t0 = time.perf_counter()
+        arr = np.empty(len(items), dtype=object)
+        arr[:] = items
+        out = list(self._fn(arr).as_numpy_iterator())
+        self.seconds += time.perf_counter() - t0
+        self.items += len(items)
+        if len(out) != len(items):
+            raise ValueError(f"the transform made {len(out)} elements of {len(items)} items: autocache keeps "
+                             f"one output per item, so the chain must map each item to one element "
+                             f"(no filter, batch, unbatch or repeat; apply those after tf_dataset)")
+        return out
+
+
+class TransformedEpochs:
+    """The generator behind tf_dataset's dataset in the modes other than source."""
+
+    def __init__(self, source: Any, runner: ChainRunner, ac: Autocache) -> None:
+        self.source, self.runner, self.ac = source, runner, ac
+
+    def epoch(self) -> Iterator[Any]:
+        src = self.source
+        run = EpochRun(src.cached, src.sampler, src)
+        complete = False
+        try:
+            for batch in src.sampler:
+                out = self._batch(batch)
+                run.batch()
+                yield from out
+                self._maybe_decide(batch, out)
+            complete = True
+        finally:
+            self.ac.feed.idle()  # this epoch's puts are in before the next looks them up
+            run.finish(complete, None, self.ac)
+
+    def _batch(self, batch: list[int]) -> list[Any]:
+        ac, cached = self.ac, self.source.cached
+        st = ac.feed.proc()
+        if ac.mode != "transformed":
+            return self.runner.run((st.store if ac.mode == "compute" else cached).read(batch))
+        t, Ks, got, bad = kept_items(st, cached, batch, ac.key)
+        miss = [p for p, v in enumerate(got) if v is None]
+        outs = self.runner.run(st.source.read([batch[p] for p in miss]))
+        for p, y in zip(miss, outs):
+            chunk = cached.plan.insert_chunk(batch[p])
+            if chunk is not None:
+                st.putter.add((t, Ks[p], chunk, p in bad), y)
+            got[p] = y
+        return got
+
+    def _maybe_decide(self, batch: list[int], out: list[Any]) -> None:
+        ac, r, sampler = self.ac, self.runner, self.source.sampler
+        if ac.state != "measuring" or r.items < ac.threshold(sampler.share.size, sampler.batch_size):
+            return
+        idx = batch[:SAMPLE]
+        kept = [(self.source.cached.digest.hashes[i].tobytes(), y) for i, y in zip(idx, out)] if ac.key else []
+        reads = read_costs(ac, idx, kept)
+        ac.decide(costs(ac, reads, sampler.share.size, ac.epochs_left(), r.seconds / r.items, 0.0, 1))
+
+
+def transformed_dataset(source: Any, transform: Callable[[Any], Any], autocache: str,
+                        epochs: int | None) -> "tf.data.Dataset":
+    """The dataset of `transform`'s elements in an autocache mode other than source."""
+    import tensorflow as tf
+
+    ac = Autocache(source.cached, autocache, epochs)
+    ac.set_point(*chain_key(transform))
+    runner = ChainRunner(transform)
+    source.autocache = ac
+    if source.sampler.lookup is not None:  # the look-ahead finds what this mode reads as hits
+        source.sampler.lookup = ac.lookup_codes
+    gen = TransformedEpochs(source, runner, ac)
+    ds = tf.data.Dataset.from_generator(gen.epoch, output_signature=runner.spec)
+    return ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))
