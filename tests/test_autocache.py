@@ -265,3 +265,62 @@ def test_loader_refuses_bad_autocache_arguments(tmp_path, server):
     with pytest.raises(ValueError, match="cannot be stored"):
         CachedDataset(path, cache=server.address, transform=Pipeline([as_array, as_object])).loader(
             4, autocache="transformed", cost_dir=False)
+
+
+def test_targets_pass_through_hits(tmp_path, server):
+    from preprocess_steps import index_mod3
+
+    path = make_items(tmp_path / "ds")
+    p = pipe(Scale(2.0))
+    ds = CachedDataset(path, cache=server.address, target=index_mod3, transform=p)
+    loader = ds.loader(B, num_workers=1, seed=1, autocache="transformed", cost_dir=False)
+    ref = CachedDataset(path, cache=False, target=index_mod3, transform=p).loader(B, seed=1, cost_dir=False)
+    try:
+        expected = [Counter((round(x, 3), t) for b in ref for x, t in b) for _ in range(2)]
+        got = [Counter((round(x, 3), t) for b in loader for x, t in b)]
+        wait_kept(ds, loader)
+        got.append(Counter((round(x, 3), t) for b in loader for x, t in b))
+        assert loader.epoch_stats[-1].transformed["hits"] == N and got == expected
+    finally:
+        loader.close()
+
+
+def test_a_poisoned_transformed_item_is_recomputed_and_replaced(tmp_path, server):
+    from clients.derived import seal_derived
+    from preprocess.codec import encode
+
+    path = make_items(tmp_path / "ds")
+    ds = CachedDataset(path, cache=server.address, transform=pipe(Scale(2.0)))
+    loader = ds.loader(B, num_workers=0, seed=1, autocache="transformed", cost_dir=False)
+    try:
+        list(loader)
+        t = loader.autocache.transformed()
+        K = ds.digest.hashes[5].tobytes()
+        forged = seal_derived(derived_key(K, "another transform"), encode(np.zeros(256, np.float32)))
+        ds._proc().ring.put([(t.ids([K])[0], forged.value)], "evil", "x", 0, replace=True)
+        list(loader)
+        st = loader.epoch_stats[-1].transformed
+        assert (st["poisoned"], st["misses"], st["hits"], st["puts"]) == (1, 1, N - 1, 1)
+        list(loader)
+        assert loader.epoch_stats[-1].transformed["hits"] == N  # replaced by a good one
+    finally:
+        loader.close()
+
+
+def test_caching_point_marker():
+    p = Pipeline([as_array, Scale(2.0), autocache, step(noise, random=True), total])
+    assert (len(p), p.cache_at, p.caching_point(), p.cacheable_prefix()) == (4, 2, 2, 2)
+    assert "Scale -> [autocache] -> noise*" in p.describe()
+    assert Pipeline([as_array, Scale(2.0), total], cache_at=1).caching_point() == 1
+    assert Pipeline([as_array, Scale(2.0), step(noise, random=True)]).caching_point() == 2  # no marker
+    assert p.barriers() == {1}  # AutoOrder moves nothing across the point
+    with pytest.raises(ValueError, match="moves a step across the caching point"):
+        p.set_order([0, 3, 2, 1])
+    p.set_order([1, 0, 2, 3])  # within the prefix: allowed
+    for bad in ([autocache, as_array], [as_array, autocache, total, autocache]):
+        with pytest.raises(ValueError, match="caching point"):
+            Pipeline(bad)
+    with pytest.raises(ValueError, match="caching point"):
+        Pipeline([as_array], cache_at=2)
+    with pytest.raises(ValueError, match="comes after random step 1"):
+        Pipeline([as_array, step(noise, random=True), total], cache_at=3).caching_point()
