@@ -30,7 +30,7 @@ from typing import Any
 
 from cacheserver.vocab import HIT
 from preprocess.codec import encode
-from preprocess.fingerprint import Uncacheable, fingerprint, sub_fingerprint
+from preprocess.fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
 
 from .autofeed import CacheFeed
 
@@ -59,27 +59,28 @@ class SharedMode:
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._a = ctx.RawArray("q", 3)  # version (0: being written), mode code, caching point
+        self._a = ctx.RawArray("q", 5)  # version (0: being written), mode code, caching point, has seed, seed
         self._key = ctx.RawArray("c", MAX_KEY)
         self._version = 0
 
-    def publish(self, mode: str, cut: int = 0, key: str = "") -> None:
+    def publish(self, mode: str, cut: int = 0, key: str = "", seed: int | None = None) -> None:
         raw = key.encode()
         if len(raw) >= MAX_KEY:
             raise ValueError(f"autocache key of {len(raw)} bytes")
         self._version += 1
         self._a[0] = 0
-        self._a[1], self._a[2] = _CODES[mode], cut
+        self._a[1], self._a[2], self._a[3], self._a[4] = _CODES[mode], cut, seed is not None, seed or 0
         self._key.value = raw
         self._a[0] = self._version
 
-    def read(self) -> tuple[str, int, str]:
-        """(mode, caching point, key)."""
+    def read(self) -> tuple[str, int, str, int | None]:
+        """(mode, caching point, key, seed of the kept items or None)."""
         for _ in range(10000):
             v = self._a[0]
             mode, cut, key = MODES[self._a[1]], self._a[2], self._key.value.decode()
+            seed = self._a[4] if self._a[3] else None
             if v and self._a[0] == v:
-                return mode, cut, key
+                return mode, cut, key, seed
             time.sleep(0.0001)
         raise RuntimeError("autocache: the shared mode stayed mid-update")
 
@@ -93,7 +94,9 @@ def transform_key(ds: Any, pipeline: Any, cut: int) -> str:
     if ds.decode is not None and ds._decode_entry:
         raise Uncacheable("decode takes the entry (path, target): its output is not a function of the content")
     dec = "" if ds.decode is None else fingerprint(ds.decode, path="decode")
-    return sub_fingerprint(("mlcache-autocache/1", dec, pipeline.fingerprint(cut)))
+    # seeded steps draw by their written position and from torch's generator too
+    seeded = (tuple(pipeline.order[:cut]), library_version("torch")) if pipeline.seeded(cut) else ()
+    return sub_fingerprint(("mlcache-autocache/1", dec, pipeline.fingerprint(cut), seeded))
 
 
 def storable(outputs: Sequence[Any]) -> str:
@@ -123,7 +126,10 @@ class Autocache:
         self.decision: Any = None
         self.costs: Any = None  # the PipelineCosts measured (auto)
         self.cut, self.key, self.why_not = 0, "", ""
+        self.seed: int | None = None  # the job's seed, where the steps kept draw random numbers
         self._order: tuple[int, ...] | None = None
+        self._ids: list[bytes | None] = []  # transformed ids under _ids_key, for the look-ahead
+        self._ids_key: tuple = ()
         self.shared = SharedMode()
         self.feed = CacheFeed(ds, self.shared)
         self.shared.publish(self.mode)
@@ -157,7 +163,12 @@ class Autocache:
     def _rekey(self, engine: Any) -> None:
         pipe, ds = engine.pipeline, self.ds
         self._order = pipe.order
-        self.key, self.why_not = "", ""
+        self.key, self.why_not, self.seed = "", "", None
+        if pipe.seeded(self.cut):
+            self.seed = engine.job_seed
+            if not -(1 << 63) <= self.seed < (1 << 63):
+                self.why_not = f"the loader's seed {self.seed} does not fit in 64 bits"
+                return
         if self.cut == 0:
             j = pipe.order[0]
             self.why_not = f"step {j} ({pipe.steps[j].name}) is random and runs first: nothing comes before it"
@@ -173,7 +184,7 @@ class Autocache:
             self.key = ""
 
     def _publish(self) -> None:
-        self.shared.publish(self.mode, self.cut, self.key)
+        self.shared.publish(self.mode, self.cut, self.key, self.seed)
 
     def start_epoch(self, engine: Any) -> None:
         """AutoOrder may have changed the order after the first epoch: a new key."""
@@ -197,7 +208,7 @@ class Autocache:
 
     def transformed(self) -> Any:
         """This process's TransformedItems under the current key."""
-        return self.feed.proc().transformed(self.ds, self.key)
+        return self.feed.proc().transformed(self.ds, self.key, self.seed)
 
     # ---- during the first epoch ------------------------------------------------
     def threshold(self, epoch_items: int, batch_size: int) -> int:
@@ -243,7 +254,13 @@ class Autocache:
             return self.ds.lookup_codes(indices)
         if self.mode == "compute":
             return [0] * len(indices)
-        present = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in indices])
+        if self._ids_key != (self.key, self.seed):  # ids derived once per item and key: the look-ahead repeats them
+            self._ids, self._ids_key = [None] * len(self.ds.digest), (self.key, self.seed)
+        t, ids, h = self.transformed(), self._ids, self.ds.digest.hashes
+        for i in indices:
+            if ids[i] is None:
+                ids[i] = t.ids([h[i].tobytes()])[0]
+        present = t.ring.lookup([ids[i] for i in indices], t.job)
         return [HIT if p else 0 for p in present]
 
     def close(self) -> None:

@@ -123,12 +123,12 @@ class _ProcState:
         self.store = reader(ds, cache=False)
         self.source = reader(ds, cache=True)
         self.putter = Putter(ds.counters, self.row)
-        self.items: dict[str, TransformedItems] = {}
+        self.items: dict[tuple[str, int | None], TransformedItems] = {}
 
-    def transformed(self, ds: Any, key: str) -> TransformedItems:
-        t = self.items.get(key)
+    def transformed(self, ds: Any, key: str, seed: int | None = None) -> TransformedItems:
+        t = self.items.get((key, seed))
         if t is None:
-            t = self.items[key] = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, key)
+            t = self.items[(key, seed)] = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, key, seed)
         return t
 
     def close(self) -> None:
@@ -139,11 +139,11 @@ class _ProcState:
                 v._state = None
 
 
-def kept_items(st: _ProcState, ds: Any, indices: list[int], key: str
+def kept_items(st: _ProcState, ds: Any, indices: list[int], key: str, seed: int | None
                ) -> tuple[TransformedItems, list[bytes], list[Any], list[int]]:
-    """The transformed items of `indices` under `key`, counted in ds.counters:
+    """The transformed items of `indices` under `key` (and seed), counted in ds.counters:
     (their TransformedItems, source keys, item or None each, poisoned positions)."""
-    t = st.transformed(ds, key)
+    t = st.transformed(ds, key, seed)
     Ks = [ds.digest.hashes[i].tobytes() for i in indices]
     before = (t.counts.hits, t.counts.misses, t.counts.poisoned)
     bad: list[int] = []
@@ -177,14 +177,14 @@ class CacheFeed:
         return (st.store if mode == "compute" else st.source).read(indices)
 
     def fetch(self, indices: list[int], epoch: int) -> list[Fed]:
-        mode, cut, key = self.shared.read()
+        mode, cut, key, seed = self.shared.read()
         if mode != "transformed" or not key:
             return [Fed(x) for x in self.read(indices)]
-        return self._transformed(self.proc(), indices, cut, key)
+        return self._transformed(self.proc(), indices, cut, key, seed)
 
-    def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str) -> list[Fed]:
+    def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None) -> list[Fed]:
         ds = self.ds
-        t, Ks, got, bad = kept_items(st, ds, indices, key)
+        t, Ks, got, bad = kept_items(st, ds, indices, key, seed)
         miss = [p for p, v in enumerate(got) if v is None]
         sources = iter(st.source.read([indices[p] for p in miss]) if miss else [])
         with_target = ds.target is not None

@@ -19,12 +19,16 @@ def check_declared(pipeline: Pipeline, tr: Trace) -> dict[int, str]:
     """Returns {step: reason} for the steps caught, recorded in pipeline.caught_random."""
     caught: dict[int, str] = {}
     for pos, j in enumerate(tr.order):
-        if pipeline.is_random(j):
+        # a per_epoch=False step must draw the same under the same seed (else it is treated as
+        # drawing anew each epoch); any other step must not draw at all
+        fixed = pipeline.is_random(j) and not pipeline.per_epoch(j)
+        if pipeline.is_random(j) and not fixed:
             continue
         fn = pipeline.steps[j].fn
+        seeds = (SEEDS[0], SEEDS[0]) if fixed else SEEDS
         for k, x in enumerate(tr.inputs[pos][:ITEMS]):
             outs = []
-            for seed in SEEDS:
+            for seed in seeds:
                 seed_globals(seed)
                 try:
                     outs.append(fn(x))
@@ -32,7 +36,10 @@ def check_declared(pipeline: Pipeline, tr: Trace) -> dict[int, str]:
                     outs = []
                     break
             if len(outs) == 2 and not same(outs[0], outs[1]):
-                caught[j] = (f"step {j} ({pipeline.steps[j].name}) is not declared random but gave different "
+                caught[j] = (f"step {j} ({pipeline.steps[j].name}) is declared per_epoch=False but gave different "
+                             f"outputs under the same seed on sample item {k}; treated as drawing anew each epoch "
+                             f"(it must draw only from random, numpy's or torch's global generator)" if fixed else
+                             f"step {j} ({pipeline.steps[j].name}) is not declared random but gave different "
                              f"outputs under two seeds on sample item {k}; treated as random (mark it "
                              f"random=True, or make it deterministic)")
                 break

@@ -18,6 +18,7 @@ from .seeding import item_seed, seed_globals
 from .steps import Step, as_step
 
 _SEEDED = threading.Lock()  # one seeded random step at a time per process
+EVERY_EPOCH = -2  # what a per_epoch=False step is seeded with in place of the epoch
 
 # (written position, seconds, bytes in, bytes out) of one step on one item
 StepRecord = tuple[int, float, int, int]
@@ -80,6 +81,11 @@ class Pipeline:
     def is_random(self, j: int) -> bool:
         return self.steps[j].random or j in self.caught_random
 
+    def per_epoch(self, j: int) -> bool:
+        """Does step j's output change from epoch to epoch (random, and not declared
+        per_epoch=False, or caught drawing without being declared)?"""
+        return self.is_random(j) and (self.steps[j].per_epoch or j in self.caught_random)
+
     def set_order(self, order: Sequence[int], report: str = "") -> None:
         if sorted(order) != list(range(len(self.steps))):
             raise ValueError(f"order {list(order)} is not a permutation of {len(self.steps)} steps")
@@ -117,8 +123,9 @@ class Pipeline:
             if ctx is not None and self.is_random(j):
                 # the generators are global: a worker's background thread must not re-seed them
                 # between this seeding and this step's draws
+                epoch = ctx.epoch if self.per_epoch(j) else EVERY_EPOCH
                 with _SEEDED:
-                    seed_globals(item_seed(ctx.job_seed, ctx.epoch, ctx.digest, j))
+                    seed_globals(item_seed(ctx.job_seed, epoch, ctx.digest, j))
                     return s.fn(x)
             return s.fn(x)
         except Exception as e:
@@ -150,7 +157,9 @@ class Pipeline:
     def step_fingerprint(self, j: int) -> str:
         s = self.steps[j]
         try:
-            return fingerprint((s.fn, s.keep_position, self.is_random(j)), path=s.name)
+            flags = (s.keep_position, self.is_random(j)) + ((("per_epoch", False),) if not self.per_epoch(j)
+                                                             and self.is_random(j) else ())
+            return fingerprint((s.fn, *flags), path=s.name)
         except Uncacheable as e:
             raise Uncacheable(f"pipeline step {j} ({s.name}) cannot be fingerprinted: {e}") from None
         except RecursionError:
@@ -164,11 +173,17 @@ class Pipeline:
         return sub_fingerprint(("mlcache-pipeline/1", library_version("numpy"), parts))
 
     def cacheable_prefix(self) -> int:
-        """How many leading steps (execution order) come before the first random one."""
+        """How many leading steps (execution order) come before the first one whose
+        output changes per epoch (random, unless declared per_epoch=False)."""
         for pos, j in enumerate(self.order):
-            if self.is_random(j):
+            if self.per_epoch(j):
                 return pos
         return len(self.order)
+
+    def seeded(self, upto: int) -> bool:
+        """Do the first `upto` steps draw random numbers (seeded alike every epoch)? Their
+        output then depends on the job's seed too, and so does its key."""
+        return any(self.is_random(j) for j in self.order[:upto])
 
     def barriers(self) -> set[int]:
         """Steps (written positions) AutoOrder moves nothing across: keep_position ones,

@@ -1,6 +1,7 @@
 """A pipeline step: a picklable callable plus the flags the scheduler and AutoOrder
 read (keep_position: a barrier nothing moves across; random: draws random numbers,
-so the cacheable prefix ends before it)."""
+so the cacheable prefix ends before it, unless per_epoch=False: seeded per item the
+same in every epoch, so its output can be kept under the job's seed)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,6 +15,7 @@ class Step:
     name: str = ""
     keep_position: bool = False
     random: bool = False
+    per_epoch: bool = True  # a random step's draws change each epoch (False: the same every epoch)
 
     def __post_init__(self) -> None:
         if isinstance(self.fn, Step):
@@ -28,9 +30,10 @@ class Step:
 
 
 def step(fn: Callable[[Any], Any], *, name: str = "", keep_position: bool = False,
-         random: bool = False) -> Step:
-    """Wrap a callable with flags: `step(crop, random=True)`."""
-    return Step(fn, name, keep_position, random)
+         random: bool = False, per_epoch: bool = True) -> Step:
+    """Wrap a callable with flags: `step(crop, random=True)`; `per_epoch=False` seeds a
+    random step per item alike in every epoch (a fixed augmentation)."""
+    return Step(fn, name, keep_position, random, per_epoch)
 
 
 def as_step(x: Any) -> Step:
@@ -39,7 +42,7 @@ def as_step(x: Any) -> Step:
     if isinstance(x, Step):
         return x
     return Step(x, keep_position=bool(getattr(x, "keep_position", False)),
-                random=bool(getattr(x, "random", False)))
+                random=bool(getattr(x, "random", False)), per_epoch=bool(getattr(x, "per_epoch", True)))
 
 
 def step_name(fn: Any) -> str:

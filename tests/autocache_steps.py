@@ -1,4 +1,5 @@
 """Steps for the autocache tests: module-level, so spawned workers can import them."""
+import os
 import time
 
 import numpy as np
@@ -63,3 +64,8 @@ def as_object(x):
 
 def pick_x(d):
     return d["x"]
+
+
+def urandom_noise(x: np.ndarray) -> np.ndarray:
+    """Random from the OS, not from the seeded generators: never reproducible."""
+    return x + np.frombuffer(os.urandom(x.size), np.uint8).astype(np.float32)

@@ -324,3 +324,31 @@ def test_caching_point_marker():
         Pipeline([as_array], cache_at=2)
     with pytest.raises(ValueError, match="comes after random step 1"):
         Pipeline([as_array, step(noise, random=True), total], cache_at=3).caching_point()
+
+
+def test_a_random_step_seeded_alike_every_epoch_is_kept_under_the_seed(tmp_path, server):
+    from autocache_steps import urandom_noise
+
+    path = make_items(tmp_path / "ds")
+    p = Pipeline([as_array, step(noise, random=True, per_epoch=False), total])
+    assert p.cacheable_prefix() == 3 and p.seeded(3) and not p.seeded(1)
+    ds = CachedDataset(path, cache=server.address, transform=p)
+    loader = ds.loader(B, num_workers=1, seed=4, autocache="transformed", cost_dir=False)
+    ref = CachedDataset(path, cache=False, transform=p).loader(B, seed=4, cost_dir=False)
+    try:
+        assert loader.autocache.seed == 4
+        (e1, _), = collect(loader, 1)
+        wait_kept(ds, loader)
+        (e2, s2), = collect(loader, 1)
+        assert s2.transformed["hits"] == N and e1 == e2 == collect(ref, 1)[0][0]  # the same draws each epoch
+    finally:
+        loader.close()
+    _, lo = one_epoch(path, server, p, wait=False)  # another seed, other draws: another key
+    assert lo.epoch_stats[-1].transformed["hits"] == 0
+    # declared per_epoch=False, but it draws from the OS: caught, and the point moves before it
+    q = Pipeline([as_array, step(urandom_noise, random=True, per_epoch=False), total])
+    with pytest.warns(UserWarning, match="per_epoch=False but gave different outputs"):
+        lo = CachedDataset(path, cache=server.address, transform=q).loader(B, autocache="transformed",
+                                                                          cost_dir=False)
+    assert lo.autocache.cut == 1 and lo.autocache.seed is None
+    lo.close()
