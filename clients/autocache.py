@@ -23,16 +23,21 @@ sample's outputs there are not storable (preprocess/codec.py): `why_not` says wh
 "auto" then chooses between compute and source."""
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from cacheserver.vocab import HIT
+from cacheserver.vocab import HIT, transformed_tag
+from manager.manager_client import ManagerError
 from preprocess.codec import encode
 from preprocess.fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
 
 from .autofeed import CacheFeed
+from .coordination import SharedPlan
+
+log = logging.getLogger("mlcache.autocache")
 
 MODES = ("compute", "source", "transformed")
 CHOICES = MODES + ("auto",)
@@ -45,11 +50,17 @@ FOUND_SHARE = 0.5     # "found": at least this share of the sample's transformed
 
 
 def choose(costs: Any, coordinator: Any = None, dataset: str = "", pipeline: str = "") -> Any:
-    """The decision (manager.policy.autocache.Decision) for one (dataset, pipeline) from
-    its measured costs: the manager's where the job has one (the manager path hooks in
-    here), else this job's own, by the same pure function."""
+    """The decision (manager.policy.autocache.Decision) for one (dataset, pipeline key)
+    from its measured costs: the manager's where the job has one (it decides once per
+    pipeline, with the room the budget leaves), else, or when it cannot be reached,
+    this job's own by the same pure function. A pipeline with nothing to keep (no key)
+    is decided here."""
     from manager.policy.autocache import decide
 
+    if coordinator is not None and pipeline:
+        d = coordinator.autocache_decision(dataset, pipeline, costs)
+        if d is not None:
+            return d
     return decide(costs)
 
 
@@ -131,7 +142,10 @@ class Autocache:
         self._ids: list[bytes | None] = []  # transformed ids under _ids_key, for the look-ahead
         self._ids_key: tuple = ()
         self.shared = SharedMode()
-        self.feed = CacheFeed(ds, self.shared)
+        # the transformed set is a dataset of its own to the manager, with its own plan
+        # (GetPlan(transformed_tag)); without a manager: insert everything, as chunk 0
+        self.plan = SharedPlan()
+        self.feed = CacheFeed(ds, self.shared, self.plan)
         self.shared.publish(self.mode)
 
     # ---- what the loader sees --------------------------------------------------
@@ -158,6 +172,7 @@ class Autocache:
             raise ValueError(f"autocache='transformed' cannot keep this pipeline's items: {self.why_not}")
         if self.requested == "auto" and not self.why_not:
             self._look_for_others(engine)
+        self.refresh_plan()
         self._publish()
 
     def _rekey(self, engine: Any) -> None:
@@ -193,6 +208,7 @@ class Autocache:
             if self.mode == "transformed" and not self.key:
                 self.mode = "source"
             self._publish()
+        self.refresh_plan()
 
     def _look_for_others(self, engine: Any) -> None:
         idx = engine.sample_indices
@@ -225,7 +241,7 @@ class Autocache:
             return
         from .automeasure import measure
 
-        self.decide(measure(self, engine, epoch_items, self.epochs_left()))
+        self.decide(measure(self, engine, epoch_items))
 
     def epochs_left(self) -> int:
         return EPOCHS_UNKNOWN if self.epochs is None else max(0, self.epochs - 1)
@@ -237,7 +253,19 @@ class Autocache:
         self.mode, self.state = self.decision.mode, "decided"
         if self.mode == "transformed" and not self.key:  # a policy must not pick it; never trusted to
             self.mode = "source"
+        self.refresh_plan()
         self._publish()
+
+    def refresh_plan(self) -> None:
+        """The manager's plan of the transformed set (before each epoch, after a decision);
+        the last one holds while the manager cannot be reached."""
+        coord = self.ds.coordinator
+        if coord is None or self.mode != "transformed" or not self.key:
+            return
+        try:
+            self.plan.publish(coord.client.get_plan(transformed_tag(self.ds.dataset_tag, self.key), self.ds.job))
+        except ManagerError as e:
+            log.warning("autocache: the plan of the transformed items could not be had (%s); keeping the last", e)
 
     def set_point(self, key: str, why_not: str) -> None:
         """A front end that keys its transform itself (tf.data: the chain's fingerprint,

@@ -156,12 +156,12 @@ def kept_items(st: _ProcState, ds: Any, indices: list[int], key: str, seed: int 
 class CacheFeed:
     """preprocess.feed.Feed over a CachedDataset, in the mode `shared` says."""
 
-    def __init__(self, ds: Any, shared: Any) -> None:
-        self.ds, self.shared = ds, shared
+    def __init__(self, ds: Any, shared: Any, plan: Any) -> None:
+        self.ds, self.shared, self.plan = ds, shared, plan  # plan: the transformed set's (a SharedPlan)
         self._st: _ProcState | None = None
 
     def __getstate__(self) -> dict:
-        return {"ds": self.ds, "shared": self.shared, "_st": None}
+        return {"ds": self.ds, "shared": self.shared, "plan": self.plan, "_st": None}
 
     def proc(self) -> _ProcState:
         if self._st is None or self._st.pid != os.getpid():
@@ -191,7 +191,7 @@ class CacheFeed:
         out = []
         for p, (i, v) in enumerate(zip(indices, got)):
             if v is None:
-                chunk = ds.plan.insert_chunk(i)  # the source's place in the manager's plan
+                chunk = self.plan.insert_chunk(i)  # the manager's plan of the transformed set
                 out.append(Fed(next(sources), 0, None if chunk is None else cut, (t, Ks[p], chunk, p in bad)))
             else:
                 out.append(Fed((v, itemview.target_of(ds.target, ds.entry(i))) if with_target else v, cut))

@@ -12,15 +12,18 @@ job's own read path at the sizes involved, once, during the first epoch:
 Reads made here count in no epoch's statistics."""
 from __future__ import annotations
 
+import pickle
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .autofeed import raw, reader
+from .derived import seal_derived
 from .stats import SharedCounters
 
 REPEAT = 3
+SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
 
 def _per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT) -> float:
@@ -44,18 +47,49 @@ def step_seconds(pipeline: Any, stats: Any, cut: int) -> tuple[float, float]:
             sum(per.get(j, 0.0) for j in pipeline.order[cut:]))
 
 
-def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> tuple[float, float]:
-    """(mean bytes of an encoded transformed item, seconds per item to read one back),
-    from `kept`: (source key, output at the caching point) of sample items, put first."""
-    if not ac.key:
-        return 0.0, 0.0
+def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> dict[str, float]:
+    """marker_bytes (mean bytes of an encoded transformed item), cache_read_marker_s
+    (seconds per item to read one back) and put_marker_s (CPU seconds per item to
+    encode and seal one), from `kept`: (source key, output at the caching point) of
+    sample items, which are put first."""
+    out = {"marker_bytes": 0.0, "cache_read_marker_s": 0.0, "put_marker_s": 0.0}
+    if not ac.key or not kept:
+        return out
     t = ac.transformed()
+    t0 = time.process_time()
     pairs = [(K, p) for K, p in ((K, t.encode(x)) for K, x in kept) if p is not None]
+    for K, p in pairs:
+        seal_derived(t.key(K), p)
+    out["put_marker_s"] = (time.process_time() - t0) / len(kept)
     if not pairs:
-        return 0.0, 0.0
+        return out
     Ks = [K for K, _ in pairs]
     t.put_payloads(Ks, [p for _, p in pairs])
-    return statistics.fmean(len(p) for _, p in pairs), _per_item(lambda: t.get(Ks), len(Ks))
+    out["marker_bytes"] = statistics.fmean(len(p) for _, p in pairs)
+    out["cache_read_marker_s"] = _per_item(lambda: t.get(Ks), len(Ks))
+    return out
+
+
+def handoff(outputs: list[Any]) -> float:
+    """Seconds per item the loader's process spends taking a worker's output back (it
+    is pickled through a queue; workers read their items themselves)."""
+    if not outputs:
+        return 0.0
+    from multiprocessing.reduction import ForkingPickler
+
+    return _per_item(lambda: [pickle.loads(ForkingPickler.dumps(("done", 0, 0, 0, x, [], False)))
+                              for x in outputs], len(outputs))
+
+
+def cached_shares(ac: Any, n: int = SHARE_SAMPLE) -> tuple[float, float]:
+    """(share of the source items cached now, share of the transformed items), from a
+    look-up of up to n items spread over the dataset."""
+    ds = ac.ds
+    idx = list(range(0, len(ds), max(1, len(ds) // n)))[:n]
+    src = statistics.fmean(ds.lookup(idx)) if idx else 0.0
+    if not ac.key or ds.samples is not None:
+        return src, 0.0
+    return src, statistics.fmean(ac.transformed().lookup([ds.digest.hashes[i].tobytes() for i in idx]))
 
 
 def sample_outputs(ac: Any, engine: Any) -> list[tuple[bytes, Any]]:
@@ -82,7 +116,7 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
         if missing:  # not read through the cache yet, evicted since, or outside the manager's plan
             ds.read(missing)
         out["cache_read_source_s"] = _per_item(lambda: cached.read(idx), len(idx))
-        out["marker_bytes"], out["cache_read_marker_s"] = marker_read(ac, kept)
+        out.update(marker_read(ac, kept))
     finally:
         for v in (store, cached):
             if v._state is not None:
@@ -90,21 +124,28 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
     return out
 
 
-def costs(ac: Any, reads: dict[str, float], items: int, epochs_left: int, prefix_s: float, rest_s: float,
-          workers: int) -> Any:
+def costs(ac: Any, reads: dict[str, float], items: int, done: int, prefix_s: float, rest_s: float,
+          workers: int, handoff_s: float = 0.0) -> Any:
+    """PipelineCosts from the reads measured and the steps' seconds, `done` items into
+    the epoch (the room is the manager's to know: unbounded here)."""
     from manager.policy.autocache import PipelineCosts
 
+    source_cached, transformed_cached = cached_shares(ac)
     return PipelineCosts(
-        items=items, epochs_left=epochs_left, source_bytes=reads["source_bytes"],
+        items=max(1, items), epochs_left=ac.epochs_left(), source_bytes=reads["source_bytes"],
         marker_bytes=reads["marker_bytes"], store_read_s=reads["store_read_s"],
         cache_read_source_s=reads["cache_read_source_s"], cache_read_marker_s=reads["cache_read_marker_s"],
         prefix_s=prefix_s + reads["decode_s"], rest_s=rest_s, workers=max(1, workers), cacheable=bool(ac.key),
-        why_not=ac.why_not)
+        why_not=ac.why_not, source_cached=source_cached, transformed_cached=transformed_cached,
+        put_marker_s=reads["put_marker_s"], epoch_done=min(1.0, done / max(1, items)), handoff_s=handoff_s)
 
 
-def measure(ac: Any, engine: Any, epoch_items: int, epochs_left: int) -> Any:
+def measure(ac: Any, engine: Any, epoch_items: int) -> Any:
     """The PipelineCosts of the loader whose Autocache is `ac`."""
-    prefix_s, rest_s = step_seconds(engine.pipeline, engine.last_stats, ac.cut)
+    stats = engine.last_stats
+    prefix_s, rest_s = step_seconds(engine.pipeline, stats, ac.cut)
     reads = read_costs(ac, list(engine.sample_indices), sample_outputs(ac, engine))
+    tr = engine.sample
+    moved = handoff(tr.inputs[-1]) if engine.pool is not None and tr is not None else 0.0
     workers = engine.pool.size if engine.pool is not None else 1
-    return costs(ac, reads, epoch_items, epochs_left, prefix_s, rest_s, workers)
+    return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, moved)

@@ -352,3 +352,39 @@ def test_a_random_step_seeded_alike_every_epoch_is_kept_under_the_seed(tmp_path,
                                                                           cost_dir=False)
     assert lo.autocache.cut == 1 and lo.autocache.seed is None
     lo.close()
+
+
+def test_auto_with_a_manager_takes_its_decision(tmp_path):
+    from manager.manager_client import ManagerClient
+    from procs import cachemanager, cacheserver
+
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    srv = cacheserver(str(tmp_path / "s0"), "1GB", 0, "--manager", m.address).start()
+    path = make_items(tmp_path / "ds", n=96, size=4096)
+    p = Pipeline([as_array, Slow(0.01), shrink, autocache, step(noise, random=True), total])
+    ds = loader = None
+    try:
+        with ManagerClient(m.address, timeout=2) as mc:
+            deadline = time.monotonic() + 15
+            while not mc.get_ring().addresses and time.monotonic() < deadline:
+                time.sleep(0.1)
+        ds = CachedDataset(path, manager=m.address, job="job-m", transform=p)
+        loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=5, cost_dir=False)
+        (_, s1), = collect(loader, 1)
+        ac = loader.autocache
+        assert ac.state == "decided"
+        with ManagerClient(m.address, timeout=2) as mc:
+            st = mc.status_dict()
+        d = st["pipelines"][0]["decision"]
+        assert d["fingerprint"] == ac.key and d["mode"] == ac.mode == "transformed"
+        assert d["reason"] == ac.reason and d["jobs"] == ["job-m"] and d["tag"] == ac.transformed().tag
+        # put under the transformed set's plan, as the manager allocated it; found in epoch 2
+        (_, s2), = collect(loader, 1)
+        assert s1.transformed["puts"] > 0 and s2.transformed["hits"] >= s1.transformed["puts"]
+    finally:
+        if loader is not None:
+            loader.close()
+        if ds is not None:
+            ds.close()
+        srv.kill()
+        m.kill()
