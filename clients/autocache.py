@@ -70,19 +70,26 @@ class SharedMode:
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._a = ctx.RawArray("q", 5)  # version (0: being written), mode code, caching point, has seed, seed
+        # version (0: being written), mode code, caching point, has seed, seed, no step after the point
+        self._a = ctx.RawArray("q", 6)
         self._key = ctx.RawArray("c", MAX_KEY)
         self._version = 0
 
-    def publish(self, mode: str, cut: int = 0, key: str = "", seed: int | None = None) -> None:
+    def publish(self, mode: str, cut: int = 0, key: str = "", seed: int | None = None,
+                direct: bool = False) -> None:
         raw = key.encode()
         if len(raw) >= MAX_KEY:
             raise ValueError(f"autocache key of {len(raw)} bytes")
         self._version += 1
         self._a[0] = 0
         self._a[1], self._a[2], self._a[3], self._a[4] = _CODES[mode], cut, seed is not None, seed or 0
+        self._a[5] = direct
         self._key.value = raw
         self._a[0] = self._version
+
+    def direct(self) -> bool:
+        """No step follows the caching point: a kept item is finished as it is read."""
+        return bool(self._a[5])
 
     def read(self) -> tuple[str, int, str, int | None]:
         """(mode, caching point, key, seed of the kept items or None)."""
@@ -138,6 +145,7 @@ class Autocache:
         self.costs: Any = None  # the PipelineCosts measured (auto)
         self.cut, self.key, self.why_not = 0, "", ""
         self.seed: int | None = None  # the job's seed, where the steps kept draw random numbers
+        self.direct = False  # no step after the caching point: hits need no worker
         self._order: tuple[int, ...] | None = None
         self._ids: list[bytes | None] = []  # transformed ids under _ids_key, for the look-ahead
         self._ids_key: tuple = ()
@@ -179,6 +187,7 @@ class Autocache:
         pipe, ds = engine.pipeline, self.ds
         self._order = pipe.order
         self.key, self.why_not, self.seed = "", "", None
+        self.direct = self.cut == len(pipe.order)
         if pipe.seeded(self.cut):
             self.seed = engine.job_seed
             if not -(1 << 63) <= self.seed < (1 << 63):
@@ -199,7 +208,7 @@ class Autocache:
             self.key = ""
 
     def _publish(self) -> None:
-        self.shared.publish(self.mode, self.cut, self.key, self.seed)
+        self.shared.publish(self.mode, self.cut, self.key, self.seed, self.direct)
 
     def start_epoch(self, engine: Any) -> None:
         """AutoOrder may have changed the order after the first epoch: a new key."""

@@ -197,6 +197,22 @@ class CacheFeed:
                 out.append(Fed((v, itemview.target_of(ds.target, ds.entry(i))) if with_target else v, cut))
         return out
 
+    def resolve(self, indices: list[int], epoch: int) -> dict[int, Any]:
+        """In transformed mode with no step after the caching point, the kept items are
+        the finished ones: taken in the loader's process, not handed to a worker and
+        back. The rest go to the workers, which count them (hits are counted here)."""
+        mode, _, key, seed = self.shared.read()
+        if mode != "transformed" or not key or not self.shared.direct():
+            return {}
+        ds, st = self.ds, self.proc()
+        t = st.transformed(ds, key, seed)
+        hits = t.counts.hits
+        got = t.get([ds.digest.hashes[i].tobytes() for i in indices])
+        ds.counters.add(st.row, t_hits=t.counts.hits - hits)
+        if ds.target is None:
+            return {i: v for i, v in zip(indices, got) if v is not None}
+        return {i: (v, itemview.target_of(ds.target, ds.entry(i))) for i, v in zip(indices, got) if v is not None}
+
     def passed(self, token: Any, x: Any) -> None:
         self.proc().putter.add(token, x)
 

@@ -58,8 +58,10 @@ class EpochPlan:
 class EpochRun:
     def __init__(self, pool: WorkerPool, batches: Iterator[list[int]], plan: EpochPlan, stats: PreprocessStats,
                  timeout: SlowTimeout, known_cost: Callable[[int], float | None],
-                 describe: Callable[[int], str]) -> None:
+                 describe: Callable[[int], str],
+                 resolve: Callable[[list[int], int], dict[int, Any]] | None = None) -> None:
         self.pool, self.sampler, self.plan, self.stats = pool, batches, plan, stats
+        self.resolve = resolve  # items complete without a worker (feed.resolve), taken here
         self.timeout, self.known_cost, self.describe = timeout, known_cost, describe
         self.cond = threading.Condition()
         self.out: deque[list[tuple[int, Any]]] = deque()
@@ -173,9 +175,33 @@ class EpochRun:
             items = self._take(p.task_items)
             if not items:
                 return
+            items = self._resolved(items)
+            if not items:
+                continue
             self.pool.send(wid, ("task", p.run, p.epoch, p.order, self.timeout.seconds, items))
             self.held.setdefault(wid, {}).update(items)
             self.pending += len(items)
+
+    def _resolved(self, items: list[tuple[int, bool]]) -> list[tuple[int, bool]]:
+        """Items the feed completes without any step (autocache: kept outputs with no
+        step after the caching point) are ready at once; the rest go to a worker."""
+        done = self.resolve([i for i, _ in items], self.plan.epoch) if self.resolve is not None else {}
+        if not done:
+            return items
+        for i, to_bg in items:
+            if i in done:
+                self.in_background -= to_bg
+                self.stats.items += 1
+                self._ready(i, done[i])
+        return [(i, bg) for i, bg in items if i not in done]
+
+    def _ready(self, i: int, item: Any) -> None:
+        self.ready.append((i, item))
+        if len(self.ready) >= self.plan.batch_size:
+            with self.cond:
+                self.out.append(self.ready[:self.plan.batch_size])
+                self.cond.notify_all()
+            del self.ready[:self.plan.batch_size]
 
     def _recover(self) -> None:
         """A worker that died is replaced and the items it held go back to the front
@@ -231,12 +257,7 @@ class EpochRun:
             self.in_background += 1
         elif kind == "done":
             self._finished(i, msg[5], held.pop(i))
-            self.ready.append((i, msg[4]))
-            if len(self.ready) >= self.plan.batch_size:
-                with self.cond:
-                    self.out.append(self.ready[:self.plan.batch_size])
-                    self.cond.notify_all()
-                del self.ready[:self.plan.batch_size]
+            self._ready(i, msg[4])
         elif kind == "error":
             _, _, _, _, j, name, text, records = msg
             self._finished(i, records, held.pop(i), measure=False)

@@ -31,6 +31,9 @@ class Feed(Protocol):
 
     def passed(self, token: Any, x: Any) -> None: ...
 
+    # optional: resolve(indices, epoch) -> {index: finished item} for items that need no
+    # step at all (taken in the loader's process, never sent to a worker)
+
     def idle(self) -> None: ...
 
     def close(self) -> None: ...

@@ -111,7 +111,8 @@ class Scheduler:
         # MinatoLoader profiles offline for its first timeout: we have the sample's times
         timeout = SlowTimeout(list(self.known.values()) or self.sample.item_seconds)
         run = EpochRun(self.pool, iter(batches), plan, stats, timeout,
-                       lambda i: self.known.get(item_digest(ds, i)[:DIGEST_BYTES]), self._describe)
+                       lambda i: self.known.get(item_digest(ds, i)[:DIGEST_BYTES]), self._describe,
+                       getattr(self.feed, "resolve", None))
         self.last_run = run
         self.epochs_run += 1
         for batch in run:

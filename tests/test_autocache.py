@@ -388,3 +388,22 @@ def test_auto_with_a_manager_takes_its_decision(tmp_path):
             ds.close()
         srv.kill()
         m.kill()
+
+
+def test_hits_with_no_step_after_the_point_need_no_worker(tmp_path, server):
+    from preprocess_steps import index_mod3
+
+    path = make_items(tmp_path / "ds")
+    p = Pipeline([as_array, Scale(2.0), total])
+    ds = CachedDataset(path, cache=server.address, target=index_mod3, transform=p)
+    loader = ds.loader(B, num_workers=2, seed=1, autocache="transformed", cost_dir=False)
+    try:
+        first = Counter(x for b in loader for x in b)
+        assert len(loader.preprocess.last_run.measured) == N  # epoch 1: every item ran in a worker
+        wait_kept(ds, loader)
+        second = Counter(x for b in loader for x in b)
+        st = loader.epoch_stats[-1]
+        assert first == second and sum(second.values()) == N and st.transformed["hits"] == N
+        assert loader.preprocess.last_run.measured == [] and st.preprocess.items == N  # taken in this process
+    finally:
+        loader.close()
