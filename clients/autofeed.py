@@ -30,7 +30,7 @@ from .transformed import TransformedItems
 
 log = logging.getLogger("mlcache.autocache")
 PUT_BATCH = 64      # kept items per put
-PUT_QUEUE = 256     # kept items waiting for their put (then passed() waits: memory stays bounded)
+PUT_QUEUE = 128     # kept items waiting for their put (then passed() waits: memory stays bounded)
 FLUSH_LIMIT = 30.0  # longest wait for the puts in flight (idle, close)
 
 
@@ -63,6 +63,7 @@ class Putter:
         self.counters, self.row = counters, row
         self.q: queue.Queue = queue.Queue(PUT_QUEUE)
         self.thread: threading.Thread | None = None
+        self._start = threading.Lock()  # a worker's foreground and background threads both add
 
     def add(self, token: tuple, x: Any) -> None:
         t, K, chunk, replace = token
@@ -70,9 +71,10 @@ class Putter:
         if payload is None:  # the format cannot store this output: counted, never cached
             self.counters.add(self.row, t_uncacheable=1)
             return
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="autocache-put", daemon=True)
-            self.thread.start()
+        with self._start:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="autocache-put", daemon=True)
+                self.thread.start()
         self.q.put((t, K, payload, chunk, replace))
 
     def _run(self) -> None:
