@@ -46,7 +46,7 @@ MAX_KEY = 128
 EPOCHS_UNKNOWN = 100  # epochs_left when the loader was not told `epochs` (Cachew ignores the fill)
 DECIDE_BATCHES = 300  # Cachew decides after 300 batches ...
 DECIDE_SHARE = 0.25   # ... here at most a quarter of the first epoch
-FOUND_SHARE = 0.5     # "found": at least this share of the sample's transformed items cached
+FOUND_SHARE = 0.9     # "found": this share of the sample's transformed items cached (not a measured part)
 
 
 def choose(costs: Any, coordinator: Any = None, dataset: str = "", pipeline: str = "") -> Any:
@@ -70,22 +70,27 @@ class SharedMode:
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        # version (0: being written), mode code, caching point, has seed, seed, no step after the point
-        self._a = ctx.RawArray("q", 6)
+        # version (0: being written), mode code, caching point, has seed, seed, no step after the
+        # point, keep outputs in source mode too (auto measuring)
+        self._a = ctx.RawArray("q", 7)
         self._key = ctx.RawArray("c", MAX_KEY)
         self._version = 0
 
     def publish(self, mode: str, cut: int = 0, key: str = "", seed: int | None = None,
-                direct: bool = False) -> None:
+                direct: bool = False, keep: bool = False) -> None:
         raw = key.encode()
         if len(raw) >= MAX_KEY:
             raise ValueError(f"autocache key of {len(raw)} bytes")
         self._version += 1
         self._a[0] = 0
         self._a[1], self._a[2], self._a[3], self._a[4] = _CODES[mode], cut, seed is not None, seed or 0
-        self._a[5] = direct
+        self._a[5], self._a[6] = direct, keep
         self._key.value = raw
         self._a[0] = self._version
+
+    def keep(self) -> bool:
+        """Source mode that also puts the outputs at the caching point (auto, measuring)."""
+        return bool(self._a[6])
 
     def direct(self) -> bool:
         """No step follows the caching point: a kept item is finished as it is read."""
@@ -208,7 +213,10 @@ class Autocache:
             self.key = ""
 
     def _publish(self) -> None:
-        self.shared.publish(self.mode, self.cut, self.key, self.seed, self.direct)
+        # measuring, the outputs at the point are put as they are made: if transformed is
+        # chosen, the measured part of the first epoch need not be made again in the second
+        self.shared.publish(self.mode, self.cut, self.key, self.seed, self.direct,
+                            keep=self.state == "measuring" and bool(self.key))
 
     def start_epoch(self, engine: Any) -> None:
         """AutoOrder may have changed the order after the first epoch: a new key."""

@@ -25,6 +25,7 @@ from typing import Any
 from preprocess.feed import Fed
 
 from . import itemview
+from .coordination import SPARE
 from .stats import SharedCounters, worker_row
 from .transformed import TransformedItems
 
@@ -53,6 +54,13 @@ def raw(ds: Any) -> Any:
     v.__dict__.update(ds.__dict__)
     v.decode, v.target, v._decode_entry = None, None, False
     return v
+
+
+def speculative_chunk(ds: Any) -> int:
+    """The chunk of outputs kept before a decision: with a manager, a spare entry (the set is
+    not allocated yet: spare entries live in room nobody needs and are not reconciled away);
+    without one, chunk 0 as every insert."""
+    return SPARE if ds.manager else 0
 
 
 class Putter:
@@ -180,9 +188,17 @@ class CacheFeed:
 
     def fetch(self, indices: list[int], epoch: int) -> list[Fed]:
         mode, cut, key, seed = self.shared.read()
+        if mode == "source" and key and self.shared.keep():
+            return self._kept(self.proc(), indices, cut, key, seed)
         if mode != "transformed" or not key:
             return [Fed(x) for x in self.read(indices)]
         return self._transformed(self.proc(), indices, cut, key, seed)
+
+    def _kept(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None) -> list[Fed]:
+        """Source mode that also puts every output at the caching point (auto, measuring)."""
+        t, ds = st.transformed(self.ds, key, seed), self.ds
+        return [Fed(x, 0, cut, (t, ds.digest.hashes[i].tobytes(), speculative_chunk(ds), False))
+                for i, x in zip(indices, ds.read(indices))]
 
     def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None) -> list[Fed]:
         ds = self.ds

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .autofeed import raw, reader
+from .autofeed import raw, reader, speculative_chunk
 from .derived import seal_derived
 from .stats import SharedCounters
 
@@ -64,7 +64,7 @@ def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> dict[str, float]:
     if not pairs:
         return out
     Ks = [K for K, _ in pairs]
-    t.put_payloads(Ks, [p for _, p in pairs])
+    t.put_payloads(Ks, [p for _, p in pairs], speculative_chunk(ac.ds))
     out["marker_bytes"] = statistics.fmean(len(p) for _, p in pairs)
     out["cache_read_marker_s"] = _per_item(lambda: t.get(Ks), len(Ks))
     return out
