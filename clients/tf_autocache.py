@@ -23,6 +23,7 @@ keyed (tf.py_function, tf.Variables) or that draws random numbers is never cache
 autocache="transformed" refuses it, "auto" chooses between compute and source."""
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ import numpy as np
 from preprocess.tf_fingerprint import UnfingerprintableChain, chain_fingerprint, dummy_source
 
 from .autocache import Autocache
-from .autofeed import kept_items
+from .autofeed import kept_items, speculative_chunk
 from .automeasure import costs, read_costs
 from .epochs import EpochRun
 
@@ -50,7 +51,8 @@ def chain_key(transform: Callable[[Any], Any]) -> tuple[str, str]:
         return "", str(e)
     if ck.random:
         return "", "the chain draws random numbers (stateful random ops): its outputs differ per call"
-    return f"tfchain/{ck.key}", ""
+    # hex, as the manager keys pipelines
+    return hashlib.sha256(f"mlcache-tfchain/1/{ck.key}".encode()).hexdigest(), ""
 
 
 class ChainRunner:
@@ -105,12 +107,17 @@ class TransformedEpochs:
         ac, cached = self.ac, self.source.cached
         st = ac.feed.proc()
         if ac.mode != "transformed":
-            return self.runner.run((st.store if ac.mode == "compute" else cached).read(batch))
-        t, Ks, got, bad = kept_items(st, cached, batch, ac.key)
+            outs = self.runner.run((st.store if ac.mode == "compute" else cached).read(batch))
+            if ac.state == "measuring" and ac.key:  # kept as made: a transformed decision reuses them
+                t = st.transformed(cached, ac.key, ac.seed)
+                for i, y in zip(batch, outs):
+                    st.putter.add((t, cached.digest.hashes[i].tobytes(), speculative_chunk(cached), False), y)
+            return outs
+        t, Ks, got, bad = kept_items(st, cached, batch, ac.key, ac.seed)
         miss = [p for p, v in enumerate(got) if v is None]
         outs = self.runner.run(st.source.read([batch[p] for p in miss]))
         for p, y in zip(miss, outs):
-            chunk = cached.plan.insert_chunk(batch[p])
+            chunk = ac.plan.insert_chunk(batch[p])  # the manager's plan of the transformed set
             if chunk is not None:
                 st.putter.add((t, Ks[p], chunk, p in bad), y)
             got[p] = y
@@ -123,7 +130,7 @@ class TransformedEpochs:
         idx = batch[:SAMPLE]
         kept = [(self.source.cached.digest.hashes[i].tobytes(), y) for i, y in zip(idx, out)] if ac.key else []
         reads = read_costs(ac, idx, kept)
-        ac.decide(costs(ac, reads, sampler.share.size, ac.epochs_left(), r.seconds / r.items, 0.0, 1))
+        ac.decide(costs(ac, reads, sampler.share.size, r.items, r.seconds / r.items, 0.0, 1))
 
 
 def transformed_dataset(source: Any, transform: Callable[[Any], Any], autocache: str,
