@@ -224,4 +224,14 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
         ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
     if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
         ds = ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))  # else items may be left out
-    return ds if transform is None else transform(ds)
+    return ds if transform is None else apply_chain(transform, ds)
+
+
+def apply_chain(transform: Any, ds: "tf.data.Dataset") -> "tf.data.Dataset":
+    """transform(ds), or a TypeError that says what transform= is (not map_fn=)."""
+    try:
+        return transform(ds)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"transform= is a function of a tf.data.Dataset of items (lambda ds: ds.map(parse)); "
+                        f"calling it on the dataset failed ({type(e).__name__}: {str(e)[:200]}). For a function "
+                        f"of one item, pass map_fn= (run in our workers) or .map() the dataset") from None

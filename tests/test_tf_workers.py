@@ -187,8 +187,8 @@ def test_worker_options_need_a_map(shards):
     digest, _, _ = shards
     with pytest.raises(ValueError, match="num_workers: options of the preprocessing workers"):
         tf_dataset(digest, cache=False, num_workers=2)
-    with pytest.raises(TypeError, match="does not take transform="):
-        tf_dataset(digest, cache=False, transform=parse)
+    with pytest.raises(TypeError, match="transform= is a function of a tf.data.Dataset"):
+        tf_dataset(digest, cache=False, transform=parse)  # a function of one item: that is map_fn=
 
 
 def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
