@@ -43,10 +43,15 @@ class CachedLoader(DataLoader, EpochLog):
         EpochLog.__init__(self)  # epoch_stats, batch_times, callbacks
         self.preprocess: Any = None  # a preprocess.Scheduler when the dataset has a transform
         self.autocache: Any = None  # a clients.autocache.Autocache with autocache= other than "source"
+        self.remote: Any = None  # a preprocess.remote.RemoteWorkers with remote=
 
     def __iter__(self) -> Iterator:
         if self.autocache is not None:
             self.autocache.start_epoch(self.preprocess)
+            if self.remote is not None:  # AutoOrder may have rekeyed the kept items
+                ac = self.autocache
+                self.remote.refresh(self.dataset, self.preprocess.pipeline, self.preprocess.job_seed,
+                                    key=ac.key, prefix=ac.cut, key_seed=ac.seed)
         run = EpochRun(self.dataset, self.batch_sampler, self)
         complete = False
         try:
@@ -65,7 +70,10 @@ class CachedLoader(DataLoader, EpochLog):
                 yield batch, None
             return
         sampler = self.batch_sampler
-        for indices, items in self.preprocess.epoch(sampler, sampler.epoch, sampler.batch_size):
+        # with remote workers, the feeder takes the sampler's batches ahead and hands them on
+        # once their kept items are made: the workers below then read them as hits
+        source = sampler if self.remote is None else self.remote.batches(sampler, sampler.epoch)
+        for indices, items in self.preprocess.epoch(source, sampler.epoch, sampler.batch_size):
             yield self.collate_fn(items), indices
             if self.autocache is not None:  # auto decides once enough of the first epoch is measured
                 self.autocache.after_batch(self.preprocess, sampler.share.size, sampler.batch_size)
@@ -76,6 +84,9 @@ class CachedLoader(DataLoader, EpochLog):
             self.preprocess.close()
         if self.autocache is not None:
             self.autocache.close()
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
@@ -139,8 +150,11 @@ def distributed_rank(rank: int | None, world_size: int | None) -> tuple[int, int
 def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int = 0, lookahead: int = 10,
                 substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
                 rank: int | None = None, world_size: int | None = None, scheduler: str = "sample",
-                autocache: str = "source", epochs: int | None = None, **kwargs) -> CachedLoader:
+                autocache: str = "source", epochs: int | None = None, remote: str | None = None,
+                remote_options: dict[str, Any] | None = None, **kwargs) -> CachedLoader:
     check_kwargs(kwargs)
+    if remote is not None:
+        autocache = _remote_mode(ds, scheduler, autocache, remote)
     if scheduler not in ("sample", "torch"):
         raise ValueError(f"scheduler must be 'sample' (per sample, preprocess/) or 'torch', got {scheduler!r}")
     options = {k: kwargs.pop(k) for k in PREPROCESS_OPTIONS if k in kwargs}
@@ -171,8 +185,39 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
     kwargs.setdefault("collate_fn", _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
     loader.preprocess, loader.autocache = engine, ac
+    if remote is not None:
+        loader.remote = _remote(ds, engine, ac, remote, remote_options or {})
     loader.attach_coordinator(ds, sampler)
     return loader
+
+
+def _remote_mode(ds, scheduler: str, autocache: str, remote: str) -> str:
+    """remote= rides on the transformed mode: workers elsewhere make the kept items, the
+    loader's own workers read them as hits and make only what is missing."""
+    if ds.transform is None or scheduler != "sample":
+        raise ValueError("remote=: remote workers run the transform's kept steps; pass transform= and the "
+                         "per-sample scheduler (docs/preprocess.md, Remote workers)")
+    from preprocess.remote.cluster import resolve
+
+    resolve(remote, ds.manager)  # a malformed address fails before any worker starts
+    if autocache not in ("source", "transformed"):
+        raise ValueError(f"remote= reads what remote workers make as transformed hits: autocache='transformed' "
+                         f"(the default with remote=), not {autocache!r}")
+    return "transformed"
+
+
+def _remote(ds, engine: Any, ac: Any, remote: str, options: dict[str, Any]) -> Any:
+    """Remote workers keyed as the loader's transformed mode keys its kept items; None
+    (one warning) when there is no cluster: the loader's own workers do everything."""
+    from preprocess.remote import start
+
+    try:
+        return start(ds, engine.pipeline, engine.job_seed, remote, key=ac.key, prefix=ac.cut, key_seed=ac.seed,
+                     **options)
+    except BaseException:
+        engine.close()
+        ac.close()
+        raise
 
 
 def _scheduler(ds, num_workers: int | None, seed: int, drop_last: bool, autocache: str, epochs: int | None,

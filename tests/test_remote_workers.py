@@ -164,3 +164,42 @@ def test_a_removed_worker_drains_its_queued_tasks_first(head, server, tmp_path):
     finally:
         rw.close()
         ds.close()
+
+
+def test_loader_remote_option_reads_what_remote_workers_made(head, server, tmp_path):
+    """ds.loader(remote=...): the loader's own workers find what the remote workers made as
+    transformed hits (no source read, no prefix step here) and make the rest; every item
+    once, the same outputs as computing everything locally."""
+    n, B = 48, 8
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, Slow(0.0), Jitter()])
+    ds = CachedDataset(path, cache=server.address, job="remote-loader", transform=pipe)
+    opts = dict(autoscale=AutoscaleConfig(min_workers=2, max_workers=2), wait_limit=60.0, task_items=4)
+    loader = ds.loader(B, num_workers=1, seed=4, cost_dir=False, remote=head[0].address, remote_options=opts)
+    ref = CachedDataset(path, cache=False, transform=pipe).loader(B, num_workers=1, seed=4, cost_dir=False,
+                                                                  autocache="compute")
+    try:
+        assert loader.remote is not None and loader.autocache.mode == "transformed"
+        got = Counter(x.tobytes() for b in loader for x in b)
+        assert sorted(loader.preprocess.yielded()) == list(range(n))   # exactly once
+        st, rw = loader.epoch_stats[-1], loader.remote
+        hits, misses = st.transformed["hits"], st.transformed["misses"]
+        assert hits == rw.pool.counts.made == rw.feeder.stats.remote_items > 0 and hits + misses == n
+        assert st.preprocess.steps[0].items == misses                   # the prefix ran here only for those
+        assert got == Counter(x.tobytes() for b in ref for x in b)      # as computing it all here
+    finally:
+        loader.close()
+        ref.close()
+        ds.close()
+
+
+def test_loader_remote_option_errors(server, tmp_path):
+    path = indexed_items(tmp_path / "ds", 8)
+    ds = CachedDataset(path, cache=server.address, transform=Pipeline([decode, Jitter()]))
+    with pytest.raises(ValueError, match="autocache='transformed'"):
+        ds.loader(4, remote="ray://127.0.0.1:1", autocache="compute")
+    with pytest.raises(ValueError, match="ray://HOST:PORT"):
+        ds.loader(4, remote="127.0.0.1:1")
+    with pytest.raises(ValueError, match="transform="):
+        CachedDataset(path, cache=server.address).loader(4, remote="ray://127.0.0.1:1")
+    ds.close()
