@@ -78,9 +78,38 @@ def seal(item: Buffer, K: bytes | None = None) -> Sealed:
         K = hashlib.sha256(item).digest()
     _check_k(K)
     ident = item_id(K)
+    return Sealed(ident, K, seal_under(K, ident, item))
+
+
+def seal_under(K: bytes, ident: bytes, item: Buffer) -> bytes:
+    """The stored value of `item` encrypted under value_key(K) and bound to the id it
+    is stored at (source items: item_id(K); transformed items: derived.py)."""
     header = _HEADER.pack(VALUE_VERSION, len(item))
-    ct = AESGCM(value_key(K)).encrypt(NONCE, item, ident + header)
-    return Sealed(ident, K, header + ct)
+    return header + AESGCM(value_key(K)).encrypt(NONCE, item, ident + header)
+
+
+def open_sealed(K: bytes, ident: bytes, value: Buffer, expected_size: int | None = None,
+                max_size: int | None = None) -> bytes:
+    """The plaintext of a value seal_under(K, ident, ...) made: PoisonedValue if it is
+    malformed, of another version or size, or fails authentication (tampered, or
+    stored under another id)."""
+    mv = memoryview(value)
+    if len(mv) < OVERHEAD:
+        raise PoisonedValue(f"value too short ({len(mv)} bytes)")
+    version, length = _HEADER.unpack_from(mv)
+    if version != VALUE_VERSION:
+        raise PoisonedValue(f"unsupported value version {version}")
+    if expected_size is not None and length != expected_size:
+        raise PoisonedValue(f"value is for {length} bytes, digest says {expected_size}")
+    if max_size is not None and length > max_size:
+        raise PoisonedValue(f"value is for {length} bytes, more than the {max_size} allowed")
+    if len(mv) != value_size(length):
+        raise PoisonedValue(f"value has {len(mv)} bytes, expected {value_size(length)}")
+    aad = ident + bytes(mv[: _HEADER.size])
+    try:
+        return AESGCM(value_key(K)).decrypt(NONCE, mv[_HEADER.size:], aad)
+    except InvalidTag:
+        raise PoisonedValue("authentication failed (tampered value or wrong key)") from None
 
 
 def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = True) -> bytes:
@@ -94,21 +123,7 @@ def open_value(K: bytes, value: Buffer, expected_size: int, verify_hash: bool = 
     so skip it only when every holder of the digest is trusted.
     """
     _check_k(K)
-    mv = memoryview(value)
-    if len(mv) < OVERHEAD:
-        raise PoisonedValue(f"value too short ({len(mv)} bytes)")
-    version, length = _HEADER.unpack_from(mv)
-    if version != VALUE_VERSION:
-        raise PoisonedValue(f"unsupported value version {version}")
-    if length != expected_size:
-        raise PoisonedValue(f"value is for {length} bytes, digest says {expected_size}")
-    if len(mv) != value_size(length):
-        raise PoisonedValue(f"value has {len(mv)} bytes, expected {value_size(length)}")
-    aad = item_id(K) + bytes(mv[: _HEADER.size])
-    try:
-        item = AESGCM(value_key(K)).decrypt(NONCE, mv[_HEADER.size:], aad)
-    except InvalidTag:
-        raise PoisonedValue("authentication failed (tampered value or wrong key)") from None
+    item = open_sealed(K, item_id(K), value, expected_size)
     if verify_hash and hashlib.sha256(item).digest() != K:
         raise PoisonedValue("content hash mismatch (value forged by a holder of the key)")
     return item

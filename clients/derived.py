@@ -25,14 +25,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-from .capability import NONCE, OVERHEAD, VALUE_VERSION, Buffer, PoisonedValue, Sealed, value_key
+from .capability import Buffer, Sealed, open_sealed, seal_under
 
 DERIVED_DOMAIN = b"mlcache/derived/v1"
 DERIVED_ID_DOMAIN = b"mlcache/derived-id/v1"
-_HEADER = struct.Struct("<BQ")  # version, payload length (as capability's values)
 _SEED = struct.Struct("<Bq")  # has seed, seed
 MAX_FINGERPRINT = 1024
 
@@ -61,24 +57,10 @@ def derived_id(Kt: bytes) -> bytes:
 def seal_derived(Kt: bytes, payload: Buffer) -> Sealed:
     """Encrypt a transformed item's encoded payload (preprocess.codec) under Kt."""
     ident = derived_id(Kt)
-    header = _HEADER.pack(VALUE_VERSION, len(payload))
-    ct = AESGCM(value_key(Kt)).encrypt(NONCE, bytes(payload), ident + header)
-    return Sealed(ident, Kt, header + ct)
+    return Sealed(ident, Kt, seal_under(Kt, ident, bytes(payload)))
 
 
 def open_derived(Kt: bytes, value: Buffer, max_size: int | None = None) -> bytes:
     """Decrypt a transformed item fetched from the cache; raises PoisonedValue when it is
     malformed, of another version or size, or fails authentication."""
-    mv = memoryview(value)
-    if len(mv) < OVERHEAD:
-        raise PoisonedValue(f"transformed value too short ({len(mv)} bytes)")
-    version, length = _HEADER.unpack_from(mv)
-    if version != VALUE_VERSION:
-        raise PoisonedValue(f"unsupported value version {version}")
-    if len(mv) != length + OVERHEAD or (max_size is not None and length > max_size):
-        raise PoisonedValue(f"transformed value has {len(mv)} bytes for a {length}-byte payload")
-    aad = derived_id(Kt) + bytes(mv[:_HEADER.size])
-    try:
-        return AESGCM(value_key(Kt)).decrypt(NONCE, mv[_HEADER.size:], aad)
-    except InvalidTag:
-        raise PoisonedValue("authentication failed (tampered transformed value or wrong key)") from None
+    return open_sealed(Kt, derived_id(Kt), value, max_size=max_size)
