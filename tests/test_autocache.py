@@ -16,7 +16,7 @@ from autocache_steps import (Scale, Slow, as_array, as_object, double_in_place, 
 from clients.capability import PoisonedValue  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.derived import derived_id, derived_key, open_derived  # noqa: E402
-from clients.digest import DigestBuilder  # noqa: E402
+from filedigest import write_files_digest  # noqa: E402
 from preprocess import Pipeline, autocache, step  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,16 +25,8 @@ N, B = 64, 8
 
 def make_items(root, n=N, size=256, salt=b""):
     """n files of `size` random bytes; returns the digest path."""
-    os.makedirs(root, exist_ok=True)
-    b = DigestBuilder(str(root), "files")
-    for i in range(n):
-        data = hashlib.sha256(salt + i.to_bytes(4, "little")).digest() * (size // 32)
-        with open(os.path.join(root, f"{i:05d}"), "wb") as f:
-            f.write(data)
-        b.add(hashlib.sha256(data).digest(), len(data), f"{i:05d}")
-    path = str(root) + ".digest"
-    b.build().save(path)
-    return path
+    blobs = (hashlib.sha256(salt + i.to_bytes(4, "little")).digest() * (size // 32) for i in range(n))
+    return write_files_digest(root, blobs)
 
 
 def pipe(*middle, last=total):

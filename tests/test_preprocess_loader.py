@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest import DigestBuilder  # noqa: E402
+from filedigest import write_files_digest  # noqa: E402
 from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from preprocess import Pipeline, PipelineError  # noqa: E402
 from preprocess_steps import FailOn, SleepOn, first, index_mod3, index_of, pad  # noqa: E402
@@ -22,16 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def indexed_items(root, n):
     """n files whose first 8 bytes are their index; returns the digest path."""
-    os.makedirs(root, exist_ok=True)
-    b = DigestBuilder(str(root), "files")
-    for i in range(n):
-        data = struct.pack("<q", i) + os.urandom(24)
-        with open(os.path.join(root, f"{i:05d}"), "wb") as f:
-            f.write(data)
-        b.add(hashlib.sha256(data).digest(), len(data), f"{i:05d}")
-    path = str(root) + ".digest"
-    b.build().save(path)
-    return path
+    return write_files_digest(root, (struct.pack("<q", i) + os.urandom(24) for i in range(n)))
 
 
 def first_batch(n, batch, seed):
