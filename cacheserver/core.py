@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from .chunkrefs import ChunkTable
 from .claims import DEFAULT_TTL, ClaimTable
@@ -91,12 +92,15 @@ class CacheCore:
         self.counters.add_many({"gets": n, "get_misses": n, "bypassed": n})
         return True
 
-    def get(self, job: str, ids: Sequence[bytes], count: bool = True) -> list[memoryview | None]:
-        """Values or None; count=False for the fallback of a get already counted by get_local."""
+    def get(self, job: str, ids: Sequence[bytes], count: bool = True, trailer: bool = True
+            ) -> list[memoryview | None]:
+        """Values or None; count=False for the fallback of a get already counted by get_local;
+        trailer=False (in this process only: inproc.get_vouched) skips the record checksum."""
         self._check_ids(ids)
         if self._get_bypassed(job, len(ids)):
             return [None] * len(ids)
-        values, cut = bounded_get(self.store.get_many, ids, self.limits.max_batch_bytes)
+        get_many = self.store.get_many if trailer else partial(self.store.get_many, trailer=False)
+        values, cut = bounded_get(get_many, ids, self.limits.max_batch_bytes)
         if cut:
             self.counters.add("get_cut_for_size", cut)
         if not count:

@@ -21,3 +21,9 @@ def unwrap(raw: bytes) -> memoryview | None:
     if xxhash.xxh3_64_intdigest(mv).to_bytes(TRAILER, "little") != raw[-TRAILER:]:
         return None
     return mv
+
+
+def strip(raw: bytes) -> memoryview | None:
+    """The value without checking its trailer, for a reader that authenticates it itself
+    (the embedded server's own process: every value's AES-GCM tag); None if too short."""
+    return memoryview(raw)[:-TRAILER] if len(raw) >= TRAILER else None

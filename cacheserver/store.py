@@ -38,7 +38,7 @@ from .diskbudget import DISK_WAIT_S, MEASURE_EVERY_S, STUCK_S, Compactor, DiskUs
 from .diskroom import MARGIN, DiskRoom
 from .eviction import EvictionPolicy
 from .flusher import Flusher
-from .record import unwrap, wrap
+from .record import strip, unwrap, wrap
 from .salvage import open_db
 
 log = logging.getLogger("cacheserver")
@@ -339,8 +339,9 @@ class Store:
                 self._last_unflushed_read = time.monotonic()
         return present, late
 
-    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Values (trailer stripped, zero-copy views) or None for misses."""
+    def get_many(self, keys: Sequence[bytes], trailer: bool = True) -> list[memoryview | None]:
+        """Values (trailer stripped, zero-copy views) or None for misses. trailer=False
+        skips the xxh3 check: only for a reader that authenticates every value itself."""
         out: list[memoryview | None] = []
         bad: list[bytes] = []
         get = self._db.get
@@ -356,7 +357,7 @@ class Store:
                     bad.append(k)
                 out.append(None)
                 continue
-            value = unwrap(raw)
+            value = unwrap(raw) if trailer else strip(raw)
             if value is None:
                 bad.append(k)
             out.append(value)

@@ -56,3 +56,36 @@ def test_embedded_forked_workers_read_through_the_socket(tmp_path):
         assert os.getpid() == inproc._cores[ds.embedded.address][0]
     finally:
         ds.close()
+
+
+def test_damaged_record_of_a_vouched_value_caught_by_its_tag(tmp_path):
+    """In its own process the embedded server skips the record checksum (the reader opens
+    every value with its AES-GCM tag) and the hash of a vouched value: a record changed on
+    disk behind the server's back, with or without a matching checksum, is still caught,
+    read from the store, replaced, and vouched for again."""
+    from cacheserver import record
+
+    path, items = make(tmp_path / "ds", True)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    try:
+        db = ds.embedded.server.core.store._db
+        assert ds.__getitems__(list(range(len(items)))) == items  # fill: vouched puts
+        ident = capability.item_id(hashlib.sha256(items[1]).digest())
+        good = db.get(ident)
+        flipped = bytearray(good[:-record.TRAILER])
+        flipped[40] ^= 0x01
+        for damaged in (record.wrap(bytes(flipped)), bytes(flipped) + good[-record.TRAILER:], good[:-1]):
+            db.put(ident, damaged)  # under the store: no write the trust table sees
+            before = ds.counters.totals()
+            assert ds.__getitems__([0, 1, 2]) == items[:3]
+            after = ds.counters.totals()
+            assert {k: after[k] - before[k] for k in ("hits", "poisoned", "vouched")} == \
+                dict(hits=2, poisoned=1, vouched=2)
+            assert after["store_bytes"] - before["store_bytes"] == len(items[1])
+            assert bytes(db.get(ident)) == bytes(good)  # replaced by the sealed store read
+            before = ds.counters.totals()
+            assert ds.__getitems__([1]) == items[1:2]
+            after = ds.counters.totals()
+            assert after["vouched"] - before["vouched"] == 1 and after["poisoned"] == before["poisoned"]
+    finally:
+        ds.close()
