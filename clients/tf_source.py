@@ -13,10 +13,11 @@ epochs.make_sampler) picks each batch of indices, and CachedDataset's batched
 read path (`__getitems__`: get, decrypt, verify, claim and read misses from the
 store, insert) reads it. A Python generator yields one tf.string tensor per
 batch of `read_batch` items and `.unbatch()` splits it in C++: one Python call
-per batch, never per item. While TensorFlow consumes a batch, a reader thread
-is already reading the next ones (`read_ahead` batches), so store or cache
-latency overlaps with the pipeline's own work; `read_ahead=0` reads in
-TensorFlow's thread instead (no hand-off between threads).
+per batch, never per item. A `.prefetch(read_ahead)` of those batches runs the
+generator, and so the reads, in a thread of TensorFlow's while the pipeline
+works on the batches before: store or cache latency overlaps with the
+pipeline's work without a thread of ours to hand batches over from (which cost
+more CPU: tools/bench/tfdata); `read_ahead=0` reads in the pipeline's own thread.
 
 Each iteration of the dataset is one epoch of the sampler (a new order, new
 stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
@@ -29,9 +30,7 @@ workers instead and the dataset yields the function's outputs (tf_transform.py).
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 READ_BATCH = 64  # items per Python call (and per sampler batch)
-READ_AHEAD = 4  # batches read ahead of the one TensorFlow is taking
+READ_AHEAD = 4  # batches read ahead of the one the pipeline is taking (a prefetch of batches)
 
 
 class TFSource(EpochLog):
@@ -60,7 +59,6 @@ class TFSource(EpochLog):
         self.sampler = sampler
         self.read_ahead = max(0, read_ahead)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
-        self._pool: ThreadPoolExecutor | None = None
         self.autocache: Any = None  # clients.autocache.Autocache with a transform in another mode than source
         self.attach_coordinator(cached, sampler)
 
@@ -90,45 +88,19 @@ class TFSource(EpochLog):
                 yield from out
 
     def _batches(self, run: EpochRun) -> Iterator[np.ndarray]:
-        if not self.read_ahead:  # read in TensorFlow's thread: no hand-off between threads
-            for batch in self.sampler:
-                yield self._handed_over(run, self.cached.__getitems__(batch))
-            return
-        pending: deque[Future] = deque()
-        read = self._reader().submit
-        try:
-            for batch in self.sampler:
-                pending.append(read(self.cached.__getitems__, batch))
-                if len(pending) > self.read_ahead:
-                    yield self._handed_over(run, pending.popleft().result())
-            while pending:
-                yield self._handed_over(run, pending.popleft().result())
-        finally:  # its reads end before another epoch starts
-            for f in pending:
-                f.cancel()
-            wait(pending)
-
-    @staticmethod
-    def _handed_over(run: EpochRun, items: list[bytes]) -> np.ndarray:
-        """A batch for TensorFlow: an object array converts to a tf.string tensor in C++."""
-        run.batch()
-        out = np.empty(len(items), dtype=object)
-        out[:] = items
-        return out
-
-    def _reader(self) -> ThreadPoolExecutor:
-        # One thread: reads stay in the sampler's order (the sampler looks up what the
-        # reads before it inserted); the read path spreads its own work over threads.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlcache-tf-read")
-        return self._pool
+        """One sampler batch per call, read here, in TensorFlow's thread: a prefetch of
+        `read_ahead` batches (tf_dataset) runs this in a thread of TensorFlow's, so the
+        reads overlap with the pipeline's own work without a thread of ours (no hand-off)."""
+        for batch in self.sampler:
+            items = self.cached.__getitems__(batch)
+            run.batch()
+            out = np.empty(len(items), dtype=object)  # converts to a tf.string tensor in C++
+            out[:] = items
+            yield out
 
     def close(self) -> None:
         if self.preprocess is not None:  # stops the preprocessing workers
             self.preprocess.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
         if self.autocache is not None:
             self.autocache.close()
         self.cached.close()
@@ -219,6 +191,8 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
         return transformed_dataset(source, transform, autocache, epochs)
     if engine is None:
         batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
+        if source.read_ahead:  # reads in a thread of TensorFlow's, read_ahead batches ahead
+            batches = batches.prefetch(source.read_ahead)
         ds = batches.unbatch()
     else:
         ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
