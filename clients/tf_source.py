@@ -12,7 +12,7 @@ A second front end over the same parts as the PyTorch loader: the sampler
 epochs.make_sampler) picks each batch of indices, and CachedDataset's batched
 read path (`__getitems__`: get, decrypt, verify, claim and read misses from the
 store, insert) reads it. A Python generator yields one tf.string tensor per
-batch of `read_batch` items and `.unbatch()` splits it in C++: one Python call
+batch of `read_batch` items (tf_batches.py) and `.unbatch()` splits it in C++: one Python call
 per batch, never per item. A `.prefetch(read_ahead)` of those batches runs the
 generator, and so the reads, in a thread of TensorFlow's while the pipeline
 works on the batches before: store or cache latency overlaps with the
@@ -40,6 +40,7 @@ from .digest import Digest
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
 from . import tf_transform
+from .tf_batches import Feed, batches_dataset
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -60,6 +61,7 @@ class TFSource(EpochLog):
         self.read_ahead = max(0, read_ahead)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self.autocache: Any = None  # clients.autocache.Autocache with a transform in another mode than source
+        self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
         self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
@@ -99,6 +101,7 @@ class TFSource(EpochLog):
             yield out
 
     def close(self) -> None:
+        self.feed.close()
         if self.preprocess is not None:  # stops the preprocessing workers
             self.preprocess.close()
         if self.autocache is not None:
@@ -190,7 +193,7 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
 
         return transformed_dataset(source, transform, autocache, epochs)
     if engine is None:
-        batches = tf.data.Dataset.from_generator(source.epoch, output_signature=tf.TensorSpec([None], tf.string))
+        batches = batches_dataset(source.feed)
         if source.read_ahead:  # reads in a thread of TensorFlow's, read_ahead batches ahead
             batches = batches.prefetch(source.read_ahead)
         ds = batches.unbatch()

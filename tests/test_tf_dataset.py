@@ -136,6 +136,25 @@ def test_model_fit_two_epochs(shards, ring3):
         ds.mlcache.close()
 
 
+def test_an_abandoned_iteration_is_stopped_early_and_the_next_is_a_whole_epoch(shards, tmp_path):
+    digest, _, records = shards
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=5, read_batch=16)
+    try:
+        it = iter(ds)
+        first = [bytes(next(it).numpy()) for _ in range(20)]  # then left: its epoch is not finished
+        del it
+        got = epoch(ds)
+        assert Counter(got) == Counter(records) and got[:20] != first
+        e = ds.mlcache.epoch_stats
+        assert [(s.epoch, s.complete) for s in e] == [(0, False), (1, True)]
+        assert e[0].items < N and e[1].items == N
+        epoch(ds.take(5))
+        ds.mlcache.close()  # ends the iteration left open: recorded as stopped early
+        assert [(s.epoch, s.complete) for s in ds.mlcache.epoch_stats[2:]] == [(2, False)]
+    finally:
+        ds.mlcache.close()
+
+
 @pytest.mark.timeout(120)
 def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
     paths, _ = write_shards(str(tmp_path / "d"), 50, shards=2)
