@@ -6,11 +6,15 @@ per batch instead of from_generator's `eager_py_func` and its structure checks, 
 no `flat_map` whose inner iterator is built afresh each epoch (tools/bench/tfdata,
 docs/benchmarks.md: from_generator's first batch came 20 ms after the iterator).
 
-Each iteration of the dataset draws a new token (`Dataset.random` re-drawn per
-iteration); the first call with a new token starts a new generator (`start()`)
-and closes one left over by an iteration abandoned before its end, which then
-records its epoch as stopped early (its generator's `finally`). The generator's
-end is an empty batch, which `take_while` turns into the end of the iteration.
+Each iteration of the dataset counts its calls from 0 (`Dataset.range`); call 0
+starts a new generator (`start()`) and closes one left over by an iteration
+abandoned before its end, which then records its epoch as stopped early (its
+generator's `finally`). The generator's end is an empty batch, which
+`take_while` turns into the end of the iteration. (A token drawn per iteration
+from `Dataset.random` would do too, but deleting its iterator waited 0.1-0.3 s
+for TensorFlow's autotuning thread under load.) One iteration at a time (as
+tf_source.py says): an iterator opened while another runs starts a new epoch,
+whose batches the two would then share.
 """
 from __future__ import annotations
 
@@ -27,20 +31,20 @@ _END = np.empty(0, dtype=object)
 
 
 class Feed:
-    """The Python side: the generator of the iteration now running, by its token."""
+    """The Python side: the generator of the iteration now running."""
 
     def __init__(self, start: Callable[[], Iterator[np.ndarray]]) -> None:
         self.start = start
         self._lock = threading.Lock()  # TensorFlow may call from any of its threads
-        self._token: int | None = None
         self._gen: Iterator[np.ndarray] | None = None
 
-    def next_batch(self, token: np.int64) -> np.ndarray:
-        """The next batch of the iteration `token` (an empty one at its end)."""
+    def next_batch(self, call: np.int64) -> np.ndarray:
+        """The next batch of the iteration (`call`: its count of calls; 0 starts it),
+        an empty one at its end."""
         with self._lock:
-            if token != self._token:
+            if call == 0:
                 self._close()
-                self._token, self._gen = int(token), self.start()
+                self._gen = self.start()
             if self._gen is None:
                 return _END
             try:
@@ -67,9 +71,6 @@ def batches_dataset(feed: Feed) -> "tf.data.Dataset":
     """The dataset of feed's batches (tf.string vectors), a new generator per iteration."""
     import tensorflow as tf
 
-    # A token per iteration: the first of a random stream re-drawn at each iteration, held.
-    tokens = tf.data.Dataset.random(rerandomize_each_iteration=True).scan(
-        tf.constant(0, tf.int64), lambda held, x: (tf.where(held == 0, x | 1, held),) * 2)
-    batches = tokens.map(lambda t: tf.ensure_shape(
-        tf.numpy_function(feed.next_batch, [t], tf.string, stateful=True), [None]))
+    batches = tf.data.Dataset.range(np.iinfo(np.int64).max).map(lambda call: tf.ensure_shape(
+        tf.numpy_function(feed.next_batch, [call], tf.string, stateful=True), [None]))
     return batches.take_while(lambda b: tf.size(b) > 0)
