@@ -60,7 +60,7 @@ class TFSource(EpochLog):
         self.sampler = sampler
         self.read_ahead = max(0, read_ahead)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
-        self.autocache: Any = None  # clients.autocache.Autocache with a transform in another mode than source
+        self.autocache: Any = None  # clients.autocache.Autocache in a mode other than source (transform or map_fn)
         self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
         self.attach_coordinator(cached, sampler)
 
@@ -74,13 +74,14 @@ class TFSource(EpochLog):
             yield from (self._batches(run) if self.preprocess is None else self._mapped(run))
             complete = True
         finally:
-            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None)
+            run.finish(complete, self.preprocess.last_stats if self.preprocess is not None else None,
+                       self.autocache)
 
     def _mapped(self, run: EpochRun) -> Iterator[Any]:
         """Batches of map_fn's outputs as the workers finish them (or single outputs,
         where they cannot be stacked); the sampler learns which items each one held."""
         stacked = tf_transform.stackable(tf_transform.tf_map_step(self.preprocess).element_spec)
-        for indices, out in tf_transform.batches(self.preprocess, self.sampler):
+        for indices, out in tf_transform.batches(self.preprocess, self.sampler, self.autocache):
             run.batch(indices)
             if not indices:  # every item of it was skipped (on_error="skip"): nothing to hand over
                 continue
@@ -129,29 +130,36 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     `map_fn` (a function of TF ops on one item, or a preprocess.tf_map.TFMap) runs in
     `num_workers` preprocessing worker processes (None: adaptive, 0: in this process);
     the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`,
-    `exactly_once` are the scheduler's, docs/preprocess.md). `rank`/`world_size` give this
+    `exactly_once` are the scheduler's, docs/preprocess.md); `autocache` then decides
+    whether the outputs are kept, as for the PyTorch loader's transform. `rank`/`world_size` give this
     process its share of every epoch, as DistributedSampler (with tf.distribute:
     `input_context.input_pipeline_id` and `num_input_pipelines`).
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
     options = _check_arguments(read_batch, rank, world_size, map_fn, num_workers, dataset_kwargs)
-    if autocache != "source" and transform is None:
-        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform=")
+    if autocache != "source" and transform is None and map_fn is None:
+        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= "
+                         f"or a map_fn=")
     if transform is not None and map_fn is not None:
         raise ValueError("pass transform= (a chain of the dataset) or map_fn= (run in our workers), not both")
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
-    engine = None
+    engine = ac = None
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
                                miss_seed=miss_seed, rank=rank or 0, world_size=world_size or 1)
-        if map_fn is not None:
-            engine = tf_transform.make_engine(cached, map_fn, num_workers, seed, options)
+        if map_fn is not None:  # autocache keeps map_fn's outputs, as the PyTorch loader its transform's
+            engine, ac = tf_transform.make_engine(cached, map_fn, num_workers, seed, options, autocache, epochs)
+            if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
+                sampler.lookup = ac.lookup_codes
         source = TFSource(cached, sampler, read_ahead, engine)
+        source.autocache = ac
     except BaseException:
         if engine is not None:
             engine.close()
+        if ac is not None:
+            ac.close()
         cached.close()
         raise
     try:
@@ -188,7 +196,7 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
     in TensorFlow, or in autocache's generator in its other modes (clients/tf_autocache.py)."""
     import tensorflow as tf
 
-    if autocache != "source":
+    if autocache != "source" and engine is None:
         from .tf_autocache import transformed_dataset
 
         return transformed_dataset(source, transform, autocache, epochs)

@@ -26,22 +26,34 @@ SCHEDULER_OPTIONS = ("on_error", "cost_dir", "task_items", "exactly_once")
 
 
 def make_engine(cached: Any, map_fn: Callable[[Any], Any], num_workers: int | None, seed: int,
-                options: dict[str, Any]) -> Any:
-    """A started preprocess.Scheduler running map_fn (a TFMap, or a function to make one of)."""
+                options: dict[str, Any], autocache: str = "source", epochs: int | None = None
+                ) -> tuple[Any, Any]:
+    """A started preprocess.Scheduler running map_fn (a TFMap, or a function to make one of),
+    and its clients.autocache.Autocache (None with autocache="source"), as the PyTorch
+    loader makes them (clients/loader.py): the step's outputs are what autocache keeps,
+    keyed by the TF function's fingerprint (preprocess/tf_map.py)."""
     from preprocess.pipeline import Pipeline
     from preprocess.scheduler import Scheduler
     from preprocess.steps import step
     from preprocess.tf_map import TFMap
 
+    from .autocache import Autocache
+
     fn = map_fn if isinstance(map_fn, TFMap) else TFMap(map_fn)
+    ac = Autocache(cached, autocache, epochs) if autocache != "source" else None
     engine = Scheduler(cached, Pipeline([step(fn, name=fn.__name__, random=fn.random)]),
-                       num_workers=num_workers, job_seed=seed, **options)
+                       num_workers=num_workers, job_seed=seed, feed=ac.feed if ac is not None else None,
+                       **options)
     try:
         engine.prepare()  # profiles the step on sample items and starts the workers
+        if ac is not None:
+            ac.prepare(engine)
     except BaseException:
         engine.close()
+        if ac is not None:
+            ac.close()
         raise
-    return engine
+    return engine, ac
 
 
 def tf_map_step(engine: Any) -> Any:
@@ -64,18 +76,23 @@ def output_signature(spec: Any) -> Any:
     return tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), spec)
 
 
-def batches(engine: Any, sampler: Any) -> Iterator[tuple[list[int], Any]]:
+def batches(engine: Any, sampler: Any, ac: Any = None) -> Iterator[tuple[list[int], Any]]:
     """(indices, outputs) per batch the scheduler forms: outputs stacked per component,
-    or (not stackable) a list of single outputs."""
+    or (not stackable) a list of single outputs. `ac`: the Autocache, which starts
+    each epoch and (auto) decides once enough of the first is measured."""
     import tensorflow as tf
 
     spec = tf_map_step(engine).element_spec
     stack = stackable(spec)
+    if ac is not None:
+        ac.start_epoch(engine)
     for indices, items in engine.epoch(sampler, sampler.epoch, sampler.batch_size):
         if stack and items:
             yield indices, tf.nest.map_structure(lambda *xs: _stack(xs), *items)
         else:
             yield indices, items
+        if ac is not None:
+            ac.after_batch(engine, sampler.share.size, sampler.batch_size)
 
 
 def _stack(xs: tuple) -> np.ndarray:

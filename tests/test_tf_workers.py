@@ -243,3 +243,41 @@ def test_outputs_round_trip_through_the_transformed_item_codec(shards):
         assert back.keys() == out.keys()
         for k, v in out.items():
             assert type(back[k]) is type(v) and np.array_equal(back[k], v), k
+
+
+def test_map_fn_outputs_kept_by_autocache_hit_in_epoch_two(shards, tmp_path):
+    digest, paths, _ = shards
+    server = cacheserver(str(tmp_path / "srv"), "256MB").start()
+    ds = tf_dataset(digest, cache=server.address, seed=1, read_batch=32, map_fn=features, num_workers=0,
+                    autocache="transformed", cost_dir=str(tmp_path / "costs"))
+    try:
+        assert ds.mlcache.autocache.mode == "transformed" and ds.mlcache.autocache.key
+        e1 = as_rows(ds.as_numpy_iterator())
+        s1 = ds.mlcache.epoch_stats[-1]
+        assert s1.transformed["puts"] == N and s1.items == N
+        e2 = as_rows(ds.as_numpy_iterator())
+        s2 = ds.mlcache.epoch_stats[-1]
+        assert (s2.transformed["hits"], s2.transformed["misses"]) == (N, 0)
+        assert s2.store_bytes == 0 and s2.misses == 0  # the outputs were read, not the records
+        assert e1 == e2 == reference(paths)  # every item once, as TensorFlow maps it
+        assert "autocache transformed (fixed)" in s2.line()
+    finally:
+        ds.mlcache.close()
+        server.kill()
+
+
+def test_map_fn_with_autocache_auto_decides_in_the_first_epoch(shards, tmp_path):
+    digest, paths, _ = shards
+    server = cacheserver(str(tmp_path / "srv"), "256MB").start()
+    ds = tf_dataset(digest, cache=server.address, seed=1, read_batch=32, map_fn=features, num_workers=0,
+                    autocache="auto", epochs=3, cost_dir=str(tmp_path / "costs"))
+    try:
+        for _ in range(2):
+            assert as_rows(ds.as_numpy_iterator()) == reference(paths)
+            assert ds.mlcache.epoch_stats[-1].items == N
+        ac = ds.mlcache.autocache
+        assert ac.state == "decided" and ac.mode in ("source", "transformed", "compute"), ac.line()
+        assert f"autocache {ac.mode} (decided)" in ds.mlcache.epoch_stats[-1].line()
+    finally:
+        ds.mlcache.close()
+        server.kill()
