@@ -18,7 +18,6 @@ Items the cost memory knows to be slow (over the timeout) are taken from the
 upcoming window first and run in a worker's background thread from the start."""
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -126,18 +125,9 @@ class EpochRun:
                     self.done = True
                     self.cond.notify_all()
                 return
-            try:
-                msg = self.pool.result_q.get(timeout=TICK)
-            except queue.Empty:
-                self._recover()
-                self._control()
-                continue
-            self._handle(msg)
-            for _ in range(256):  # take what else has arrived without blocking
-                try:
-                    self._handle(self.pool.result_q.get_nowait())
-                except queue.Empty:
-                    break
+            for msg in self.pool.receive(TICK):
+                self._handle(msg)
+            self._recover()  # after the messages: what a dead worker finished before dying counts
             self._control()
 
     def _check_complete(self) -> None:

@@ -1,8 +1,8 @@
 """The worker processes: started (spawned), grown and shrunk, watched, stopped.
 
 Each worker has its own task queue, so the scheduler knows which items every
-worker holds and can hand them to another if it dies; all share one result
-queue. Shrinking sends a stop message, which a worker takes after its queued
+worker holds and can hand them to another if it dies, and its own result channel
+(channel.py), so a worker killed mid-message blocks nobody. Shrinking sends a stop message, which a worker takes after its queued
 tasks, finishing its background items first. Worker ids are reused lowest first
 (a worker's statistics row in the dataset's shared counters is its id + 1),
 except those of workers that died: a late message of theirs must not be taken
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import time
 from typing import Any
 
+from .channel import ChannelReader, channel, ready
 from .pipeline import Pipeline
 from .worker import worker_main
 
@@ -36,9 +38,9 @@ class WorkerPool:
     def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int, feed: Any = None) -> None:
         self.ctx = _context()
         self.ds, self.pipeline, self.job_seed, self.feed = ds, pipeline, job_seed, feed
-        self.result_q = self.ctx.Queue()
         self.procs: dict[int, Any] = {}
         self.queues: dict[int, Any] = {}
+        self.results: dict[int, ChannelReader] = {}
         self.stopping: set[int] = set()  # sent a stop message, not yet exited
         self.retired: set[int] = set()   # died: ids not given out again
 
@@ -61,32 +63,48 @@ class WorkerPool:
                 raise WorkerDied(f"{len(self.retired)} preprocessing workers died; not starting more")
             wid = min(free)
             q = self.ctx.Queue()
+            reader, w = channel(self.ctx)
             p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
-                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, self.result_q, self.feed))
+                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, w, self.feed))
             p.start()
-            self.procs[wid], self.queues[wid] = p, q
+            w.close()  # the worker's copy is the only write end: its death is our end of file
+            self.procs[wid], self.queues[wid], self.results[wid] = p, q, reader
         for wid in sorted(self.active(), reverse=True)[:max(0, self.size - n)]:
             self.queues[wid].put(None)
             self.stopping.add(wid)
+
+    def receive(self, timeout: float) -> list[tuple]:
+        """The messages the workers have sent, waiting at most timeout seconds for one."""
+        out: list[tuple] = []
+        for r in ready(list(self.results.values()), timeout):
+            out += r.read()
+        return out
 
     def exited(self, wid: int) -> None:
         p = self.procs.pop(wid, None)
         if p is not None:
             p.join(JOIN_SECONDS)
-            self.queues.pop(wid).close()
+            self._forget(wid)
         self.stopping.discard(wid)
 
     def dead(self) -> list[int]:
-        """Workers that died without being asked to stop (killed, crashed); forgotten."""
+        """Workers that died without being asked to stop (killed, crashed); forgotten.
+        What they sent but the scheduler has not taken is dropped with them."""
         out = []
         for wid, p in list(self.procs.items()):
             if not p.is_alive() and p.exitcode not in (0, None):
                 self.procs.pop(wid)
-                self.queues.pop(wid).close()
+                self._forget(wid)
                 self.stopping.discard(wid)
                 self.retired.add(wid)
                 out.append(wid)
         return out
+
+    def _forget(self, wid: int) -> None:
+        q = self.queues.pop(wid)
+        q.cancel_join_thread()  # a task still being fed to a dead worker must not hold up our exit
+        q.close()
+        self.results.pop(wid).close()
 
     def drain_tasks(self) -> None:
         """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""
@@ -100,15 +118,17 @@ class WorkerPool:
                     break
 
     def close(self) -> None:
+        """Stop every worker: a stop message, JOIN_SECONDS for them to finish (what they
+        still send is read and dropped, so none blocks on a full pipe), then terminate."""
         for q in self.queues.values():
             q.put(None)
+        deadline = time.monotonic() + JOIN_SECONDS
+        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+            self.receive(0.05)
         for p in self.procs.values():
-            p.join(JOIN_SECONDS)
             if p.is_alive():
                 p.terminate()
-                p.join(JOIN_SECONDS)
-        for q in self.queues.values():
-            q.close()
+            p.join(JOIN_SECONDS)
+        for wid in list(self.procs):
+            self._forget(wid)
         self.procs.clear()
-        self.queues.clear()
-        self.result_q.close()

@@ -21,6 +21,7 @@ import time
 import traceback
 from typing import Any
 
+from .channel import ChannelWriter
 from .feed import PlainFeed, run_item
 from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
@@ -32,13 +33,14 @@ NO_TARGET = object()  # the item is not a (sample, target) pair
 
 
 def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed: int,
-                task_q: Any, result_q: Any, feed: Any = None) -> None:
-    """task_q: this worker's own task queue; result_q: shared by all; feed: where items
-    come from (preprocess/feed.py; default: ds.read)."""
+                task_q: Any, results: Any, feed: Any = None) -> None:
+    """task_q: this worker's own task queue; results: the write end of its own result
+    channel (channel.py); feed: where items come from (preprocess/feed.py; default: ds.read)."""
+    out = ChannelWriter(results)
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
     bgq: queue.Queue = queue.Queue()
-    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, result_q, feed), name="slow-items",
+    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, out, feed), name="slow-items",
                           daemon=True)
     bg.start()
     with_target = pairs(ds)
@@ -56,7 +58,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         try:
             fed = feed.fetch([i for i, _ in items], epoch)
         except Exception:
-            result_q.put(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
+            out.send(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
             continue
         for (i, to_bg), f in zip(items, fed):
             x, tgt = f.item if with_target else (f.item, NO_TARGET)
@@ -65,14 +67,14 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
             if to_bg:
                 bgq.put(job)
                 continue
-            _advance(wid, pipeline, job, t_out, result_q, bgq, feed)
+            _advance(wid, pipeline, job, t_out, out, bgq, feed)
     bgq.put(None)
     bg.join()
     feed.close()
-    result_q.put(("exit", wid, None))
+    out.send(("exit", wid, None))
 
 
-def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, result_q: Any,
+def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, out: Any,
              bgq: queue.Queue | None, feed: Any) -> None:
     """Run an item's remaining steps; job = (run, index, data, target, context, next
     step, records, start time, caching point to hand it to the feed at or None, the
@@ -83,21 +85,21 @@ def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, resu
         x, pos = run_item(pipeline, feed, keep, token, x, ctx, pos, deadline, records)
     except StepError as e:
         text = "".join(traceback.format_exception(e.error))
-        result_q.put(("error", run, wid, i, e.position, e.name, text, records))
+        out.send(("error", run, wid, i, e.position, e.name, text, records))
         return
     if pos < len(pipeline.order):  # over its time: the rest runs in the background
-        result_q.put(("moved", run, wid, i))
+        out.send(("moved", run, wid, i))
         bgq.put((run, i, x, tgt, ctx, pos, records, started, keep, token))
         return
-    result_q.put(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
+    out.send(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
 
 
-def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, result_q: Any, feed: Any) -> None:
+def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any) -> None:
     while True:
         job = bgq.get()
         if job is None:
             return
-        _advance(wid, pipeline, job, None, result_q, None, feed)
+        _advance(wid, pipeline, job, None, out, None, feed)
 
 
 def _set_worker_info(wid: int, n_workers: int, seed: int, ds: Any) -> None:

@@ -1,0 +1,109 @@
+"""One-way message channels from each worker process to the scheduler.
+
+Every worker writes to a pipe of its own. A multiprocessing.Queue shared by all
+workers serialises its writers with a cross-process lock, and a worker killed
+(SIGKILL, the OOM killer) while holding it never releases it: the other workers
+then block for ever and so does the epoch. Here a killed worker can spoil only its
+own pipe, and no process waits on a lock another one holds: the writer's lock is a
+thread lock (the worker's two threads), and the reader never blocks: its end is
+non-blocking, bytes are buffered until a whole frame (8-byte length, then the
+pickle) is in, and end of file (the writer's process gone) closes the channel,
+dropping a partial last frame (its item is re-run by the scheduler)."""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+HEADER = struct.Struct("!Q")
+READ_BYTES = 1 << 20
+MAX_READS = 64  # per read(): a reader takes at most 64 MiB at a time, so one busy worker cannot starve the rest
+
+
+def _register_tensor_reducers() -> None:
+    """Tensors pass through shared memory as with torch's queues (what DataLoader does)."""
+    try:
+        import torch.multiprocessing  # noqa: F401  (registers its reducers with ForkingPickler)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+class ChannelWriter:
+    """The worker's end: send() from any of its threads; blocking writes."""
+
+    def __init__(self, conn: Connection) -> None:
+        _register_tensor_reducers()
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        data = bytes(ForkingPickler.dumps(msg))
+        view = memoryview(HEADER.pack(len(data)) + data)
+        fd = self.conn.fileno()
+        with self.lock:
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except BrokenPipeError:  # the scheduler closed its end: nothing left to work for
+                os._exit(1)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class ChannelReader:
+    """The scheduler's end: read() returns the whole messages that have arrived."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.buf, self.closed = conn, bytearray(), False
+        os.set_blocking(conn.fileno(), False)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def read(self) -> list[Any]:
+        for _ in range(MAX_READS):
+            if self.closed:
+                break
+            try:
+                chunk = os.read(self.conn.fileno(), READ_BYTES)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.closed = True
+            self.buf += chunk
+        return self._frames()
+
+    def _frames(self) -> list[Any]:
+        out, at = [], 0
+        while len(self.buf) - at >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buf, at)
+            if len(self.buf) - at - HEADER.size < n:
+                break
+            at += HEADER.size
+            out.append(ForkingPickler.loads(bytes(self.buf[at:at + n])))
+            at += n
+        del self.buf[:at]
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def channel(ctx: Any) -> tuple[ChannelReader, Connection]:
+    """A new channel: the reader for this process, the write end to hand to the worker
+    (as a process argument; close it here once the worker has started)."""
+    r, w = ctx.Pipe(duplex=False)
+    return ChannelReader(r), w
+
+
+def ready(readers: list[ChannelReader], timeout: float) -> list[ChannelReader]:
+    """Readers with bytes or end of file waiting, within timeout seconds."""
+    open_ = [r for r in readers if not r.closed]
+    if not open_:
+        time.sleep(timeout)
+        return []
+    return wait(open_, timeout)
