@@ -197,9 +197,9 @@ def _remote_mode(ds, scheduler: str, autocache: str, remote: str) -> str:
     if ds.transform is None or scheduler != "sample":
         raise ValueError("remote=: remote workers run the transform's kept steps; pass transform= and the "
                          "per-sample scheduler (docs/preprocess.md, Remote workers)")
-    from preprocess.remote.cluster import resolve
+    from preprocess.remote.cluster import check_remote
 
-    resolve(remote, ds.manager)  # a malformed address fails before any worker starts
+    check_remote(remote)  # a malformed address fails before any worker starts
     if autocache not in ("source", "transformed"):
         raise ValueError(f"remote= reads what remote workers make as transformed hits: autocache='transformed' "
                          f"(the default with remote=), not {autocache!r}")

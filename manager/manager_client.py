@@ -33,6 +33,7 @@ from cacheserver.vocab import CacheMode, Option
 
 from .policy import Batch, chunk_members, chunk_of
 from .policy.autocache import Decision, PipelineCosts, costs_to_dict
+from .policy.scaling import Measurement
 
 #: A reported mini-batch: (end, duration), (end, duration, hit_ratio) or a policy Batch.
 BatchLike = Union[tuple[float, float], tuple[float, float, Union[float, None]], Batch]
@@ -121,6 +122,16 @@ class BatchReply:
 class Ring:
     version: int
     addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WorkerCounts:
+    """The manager's answer to ScaleWorkers: where remote workers run and how many."""
+    ray_address: str | None   # None: the manager knows no Ray cluster (no cachemanager --ray)
+    remote: int
+    local: int
+    reason: str               # why the counts changed in this call ("" when they did not)
+    phase: str
 
 
 @dataclass
@@ -231,6 +242,16 @@ class ManagerClient:
         r = self._call("ReportPipeline", mpb.ReportPipelineRequest(
             job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d)))
         return Decision(r.mode, dict(r.costs), r.reason)
+
+    def scale_workers(self, job: str, policy: str, m: Measurement | None = None, remote: int = 0,
+                      local: int = 0) -> WorkerCounts:
+        """Remote preprocessing workers: without a measurement, the Ray address and the
+        counts to start with (the job's policy starts afresh); with one (a window of
+        batches), the counts to run now. ``policy``: "autoscale" or "placement"."""
+        r = self._call("ScaleWorkers", mpb.ScaleWorkersRequest(
+            job=job, policy=policy, batch_time=m.batch_time if m else 0.0, queue=m.queue if m else 0.0,
+            remote=remote, local=local))
+        return WorkerCounts(r.ray_address or None, r.remote, r.local, r.reason, r.phase)
 
     def get_ring(self) -> Ring:
         r = self._call("GetRing", mpb.GetRingRequest())

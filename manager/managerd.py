@@ -34,8 +34,11 @@ from .metrics import MANAGER_COUNTERS, gather, serve_metrics
 from .model import ManagerConfig
 from .policy import AllocConfig, BufferConfig, ProbeConfig
 from .policy.admission import AdmissionConfig
+from .policy.autoscale import AutoscaleConfig
+from .policy.placement import PlacementConfig
 from .service import ManagerService
 from .state import StateError, StateStore
+from .workers import WorkerScaling
 
 log = logging.getLogger("manager")
 SERVICE_NAME = "mlcache.v1.Manager"
@@ -56,6 +59,7 @@ class DaemonConfig:
     snapshot_every: int = 1000
     fsync: bool = True
     cluster_token_file: str | None = None  # sent to the servers: the manager's role (cacheserver/roles.py)
+    scaling: WorkerScaling = field(default_factory=WorkerScaling)  # --ray, remote workers' policies
 
 
 class ManagerDaemon:
@@ -74,7 +78,7 @@ class ManagerDaemon:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(32, thread_name_prefix="grpc"),
                                 options=[("grpc.so_reuseport", 0)])
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
-                                      decision_s=cfg.decision_s, counters=self.counters)
+                                      decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling)
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -105,7 +109,7 @@ class ManagerDaemon:
         event(log, "cachemanager started", listen=self.address, state_dir=self.cfg.state_dir,
               journal_seq=self.store.seq, replayed=self.store.replayed, servers=len(m.registry.servers),
               ring_version=m.registry.version, jobs=len(m.jobs), datasets=len(m.datasets),
-              budget=m.budget(), tls=self.cfg.tls is not None)
+              budget=m.budget(), tls=self.cfg.tls is not None, ray=self.cfg.scaling.ray_address or None)
 
     def stop(self, grace: float = 5.0) -> None:
         """Drain: refuse new calls, finish those in flight, push queued server calls, snapshot."""
@@ -162,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-config", default=None, metavar="FILE",
                    help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}, "admission": {...}} '
                         '(docs/manager-policy.md)')
+    p.add_argument("--ray", default=None, metavar="ray://HOST:PORT",
+                   help="the Ray cluster for remote preprocessing workers (its head's client server): jobs with "
+                        "remote='auto' get it, and their worker counts are decided here (docs/preprocess.md)")
     p.add_argument("--snapshot-every", type=int, default=1000, help="journal events between snapshots")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
     p.add_argument("--server-timeout", type=float, default=2.0, help="seconds per call to a cache server")
@@ -176,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if args.policy_config:
         with open(args.policy_config) as f:
             over = json.load(f)
-        unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s"}
+        unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s", "autoscale", "placement"}
         if unknown:
             raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
     for name in ("heartbeat_seconds", "decision_seconds"):
@@ -197,7 +204,16 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
         decision_s=args.decision_seconds, job_timeout_s=args.job_timeout_seconds,
         server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
-        cluster_token_file=args.cluster_token_file)
+        cluster_token_file=args.cluster_token_file,
+        scaling=_scaling(args.ray, over))
+
+
+def _scaling(ray: str | None, over: dict) -> WorkerScaling:
+    try:
+        return WorkerScaling(ray, AutoscaleConfig(**over.get("autoscale", {})),
+                             PlacementConfig(**over.get("placement", {})))
+    except ValueError as e:
+        raise ValueError(f"--ray {ray!r}: {e}" if ray and "Ray address" in str(e) else str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,9 @@ from .membership import Liveness
 from .model import ManagerModel, Rejected
 from .pipelines import PipelineRecord, pipeline_key
 from .policy import CacheMode, Option, dataset_gain
+from .policy.scaling import Measurement
 from .state import StateStore
+from .workers import WorkerScaling
 
 log = logging.getLogger("manager.service")
 HEX = frozenset("0123456789abcdef")  # lower-case: one spelling per dataset
@@ -55,8 +57,9 @@ def _mode(m: ManagerModel, job: str) -> int:
 
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
-                 counters: Counters) -> None:
+                 counters: Counters, scaling: WorkerScaling | None = None) -> None:
         self.store = store
+        self.scaling = scaling or WorkerScaling()
         self.liveness = liveness
         self.heartbeat_s = heartbeat_s
         self.decision_s = decision_s
@@ -181,6 +184,28 @@ class ManagerService(mpb_grpc.ManagerServicer):
             self.liveness.touch_job(request.job, self._now())
             rec = self.store.model.pipelines[pipeline_key(request.dataset, fp)]
             return decision_message(rec)
+
+    # ---------------------------------------------------------------- remote workers
+    @_rpc
+    def ScaleWorkers(self, request: mpb.ScaleWorkersRequest, context) -> mpb.ScaleWorkersResponse:
+        if request.batch_time < 0 or request.queue < 0:
+            raise Rejected("INVALID_ARGUMENT", f"batch_time and queue must be >= 0, got {request.batch_time}, "
+                                               f"{request.queue}")
+        with self.store.lock:
+            jobs = set(self.store.model.jobs)
+            if request.job not in jobs:
+                raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it first")
+            self.liveness.touch_job(request.job, self._now())
+        self.scaling.forget_except(jobs)
+        m = Measurement(request.batch_time, request.queue) if request.batch_time > 0 else None
+        try:
+            c = self.scaling.decide(request.job, request.policy, m, request.remote, request.local)
+        except ValueError as e:
+            raise Rejected("INVALID_ARGUMENT", str(e)) from None
+        if c.reason:
+            log.info("job %s workers: remote %d, local %d (%s)", request.job, c.remote, c.local, c.reason)
+        return mpb.ScaleWorkersResponse(ray_address=self.scaling.ray_address, remote=c.remote, local=c.local,
+                                        reason=c.reason, phase=c.phase)
 
     # ---------------------------------------------------------------- status
     @_rpc

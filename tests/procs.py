@@ -97,6 +97,20 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
 
 
 @contextlib.contextmanager
+def manager_with_server(root: str, *manager_args: str) -> Iterator[tuple[Daemon, Daemon]]:
+    """A cachemanager and one cacheserver in its ring, stopped on the way out."""
+    m = cachemanager(os.path.join(root, "mgr"), 0, *manager_args).start()
+    try:
+        srv = cacheserver(os.path.join(root, "srv"), "256MB", 0, "--manager", m.address).start()
+        try:
+            yield m, srv
+        finally:
+            srv.stop()
+    finally:
+        m.stop()
+
+
+@contextlib.contextmanager
 def endpoint_process(argv: list[str], port: int, log_path: str, timeout: float = 30.0) -> Iterator[str]:
     """Run a third-party storage endpoint (GCS emulator, moto's S3 server) on a
     loopback port; yields its base URL once it accepts connections. Its output

@@ -20,7 +20,8 @@ from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.items import item_digest  # noqa: E402
 from preprocess.remote import start  # noqa: E402
-from procs import cacheserver  # noqa: E402
+from preprocess.remote.managed import ManagedPolicy  # noqa: E402
+from procs import cacheserver, manager_with_server  # noqa: E402
 from rayhead import RayHead, disconnect  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
@@ -191,6 +192,33 @@ def test_loader_remote_option_reads_what_remote_workers_made(head, server, tmp_p
         loader.close()
         ref.close()
         ds.close()
+
+
+def test_loader_remote_auto_takes_the_cluster_and_the_counts_from_the_manager(head, tmp_path, monkeypatch):
+    """cachemanager --ray: remote='auto' finds the cluster through the manager, which
+    runs the job's autoscaling (its --policy-config) on the measurements the job sends."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = tmp_path / "policy.json"
+    cfg.write_text('{"autoscale": {"max_workers": 2, "settle": 0}}')
+    n, B = 48, 8
+    pipe = Pipeline([decode, Slow(0.0), Jitter()])
+    with manager_with_server(str(tmp_path), "--ray", head[0].address, "--policy-config", str(cfg)) as (m, _):
+        ds = CachedDataset(indexed_items(tmp_path / "ds", n), manager=m.address, job="remote-auto", transform=pipe)
+        loader = ds.loader(B, num_workers=1, seed=4, cost_dir=False, remote="auto",
+                           remote_options=dict(every=1, wait_limit=60.0, task_items=4))
+        try:
+            rw = loader.remote
+            assert rw is not None and isinstance(rw.controller.policy, ManagedPolicy)
+            assert sum(len(b) for b in loader) == n and sorted(loader.preprocess.yielded()) == list(range(n))
+            assert loader.epoch_stats[-1].transformed["hits"] == rw.pool.counts.made > 0
+            first = rw.controller.decisions[0].change
+            assert (first.remote, first.reason) == (2, "first measurement: try one more worker")  # the manager's
+            assert rw.pool.size <= 2                                                            # its max_workers
+        finally:
+            loader.close()
+            ds.close()
+    with open(m.log_path) as f:
+        assert "job remote-auto workers: remote 2, local 0" in f.read()
 
 
 def test_loader_remote_option_errors(server, tmp_path):

@@ -89,6 +89,11 @@ class ManagerStub:
                 request_serializer=cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.SerializeToString,
                 response_deserializer=cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.FromString,
                 _registered_method=True)
+        self.ScaleWorkers = channel.unary_unary(
+                '/mlcache.v1.Manager/ScaleWorkers',
+                request_serializer=cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersRequest.SerializeToString,
+                response_deserializer=cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class ManagerServicer:
@@ -161,6 +166,13 @@ class ManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleWorkers(self, request, context):
+        """The Ray address for remote workers and the job's worker counts (its scaling policy run here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +230,11 @@ def add_ManagerServicer_to_server(servicer, server):
                     servicer.ReportPipeline,
                     request_deserializer=cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.FromString,
                     response_serializer=cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.SerializeToString,
+            ),
+            'ScaleWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleWorkers,
+                    request_deserializer=cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersRequest.FromString,
+                    response_serializer=cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +534,33 @@ class Manager:
             '/mlcache.v1.Manager/ReportPipeline',
             cacheserver_dot_proto_dot_manager__pb2.ReportPipelineRequest.SerializeToString,
             cacheserver_dot_proto_dot_manager__pb2.AutocacheDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlcache.v1.Manager/ScaleWorkers',
+            cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersRequest.SerializeToString,
+            cacheserver_dot_proto_dot_manager__pb2.ScaleWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,8 +5,8 @@ port 10001 by default), not as a driver of the cluster: a driver's process is
 ended by Ray when its cluster goes, while a client only sees its calls fail,
 and the job falls back to local workers and keeps training.
 
-`remote="auto"` takes the address from RAY_ADDRESS (a ray:// one), else from the
-cache manager when it knows one (not yet: the manager has no Ray address to give).
+`remote="auto"` takes the address from the cache manager (`cachemanager --ray`),
+else from RAY_ADDRESS (a ray:// one); with neither the job runs local workers.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import os
 import socket
 import threading
 from typing import Any
+
+from manager.workers import check_ray_address
 
 GRACE_ENV = "RAY_CLIENT_RECONNECT_GRACE_PERIOD"
 DEFAULT_GRACE_S = 10  # Ray's default is 30 s of stalled calls before a lost cluster is reported
@@ -24,21 +26,27 @@ class ClusterUnavailable(RuntimeError):
     """The Ray cluster cannot be reached, or was lost; the job runs local workers."""
 
 
-def resolve(remote: str, manager_address: str | None = None) -> str:
-    """The ray:// address that `remote=` names; ValueError naming what is wrong."""
+def check_remote(remote: str) -> None:
+    """ValueError naming what is wrong with a `remote=` value."""
     if remote == "auto":
-        env = os.environ.get("RAY_ADDRESS", "")
-        if env.startswith("ray://"):
-            return env
-        why = f"RAY_ADDRESS is {env!r}" if env else "RAY_ADDRESS is not set"
-        raise ValueError(f"remote='auto' needs a Ray Client address (ray://HOST:PORT) in RAY_ADDRESS; {why}"
-                         + (f" (the cache manager {manager_address} gives none)" if manager_address else ""))
-    if not isinstance(remote, str) or not remote.startswith("ray://"):
-        raise ValueError(f"remote= takes 'ray://HOST:PORT' (the Ray head's client server) or 'auto', got {remote!r}")
-    host, _, port = remote[len("ray://"):].rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"remote={remote!r}: expected ray://HOST:PORT with a port number")
-    return remote
+        return
+    try:
+        check_ray_address(remote)
+    except ValueError as e:
+        raise ValueError(f"remote= takes 'ray://HOST:PORT' (the Ray head's client server) or 'auto': {e}") from None
+
+
+def resolve(remote: str, given: str | None = None) -> str | None:
+    """The ray:// address `remote=` names: itself; for 'auto' the one the cache manager
+    gives (`given`, from cachemanager --ray), else RAY_ADDRESS when it is a ray:// one,
+    else None (no cluster known: the job runs local workers)."""
+    check_remote(remote)
+    if remote != "auto":
+        return remote
+    if given:
+        return check_ray_address(given)
+    env = os.environ.get("RAY_ADDRESS", "")
+    return env if env.startswith("ray://") else None
 
 
 def import_ray() -> Any:

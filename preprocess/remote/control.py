@@ -1,6 +1,6 @@
 """Sizes a job's remote and local preprocessing workers with the scaling policies
-(manager/policy: Cachew's autoscaling, Pecan's AutoPlacement), decided by the job
-itself: every `every` batches the feeder's measurements (mean batch time, mean
+(manager/policy: Cachew's autoscaling, Pecan's AutoPlacement), run by the job
+itself or by the cache manager (managed.py): every `every` batches the feeder's measurements (mean batch time, mean
 ready queue) go to the policy, and its Change is carried out at once: remote
 workers are started or drained (pool.resize), local ones set through
 `set_local`, and the feeder leaves the local workers their share of each batch.
@@ -29,7 +29,7 @@ class Decision:
 @dataclass
 class Controller:
     pool: Any
-    policy: Autoscaler | Placement
+    policy: Autoscaler | Placement | Any  # or ManagedPolicy: the cache manager runs one of them
     set_local: Callable[[int], None] | None = None
     every: int = 20
     fallback_local: int = 1
@@ -48,12 +48,12 @@ class Controller:
     @property
     def remote(self) -> int:
         p = self.policy
-        return p.remote if isinstance(p, Placement) else p.workers
+        return p.workers if isinstance(p, Autoscaler) else p.remote
 
     @property
     def local(self) -> int:
         p = self.policy
-        return p.local if isinstance(p, Placement) else 0
+        return 0 if isinstance(p, Autoscaler) else p.local
 
     def local_share(self) -> float:
         r, l = (0, max(1, self.local)) if self.fell_back else (self.pool.size, self.local)

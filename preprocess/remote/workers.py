@@ -15,6 +15,7 @@ from manager.policy.placement import Placement, PlacementConfig
 from .cluster import ClusterUnavailable, connect, resolve
 from .control import Controller
 from .feeder import Feeder
+from .managed import ManagedPolicy, ask
 from .pool import RemotePool
 from .spec import make_spec
 
@@ -55,8 +56,10 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
     """Remote workers for a prepared pipeline. With a `placement` config (prices) or
     `set_local` (the local worker count), AutoPlacement sizes both kinds (the local
     count sets the share of each batch left to local workers); else Cachew's
-    autoscaling sizes the remote ones. `key`/`prefix`: see spec.make_spec."""
-    address = resolve(remote, getattr(ds, "manager", None))
+    autoscaling sizes the remote ones. Where the dataset has a cache manager, the
+    manager runs that policy (with its own configuration) and gives the Ray address
+    for remote='auto'; else the job does. `key`/`prefix`: see spec.make_spec."""
+    kind = "placement" if placement is not None or set_local is not None else "autoscale"
     if getattr(ds, "embedded", None) is not None or getattr(ds, "cache_spec", None) is None:
         raise ValueError("remote workers put their outputs into the cache ring: pass cache='host:port,...' "
                          "(servers they can reach) or a manager, not the embedded cache or cache=False")
@@ -66,15 +69,22 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
                       f"random, or it cannot be fingerprinted): nothing to run remotely; local workers only",
                       RuntimeWarning, stacklevel=3)
         return None
+    managed = ask(ds, kind)
+    address = resolve(remote, managed[1].ray_address if managed else None)
+    if address is None:
+        where = f"the cache manager {ds.manager} knows none (cachemanager --ray)" if managed else "no cache manager"
+        warnings.warn(f"remote='auto': no Ray cluster to run remote workers on ({where}, and RAY_ADDRESS names no "
+                      f"ray:// address); the job runs local workers only", RuntimeWarning, stacklevel=3)
+        return None
     try:
         ray, owned = connect(address)
     except ClusterUnavailable as e:
         warnings.warn(f"{e}; the job runs local workers only", RuntimeWarning, stacklevel=3)
         return None
     pool = RemotePool(ray, spec, cpus=cpus, owns_connection=owned)
-    policy: Autoscaler | Placement = (Placement.start_with(placement)
-                                      if placement is not None or set_local is not None
-                                      else Autoscaler.start(autoscale))
+    policy: Autoscaler | Placement | ManagedPolicy = (
+        ManagedPolicy(managed[0], ds.job, kind, managed[1]) if managed else
+        Placement.start_with(placement) if kind == "placement" else Autoscaler.start(autoscale))
     controller = Controller(pool, policy, set_local, every, fallback_local)
     feeder = Feeder(pool, window=window, task_items=task_items, wait_limit=wait_limit, on_batch=controller)
     feeder.local_share = controller.local_share()

@@ -1,0 +1,117 @@
+"""The cache manager's side of remote preprocessing workers: `cachemanager --ray`
+handed to jobs, and each job's scaling policy run in the manager (ScaleWorkers).
+Unit tests of manager/workers.py, then a real cachemanager process; the loader's
+remote='auto' without a cluster runs local workers with one warning."""
+import os
+import subprocess
+import sys
+import warnings
+
+import grpc
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from manager.manager_client import ManagerClient, ManagerError  # noqa: E402
+from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
+from manager.policy.placement import PlacementConfig  # noqa: E402
+from manager.policy.scaling import Measurement  # noqa: E402
+from manager.workers import WorkerScaling  # noqa: E402
+from procs import ROOT, cachemanager, manager_with_server  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+DATASET = "ab" * 16
+
+
+def test_a_first_call_starts_the_policy_and_measurements_drive_it():
+    s = WorkerScaling("ray://head:10001", AutoscaleConfig(settle=0))
+    assert s.ray_address == "ray://head:10001"
+    first = s.decide("j", "autoscale", None)
+    assert (first.remote, first.local, first.reason, first.phase) == (1, 0, "", "growing")
+    got = [s.decide("j", "autoscale", Measurement(bt)) for bt in (0.4, 0.2, 0.195)]
+    assert [c.remote for c in got] == [2, 3, 2]                     # Cachew: grow, then undo the useless one
+    assert got[-1].phase == "converged" and "threshold" in got[-1].reason
+    assert s.decide("j", "autoscale", None).remote == 1             # a new start: a fresh policy
+
+
+def test_placement_runs_for_remote_and_local_workers():
+    s = WorkerScaling(None, placement=PlacementConfig(settle=0))
+    first = s.decide("j", "placement", None)
+    assert s.ray_address == "" and (first.remote, first.local) == (1, 0)
+    for bt in (0.2, 0.1, 0.1):                                      # remote plateau at 2
+        c = s.decide("j", "placement", Measurement(bt))
+    c = s.decide("j", "placement", Measurement(0.1))                 # then a local worker
+    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
+
+
+def test_after_a_manager_restart_a_policy_starts_from_the_jobs_counts():
+    s = WorkerScaling(autoscale=AutoscaleConfig(settle=0))
+    c = s.decide("j", "autoscale", Measurement(0.1), remote=12, local=0)   # no policy known: it restarted
+    assert c.remote == 13 and c.phase == "growing"                  # on from 12, not from 1
+    p = WorkerScaling(placement=PlacementConfig(settle=0)).decide("j", "placement", Measurement(0.1), 3, 2)
+    assert (p.remote, p.local) == (4, 2)
+
+
+def test_forgotten_jobs_and_bad_input():
+    s = WorkerScaling()
+    s.decide("a", "autoscale", None)
+    s.decide("b", "autoscale", None)
+    s.forget_except(["b"])
+    assert set(s.jobs) == {"b"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        s.decide("a", "hpa", None)
+    for bad in ("10.0.0.1:10001", "ray://host"):
+        with pytest.raises(ValueError, match="ray://HOST:PORT"):
+            WorkerScaling(bad)
+
+
+def test_a_real_manager_gives_its_ray_address_and_runs_the_jobs_policy(tmp_path):
+    m = cachemanager(str(tmp_path / "mgr"), 0, "--ray", "ray://127.0.0.1:10001").start()
+    try:
+        with ManagerClient(m.address, timeout=10) as mc:
+            with pytest.raises(ManagerError, match="unknown job") as e:
+                mc.scale_workers("nobody", "autoscale")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            mc.register_job("job-a", DATASET, 10**6, 100)
+            first = mc.scale_workers("job-a", "autoscale")
+            assert first.ray_address == "ray://127.0.0.1:10001" and (first.remote, first.local) == (1, 0)
+            # the default settle (1) drops the measurement after each change
+            counts = [mc.scale_workers("job-a", "autoscale", Measurement(bt), 0, 0).remote
+                      for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
+            assert counts == [2, 2, 3, 3, 2]
+            with pytest.raises(ManagerError, match="policy must be one of") as e:
+                mc.scale_workers("job-a", "fixed")
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        m.stop()
+
+
+def test_manager_refuses_a_malformed_ray_address(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir",
+                        str(tmp_path / "st"), "--ray", "10.0.0.1:10001"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--ray '10.0.0.1:10001'" in r.stderr and "ray://HOST:PORT" in r.stderr
+
+
+def test_remote_auto_without_a_cluster_runs_local_workers_with_one_warning(tmp_path, monkeypatch):
+    from clients.dataset import CachedDataset
+    from preprocess import Pipeline
+    from remote_steps import Jitter, decode
+    from test_preprocess_loader import indexed_items
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    n = 24
+    with manager_with_server(str(tmp_path)) as (m, _):  # no --ray
+        ds = CachedDataset(indexed_items(tmp_path / "ds", n), manager=m.address, job="auto-local",
+                           transform=Pipeline([decode, Jitter()]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = ds.loader(8, num_workers=1, cost_dir=False, remote="auto")
+        try:
+            said = [str(w.message) for w in caught if "Ray cluster" in str(w.message)]
+            assert len(said) == 1 and "knows none (cachemanager --ray)" in said[0]
+            assert "local workers only" in said[0] and loader.remote is None
+            assert sum(len(b) for b in loader) == n and sorted(loader.preprocess.yielded()) == list(range(n))
+        finally:
+            loader.close()
+            ds.close()
