@@ -64,7 +64,10 @@ class ChannelReader:
     def fileno(self) -> int:
         return self.conn.fileno()
 
-    def read(self) -> list[Any]:
+    def read(self, decode: bool = True) -> list[Any]:
+        """The whole messages in; decode=False: their bytes, unpickled by nobody (what a
+        stopping worker still sends: a tensor in it would be fetched from a process
+        that may be gone)."""
         for _ in range(MAX_READS):
             if self.closed:
                 break
@@ -75,16 +78,17 @@ class ChannelReader:
             if not chunk:
                 self.closed = True
             self.buf += chunk
-        return self._frames()
+        return self._frames(decode)
 
-    def _frames(self) -> list[Any]:
+    def _frames(self, decode: bool) -> list[Any]:
         out, at = [], 0
         while len(self.buf) - at >= HEADER.size:
             (n,) = HEADER.unpack_from(self.buf, at)
             if len(self.buf) - at - HEADER.size < n:
                 break
             at += HEADER.size
-            out.append(ForkingPickler.loads(bytes(self.buf[at:at + n])))
+            frame = bytes(self.buf[at:at + n])
+            out.append(ForkingPickler.loads(frame) if decode else frame)
             at += n
         del self.buf[:at]
         return out

@@ -73,11 +73,11 @@ class WorkerPool:
             self.queues[wid].put(None)
             self.stopping.add(wid)
 
-    def receive(self, timeout: float) -> list[tuple]:
+    def receive(self, timeout: float, decode: bool = True) -> list[tuple]:
         """The messages the workers have sent, waiting at most timeout seconds for one."""
         out: list[tuple] = []
         for r in ready(list(self.results.values()), timeout):
-            out += r.read()
+            out += r.read(decode)
         return out
 
     def exited(self, wid: int) -> None:
@@ -119,12 +119,12 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker: a stop message, JOIN_SECONDS for them to finish (what they
-        still send is read and dropped, so none blocks on a full pipe), then terminate."""
+        still send is read and dropped undecoded, so none blocks on a full pipe), then terminate."""
         for q in self.queues.values():
             q.put(None)
         deadline = time.monotonic() + JOIN_SECONDS
         while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
-            self.receive(0.05)
+            self.receive(0.05, decode=False)
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()
