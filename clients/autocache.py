@@ -9,9 +9,15 @@ Modes (docs/preprocess.md, "Autocache"; the mechanism is clients/autofeed.py):
 
 A loader's autocache state (`state`), its transitions:
     fixed                         compute, source or transformed as asked, all run long
-    measuring -> decided          auto: the first epoch runs as source and measures; once
-                                  DECIDE_AFTER items are done, choose() picks the mode for
-                                  the rest of the run (transformed: puts start at once)
+    measuring -> decided          auto: the read path is probed when the loader is made
+                                  (before its workers start) and, with the profiled sample's
+                                  step times, gives an estimate; the first epoch then runs
+                                  as source -- also putting the outputs at the caching point
+                                  as they are made only where the estimate favours
+                                  transformed (policy keep_while_measuring) -- until
+                                  threshold() items are done; then choose() picks the mode
+                                  for the rest of the run from the steps as the workers ran
+                                  them (transformed: puts start at once)
     found                         auto: the transformed items of the sample were in the cache
                                   already (another job ran this pipeline): transformed at
                                   once, nothing measured (Cachew §4.4 does the same)
@@ -45,7 +51,7 @@ _CODES = {m: k for k, m in enumerate(MODES)}
 MAX_KEY = 128
 EPOCHS_UNKNOWN = 100  # epochs_left when the loader was not told `epochs` (Cachew ignores the fill)
 DECIDE_BATCHES = 300  # Cachew decides after 300 batches ...
-DECIDE_SHARE = 0.25   # ... here at most a quarter of the first epoch
+DECIDE_SHARE = 0.1    # ... here at most a tenth of the first epoch (the read path is probed before it)
 FOUND_SHARE = 0.9     # "found": this share of the sample's transformed items cached (not a measured part)
 
 
@@ -148,6 +154,9 @@ class Autocache:
         self.state = "measuring" if requested == "auto" else "fixed"
         self.decision: Any = None
         self.costs: Any = None  # the PipelineCosts measured (auto)
+        self.probes: dict[str, float] | None = None  # the read path probed before the workers start (auto)
+        self.estimate: Any = None  # the Decision on the probes and the sample, before the first epoch (auto)
+        self.keep = True  # measuring: put the outputs at the caching point as they are made
         self.cut, self.key, self.why_not = 0, "", ""
         self.seed: int | None = None  # the job's seed, where the steps kept draw random numbers
         self.direct = False  # no step after the caching point: hits need no worker
@@ -167,7 +176,9 @@ class Autocache:
         if self.decision is not None:
             return self.decision.reason
         if self.state == "measuring":
-            return "measuring the first epoch (running as source)"
+            est = "" if self.estimate is None else f"; estimated {self.estimate.mode}"
+            kept = ", outputs kept as made" if self.keep and self.key else ""
+            return f"measuring the first epoch (running as source{kept}{est})"
         return f"fixed by the loader's autocache={self.requested!r}" + (
             f"; nothing can be kept: {self.why_not}" if self.why_not else "")
 
@@ -185,6 +196,8 @@ class Autocache:
             raise ValueError(f"autocache='transformed' cannot keep this pipeline's items: {self.why_not}")
         if self.requested == "auto" and not self.why_not:
             self._look_for_others(engine)
+        if self.state == "measuring":
+            self._estimate(engine)
         self.refresh_plan()
         self._publish()
 
@@ -216,7 +229,7 @@ class Autocache:
         # measuring, the outputs at the point are put as they are made: if transformed is
         # chosen, the measured part of the first epoch need not be made again in the second
         self.shared.publish(self.mode, self.cut, self.key, self.seed, self.direct,
-                            keep=self.state == "measuring" and bool(self.key))
+                            keep=self.state == "measuring" and self.keep and bool(self.key))
 
     def start_epoch(self, engine: Any) -> None:
         """AutoOrder may have changed the order after the first epoch: a new key."""
@@ -238,6 +251,17 @@ class Autocache:
             self.mode, self.state = "transformed", "found"
             self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} sample items' "
                                                         f"transformed items were cached already (another job)")
+
+    def _estimate(self, engine: Any) -> None:
+        """Probe the read path (the workers not started yet) and estimate: whether the
+        measured part of the first epoch keeps its outputs."""
+        from manager.policy.autocache import keep_while_measuring
+
+        from .automeasure import estimate, probe
+
+        self.probes = probe(self, engine)
+        self.keep, self.estimate = keep_while_measuring(estimate(self, engine, len(self.ds)))
+        log.info("autocache: estimated %s before the first epoch; %s", self.estimate.mode, self.estimate.reason)
 
     def transformed(self) -> Any:
         """This process's TransformedItems under the current key."""

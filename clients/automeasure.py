@@ -1,14 +1,22 @@
 """What "auto" decides from (manager.policy.autocache.PipelineCosts), measured on this
-job's own read path at the sizes involved, once, during the first epoch:
+job's own read path at the sizes involved:
 
-- the steps' CPU seconds per item before and after the caching point: the epoch's
-  own step records so far (preprocess.stats), plus the decode before the first step;
-- the store read, the cache read of a source item and of a transformed item, per
-  item: the scheduler's sample items (16) read as a batch, as the loader reads, by
-  the same read path (store only; cache only; TransformedItems), the median of
-  REPEAT reads where a repeat costs nothing but the cache. The transformed items
+- the read path, probed once when the loader is made, after the scheduler profiled
+  its sample and before the preprocessing workers start (`probe`): a busy job
+  measures its own reads several times slower than they cost in the mode that
+  reads them (a transformed hit with no step after the caching point is read while
+  the workers idle): the store read, the cache read of a source item and of a
+  transformed item, per item: the scheduler's sample items (16) read as a batch, as
+  the loader reads, by the same read path (store only; cache only;
+  TransformedItems), the median of REPEAT cache reads (the store: once its
+  connections are open, the faster of STORE_REPEAT reads). The transformed items
   read are the sample's own outputs at the caching point, put first: real items
-  under the real key, hits later if transformed is chosen.
+  under the real key, hits later if transformed is chosen. Also the CPU to encode
+  and seal one, and to hand one back from a worker;
+- the steps' CPU seconds per item before and after the caching point: first the
+  sample's (`estimate`, which sets the mode the measured window runs in), then the
+  epoch's own step records in the workers (`measure`, at the decision), plus the
+  decode before the first step.
 Reads made here count in no epoch's statistics."""
 from __future__ import annotations
 
@@ -19,20 +27,21 @@ from collections.abc import Callable
 from typing import Any
 
 from .autofeed import raw, reader, speculative_chunk
-from .derived import seal_derived
 from .stats import SharedCounters
 
 REPEAT = 3
+STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two (a read is slowed, never sped, by others)
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
 
-def _per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT) -> float:
+def _per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT,
+              pick: Callable[[list[float]], float] = statistics.median) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) / max(1, n)
+    return pick(times) / max(1, n)
 
 
 def _quiet(v: Any) -> Any:
@@ -41,30 +50,42 @@ def _quiet(v: Any) -> Any:
 
 
 def step_seconds(pipeline: Any, stats: Any, cut: int) -> tuple[float, float]:
-    """(seconds per item of the steps before the caching point, of those after it)."""
-    per = {j: s.seconds / s.items for j, s in stats.steps.items() if s.items}
+    """(seconds per item of the steps before the caching point, of those after it),
+    from an epoch's step records."""
+    return split_steps(pipeline, {j: s.seconds / s.items for j, s in stats.steps.items() if s.items}, cut)
+
+
+def sample_step_seconds(pipeline: Any, tr: Any, cut: int) -> tuple[float, float]:
+    """step_seconds from the scheduler's profiled sample (preprocess.profile.Trace)."""
+    n = len(tr.ctxs) if tr is not None else 0
+    return split_steps(pipeline, {j: s / n for j, s in tr.seconds.items()} if n else {}, cut)
+
+
+def split_steps(pipeline: Any, per: dict[int, float], cut: int) -> tuple[float, float]:
     return (sum(per.get(j, 0.0) for j in pipeline.order[:cut]),
             sum(per.get(j, 0.0) for j in pipeline.order[cut:]))
 
 
 def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> dict[str, float]:
     """marker_bytes (mean bytes of an encoded transformed item), cache_read_marker_s
-    (seconds per item to read one back) and put_marker_s (CPU seconds per item to
-    encode and seal one), from `kept`: (source key, output at the caching point) of
-    sample items, which are put first."""
+    (seconds per item to read one back) and put_marker_s (seconds per item to encode
+    one, and to seal and put it: the put's wall time, which holds the server's write,
+    as much a burden on the cores the steps run on as the encoding), from `kept`:
+    (source key, output at the caching point) of sample items, which are put first."""
     out = {"marker_bytes": 0.0, "cache_read_marker_s": 0.0, "put_marker_s": 0.0}
     if not ac.key or not kept:
         return out
     t = ac.transformed()
     t0 = time.process_time()
     pairs = [(K, p) for K, p in ((K, t.encode(x)) for K, x in kept) if p is not None]
-    for K, p in pairs:
-        seal_derived(t.key(K), p)
-    out["put_marker_s"] = (time.process_time() - t0) / len(kept)
+    encode_s = time.process_time() - t0
     if not pairs:
+        out["put_marker_s"] = encode_s / len(kept)
         return out
     Ks = [K for K, _ in pairs]
+    t0 = time.perf_counter()
     t.put_payloads(Ks, [p for _, p in pairs], speculative_chunk(ac.ds))
+    out["put_marker_s"] = (encode_s + time.perf_counter() - t0) / len(kept)
     out["marker_bytes"] = statistics.fmean(len(p) for _, p in pairs)
     out["cache_read_marker_s"] = _per_item(lambda: t.get(Ks), len(Ks))
     return out
@@ -106,9 +127,10 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
     ds = ac.ds
     store, cached = _quiet(raw(reader(ds, cache=False))), _quiet(raw(reader(ds, cache=True)))
     try:
-        t0 = time.perf_counter()
-        data = store.read(idx)
-        out = {"store_read_s": (time.perf_counter() - t0) / max(1, len(idx)), "decode_s": 0.0,
+        data: list[Any] = []
+        store.read(idx[:1])  # opens the reader's connections: once per process, not per item
+        store_s = _per_item(lambda: data.__setitem__(slice(None), store.read(idx)), len(idx), STORE_REPEAT, min)
+        out = {"store_read_s": store_s, "decode_s": 0.0,
                "source_bytes": statistics.fmean(ds.entry(i).length for i in idx) if idx else 0.0}
         if ds.decode is not None:
             out["decode_s"] = _per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
@@ -140,12 +162,26 @@ def costs(ac: Any, reads: dict[str, float], items: int, done: int, prefix_s: flo
         put_marker_s=reads["put_marker_s"], epoch_done=min(1.0, done / max(1, items)), handoff_s=handoff_s)
 
 
+def probe(ac: Any, engine: Any) -> dict[str, float]:
+    """The read path's costs (read_costs, and handoff_s where workers run the steps),
+    taken once before the workers start."""
+    out = read_costs(ac, list(engine.sample_indices), sample_outputs(ac, engine))
+    tr = engine.sample
+    out["handoff_s"] = handoff(tr.inputs[-1]) if engine.workers > 0 and tr is not None else 0.0
+    return out
+
+
+def estimate(ac: Any, engine: Any, items: int) -> Any:
+    """PipelineCosts before the first epoch: the probes and the sample's step times."""
+    prefix_s, rest_s = sample_step_seconds(engine.pipeline, engine.sample, ac.cut)
+    return costs(ac, ac.probes, items, 0, prefix_s, rest_s, max(1, engine.workers), ac.probes["handoff_s"])
+
+
 def measure(ac: Any, engine: Any, epoch_items: int) -> Any:
-    """The PipelineCosts of the loader whose Autocache is `ac`."""
+    """The PipelineCosts of the loader whose Autocache is `ac`, `engine.last_stats.items`
+    into its first epoch: the steps as its workers ran them, the read path as probed."""
     stats = engine.last_stats
     prefix_s, rest_s = step_seconds(engine.pipeline, stats, ac.cut)
-    reads = read_costs(ac, list(engine.sample_indices), sample_outputs(ac, engine))
-    tr = engine.sample
-    moved = handoff(tr.inputs[-1]) if engine.pool is not None and tr is not None else 0.0
+    reads = ac.probes if ac.probes is not None else probe(ac, engine)
     workers = engine.pool.size if engine.pool is not None else 1
-    return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, moved)
+    return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, reads["handoff_s"])

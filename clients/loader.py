@@ -231,9 +231,12 @@ def _scheduler(ds, num_workers: int | None, seed: int, drop_last: bool, autocach
     engine = Scheduler(ds, ds.transform, num_workers=num_workers, job_seed=seed, drop_last=drop_last,
                        feed=ac.feed if ac is not None else None, **options)
     try:
-        engine.prepare()  # profiles the pipeline and starts its workers
+        # profiles the pipeline; the workers start after autocache's probes of the read path, so
+        # that their start-up does not slow what is measured
+        engine.prepare(start_workers=False)
         if ac is not None:
             ac.prepare(engine)
+        engine.start_workers()
     except BaseException:
         engine.close()
         raise

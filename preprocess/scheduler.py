@@ -58,12 +58,22 @@ class Scheduler:
         self.last_stats: PreprocessStats | None = None
 
     # ---- before the first epoch ---------------------------------------------------
-    def prepare(self) -> None:
+    def prepare(self, start_workers: bool = True) -> None:
         """Profile the pipeline on sample items (determinism check, AutoOrder, first
-        timeout), key it, open the cost memory and start the workers. The loader calls
-        it when it is made, so that the sample's reads count in no epoch."""
-        if self.sample is not None:
-            return
+        timeout), key it, open the cost memory and start the workers (start_workers=False:
+        later, by start_workers(), e.g. after measuring on a machine they do not load yet).
+        The loader calls it when it is made, so that the sample's reads count in no epoch."""
+        if self.sample is None:
+            self._profile()
+        if start_workers:
+            self.start_workers()
+
+    def start_workers(self) -> None:
+        if self.workers > 0 and self.pool is None:
+            self.pool = WorkerPool(self.ds, self.pipeline, self.job_seed, self.feed)
+            self.pool.resize(self.workers)
+
+    def _profile(self) -> None:
         ds, n = self.ds, len(self.ds)
         idx = random.Random(f"{self.job_seed}/sample").sample(range(n), min(n, self.sample_items))
         ctxs = [ItemContext(self.job_seed, -1, item_digest(ds, i)) for i in idx]
@@ -87,9 +97,6 @@ class Scheduler:
         key = self.fingerprint or "unkeyed:" + repr(self.pipeline)
         self.memory = open_memory(self.cost_dir, key)
         self.known = self.memory.load() if self.memory else {}
-        if self.workers > 0:
-            self.pool = WorkerPool(ds, self.pipeline, self.job_seed, self.feed)
-            self.pool.resize(self.workers)
 
     # ---- epochs ---------------------------------------------------------------
     def epoch(self, batches: Iterable[list[int]], epoch: int, batch_size: int

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from autocache_steps import (Scale, Slow, as_array, as_object, double_in_place, jitter, noise,  # noqa: E402
-                             pick_x, scale_two, scale_two_v2, shrink, total)
+from autocache_steps import (Scale, Slow, as_array, as_object, blow_up, double_in_place, head,  # noqa: E402
+                             jitter, noise, pick_x, scale_two, scale_two_v2, shrink, total)
 from clients.capability import PoisonedValue  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.derived import derived_id, derived_key, open_derived  # noqa: E402
@@ -207,6 +207,10 @@ def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server
     ref = CachedDataset(path, cache=False, transform=p).loader(B, num_workers=0, seed=3, cost_dir=False)
     try:
         assert loader.autocache.state == "measuring" and "measuring" in loader.autocache.reason
+        # probed before the workers started: the sample's 10 ms step favours transformed, so the
+        # measured part keeps its outputs
+        assert loader.autocache.estimate.mode == "transformed" and loader.autocache.keep
+        assert "outputs kept as made; estimated transformed" in loader.autocache.reason
         (e1, s1), = collect(loader, 1)
         ac = loader.autocache
         assert (ac.mode, ac.state) == ("transformed", "decided"), ac.reason
@@ -223,6 +227,25 @@ def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server
         for st in (s2, s3):
             assert st.transformed["hits"] == 96 and st.store_bytes == 0 and st.cache_bytes == 0
         assert [e1, e2, e3] == [e for e, _ in collect(ref, 3)]
+    finally:
+        loader.close()
+
+
+def test_auto_keeps_nothing_while_measuring_where_transformed_is_clearly_dearer(tmp_path, server):
+    # 2 MiB outputs of 4 KiB items at almost no CPU, cut down after the caching point: putting
+    # and reading them back costs far more than remaking them
+    path = make_items(tmp_path / "ds", n=96, size=4096)
+    ds = CachedDataset(path, cache=server.address, transform=Pipeline([as_array, blow_up, autocache, head]))
+    loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=3, cost_dir=False)
+    try:
+        ac = loader.autocache
+        assert ac.state == "measuring" and ac.estimate.mode != "transformed" and not ac.keep, ac.estimate.reason
+        assert "outputs kept" not in ac.reason and f"estimated {ac.estimate.mode}" in ac.reason
+        assert ac.probes["marker_bytes"] > 1 << 21 and ac.probes["cache_read_marker_s"] > 0
+        (_, s1), = collect(loader, 1)
+        assert ac.state == "decided"
+        if ac.mode != "transformed":  # nothing of epoch 1 was put (the sample's probe items aside)
+            assert s1.transformed["puts"] == 0, ac.reason
     finally:
         loader.close()
 

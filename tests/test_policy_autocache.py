@@ -6,7 +6,8 @@ import pytest
 
 from manager.policy.autocache import (MODES, Decision, PipelineCosts, costs_from_dict,
                                       costs_to_dict, decide, decision_from_dict,
-                                      decision_to_dict, item_time, merge_costs, project)
+                                      decision_to_dict, item_time, keep_while_measuring, merge_costs,
+                                      project)
 
 KIB = 1024
 
@@ -169,3 +170,36 @@ def test_handoff_to_workers_counts_where_steps_run():
     # steps after the caching point: its hits go to the workers too
     p = project(costs(prefix_s=0.0, rest_s=0.0001, cache_read_marker_s=0.0011, handoff_s=0.0013, epochs_left=1))
     assert p["transformed"] == pytest.approx(2000 * (0.0011 + 0.0013))
+
+
+def test_keep_while_measuring_only_where_transformed_is_favoured():
+    # before the first epoch: nothing cached, the whole run ahead
+    start = dict(epoch_done=0.0, source_cached=0.0, transformed_cached=0.0, epochs_left=2)
+    # CPU-heavy: transformed estimated, the measured part keeps its outputs
+    keep, d = keep_while_measuring(costs(prefix_s=0.004, marker_bytes=128 * KIB, **start))
+    assert keep and d.mode == "transformed"
+    # 8x outputs, no CPU: dearer to put and read back than to recompute -- run exactly as source
+    keep, d = keep_while_measuring(costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0025,
+                                         put_marker_s=0.002, handoff_s=0.0008, **start))
+    assert not keep and d.mode == "source" and d.costs["transformed"] > d.costs["source"] * 1.05
+    # not cacheable: never kept
+    keep, d = keep_while_measuring(costs(prefix_s=0.004, cacheable=False, why_not="random", **start))
+    assert not keep and "transformed" not in d.costs
+
+
+def test_keep_while_measuring_hedges_a_near_tie():
+    # transformed projected a little dearer than source (within HEDGE): kept, so a transformed
+    # decision on the real measurements makes nothing of the measured part again
+    from manager.policy.autocache import HEDGE
+
+    base = dict(epoch_done=0.0, source_cached=0.0, transformed_cached=0.0, epochs_left=2, prefix_s=0.0,
+                marker_bytes=128 * KIB * 2)
+    lo, hi = 0.0003, 0.01
+    for _ in range(60):  # the marker read at which transformed is HEDGE / 2 dearer than the best
+        mid = (lo + hi) / 2
+        p = project(costs(cache_read_marker_s=mid, **base))
+        lo, hi = (mid, hi) if p["transformed"] < min(p.values()) * (1 + HEDGE / 2) else (lo, mid)
+    keep, d = keep_while_measuring(costs(cache_read_marker_s=lo, **base))
+    assert keep and d.mode != "transformed"
+    keep, _ = keep_while_measuring(costs(cache_read_marker_s=lo * 3, **base))
+    assert not keep

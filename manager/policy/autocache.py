@@ -47,6 +47,7 @@ from typing import Any, Mapping, Sequence
 
 MODES = ("compute", "source", "transformed")
 TIE = 0.02
+HEDGE = 0.05  # keep_while_measuring: transformed within this of the cheapest estimate is kept
 DEFAULT_OVERLAP = 1.0
 
 
@@ -68,7 +69,8 @@ class PipelineCosts:
     room_bytes: float = math.inf      # cache bytes this dataset may hold (its budget share)
     source_cached: float = 0.0        # fraction of source items already cached at the decision
     transformed_cached: float = 0.0   # fraction of transformed items already cached
-    put_marker_s: float = 0.0         # CPU seconds per item to encode, seal and put a transformed item
+    put_marker_s: float = 0.0         # seconds per item to encode, seal and put a transformed item (the
+                                      # server's write included), taken from the cores the steps run on
     epoch_done: float = 1.0           # share of the current epoch done at the decision (its rest runs
                                       # in the chosen mode and fills what that mode caches)
     handoff_s: float = 0.0            # wall seconds per item, in the loader's process, to hand an item to a
@@ -202,6 +204,21 @@ def decide(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE)
     costs = project(c, overlap)
     mode = choose(c, costs, tie)
     return Decision(mode, costs, explain(c, costs, mode))
+
+
+def keep_while_measuring(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE
+                         ) -> tuple[bool, Decision]:
+    """Before a job's first epoch is measured, from an estimate (the read path probed,
+    the profiled sample's step times, ``epoch_done`` 0): whether the part of the epoch
+    run before the decision (as source) also puts the outputs at the caching point as
+    they are made, and the estimate's decision. It does where transformed is projected
+    within ``HEDGE`` of the cheapest: if transformed is then chosen, nothing of that
+    part is made again. Where transformed is clearly dearer (an inflated output costs
+    more to put and read back than the steps it saves), that part runs exactly as
+    source, which loses nothing when source is chosen."""
+    d = decide(c, overlap, tie)
+    keep = c.cacheable and d.costs.get("transformed", math.inf) <= min(d.costs.values()) * (1 + HEDGE)
+    return keep, d
 
 
 def merge_costs(measured: Sequence[PipelineCosts]) -> PipelineCosts:
