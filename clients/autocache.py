@@ -12,12 +12,13 @@ A loader's autocache state (`state`), its transitions:
     measuring -> decided          auto: the read path is probed when the loader is made
                                   (before its workers start) and, with the profiled sample's
                                   step times, gives an estimate; the first epoch then runs
-                                  as source -- also putting the outputs at the caching point
-                                  as they are made only where the estimate favours
-                                  transformed (policy keep_while_measuring) -- until
+                                  in the mode the estimate favours (policy measuring_mode:
+                                  transformed where it is clearly cheapest; else as source,
+                                  also putting the outputs at the caching point as they are
+                                  made where transformed is near the cheapest) until
                                   threshold() items are done; then choose() picks the mode
                                   for the rest of the run from the steps as the workers ran
-                                  them (transformed: puts start at once)
+                                  them
     found                         auto: the transformed items of the sample were in the cache
                                   already (another job ran this pipeline): transformed at
                                   once, nothing measured (Cachew §4.4 does the same)
@@ -77,7 +78,7 @@ class SharedMode:
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         # version (0: being written), mode code, caching point, has seed, seed, no step after the
-        # point, keep outputs in source mode too (auto measuring)
+        # point, auto measuring (puts speculative; source mode puts the outputs too)
         self._a = ctx.RawArray("q", 7)
         self._key = ctx.RawArray("c", MAX_KEY)
         self._version = 0
@@ -95,7 +96,8 @@ class SharedMode:
         self._a[0] = self._version
 
     def keep(self) -> bool:
-        """Source mode that also puts the outputs at the caching point (auto, measuring)."""
+        """Auto, measuring: the outputs at the caching point are put speculatively (as
+        spare entries under a manager: their set is not allocated yet), in source mode too."""
         return bool(self._a[6])
 
     def direct(self) -> bool:
@@ -156,7 +158,7 @@ class Autocache:
         self.costs: Any = None  # the PipelineCosts measured (auto)
         self.probes: dict[str, float] | None = None  # the read path probed before the workers start (auto)
         self.estimate: Any = None  # the Decision on the probes and the sample, before the first epoch (auto)
-        self.keep = True  # measuring: put the outputs at the caching point as they are made
+        self.keep = True  # measuring: put the outputs at the caching point as they are made (speculatively)
         self.cut, self.key, self.why_not = 0, "", ""
         self.seed: int | None = None  # the job's seed, where the steps kept draw random numbers
         self.direct = False  # no step after the caching point: hits need no worker
@@ -177,8 +179,8 @@ class Autocache:
             return self.decision.reason
         if self.state == "measuring":
             est = "" if self.estimate is None else f"; estimated {self.estimate.mode}"
-            kept = ", outputs kept as made" if self.keep and self.key else ""
-            return f"measuring the first epoch (running as source{kept}{est})"
+            kept = ", outputs kept as made" if self.mode == "source" and self.keep and self.key else ""
+            return f"measuring the first epoch (running as {self.mode}{kept}{est})"
         return f"fixed by the loader's autocache={self.requested!r}" + (
             f"; nothing can be kept: {self.why_not}" if self.why_not else "")
 
@@ -253,14 +255,16 @@ class Autocache:
                                                         f"transformed items were cached already (another job)")
 
     def _estimate(self, engine: Any) -> None:
-        """Probe the read path (the workers not started yet) and estimate: whether the
-        measured part of the first epoch keeps its outputs."""
-        from manager.policy.autocache import keep_while_measuring
+        """Probe the read path (the workers not started yet) and estimate: the mode the
+        measured part of the first epoch runs in, and whether it keeps its outputs."""
+        from manager.policy.autocache import measuring_mode
 
         from .automeasure import estimate, probe
 
         self.probes = probe(self, engine)
-        self.keep, self.estimate = keep_while_measuring(estimate(self, engine, len(self.ds)))
+        self.mode, self.keep, self.estimate = measuring_mode(estimate(self, engine, len(self.ds)))
+        if not self.key:
+            self.mode, self.keep = "source", False
         log.info("autocache: estimated %s before the first epoch; %s", self.estimate.mode, self.estimate.reason)
 
     def transformed(self) -> Any:
@@ -301,8 +305,8 @@ class Autocache:
         """The manager's plan of the transformed set (before each epoch, after a decision);
         the last one holds while the manager cannot be reached."""
         coord = self.ds.coordinator
-        if coord is None or self.mode != "transformed" or not self.key:
-            return
+        if coord is None or self.mode != "transformed" or not self.key or self.state == "measuring":
+            return  # measuring: the set is not allocated yet, puts are speculative (SharedMode.keep)
         try:
             self.plan.publish(coord.client.get_plan(transformed_tag(self.ds.dataset_tag, self.key), self.ds.job))
         except ManagerError as e:

@@ -207,9 +207,11 @@ class CacheFeed:
         sources = iter(st.source.read([indices[p] for p in miss]) if miss else [])
         with_target = ds.target is not None
         out = []
+        spec = self.shared.keep()  # measuring: the set has no plan yet
         for p, (i, v) in enumerate(zip(indices, got)):
             if v is None:
-                chunk = self.plan.insert_chunk(i)  # the manager's plan of the transformed set
+                # the manager's plan of the transformed set
+                chunk = speculative_chunk(ds) if spec else self.plan.insert_chunk(i)
                 out.append(Fed(next(sources), 0, None if chunk is None else cut, (t, Ks[p], chunk, p in bad)))
             else:
                 out.append(Fed((v, itemview.target_of(ds.target, ds.entry(i))) if with_target else v, cut))

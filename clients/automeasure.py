@@ -30,6 +30,7 @@ from .autofeed import raw, reader, speculative_chunk
 from .stats import SharedCounters
 
 REPEAT = 3
+MIN_STEP_ITEMS = 8  # step records of the epoch taken over the sample's
 STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two (a read is slowed, never sped, by others)
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
@@ -49,16 +50,26 @@ def _quiet(v: Any) -> Any:
     return v
 
 
-def step_seconds(pipeline: Any, stats: Any, cut: int) -> tuple[float, float]:
+def step_seconds(pipeline: Any, stats: Any, cut: int, tr: Any = None) -> tuple[float, float]:
     """(seconds per item of the steps before the caching point, of those after it),
-    from an epoch's step records."""
-    return split_steps(pipeline, {j: s.seconds / s.items for j, s in stats.steps.items() if s.items}, cut)
+    from an epoch's step records; a step with fewer than MIN_STEP_ITEMS records (the
+    sampler serves cached items first: a transformed hit runs no step before the
+    point) is taken from the profiled sample `tr` where there is one."""
+    per = sample_seconds(tr)
+    per.update({j: s.seconds / s.items for j, s in stats.steps.items()
+                if s.items and (s.items >= MIN_STEP_ITEMS or j not in per)})
+    return split_steps(pipeline, per, cut)
+
+
+def sample_seconds(tr: Any) -> dict[int, float]:
+    """Seconds per item of each step in the scheduler's profiled sample (preprocess.profile.Trace)."""
+    n = len(tr.ctxs) if tr is not None else 0
+    return {j: s / n for j, s in tr.seconds.items()} if n else {}
 
 
 def sample_step_seconds(pipeline: Any, tr: Any, cut: int) -> tuple[float, float]:
-    """step_seconds from the scheduler's profiled sample (preprocess.profile.Trace)."""
-    n = len(tr.ctxs) if tr is not None else 0
-    return split_steps(pipeline, {j: s / n for j, s in tr.seconds.items()} if n else {}, cut)
+    """step_seconds from the scheduler's profiled sample alone."""
+    return split_steps(pipeline, sample_seconds(tr), cut)
 
 
 def split_steps(pipeline: Any, per: dict[int, float], cut: int) -> tuple[float, float]:
@@ -181,7 +192,7 @@ def measure(ac: Any, engine: Any, epoch_items: int) -> Any:
     """The PipelineCosts of the loader whose Autocache is `ac`, `engine.last_stats.items`
     into its first epoch: the steps as its workers ran them, the read path as probed."""
     stats = engine.last_stats
-    prefix_s, rest_s = step_seconds(engine.pipeline, stats, ac.cut)
+    prefix_s, rest_s = step_seconds(engine.pipeline, stats, ac.cut, engine.sample)
     reads = ac.probes if ac.probes is not None else probe(ac, engine)
     workers = engine.pool.size if engine.pool is not None else 1
     return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, reads["handoff_s"])

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from manager.policy.autocache import (MODES, Decision, PipelineCosts, costs_from_dict,
+from manager.policy.autocache import (HEDGE, MODES, Decision, PipelineCosts, costs_from_dict,
                                       costs_to_dict, decide, decision_from_dict,
-                                      decision_to_dict, item_time, keep_while_measuring, merge_costs,
+                                      decision_to_dict, item_time, measuring_mode, merge_costs,
                                       project)
 
 KIB = 1024
@@ -172,34 +172,39 @@ def test_handoff_to_workers_counts_where_steps_run():
     assert p["transformed"] == pytest.approx(2000 * (0.0011 + 0.0013))
 
 
-def test_keep_while_measuring_only_where_transformed_is_favoured():
+def test_measuring_mode_follows_the_estimate():
     # before the first epoch: nothing cached, the whole run ahead
     start = dict(epoch_done=0.0, source_cached=0.0, transformed_cached=0.0, epochs_left=2)
-    # CPU-heavy: transformed estimated, the measured part keeps its outputs
-    keep, d = keep_while_measuring(costs(prefix_s=0.004, marker_bytes=128 * KIB, **start))
-    assert keep and d.mode == "transformed"
+    # CPU-heavy: transformed clearly cheapest, the measured part runs as transformed
+    mode, keep, d = measuring_mode(costs(prefix_s=0.004, marker_bytes=128 * KIB, **start))
+    assert (mode, keep, d.mode) == ("transformed", True, "transformed")
     # 8x outputs, no CPU: dearer to put and read back than to recompute -- run exactly as source
-    keep, d = keep_while_measuring(costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0025,
+    mode, keep, d = measuring_mode(costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0025,
                                          put_marker_s=0.002, handoff_s=0.0008, **start))
-    assert not keep and d.mode == "source" and d.costs["transformed"] > d.costs["source"] * 1.05
+    assert (mode, keep, d.mode) == ("source", False, "source")
+    assert d.costs["transformed"] > d.costs["source"] * (1 + HEDGE)
     # not cacheable: never kept
-    keep, d = keep_while_measuring(costs(prefix_s=0.004, cacheable=False, why_not="random", **start))
-    assert not keep and "transformed" not in d.costs
+    mode, keep, d = measuring_mode(costs(prefix_s=0.004, cacheable=False, why_not="random", **start))
+    assert (mode, keep) == ("source", False) and "transformed" not in d.costs
 
 
-def test_keep_while_measuring_hedges_a_near_tie():
-    # transformed projected a little dearer than source (within HEDGE): kept, so a transformed
-    # decision on the real measurements makes nothing of the measured part again
-    from manager.policy.autocache import HEDGE
-
+def test_measuring_mode_hedges_a_near_tie():
+    # transformed projected within HEDGE of source, either side: run as source (the source items
+    # are cached) and keep the outputs (a transformed decision makes nothing of that part again)
     base = dict(epoch_done=0.0, source_cached=0.0, transformed_cached=0.0, epochs_left=2, prefix_s=0.0,
                 marker_bytes=128 * KIB * 2)
-    lo, hi = 0.0003, 0.01
-    for _ in range(60):  # the marker read at which transformed is HEDGE / 2 dearer than the best
-        mid = (lo + hi) / 2
-        p = project(costs(cache_read_marker_s=mid, **base))
-        lo, hi = (mid, hi) if p["transformed"] < min(p.values()) * (1 + HEDGE / 2) else (lo, mid)
-    keep, d = keep_while_measuring(costs(cache_read_marker_s=lo, **base))
-    assert keep and d.mode != "transformed"
-    keep, _ = keep_while_measuring(costs(cache_read_marker_s=lo * 3, **base))
-    assert not keep
+
+    def at(ratio: float) -> float:
+        """The marker read at which transformed costs `ratio` x the cheapest other option."""
+        lo, hi = 0.0, 0.01
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            p = project(costs(cache_read_marker_s=mid, **base))
+            lo, hi = (mid, hi) if p["transformed"] < ratio * min(p["source"], p["compute"]) else (lo, mid)
+        return lo
+
+    for ratio in (1 - HEDGE / 2, 1 + HEDGE / 2):
+        mode, keep, _ = measuring_mode(costs(cache_read_marker_s=at(ratio), **base))
+        assert (mode, keep) == ("source", True), ratio
+    assert measuring_mode(costs(cache_read_marker_s=at(1 - 2 * HEDGE), **base))[:2] == ("transformed", True)
+    assert measuring_mode(costs(cache_read_marker_s=at(1 + 2 * HEDGE), **base))[:2] == ("source", False)

@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 
 MODES = ("compute", "source", "transformed")
 TIE = 0.02
-HEDGE = 0.05  # keep_while_measuring: transformed within this of the cheapest estimate is kept
+HEDGE = 0.05  # measuring_mode: an estimate's margin taken as clear
 DEFAULT_OVERLAP = 1.0
 
 
@@ -206,19 +206,27 @@ def decide(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE)
     return Decision(mode, costs, explain(c, costs, mode))
 
 
-def keep_while_measuring(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE
-                         ) -> tuple[bool, Decision]:
+def measuring_mode(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: float = TIE
+                   ) -> tuple[str, bool, Decision]:
     """Before a job's first epoch is measured, from an estimate (the read path probed,
-    the profiled sample's step times, ``epoch_done`` 0): whether the part of the epoch
-    run before the decision (as source) also puts the outputs at the caching point as
-    they are made, and the estimate's decision. It does where transformed is projected
-    within ``HEDGE`` of the cheapest: if transformed is then chosen, nothing of that
-    part is made again. Where transformed is clearly dearer (an inflated output costs
-    more to put and read back than the steps it saves), that part runs exactly as
-    source, which loses nothing when source is chosen."""
+    the profiled sample's step times, ``epoch_done`` 0): the mode the part of the
+    epoch before the decision runs in, whether it keeps the outputs at the caching
+    point as they are made, and the estimate's decision.
+
+    * transformed cheaper than every other option by ``HEDGE``: run as transformed
+      (it puts its outputs; a transformed decision then costs nothing more);
+    * transformed within ``HEDGE`` of the cheapest (a near tie): run as source, which
+      caches the source items, and keep the outputs too, so either decision makes
+      nothing of that part again;
+    * transformed clearly dearer (an inflated output costs more to put and read back
+      than the steps it saves), or not cacheable: run exactly as source, putting
+      nothing that is then not used."""
     d = decide(c, overlap, tie)
-    keep = c.cacheable and d.costs.get("transformed", math.inf) <= min(d.costs.values()) * (1 + HEDGE)
-    return keep, d
+    t = d.costs.get("transformed", math.inf) if c.cacheable else math.inf
+    others = min(v for m, v in d.costs.items() if m != "transformed")
+    if t * (1 + HEDGE) <= others:
+        return "transformed", True, d
+    return "source", t <= min(others, t) * (1 + HEDGE), d
 
 
 def merge_costs(measured: Sequence[PipelineCosts]) -> PipelineCosts:
