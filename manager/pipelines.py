@@ -4,9 +4,12 @@ and what it means for allocation.
 
 * The first report of a (dataset, pipeline) decides, with the cache room the
   dataset can have (``room``: the budget less what other datasets hold). Later
-  reports of other jobs are kept (status shows them combined) but do not flip
-  the decision: a second job with the same pipeline gets the decision already
-  made, and the cached set it implies stays put.
+  reports of other jobs are kept (status shows them combined); they change the
+  decision only where, on all the jobs' measurements, the mode in force projects
+  more than 25% dearer than another (policy ``redecide``; the reason says so):
+  a second job with the same pipeline gets the decision already made, and the
+  cached set it implies stays put unless the measurements say it is clearly
+  wrong. Jobs running already keep their mode; later ones take the new one.
 * A pipeline decided ``transformed`` becomes a dataset of its own under
   ``transformed_tag(dataset, fingerprint)`` (its items' tag on the servers),
   of ``items x marker_bytes`` bytes. Its jobs' gain moves from the source
@@ -28,7 +31,7 @@ from cacheserver.vocab import transformed_tag
 
 from .policy import JobGain
 from .policy.autocache import (PipelineCosts, costs_from_dict, costs_to_dict, decide,
-                               decision_to_dict, merge_costs)
+                               decision_from_dict, decision_to_dict, merge_costs, redecide)
 
 
 @dataclass
@@ -87,14 +90,16 @@ def check_costs(d: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float, now: float) -> bool:
-    """Record ``job``'s costs; decide if not decided yet. True when it decided now."""
+    """Record ``job``'s costs; decide if not decided yet, or decide again where the
+    measurements say the decision in force is clearly wrong. True when it decided now."""
     rec.measured[job] = check_costs(costs)
-    if rec.decision is not None:
-        return False
     c = rec.combined()
     if math.isfinite(room):
         c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
-    rec.decision = decision_to_dict(decide(c))
+    d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
+    if d is None:
+        return False
+    rec.decision = decision_to_dict(d)
     rec.decided_at, rec.room_bytes = now, (room if math.isfinite(room) else None)
     return True
 

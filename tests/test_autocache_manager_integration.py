@@ -71,8 +71,20 @@ def test_jobs_share_the_managers_decision_and_it_survives_a_restart(tmp_path):
             st2 = mc.status_dict()
         assert st2["pipelines"][0]["decision"] == p["decision"]
         assert st2["state_digest"] == st["state_digest"] or st2["journal_seq"] >= st["journal_seq"]
-        d3 = a.coordinator.autocache_decision(a.dataset_tag, FP, light)
+        d3 = a.coordinator.autocache_decision(a.dataset_tag, FP, heavy)  # job-a reports again
         assert d3 == d1
+        # job-b measures again, reading 8x outputs back at 30 ms each: on both jobs' measurements
+        # transformed is far dearer than the alternatives -- decided again, journaled, shown
+        far = costs(items=120, prefix_s=0.0, marker_bytes=8 * 128 * 1024, cache_read_marker_s=0.03)
+        d4 = b.coordinator.autocache_decision(b.dataset_tag, FP, far)
+        assert d4.mode != "transformed" and d4.reason.startswith("re-decided, was transformed")
+        r = subprocess.run([sys.executable, "-m", "manager.ctl", "status", "--manager", m.address],
+                           cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "re-decided, was transformed" in r.stdout, r.stdout + r.stderr
+        m.kill()
+        m = cachemanager(state, port).start()
+        with ManagerClient(m.address, timeout=2) as mc:
+            assert mc.status_dict()["pipelines"][0]["decision"]["reason"] == d4.reason
     finally:
         for x in (a, b):
             if x is not None:

@@ -57,6 +57,32 @@ def test_first_report_decides_and_a_second_job_gets_the_same_decision():
     assert ManagerModel.from_dict(m.to_dict()).digest() == m.digest()
 
 
+def test_a_later_job_measuring_very_differently_re_decides():
+    m, events, ev = model()
+    register(ev, "j1", 1.0)
+    register(ev, "j2", 2.0)
+    kib = 1024
+    pipeline(ev, "j1", costs(prefix_s=0.0025, marker_bytes=8 * 128 * kib, cache_read_marker_s=0.0011), 3.0)
+    rec = m.pipelines[f"{DS}/{FP}"]
+    assert rec.mode == "transformed" and rec.tag in m.datasets
+    # j2 reads the 8x outputs back at 4 ms each: on both jobs' measurements transformed projects
+    # 4x dearer than source, far past the margin: the pipeline is decided again
+    pipeline(ev, "j2", costs(prefix_s=0.0, marker_bytes=8 * 128 * kib, cache_read_marker_s=0.004), 4.0)
+    assert rec.mode == "source" and rec.decided_at == 4.0
+    assert rec.decision["reason"].startswith("re-decided, was transformed")
+    assert m.counters["autocache_decisions"] == 2
+    assert rec.tag not in m.job_gains()  # the transformed set lost its jobs: it goes idle, then away
+    # journaled: replay gives the same state
+    m2 = ManagerModel(ManagerConfig(budget=4000 * MB))
+    for e in events:
+        m2.apply(e)
+    assert m2.digest() == m.digest() and m2.pipelines[f"{DS}/{FP}"].decision == rec.decision
+    # a third report close to the combined measurements changes nothing
+    register(ev, "j3", 5.0)
+    pipeline(ev, "j3", costs(prefix_s=0.0, marker_bytes=8 * 128 * kib, cache_read_marker_s=0.003), 6.0)
+    assert rec.mode == "source" and rec.decided_at == 4.0 and m.counters["autocache_decisions"] == 2
+
+
 def test_transformed_set_is_allocated_with_its_bytes_and_benefit():
     m, _, ev = model()
     register(ev, "j1", 1.0)

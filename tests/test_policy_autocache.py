@@ -7,7 +7,7 @@ import pytest
 from manager.policy.autocache import (HEDGE, MODES, Decision, PipelineCosts, costs_from_dict,
                                       costs_to_dict, decide, decision_from_dict,
                                       decision_to_dict, item_time, measuring_mode, merge_costs,
-                                      project)
+                                      project, redecide)
 
 KIB = 1024
 
@@ -208,3 +208,22 @@ def test_measuring_mode_hedges_a_near_tie():
         assert (mode, keep) == ("source", True), ratio
     assert measuring_mode(costs(cache_read_marker_s=at(1 - 2 * HEDGE), **base))[:2] == ("transformed", True)
     assert measuring_mode(costs(cache_read_marker_s=at(1 + 2 * HEDGE), **base))[:2] == ("source", False)
+
+
+def test_redecide_only_where_the_mode_in_force_is_clearly_wrong():
+    cur = decide(costs(prefix_s=0.008))
+    assert cur.mode == "transformed"
+    assert redecide(cur, costs(prefix_s=0.008)) is None  # the same measurements: kept
+    # measured again, source now wins but transformed projects only ~17% dearer: kept
+    near = costs(prefix_s=0.0, marker_bytes=128 * KIB * 2, cache_read_marker_s=0.00035)
+    d = decide(near)
+    assert d.mode == "source" and 1.02 < d.costs["transformed"] / d.costs["source"] < 1.25
+    assert redecide(cur, near) is None
+    # 8x outputs read back at 4 ms: transformed projects 4x dearer than source: re-decided
+    far = costs(prefix_s=0.0, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.004)
+    new = redecide(cur, far)
+    assert new is not None and new.mode == "source" and new.costs == decide(far).costs
+    assert new.reason.startswith("re-decided, was transformed (") and decide(far).reason in new.reason
+    # a job found the pipeline not cacheable: transformed cannot stay, whatever the margin
+    new = redecide(cur, costs(prefix_s=0.008, cacheable=False, why_not="a random step"))
+    assert new is not None and new.mode != "transformed" and "was transformed (not cacheable now)" in new.reason

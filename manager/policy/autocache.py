@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 MODES = ("compute", "source", "transformed")
 TIE = 0.02
 HEDGE = 0.05  # measuring_mode: an estimate's margin taken as clear
+REDECIDE = 0.25  # redecide: how much dearer the mode in force must project before it is changed
 DEFAULT_OVERLAP = 1.0
 
 
@@ -227,6 +228,24 @@ def measuring_mode(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: floa
     if t * (1 + HEDGE) <= others:
         return "transformed", True, d
     return "source", t <= min(others, t) * (1 + HEDGE), d
+
+
+def redecide(current: Decision, c: PipelineCosts, margin: float = REDECIDE, overlap: float = DEFAULT_OVERLAP,
+             tie: float = TIE) -> Decision | None:
+    """A pipeline decided already, measured again (``c``: every job's measurements,
+    merge_costs): the new decision where the mode in force projects more than
+    ``margin`` dearer than the new choice (or can no longer be kept: a job found the
+    pipeline not cacheable); else None. The margin is well beyond measurement noise:
+    a changed decision leaves a cached set behind and makes another, so it is not
+    churned over a few percent. The new reason says what it replaced."""
+    new = decide(c, overlap, tie)
+    if new.mode == current.mode:
+        return None
+    old = new.costs.get(current.mode)
+    if old is not None and old <= new.costs[new.mode] * (1 + margin):
+        return None
+    was = "not cacheable now" if old is None else f"{old:.3g} s/epoch now"
+    return replace(new, reason=f"re-decided, was {current.mode} ({was}): {new.reason}")
 
 
 def merge_costs(measured: Sequence[PipelineCosts]) -> PipelineCosts:
