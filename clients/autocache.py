@@ -273,7 +273,7 @@ class Autocache:
 
     # ---- during the first epoch ------------------------------------------------
     def threshold(self, epoch_items: int, batch_size: int) -> int:
-        """Items measured before deciding: Cachew's 300 batches, at most a quarter of
+        """Items measured before deciding: Cachew's 300 batches, at most a tenth of
         the epoch, at least one batch."""
         return max(batch_size, min(DECIDE_BATCHES * batch_size, int(DECIDE_SHARE * epoch_items)))
 

@@ -27,7 +27,7 @@ point never goes to a worker.
 
 Fills are projected, not assumed: ``source_cached`` and ``transformed_cached``
 say what is cached at the decision; the rest of the current epoch (``1 -
-epoch_done``: "auto" may decide a quarter into its first epoch) and every later
+epoch_done``: "auto" decides a tenth into its first epoch) and every later
 epoch hit what is cached and put what they miss (a transformed put also pays
 ``put_marker_s`` of CPU), up to what the room holds. Costs are seconds per
 remaining epoch, fills included, so a short job does not pay for a fill it
