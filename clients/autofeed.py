@@ -26,7 +26,7 @@ from preprocess.feed import Fed
 
 from . import itemview
 from .coordination import SPARE
-from .stats import SharedCounters, worker_row
+from .stats import MAX_ROWS, SharedCounters, worker_row
 from .transformed import TransformedItems
 
 log = logging.getLogger("mlcache.autocache")
@@ -63,12 +63,32 @@ def speculative_chunk(ds: Any) -> int:
     return SPARE if ds.manager else 0
 
 
+class PutTimes:
+    """Items the put threads put and the wall seconds their puts took (seal, send, the
+    server's write and any stall of it), one row per process in shared memory: what
+    "auto" measures a transformed put by in the job itself."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self._a = multiprocessing.get_context("spawn").RawArray("q", 2 * MAX_ROWS)
+
+    def add(self, row: int, items: int, ns: int) -> None:
+        r = 2 * (row % MAX_ROWS)
+        self._a[r] += items
+        self._a[r + 1] += ns
+
+    def totals(self) -> tuple[int, float]:
+        """(items put, wall seconds)."""
+        return sum(self._a[0::2]), sum(self._a[1::2]) / 1e9
+
+
 class Putter:
     """Kept items, encoded by the caller (steps after the point may change the item in
     place), sealed and put by this process's put thread, PUT_BATCH at a time."""
 
-    def __init__(self, counters: SharedCounters, row: int) -> None:
-        self.counters, self.row = counters, row
+    def __init__(self, counters: SharedCounters, row: int, times: PutTimes | None = None) -> None:
+        self.counters, self.row, self.times = counters, row, times
         self.q: queue.Queue = queue.Queue(PUT_QUEUE)
         self.thread: threading.Thread | None = None
         self._start = threading.Lock()  # a worker's foreground and background threads both add
@@ -102,7 +122,10 @@ class Putter:
                 groups[(id(t), chunk, replace)][2].append(payload)
             for (_, chunk, replace), (t, Ks, payloads) in groups.items():
                 try:
+                    t0 = time.perf_counter_ns()
                     self.counters.add(self.row, t_puts=t.put_payloads(Ks, payloads, chunk, replace))
+                    if self.times is not None:
+                        self.times.add(self.row, len(Ks), time.perf_counter_ns() - t0)
                 except Exception as e:  # a cache: a failed put is a later miss, never an error
                     log.warning("autocache: putting %d transformed items failed: %s", len(Ks), e)
             for _ in batch:
@@ -127,12 +150,12 @@ class Putter:
 class _ProcState:
     """One process's side of the feed."""
 
-    def __init__(self, ds: Any) -> None:
+    def __init__(self, ds: Any, times: PutTimes | None = None) -> None:
         self.pid = os.getpid()
         self.row = worker_row()
         self.store = reader(ds, cache=False)
         self.source = reader(ds, cache=True)
-        self.putter = Putter(ds.counters, self.row)
+        self.putter = Putter(ds.counters, self.row, times)
         self.items: dict[tuple[str, int | None], TransformedItems] = {}
 
     def transformed(self, ds: Any, key: str, seed: int | None = None) -> TransformedItems:
@@ -168,14 +191,15 @@ class CacheFeed:
 
     def __init__(self, ds: Any, shared: Any, plan: Any) -> None:
         self.ds, self.shared, self.plan = ds, shared, plan  # plan: the transformed set's (a SharedPlan)
+        self.put_times = PutTimes()
         self._st: _ProcState | None = None
 
     def __getstate__(self) -> dict:
-        return {"ds": self.ds, "shared": self.shared, "plan": self.plan, "_st": None}
+        return {"ds": self.ds, "shared": self.shared, "plan": self.plan, "put_times": self.put_times, "_st": None}
 
     def proc(self) -> _ProcState:
         if self._st is None or self._st.pid != os.getpid():
-            self._st = _ProcState(self.ds)
+            self._st = _ProcState(self.ds, self.put_times)
         return self._st
 
     def read(self, indices: list[int]) -> list[Any]:

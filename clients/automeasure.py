@@ -16,7 +16,9 @@ job's own read path at the sizes involved:
 - the steps' CPU seconds per item before and after the caching point: first the
   sample's (`estimate`, which sets the mode the measured window runs in), then the
   epoch's own step records in the workers (`measure`, at the decision), plus the
-  decode before the first step.
+  decode before the first step; and where the measured window put outputs (at least
+  MIN_PUTS), the put's cost as the job's own put threads saw it (a sustained fill of
+  large outputs stalls the server's writes far more than the probe's few puts).
 Reads made here count in no epoch's statistics."""
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from .stats import SharedCounters
 
 REPEAT = 3
 MIN_STEP_ITEMS = 8  # step records of the epoch taken over the sample's
+MIN_PUTS = 32  # the job's own puts taken over the probe's
 STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two (a read is slowed, never sped, by others)
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
@@ -83,13 +86,14 @@ def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> dict[str, float]:
     one, and to seal and put it: the put's wall time, which holds the server's write,
     as much a burden on the cores the steps run on as the encoding), from `kept`:
     (source key, output at the caching point) of sample items, which are put first."""
-    out = {"marker_bytes": 0.0, "cache_read_marker_s": 0.0, "put_marker_s": 0.0}
+    out = {"marker_bytes": 0.0, "cache_read_marker_s": 0.0, "put_marker_s": 0.0, "encode_marker_s": 0.0}
     if not ac.key or not kept:
         return out
     t = ac.transformed()
     t0 = time.process_time()
     pairs = [(K, p) for K, p in ((K, t.encode(x)) for K, x in kept) if p is not None]
     encode_s = time.process_time() - t0
+    out["encode_marker_s"] = encode_s / len(kept)
     if not pairs:
         out["put_marker_s"] = encode_s / len(kept)
         return out
@@ -173,6 +177,14 @@ def costs(ac: Any, reads: dict[str, float], items: int, done: int, prefix_s: flo
         put_marker_s=reads["put_marker_s"], epoch_done=min(1.0, done / max(1, items)), handoff_s=handoff_s)
 
 
+def busy_factor(engine: Any, cut: int, steps_s: float) -> float:
+    """How much slower the steps ran in the workers (`steps_s` per item) than in the
+    profiled sample before they started (>= 1): the probes, taken then, are scaled by it
+    where what they time competes for the same cores."""
+    idle = sum(sample_step_seconds(engine.pipeline, engine.sample, cut))
+    return max(1.0, steps_s / idle) if idle > 0 else 1.0
+
+
 def probe(ac: Any, engine: Any) -> dict[str, float]:
     """The read path's costs (read_costs, and handoff_s where workers run the steps),
     taken once before the workers start."""
@@ -193,6 +205,11 @@ def measure(ac: Any, engine: Any, epoch_items: int) -> Any:
     into its first epoch: the steps as its workers ran them, the read path as probed."""
     stats = engine.last_stats
     prefix_s, rest_s = step_seconds(engine.pipeline, stats, ac.cut, engine.sample)
-    reads = ac.probes if ac.probes is not None else probe(ac, engine)
+    reads = dict(ac.probes) if ac.probes is not None else probe(ac, engine)
+    n, put_s = ac.feed.put_times.totals()
+    if n >= MIN_PUTS:  # the job's own puts so far: a sustained fill costs more than the probe's few
+        reads["put_marker_s"] = reads["encode_marker_s"] + put_s / n
+    elif ac.probes is not None:  # a put takes the cores the steps take: as slowed as they are now
+        reads["put_marker_s"] *= busy_factor(engine, ac.cut, prefix_s + rest_s)
     workers = engine.pool.size if engine.pool is not None else 1
     return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, reads["handoff_s"])

@@ -225,6 +225,8 @@ def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server
         t1 = s1.transformed
         assert t1["hits"] <= 16 and t1["hits"] + t1["misses"] == 96 and t1["puts"] > 0
         wait_kept(ds, loader, 96)
+        n, put_s = ac.feed.put_times.totals()  # the workers' put threads timed their puts
+        assert n > 0 and put_s > 0
         (e2, s2), (e3, s3) = collect(loader, 2)
         for st in (s2, s3):
             assert st.transformed["hits"] == 96 and st.store_bytes == 0 and st.cache_bytes == 0
