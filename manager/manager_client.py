@@ -9,6 +9,7 @@ server's message.
 
     mc = ManagerClient("manager:7000")
     info = mc.register_job("job-1", fingerprint, dataset_bytes, n_items, n_gpus=4)
+    # this client now holds the job's token (info.token; manager/jobtokens.py) and sends it
     try:
         mode = mc.report_batches("job-1", [(end, duration, hit_ratio), ...]).mode
         plan = mc.release_chunk("job-1", fingerprint, chunk)
@@ -31,6 +32,7 @@ from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
 
+from . import jobtokens
 from .policy import Batch, chunk_members, chunk_of
 from .policy.autocache import Decision, PipelineCosts, costs_to_dict
 from .policy.scaling import Measurement
@@ -110,6 +112,7 @@ class JobInfo:
     mode: str                 # "normal" | "bypass" (the servers already apply it)
     plan: Plan
     ring_version: int
+    token: str = ""           # the job's token (manager/jobtokens.py); this client sends it from now on
 
 
 @dataclass(frozen=True)
@@ -162,11 +165,25 @@ class ManagerClient:
         self.stub = mpb_grpc.ManagerStub(self.channel)
         self._cache = _Cache()
         self._jobs: dict[str, str] = {}  # dataset -> the job registered on it through this client
+        self._tokens: dict[str, str] = {}  # job -> its token (jobtokens.py), from its registration
         self._lock = threading.Lock()
 
-    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def job_token(self, job: str) -> str | None:
+        """The token this client acts as ``job`` with: the one its registration returned,
+        else the one derived from the launcher's secret (jobtokens.job_token), else None."""
+        with self._lock:
+            token = self._tokens.get(job)
+        return token if token is not None else jobtokens.job_token(job)
+
+    def set_job_token(self, job: str, token: str) -> None:
+        """Act as ``job`` with ``token`` (one another client's registration returned)."""
+        with self._lock:
+            self._tokens[job] = token
+
+    def _call(self, method: str, request: Any, timeout: float | None = None, job: str | None = None) -> Any:
+        md = jobtokens.metadata(self.job_token(job)) if job else None
         try:
-            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=md)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
@@ -185,11 +202,13 @@ class ManagerClient:
     # ---------------------------------------------------------------- jobs
     def register_job(self, job: str, dataset: str, dataset_bytes: int, n_items: int, n_gpus: int = 1) -> JobInfo:
         r = self._call("RegisterJob", mpb.RegisterJobRequest(job=job, dataset=dataset, dataset_bytes=dataset_bytes,
-                                                             n_items=n_items, n_gpus=n_gpus))
+                                                             n_items=n_items, n_gpus=n_gpus), job=job)
         plan = self._remember(Plan.from_message(r.plan), job)
         with self._lock:
             self._jobs[dataset] = job
-        return JobInfo(r.job, r.dataset, _mode_name(r.mode), plan, r.ring_version)
+            if r.token:
+                self._tokens[job] = r.token
+        return JobInfo(r.job, r.dataset, _mode_name(r.mode), plan, r.ring_version, r.token)
 
     def report_batches(self, job: str, batches: Iterable[BatchLike]) -> BatchReply:
         """``batches``: (end, duration[, hit_ratio]) tuples or policy ``Batch``es,
@@ -203,7 +222,7 @@ class ManagerClient:
             if hit is not None:
                 m.hit_ratio = float(hit)
             msgs.append(m)
-        r = self._call("ReportBatches", mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time()))
+        r = self._call("ReportBatches", mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time()), job=job)
         return BatchReply(_mode_name(r.mode), r.plan_version)
 
     def get_plan(self, dataset: str, job: str = "") -> Plan:
@@ -212,7 +231,7 @@ class ManagerClient:
 
     def release_chunk(self, job: str, dataset: str, chunk: int) -> Plan:
         """The job finished its pass over ``chunk``; returns its next plan."""
-        r = self._call("ReleaseChunk", mpb.ReleaseChunkRequest(job=job, dataset=dataset, chunk=chunk))
+        r = self._call("ReleaseChunk", mpb.ReleaseChunkRequest(job=job, dataset=dataset, chunk=chunk), job=job)
         return self._remember(Plan.from_message(r), job)
 
     def report_loaded(self, dataset: str, chunk: int, fraction: float, job: str | None = None) -> Plan:
@@ -227,8 +246,9 @@ class ManagerClient:
         return self._remember(Plan.from_message(r), job)
 
     def unregister_job(self, job: str) -> None:
-        self._call("UnregisterJob", mpb.UnregisterJobRequest(job=job))
+        self._call("UnregisterJob", mpb.UnregisterJobRequest(job=job), job=job)
         with self._lock:
+            self._tokens.pop(job, None)
             for key in [k for k in self._cache.plans if k[1] == job]:
                 del self._cache.plans[key]
             for ds in [d for d, j in self._jobs.items() if j == job]:
@@ -240,7 +260,7 @@ class ManagerClient:
         d = costs_to_dict(costs)
         d.pop("room_bytes", None)  # the manager knows the room
         r = self._call("ReportPipeline", mpb.ReportPipelineRequest(
-            job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d)))
+            job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d)), job=job)
         return Decision(r.mode, dict(r.costs), r.reason)
 
     def scale_workers(self, job: str, policy: str, m: Measurement | None = None, remote: int = 0,

@@ -11,7 +11,7 @@ the caller to carry out -- or, during replay, to drop.
 Events (dicts; ``type`` and ``now`` always present):
 
   server_join {server_id, address, capacity}   server_leave {server_id, reason}
-  job_register {job, dataset, dataset_bytes, n_items, n_gpus}
+  job_register {job, dataset, dataset_bytes, n_items, n_gpus, token_hash}
   job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
   tick {}                                      configure {config}
@@ -82,6 +82,7 @@ class JobRecord:
     n_gpus: int
     registered_at: float
     batches: int = 0
+    token_hash: str = ""  # SHA-256 of the job's token (jobtokens.py); "": from a state before tokens
 
 
 @dataclass
@@ -173,7 +174,7 @@ class ManagerModel:
         if rec is None:
             rec = self.datasets[ds] = DatasetRecord(ds, size, n)
         rec.idle_since = None
-        self.jobs[job] = JobRecord(job, ds, gpus, now)
+        self.jobs[job] = JobRecord(job, ds, gpus, now, token_hash=str(ev.get("token_hash", "")))
         out: list[Effect] = [note("job registered", job=job, dataset=ds, n_gpus=gpus)]
         out += self._transitions(self.board.add_job(job, ds, gpus, now))
         if ds in self.buffers:

@@ -16,6 +16,7 @@ from cacheserver.counters import Counters
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 
+from . import jobtokens
 from .membership import Liveness
 from .model import ManagerModel, Rejected
 from .pipelines import PipelineRecord, pipeline_key
@@ -68,6 +69,17 @@ class ManagerService(mpb_grpc.ManagerServicer):
     def _now(self) -> float:
         return self.store.clock()
 
+    def _act_as(self, job: str, context) -> None:
+        """Refuse a caller without ``job``'s token (call with the store's lock held); an
+        unknown job passes (the call then answers NOT_FOUND or does nothing)."""
+        rec = self.store.model.jobs.get(job)
+        if rec is not None and not jobtokens.matches(jobtokens.presented(context), rec.token_hash):
+            self.counters.add("job_token_refused")
+            raise Rejected("PERMISSION_DENIED",
+                           f"job {job!r} is registered with a token this caller did not send: only the job "
+                           f"acts as itself (the ranks of one job share {jobtokens.SECRET_ENV}, or torchrun's "
+                           "run id; docs/security.md)")
+
     # ---------------------------------------------------------------- servers
     def _join_if_needed(self, sid: str, address: str, capacity: int, now: float) -> None:
         if self.store.read(lambda m: m.registry.needs_join(sid, address, capacity)):
@@ -111,15 +123,19 @@ class ManagerService(mpb_grpc.ManagerServicer):
         ds = request.dataset
         if len(ds) < 8 or len(ds) > 128 or any(c not in HEX for c in ds):
             raise Rejected("INVALID_ARGUMENT", f"dataset must be a hex fingerprint (8-128 hex digits), got {ds!r}")
+        token = jobtokens.presented(context)
         with self.store.lock:
+            self._act_as(request.job, context)
+            if request.job not in self.store.model.jobs:
+                token = token or jobtokens.new_token()
             self.store.submit({"type": "job_register", "job": request.job, "dataset": request.dataset,
                                "dataset_bytes": request.dataset_bytes, "n_items": request.n_items,
-                               "n_gpus": request.n_gpus})
+                               "n_gpus": request.n_gpus, "token_hash": jobtokens.token_hash(token or "")})
             self.liveness.touch_job(request.job, self._now())
             m = self.store.model
             return mpb.JobInfo(job=request.job, dataset=request.dataset, mode=_mode(m, request.job),
                                plan=plan_message(m.plan(request.dataset, request.job)),
-                               ring_version=m.registry.version)
+                               ring_version=m.registry.version, token=token or "")
 
     @_rpc
     def ReportBatches(self, request: mpb.ReportBatchesRequest, context) -> mpb.ReportBatchesResponse:
@@ -129,6 +145,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         batches = [[b.end + shift, b.duration, b.hit_ratio if b.HasField("hit_ratio") else None]
                    for b in request.batches]
         with self.store.lock:
+            self._act_as(request.job, context)
             if batches:
                 self.store.submit({"type": "batches", "job": request.job, "batches": batches, "now": now})
             m = self.store.model
@@ -148,6 +165,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
     @_rpc
     def ReleaseChunk(self, request: mpb.ReleaseChunkRequest, context) -> mpb.Plan:
         with self.store.lock:
+            self._act_as(request.job, context)
             self.store.submit({"type": "release", "job": request.job, "dataset": request.dataset,
                                "chunk": request.chunk})
             self.liveness.touch_job(request.job, self._now())
@@ -164,7 +182,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
 
     @_rpc
     def UnregisterJob(self, request: mpb.UnregisterJobRequest, context) -> mpb.UnregisterJobResponse:
-        self.store.submit({"type": "job_unregister", "job": request.job, "reason": "unregistered by client"})
+        with self.store.lock:
+            self._act_as(request.job, context)
+            self.store.submit({"type": "job_unregister", "job": request.job, "reason": "unregistered by client"})
         self.liveness.forget_job(request.job)
         return mpb.UnregisterJobResponse()
 
@@ -179,6 +199,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
                                           always_print_fields_with_no_presence=True)
         costs["items"], costs["epochs_left"] = int(costs["items"]), int(costs["epochs_left"])
         with self.store.lock:
+            self._act_as(request.job, context)
             self.store.submit({"type": "pipeline", "job": request.job, "dataset": request.dataset,
                                "fingerprint": fp, "costs": costs, "now": self._now()})
             self.liveness.touch_job(request.job, self._now())

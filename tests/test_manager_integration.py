@@ -254,6 +254,7 @@ def test_manager_kill9_restart_restores_identical_state(cluster, snapshot_every)
         before = status(mc)
         assert _comparable(status(mc)) == _comparable(before)  # quiescent
         plan_j2 = mc.get_plan(DS_CH, "j2")
+        tokens = {job: mc.job_token(job) for job in ("j1", "j2")}
     m.proc.kill()
     m.proc.wait()
     port = int(m.address.rsplit(":", 1)[1])
@@ -267,7 +268,9 @@ def test_manager_kill9_restart_restores_identical_state(cluster, snapshot_every)
         wait_for(lambda: all(s["last_heartbeat_age"] >= 0 for s in status(mc)["servers"]),
                  what="heartbeats after the restart")
         assert ring(mc).version == int(before["ring_version"])
-        # Jobs re-attach: their next reports and releases just work.
+        # Jobs re-attach with their tokens (journaled): their next reports and releases just work.
+        for job, token in tokens.items():
+            mc.set_job_token(job, token)
         mc.report_batches("j1", [(time.time(), 0.05, None)])
         assert mc.release_chunk("j2", DS_CH, 0).chunks == (1,)
         assert mc.register_job("j1", DS_CH, 1_000_000, 100, n_gpus=2).plan.chunks == (1,)
