@@ -23,7 +23,7 @@ SERVER_COUNTERS = (
     "adopted", "local_inline", "flushes", "recovered_unflushed_dropped",
     # issue 12: salvage, disk full, bounded answers, accept errors, admission control
     "salvage_orphans_dropped", "rejected_disk_full", "get_cut_for_size", "accept_errors",
-    "busy_refused", "request_timeouts", "reply_stalls", "disk_waits",
+    "busy_refused", "request_timeouts", "reply_stalls", "disk_waits", "relocated_items", "relocated_bytes",
 )
 
 

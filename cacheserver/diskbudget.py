@@ -19,6 +19,15 @@ deletes its inputs. Left alone, LRU churn held up to 2.4x --capacity on disk
   wait (Store: at most DISK_WAIT_S, then refused as rejected_full), and a
   slice of the key space is compacted if RocksDB is not compacting by itself.
 Stores below MIN_BOUNDED keep only the logical bound.
+
+Values of BLOB_MIN bytes and more live in RocksDB's blob files, out of the LSM:
+compactions then move only their keys, where a 1 MiB value was rewritten 5-7
+times on its way down the levels (puts waited on those compactions for room;
+docs/benchmarks.md, tools/bench/diskchurn). A blob file goes once every value
+in it is deleted, so a few long-lived (hit) values can pin files full of
+evicted ones: the store then rewrites the oldest survivors (Store.relocate_oldest,
+diskadmit.py) instead of evicting more. Smaller values stay in the LSM, where a
+hit reads them without a copy (mmap).
 """
 from __future__ import annotations
 
@@ -42,6 +51,7 @@ LARGE = 32 << 30
 # Below this, RocksDB's own files and the disk reserve (2 MiB at least) are a large part
 # of the capacity, and only the logical bound applies.
 MIN_BOUNDED = 32 * MIB
+BLOB_MIN = 256 << 10  # values this large go to blob files (a 110 KB value reads ~1.6x faster from the LSM)
 log = logging.getLogger("cacheserver")
 
 
@@ -75,10 +85,26 @@ def size_lsm(opts: rocksdict.Options, capacity: int) -> None:
     opts.set_hard_pending_compaction_bytes_limit(max(capacity // 4, 128 * MIB))
 
 
+def large_values_options(capacity: int) -> rocksdict.Options:
+    """The column family of values of BLOB_MIN bytes and up: in blob files, so that
+    compactions move only their keys."""
+    opts = rocksdict.Options(raw_mode=True)
+    size_lsm(opts, capacity)
+    opts.set_enable_blob_files(True)
+    opts.set_min_blob_size(BLOB_MIN)
+    # Files of 1/64 of the store (1-256 MiB): few files (a flush costs 40-75 ms here
+    # whatever its size), few bytes pinned per survivor (diskadmit.py).
+    opts.set_blob_file_size(_clamp(capacity // 64, 1 * MIB, 256 * MIB))
+    # Memtables of 1/64 too: at the LSM's 1/128 a 1 MiB value filled one in a few puts.
+    opts.set_write_buffer_size(_clamp(capacity // 64, 1 * MIB, 64 * MIB))
+    return opts
+
+
 @dataclass(frozen=True)
 class OnDisk:
-    tables: int  # RocksDB table files (*.sst): live values, dead values, tombstones
+    tables: int  # RocksDB table and blob files (*.sst, *.blob): live values, dead values, tombstones
     other: int  # the log, MANIFEST, info logs, the disk reserve, ...
+    blobs: int = 0  # of tables, the blob files
 
     @property
     def total(self) -> int:
@@ -127,7 +153,7 @@ class DiskUse:
 
 
 def _scan(top: str) -> OnDisk:
-    tables = other = 0
+    tables = other = blobs = 0
     stack = [top]
     while stack:
         with os.scandir(stack.pop()) as it:
@@ -141,9 +167,12 @@ def _scan(top: str) -> OnDisk:
                     continue
                 if e.name.endswith(".sst"):
                     tables += n
+                elif e.name.endswith(".blob"):
+                    tables += n
+                    blobs += n
                 else:
                     other += n
-    return OnDisk(tables, other)
+    return OnDisk(tables, other, blobs)
 
 
 class Compactor:
@@ -169,19 +198,20 @@ class Compactor:
     def running(self) -> bool:
         return self._busy.locked() or bool(self._db.property_int_value("rocksdb.num-running-compactions"))
 
-    def nudge(self) -> None:
-        """Start a slice's compaction unless one, manual or RocksDB's own, is running."""
+    def nudge(self, whole: bool = False) -> None:
+        """Start a slice's compaction (``whole``: every id's, for an LSM of little more than
+        keys) unless one, manual or RocksDB's own, is running."""
         if self._stopped or self.running():
             return
         if self._busy.acquire(blocking=False):
-            threading.Thread(target=self._run, daemon=True, name="store-compact").start()
+            threading.Thread(target=self._run, args=(whole,), daemon=True, name="store-compact").start()
 
-    def _run(self) -> None:
+    def _run(self, whole: bool) -> None:
         try:
             i, n = self._next, self._slices
             self._next = (i + 1) % n
-            lo = (i * 65536 // n).to_bytes(2, "big")
-            hi = ((i + 1) * 65536 // n).to_bytes(2, "big") if i + 1 < n else None
+            lo = None if whole else (i * 65536 // n).to_bytes(2, "big")
+            hi = ((i + 1) * 65536 // n).to_bytes(2, "big") if i + 1 < n and not whole else None
             self._db.compact_range(lo, hi, self._opts)
         except Exception:  # RocksDB's errors are bare Exceptions; the next nudge retries
             log.exception("compacting the store for disk room failed")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 QUIET_S = 0.5  # flush once no value was written for this long...
 MAX_AGE_S = 5.0  # ...or once the oldest unflushed value is this old...
@@ -64,3 +64,24 @@ class Flusher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def lost_values(get: Callable[[bytes], object], entries: Iterable[tuple], mark: int) -> list[bytes]:
+    """The ids of index entries (seq, id, ...) whose value a killed process never flushed.
+
+    With durability "cache" the index entry is logged before its value is written
+    unlogged; a value is safe once a flush that started after it completed (the
+    durable mark: every sequence number below it). Only the entries from the mark
+    on are checked, a few seconds of inserts; all of them after a salvage
+    (salvage.py, mark 0), which may have dropped any value."""
+    lost = []
+    for seq, key, *_ in entries:
+        if seq < mark:
+            continue
+        try:
+            present = get(key) is not None
+        except Exception:  # RocksDB reports corruption as an exception
+            present = False
+        if not present:
+            lost.append(key)
+    return lost

@@ -21,7 +21,6 @@ with many concurrent writers.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import struct
@@ -34,12 +33,15 @@ from dataclasses import dataclass
 import rocksdict
 
 from .counters import Counters
-from .diskbudget import DISK_WAIT_S, MEASURE_EVERY_S, STUCK_S, Compactor, DiskUse, bounded, hopeless, room, size_lsm
-from .diskroom import MARGIN, DiskRoom
+from .datadir import DataDirBusy, lock_dir
+from .diskadmit import DiskAdmission
+from .diskbudget import BLOB_MIN, large_values_options, size_lsm
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import strip, unwrap, wrap
+from .rocksopts import hot_read_options, tuned_for_reads
 from .salvage import open_db
+from .storerecovery import _META, DURABLE_MARK_KEY, Recovery
 
 log = logging.getLogger("cacheserver")
 
@@ -47,14 +49,12 @@ log = logging.getLogger("cacheserver")
 # few seconds of inserts (flusher.py; they are misses afterwards, never wrong
 # data), "process" nothing acknowledged, "power" nothing, even on power loss.
 DURABILITY = ("cache", "process", "power")
-DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
-EMPTY_MEMTABLE = 1 << 16  # what an empty memtable reports (its first arena block)
-ROOM_FLUSH_WAIT_S = 60.0
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
-_META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
 Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
 UNTAGGED: Tag = ("", -1)
+__all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "Store", "Tag", "TagUsage", "hot_read_options",
+           "is_spare", "tuned_for_reads"]
 
 
 def is_spare(tag: Tag) -> bool:
@@ -63,46 +63,13 @@ def is_spare(tag: Tag) -> bool:
     return tag[1] < 0 and tag[0] != ""
 
 
-def tuned_for_reads(opts: rocksdict.Options) -> rocksdict.Options:
-    # mmap'd SST reads skip one copy per value (measured 2.0 -> 2.8 GB/s alone).
-    opts.set_allow_mmap_reads(True)
-    return opts
-
-
-def hot_read_options() -> rocksdict.ReadOptions:
-    """Read options of the hit path (2.0 -> 5+ GB/s with mmap, measured in-process).
-
-    Block checksums are skipped because every value carries its own xxh3
-    trailer (record.py) that is checked on every read; the block cache is not
-    filled because ~100 KB values only churn it, the OS page cache holds them."""
-    ro = rocksdict.ReadOptions()
-    ro.set_verify_checksums(False)
-    ro.fill_cache(False)
-    return ro
-
-
 @dataclass
 class TagUsage:
     items: int = 0
     bytes: int = 0
 
 
-class DataDirBusy(RuntimeError):
-    """Another store, in this process or another, has the data dir open."""
-
-
-def _lock_dir(path: str) -> int:
-    """Hold the data dir (flock on DIR/store.lock) for as long as the store is open."""
-    fd = os.open(os.path.join(path, "store.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DataDirBusy(f"data dir {path} is in use by another cache server") from None
-    return fd
-
-
-class Store:
+class Store(Recovery):
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
                  counters: Counters, *, durability: str = "cache", salvage: bool = False) -> None:
         if capacity <= 0:
@@ -115,11 +82,11 @@ class Store:
         self.policy = policy
         self.counters = counters
         self._lock = threading.Lock()
-        self._room_flush = threading.Lock()  # held by the one flush that keeps unflushed bytes in check
-        self._closing = False
+        self.overhead = OVERHEAD
+        self.closing = False
         self._protected: Callable[[Tag], bool] = lambda tag: False
 
-        self._dir_lock = _lock_dir(path)
+        self._dir_lock = lock_dir(path)
         try:
             self._open(path, salvage)
         except BaseException:
@@ -140,12 +107,16 @@ class Store:
         opts.set_max_log_file_size(1 << 20)
         cf_opts = rocksdict.Options(raw_mode=True)
         self.db_path = os.path.abspath(os.path.join(path, "db"))
-        self._db, repaired = open_db(self.db_path, tuned_for_reads(opts),
-                                     {"meta": cf_opts, "server": cf_opts}, salvage)
+        cfs = {"meta": cf_opts, "server": cf_opts, "large": large_values_options(self.capacity)}
+        self._db, repaired = open_db(self.db_path, tuned_for_reads(opts), cfs, salvage)
         self._db.set_read_options(hot_read_options())
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
         self._meta_cf = self._db.get_column_family_handle("meta")
+        # Values of BLOB_MIN bytes and up, in blob files (diskbudget.py); same-host followers
+        # do not open this family (a RocksDB secondary crashes reading a blob) and ask the server.
+        self._large = self._db.get_column_family("large")
+        self._large_cf = self._db.get_column_family_handle("large")
         # Index entries, deletes and server state always go through the log; values
         # skip it with durability "cache" (see DURABILITY and _recover_unflushed).
         self._wopts = rocksdict.WriteOptions()
@@ -166,82 +137,19 @@ class Store:
         self._tag_ids: dict[Tag, int] = {UNTAGGED: 0}
         self._usage: dict[int, TagUsage] = {}
         self._spare: OrderedDict[bytes, None] = OrderedDict()  # spare entries, least recent first
+        self._aged: OrderedDict[bytes, int] = OrderedDict()  # values in blob files, oldest write first
+        self.blob_bytes = 0  # their charges
         self._pending: set[bytes] = set()
         self.used = 0
         self._reserved = 0
         self._seq = 0
-        self.room = DiskRoom(path, self.capacity)
-        self.disk = DiskUse(path)
-        self._disk_bounded = bounded(self.capacity)
-        self._compactor = Compactor(self._db, self.capacity)
+        self.admit = DiskAdmission(self, path)
+        self.room = self.admit.room
         self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
             self._set_durable_mark(self._seq)  # all recovered values are in table files now
             self._flusher = Flusher(self._dirty_state, self.flush)
-
-    # ---- recovery -------------------------------------------------------
-    def _recover(self, check_all: bool = False) -> None:
-        entries = []
-        for key, meta in self._meta.items():
-            try:
-                size, seq, chunk = _META.unpack_from(meta)
-                dataset = bytes(meta[_META.size:]).decode()
-            except (struct.error, UnicodeDecodeError):
-                self._delete_keys([key])
-                self.counters.add("corrupt_dropped")
-                continue
-            entries.append((seq, key, size, (dataset, chunk)))
-        entries.sort()
-        entries = self._recover_unflushed(entries, check_all)
-        for seq, key, size, tag in entries:
-            self._index_add(key, size + OVERHEAD, self._tag_id(tag))
-            self.policy.admitted(key)
-            self._seq = max(self._seq, seq + 1)
-        self.counters.add("recovered_items", len(entries))
-        if check_all:
-            self._drop_orphans()
-        if self.used > self.capacity:  # capacity lowered since last run
-            self._evict_for(self.used - self.capacity)
-
-    def _recover_unflushed(self, entries: list, check_all: bool = False) -> list:
-        """Drop index entries whose value a killed process never flushed.
-
-        With durability "cache" the index entry is logged before its value is
-        written unlogged; a value is safe once a flush that started after it
-        completed (the durable mark: every sequence number below it). Only the
-        entries from the mark on are checked, a few seconds of inserts; all of
-        them after a salvage (salvage.py), which may have dropped any value."""
-        raw = self._server.get(DURABLE_MARK_KEY)
-        if (raw is None and not check_all) or not entries:
-            return entries
-        mark = 0 if check_all else struct.unpack("<Q", raw)[0]
-        lost = []
-        for seq, key, _, _ in entries:
-            if seq < mark:
-                continue
-            try:
-                present = self._db.get(key) is not None
-            except Exception:  # RocksDB reports corruption as an exception
-                present = False
-            if not present:
-                lost.append(key)
-        if not lost:
-            return entries
-        self._delete_keys(lost)
-        self.counters.add("recovered_unflushed_dropped", len(lost))
-        gone = set(lost)
-        return [e for e in entries if e[1] not in gone]
-
-    def _drop_orphans(self) -> None:
-        """Delete values whose index entry a salvage lost: no one could evict them."""
-        orphans = [k for k in self._db.keys() if k not in self._index]
-        for k in orphans:
-            self._db.delete(k, self._wopts)
-        self.counters.add("salvage_orphans_dropped", len(orphans))
-
-    def _set_durable_mark(self, seq: int) -> None:
-        self._server.put(DURABLE_MARK_KEY, struct.pack("<Q", seq), self._wopts)
 
     # ---- index helpers (call with the lock held, or before serving) -----
     def _tag_id(self, tag: Tag) -> int:
@@ -255,6 +163,9 @@ class Store:
         self._index[key] = (charge, tid)
         if is_spare(self._tags[tid]):
             self._spare[key] = None
+        if charge >= BLOB_MIN + OVERHEAD and key not in self._aged:
+            self._aged[key] = charge
+            self.blob_bytes += charge
         u = self._usage.setdefault(tid, TagUsage())
         u.items += 1
         u.bytes += charge
@@ -283,12 +194,15 @@ class Store:
         if self._spare:
             self._spare.pop(key, None)
         self._unflushed.pop(key, None)
+        if self._aged.pop(key, None) is not None:
+            self.blob_bytes -= charge
         return charge
 
     def _delete_keys(self, keys: Iterable[bytes]) -> None:
         wb = rocksdict.WriteBatch(raw_mode=True)
         for k in keys:
             wb.delete(k)
+            wb.delete(k, self._large_cf)
             wb.delete(k, self._meta_cf)
         self._db.write(wb, self._wopts)
 
@@ -328,15 +242,18 @@ class Store:
         return self.touch_split(keys)[0]
 
     def touch_split(self, keys: Sequence[bytes]) -> tuple[bytes, list[int]]:
-        """touch(), and the positions of present values not flushed yet: a
-        same-host follower cannot read those from the files (durability "cache")."""
+        """touch(), and the positions of present values a same-host follower cannot read
+        from the files: those not flushed yet (durability "cache") and large ones (their
+        family, in blob files, followers do not open: a RocksDB secondary crashes reading a blob)."""
         with self._lock:
             present = bytes(1 if k in self._index else 0 for k in keys)
             self._accessed([k for k, p in zip(keys, present) if p])
-            unflushed = self._unflushed
+            unflushed, aged = self._unflushed, self._aged
             late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
             if late:
                 self._last_unflushed_read = time.monotonic()
+            if aged:
+                late = sorted(set(late).union(i for i, k in enumerate(keys) if present[i] and k in aged))
         return present, late
 
     def get_many(self, keys: Sequence[bytes], trailer: bool = True) -> list[memoryview | None]:
@@ -344,10 +261,10 @@ class Store:
         skips the xxh3 check: only for a reader that authenticates every value itself."""
         out: list[memoryview | None] = []
         bad: list[bytes] = []
-        get = self._db.get
+        get, large, aged = self._db.get, self._large.get, self._aged
         for k in keys:
             try:
-                raw = get(k)
+                raw = (large(k) if k in aged else None) or get(k)  # get: a large one from before the family
             except Exception:  # RocksDB reports corruption as an exception
                 raw, bad_read = None, True
             else:
@@ -375,7 +292,7 @@ class Store:
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
         """Store values not yet present (or overwrite, with replace: a client found the stored
         value poisoned). Returns (stored, already, rejected_full); adds the ids written to written_ids."""
-        refused = self._room_for(items, tag, replace)
+        refused = self.admit.refused(items, self._new_bytes(items, replace), is_spare(tag))
         if refused is not None:
             return refused
         already = 0
@@ -432,16 +349,19 @@ class Store:
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
 
+    def _new_bytes(self, items: Sequence[tuple[bytes, bytes | memoryview]], replace: bool) -> int:
+        index = self._index  # ids already held take no room (unless overwritten)
+        return sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
+
     def _within_room(self, todo: list[tuple[bytes, bytes | memoryview, int]], tag: Tag) -> list:
         """The items (id, value, charge) that fit, evicting for them first (lock held)."""
         need = sum(c for _, _, c in todo)
         free = self.capacity - self.used - self._reserved
         if need > free:
-            self._evict_for(need - free, spare_only=is_spare(tag))
+            self.evict_for(need - free, spare_only=is_spare(tag))
             free = self.capacity - self.used - self._reserved
-        if self._disk_bounded:  # what the files on disk leave (diskbudget.py); _make_disk_room waited for it
-            free = min(free, room(self.capacity, self.disk.measure(), self._unflushed_bytes(), self.used,
-                                  self._reserved, need)[0])
+        if self.admit.bounded:  # what the files on disk leave (diskbudget.py); admit.make_room waited for it
+            free = min(free, self.admit.free(need))
         accepted = []
         for key, value, charge in todo:
             if charge <= free:
@@ -449,87 +369,52 @@ class Store:
                 free -= charge
         return accepted
 
-    def _room_for(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag,
-                  replace: bool) -> tuple[int, int, int] | None:
-        """put_many's answer when the file system has no room (_no_room); else None, once the
-        files on disk leave room within the capacity for the ids not held yet (_make_disk_room)."""
-        refused = self._no_room(items)
-        if refused is None:
-            index = self._index  # ids already held take no room (unless overwritten)
-            need = sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
-            if need:
-                self._make_disk_room(need, is_spare(tag))
-        return refused
+    # ---- for the disk admission (diskadmit.py) --------------------------
+    @property
+    def db_handle(self) -> rocksdict.Rdict:
+        return self._db
 
-    def _make_disk_room(self, need: int, spare_only: bool) -> None:
-        """Wait, at most DISK_WAIT_S, until the files on disk leave room for ``need`` bytes
-        (diskbudget.py), evicting where compacting the deletes would not free enough."""
-        start = idle_since = time.monotonic()
-        waited = False
-        while self._disk_bounded and not self._closing:
-            disk, now = self.disk.measure(), time.monotonic()
-            if hopeless(self.capacity, disk, need):
-                break
-            if self._compactor.running():
-                idle_since = now
-            with self._lock:
-                free, evict = room(self.capacity, disk, self._unflushed_bytes(), self.used, self._reserved, need,
-                                   stuck=now - idle_since >= STUCK_S)
-                if evict:
-                    self._evict_for(evict, spare_only=spare_only)
-                    idle_since = now
-            if free >= need or now - start >= DISK_WAIT_S:
-                break
-            waited = True
-            self._compactor.nudge()
-            time.sleep(MEASURE_EVERY_S)
-        if waited:
-            self.counters.add("disk_waits")
+    def value_families(self) -> tuple:
+        return self._db, self._large
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    def held(self, keys: Iterable[bytes]) -> int:
+        with self._lock:
+            return sum(1 for k in keys if k in self._index)
+
+    def relocate_oldest(self, max_bytes: int) -> int:
+        """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
+        the files they pin among evicted values go once compaction drops the old copies. Under
+        the lock, so that no eviction or replace of those ids interleaves. Returns bytes moved."""
+        wb, moved, keys = rocksdict.WriteBatch(raw_mode=True), 0, []
+        with self._lock:
+            for key, charge in self._aged.items():
+                if moved >= max_bytes:
+                    break
+                if key in self._pending:
+                    continue
+                raw = self._large.get(key)
+                if raw is not None:
+                    wb.put(key, raw, self._large_cf)
+                    keys.append(key)
+                    moved += charge
+            if keys:
+                self._db.write(wb, self._vopts)
+                for key in keys:
+                    self._aged.move_to_end(key)
+        if keys:
+            self.counters.add_many({"relocated_items": len(keys), "relocated_bytes": moved})
+        return moved
 
     def _unflushed_bytes(self) -> int:
-        return self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
-
-    def _no_room(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> tuple[int, int, int] | None:
-        """put_many's answer when the file system has no room for the batch (diskroom.py)."""
-        need = sum(len(v) + OVERHEAD for _, v in items)
-        unflushed = self._unflushed_bytes()
-        if self.room.put_problem(need, unflushed) is None:
-            self._keep_flushable(need, unflushed)
-            return None
-        with self._lock:
-            already = sum(1 for k, _ in items if k in self._index)
-        self.counters.add_many({"rejected_disk_full": len(items) - already, "put_already": already})
-        return 0, already, len(items) - already
-
-    def _keep_flushable(self, need: int, unflushed: int) -> None:
-        """Keep unflushed bytes within what the reserve can flush (diskroom.py) without
-        stalling every writer: past half the reserve one flush starts in the background
-        and puts go on; only a put that would pass the whole reserve waits for it (and
-        flushes again if that was not enough). A flush in every put's thread made all
-        writers queue behind it, each flushing in turn (puts at about 0.36x)."""
-        reserve = self.room.reserve
-        if unflushed + need <= reserve // 2 or self._closing:
-            return
-        if unflushed + need + MARGIN <= reserve:
-            if self._room_flush.acquire(blocking=False):
-                threading.Thread(target=self._flush_and_open, daemon=True, name="store-room-flush").start()
-            return
-        if not self._room_flush.acquire(timeout=ROOM_FLUSH_WAIT_S):  # closing, or a flush that hangs
-            return
-        try:
-            now = self._unflushed_bytes()
-            if now > EMPTY_MEMTABLE and now + need + MARGIN > reserve and not self._closing:
-                self.flush()
-        finally:
-            self._room_flush.release()
-
-    def _flush_and_open(self) -> None:
-        try:
-            self.flush()
-        except Exception:  # flush() records write failures itself; keep the next put able to retry
-            log.exception("flushing the store for disk room failed")
-        finally:
-            self._room_flush.release()
+        return self.admit.unflushed()
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
         """Move present entries to `tag` (lock held): index, usage and, logged, their
@@ -555,7 +440,7 @@ class Store:
         if self._vopts is self._wopts:  # one logged batch: both or neither survive a crash
             wb = rocksdict.WriteBatch(raw_mode=True)
             for (key, value, _), (_, meta) in zip(accepted, metas):
-                wb.put(key, wrap(value))
+                self._put_value(wb, key, value)
                 wb.put(key, meta, self._meta_cf)
             self._db.write(wb, self._wopts)
             return
@@ -569,7 +454,7 @@ class Store:
         self._db.write(mb, self._wopts)
         vb = rocksdict.WriteBatch(raw_mode=True)
         for key, value, _ in accepted:
-            vb.put(key, wrap(value))
+            self._put_value(vb, key, value)
         self._db.write(vb, self._vopts)
         now = time.monotonic()
         with self._lock:
@@ -578,6 +463,16 @@ class Store:
             self._last_write = now
             if self._dirty_since is None:
                 self._dirty_since = now
+
+    def _put_value(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview) -> None:
+        if len(value) >= BLOB_MIN:
+            wb.put(key, wrap(value), self._large_cf)
+        else:
+            wb.put(key, wrap(value))
+
+    def _raw(self, key: bytes) -> bytes | None:
+        """The stored record of ``key`` from either family (recovery)."""
+        return self._large.get(key) or self._db.get(key)
 
     def _dirty_state(self) -> tuple[float | None, float, float]:
         with self._lock:
@@ -592,6 +487,7 @@ class Store:
         self.room.before_flush(self._unflushed_bytes())
         try:
             self._db.flush()
+            self._large.flush()
             self._meta.flush()
             self._server.flush()
         except Exception as e:  # RocksDB's errors are bare Exceptions; it stays read-only now
@@ -603,7 +499,7 @@ class Store:
                 self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
 
-    def _evict_for(self, need: int, spare_only: bool = False) -> int:
+    def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
         used first, whatever the policy; then, unless spare_only, the fallback policy."""
         freed, victims, spare = 0, [], self._spare
@@ -647,7 +543,7 @@ class Store:
         hold at least `min_bytes`. A follower that opens replays the live log
         (~3 ms/MB measured) and so does every other one; one flush (~2 ms/MB)
         makes each open ~5 ms instead. Returns whether it flushed."""
-        if self._db.property_int_value("rocksdb.cur-size-all-mem-tables") < min_bytes:
+        if self._unflushed_bytes() < min_bytes:
             return False
         self.flush()
         return True
@@ -661,15 +557,14 @@ class Store:
     def close(self) -> None:
         if self._flusher is not None:
             self._flusher.stop()
-        self._closing = True
-        self._compactor.stop()
-        self._room_flush.acquire()  # kept: a background flush (_keep_flushable) ends first, none starts later
+        self.closing = True
+        self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
         self.flush()
         try:
             # Column-family views share the DB handle; drop them so the lock is released.
-            self._meta.close()
-            self._server.close()
-            del self._meta, self._server, self._meta_cf
+            for cf in (self._meta, self._server, self._large):
+                cf.close()
+            del self._meta, self._server, self._large, self._meta_cf, self._large_cf
             self._db.close()
         except Exception as e:  # a store that failed a write fails its close the same way
             if self.room.state != "failed":

@@ -108,3 +108,43 @@ def test_putting_held_ids_again_evicts_nothing_when_full(tmp_path):
         assert time.monotonic() - t0 < 1.0
     finally:
         s.close()
+
+
+def test_large_values_with_hits_keep_disk_bounded_and_the_cache_full(tmp_path):
+    """Values from diskbudget.BLOB_MIN up live in blob files, which go only once every value in
+    them is deleted: hits that keep a fifth of the items alive would pin files full of evicted
+    ones (the cache shrank to a third of --capacity), unless the store rewrites the oldest
+    survivors (Store.relocate_oldest)."""
+    from cacheserver.diskbudget import BLOB_MIN
+    capacity, item = 128 << 20, BLOB_MIN
+    data = str(tmp_path / "d")
+    s = cacheserver(data, str(capacity), 0, "--unix-socket", "off").start()
+    sampler = DuSampler(data)
+    sampler.start()
+    try:
+        rng = np.random.default_rng(5)
+        pool = [rng.bytes(item) for _ in range(8)]
+        hot: list[bytes] = []
+        deadline = time.monotonic() + LIMIT_S
+        with ServerClient(s.address, local_read=False, timeout=60) as c:
+            for b in range(4 * capacity // (16 * item)):  # fill, then 3x churn
+                items = [(rng.bytes(32), pool[(b + i) % 8]) for i in range(16)]
+                if len(hot) < capacity // 5 // item:
+                    hot.extend(k for k, _ in items[:3])  # every fifth item or so
+                c.get(hot[b % 10::10])  # each hot id read every 10 batches: LRU keeps them
+                c.put(items)
+                assert time.monotonic() < deadline, "churn did not finish in time"
+            time.sleep(1.0)
+            st = c.stats()
+            held = sum(v is not None for v in c.get(hot))
+        sampler.stop.set()
+        sampler.join()
+        end = du(data)
+        assert held == len(hot)
+        assert st.counters["relocated_items"] > 0 and st.counters["evicted_items"] > 0
+        assert st.used_bytes >= 0.5 * capacity, f"the cache holds {st.used_bytes / capacity:.2f}x --capacity"
+        assert sampler.peak <= 1.10 * capacity, f"du peaked at {sampler.peak / capacity:.2f}x --capacity"
+        assert end <= capacity, f"du ended at {end / capacity:.2f}x --capacity"
+    finally:
+        sampler.stop.set()
+        assert s.stop() == 0

@@ -113,21 +113,22 @@ def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costl
     server = logged_server
     # A follower replays every write made since its last catch-up, read or
     # not (~3 ms/MB): under heavy inserts the socket is cheaper (readpath.py).
-    big = 1 << 20
+    big = 200 << 10  # below diskbudget.BLOB_MIN: in the family followers open (larger ones they never replay)
+    n = 200
     with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
         warm = ids(2, seed=20)
         writer.put([(k, b"w" * 100) for k in warm])
         assert [bytes(v) for v in reader.get(warm)] == [b"w" * 100] * 2
         assert reader.transport == "local" and reader.paths.state == "local"
-        a, va = ids(40, seed=21), values(40, size=big, seed=21)
-        for i in range(0, 40, 10):
+        a, va = ids(n, seed=21), values(n, size=big, seed=21)
+        for i in range(0, n, 10):
             writer.put(list(zip(a[i:i + 10], va[i:i + 10])))
         assert [bytes(v) for v in reader.get(a)] == va  # just opened: served over the socket
         time.sleep(0.6)  # past the catch-up interval
-        b, vb = ids(40, seed=22), values(40, size=big, seed=22)
-        for i in range(0, 40, 10):
+        b, vb = ids(n, seed=22), values(n, size=big, seed=22)
+        for i in range(0, n, 10):
             writer.put(list(zip(b[i:i + 10], vb[i:i + 10])))
-        assert [bytes(v) for v in reader.get(b[:1])] == vb[:1]  # replays 80 MB to serve 1 MB locally
+        assert [bytes(v) for v in reader.get(b[:1])] == vb[:1]  # replays 80 MB to serve 200 KB locally
         assert reader.paths.state == "remote" and reader.paths.stats.switches == 1
         assert [bytes(v) for v in reader.get(a + b)] == va + vb  # all over the socket now
         assert reader.transport == "local"  # the fast path stays available for later

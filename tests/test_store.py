@@ -289,8 +289,8 @@ def test_flush_for_followers_only_when_the_memtable_is_large(tmp_path):
     try:
         s.put_many([(k, b"v" * 1000) for k in ids(10, seed=1)])
         assert not s.flush_for_followers()  # a small log: a follower replays it quickly
-        big = ids(6, seed=2)
-        s.put_many([(k, os.urandom(FOLLOWER_FLUSH_MIN_BYTES // 4)) for k in big])
+        big = ids(48, seed=2)  # values below diskbudget.BLOB_MIN: in the table files, where followers read
+        s.put_many([(k, os.urandom(FOLLOWER_FLUSH_MIN_BYTES // 32)) for k in big])
         assert s.flush_for_followers()
         assert not s.flush_for_followers()  # nothing left in memory
         logs = glob.glob(os.path.join(s.db_path, "*.log"))
@@ -402,3 +402,35 @@ def test_a_data_dir_holds_one_store_at_a_time(tmp_path):
         EmbeddedCache(str(tmp_path / "d"), 10 << 20)
     s.close()
     Store(str(tmp_path / "d"), 10 << 20, LRUPolicy(), Counters()).close()  # released on close
+
+
+def test_large_values_are_in_blob_files_a_follower_never_reads(tmp_path):
+    """Values of diskbudget.BLOB_MIN bytes and up go to blob files, in a column family that
+    same-host followers do not open (a RocksDB secondary crashes reading a blob): the server
+    answers them inline, and a follower that reads ahead finds them absent, never crashes."""
+    import glob
+
+    from cacheserver.client.localread import LocalReader
+    from cacheserver.core import CacheCore
+    from cacheserver.diskbudget import BLOB_MIN
+
+    s = Store(str(tmp_path / "st"), 1 << 30, make_policy("lru"), Counters())
+    try:
+        small, large = ids(2, seed=3), ids(2, seed=4)
+        values = {k: os.urandom(1000) for k in small} | {k: os.urandom(BLOB_MIN) for k in large}
+        s.put_many(list(values.items()))
+        s.flush()
+        keys = [small[0], large[0], small[1], large[1]]
+        assert s.touch_split(keys) == (b"\x01" * 4, [1, 3])
+        assert glob.glob(os.path.join(s.db_path, "*.blob")) and s.blob_bytes == 2 * (BLOB_MIN + OVERHEAD)
+        assert [bytes(v) for v in s.get_many(keys)] == [values[k] for k in keys]
+        inline = CacheCore(s, s.counters).get_local_inline("j", keys)
+        assert inline[0] is True and inline[2] is True and [bytes(inline[i]) for i in (1, 3)] == [values[k] for k in large]
+        reader = LocalReader(s.db_path)
+        try:
+            got = reader.read(keys)
+        finally:
+            reader.close()
+        assert [None if v is None else bytes(v) for v in got] == [values[small[0]], None, values[small[1]], None]
+    finally:
+        s.close()

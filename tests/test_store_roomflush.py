@@ -14,6 +14,7 @@ from cacheserver.store import Store
 
 SLOW_FLUSH_S = 1.0
 _REAL_SIZE_LSM = store_mod.size_lsm
+_REAL_LARGE = store_mod.large_values_options
 
 
 def _big_memtable(opts, capacity):
@@ -23,8 +24,15 @@ def _big_memtable(opts, capacity):
     opts.set_write_buffer_size(64 << 20)
 
 
+def _big_memtable_large(capacity):
+    opts = _REAL_LARGE(capacity)  # the family of large values (blob files), likewise
+    opts.set_write_buffer_size(64 << 20)
+    return opts
+
+
 def _slow_flush_store(path, monkeypatch):
     monkeypatch.setattr(store_mod, "size_lsm", _big_memtable)
+    monkeypatch.setattr(store_mod, "large_values_options", _big_memtable_large)
     s = Store(path, 1 << 30, LRUPolicy(), Counters(), durability="process")
     real, flushes = s.flush, []
 
@@ -48,8 +56,8 @@ def test_put_past_half_the_reserve_flushes_in_the_background(tmp_path, monkeypat
             waited.append(time.monotonic() - t0)
         assert flushes == ["store-room-flush"]  # one flush, not one per put, and not in a put's thread
         assert max(waited) < SLOW_FLUSH_S  # no put waited for it
-        s._room_flush.acquire(timeout=10)  # the background flush ends
-        s._room_flush.release()
+        s.admit._room_flush.acquire(timeout=10)  # the background flush ends
+        s.admit._room_flush.release()
         assert s._unflushed_bytes() < s.room.reserve // 2
     finally:
         s.close()

@@ -1,0 +1,22 @@
+"""RocksDB options of the read path, shared by the store and same-host followers (client/localread.py)."""
+from __future__ import annotations
+
+import rocksdict
+
+
+def tuned_for_reads(opts: rocksdict.Options) -> rocksdict.Options:
+    # mmap'd SST reads skip one copy per value (measured 2.0 -> 2.8 GB/s alone).
+    opts.set_allow_mmap_reads(True)
+    return opts
+
+
+def hot_read_options() -> rocksdict.ReadOptions:
+    """Read options of the hit path (2.0 -> 5+ GB/s with mmap, measured in-process).
+
+    Block checksums are skipped because every value carries its own xxh3
+    trailer (record.py) that is checked on every read; the block cache is not
+    filled because ~100 KB values only churn it, the OS page cache holds them."""
+    ro = rocksdict.ReadOptions()
+    ro.set_verify_checksums(False)
+    ro.fill_cache(False)
+    return ro

@@ -1,0 +1,71 @@
+"""A store's start: its index rebuilt from the meta family, less what a kill lost (Store's part).
+
+With durability "cache" a restart drops index entries whose value was never
+flushed (flusher.lost_values); after a salvage (salvage.py) every entry is
+checked and values without an index entry are deleted.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from .flusher import lost_values
+
+DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
+_META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
+
+
+class Recovery:
+    """Mixed into Store (store.py): the attributes and methods used here are the Store's."""
+    _meta: Any
+    _server: Any
+    _db: Any
+    _large: Any
+    _wopts: Any
+    overhead: int
+
+    def _recover(self: Any, check_all: bool = False) -> None:
+        entries = []
+        for key, meta in self._meta.items():
+            try:
+                size, seq, chunk = _META.unpack_from(meta)
+                dataset = bytes(meta[_META.size:]).decode()
+            except (struct.error, UnicodeDecodeError):
+                self._delete_keys([key])
+                self.counters.add("corrupt_dropped")
+                continue
+            entries.append((seq, key, size, (dataset, chunk)))
+        entries.sort()
+        entries = self._recover_unflushed(entries, check_all)
+        for seq, key, size, tag in entries:
+            self._index_add(key, size + self.overhead, self._tag_id(tag))
+            self.policy.admitted(key)
+            self._seq = max(self._seq, seq + 1)
+        self.counters.add("recovered_items", len(entries))
+        if check_all:
+            self._drop_orphans()
+        if self.used > self.capacity:  # capacity lowered since last run
+            self.evict_for(self.used - self.capacity)
+
+    def _recover_unflushed(self: Any, entries: list, check_all: bool = False) -> list:
+        """Drop index entries whose value a killed process never flushed (flusher.lost_values)."""
+        raw = self._server.get(DURABLE_MARK_KEY)
+        if (raw is None and not check_all) or not entries:
+            return entries
+        lost = lost_values(self._raw, entries, 0 if check_all else struct.unpack("<Q", raw)[0])
+        if not lost:
+            return entries
+        self._delete_keys(lost)
+        self.counters.add("recovered_unflushed_dropped", len(lost))
+        gone = set(lost)
+        return [e for e in entries if e[1] not in gone]
+
+    def _drop_orphans(self: Any) -> None:
+        """Delete values whose index entry a salvage lost: no one could evict them."""
+        orphans = [k for k in (*self._db.keys(), *self._large.keys()) if k not in self._index]
+        self._delete_keys(orphans)
+        self.counters.add("salvage_orphans_dropped", len(orphans))
+
+    def _set_durable_mark(self, seq: int) -> None:
+        self._server.put(DURABLE_MARK_KEY, struct.pack("<Q", seq), self._wopts)
+
