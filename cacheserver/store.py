@@ -198,12 +198,16 @@ class Store(Recovery):
             self.blob_bytes -= charge
         return charge
 
-    def _delete_keys(self, keys: Iterable[bytes]) -> None:
+    def _delete_keys(self, keys: Iterable[bytes], large: Iterable[bytes] | None = None) -> None:
+        """Delete values and index records; from the large values' family only ``large`` (None:
+        every key): a tombstone there costs a table file at the next flush."""
         wb = rocksdict.WriteBatch(raw_mode=True)
+        keys = list(keys)
         for k in keys:
             wb.delete(k)
-            wb.delete(k, self._large_cf)
             wb.delete(k, self._meta_cf)
+        for k in keys if large is None else large:
+            wb.delete(k, self._large_cf)
         self._db.write(wb, self._wopts)
 
     # ---- public API -----------------------------------------------------
@@ -502,34 +506,41 @@ class Store(Recovery):
     def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
         used first, whatever the policy; then, unless spare_only, the fallback policy."""
-        freed, victims, spare = 0, [], self._spare
+        freed, victims, large, spare = 0, [], [], self._spare
         while spare and freed < need:
             key = next(iter(spare))
-            freed += self._index_remove(key)  # drops it from spare too
-            victims.append(key)
+            freed += self._remove_victim(key, victims, large)  # drops it from spare too
         n_spare = len(victims)
         if freed < need and not spare_only:
             protected = self._protected
             for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
                                            if k in self._index else False):
-                freed += self._index_remove(key)
-                victims.append(key)
+                freed += self._remove_victim(key, victims, large)
                 if freed >= need:
                     break
         if victims:
-            self._delete_keys(victims)
+            self._delete_keys(victims, large)
             self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
                                     "evicted_items": len(victims), "evicted_bytes": freed})
         return freed
 
+    def _remove_victim(self, key: bytes, victims: list[bytes], large: list[bytes]) -> int:
+        charge = self._index_remove(key)
+        victims.append(key)
+        if charge >= BLOB_MIN + OVERHEAD:
+            large.append(key)
+        return charge
+
     def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:
         """Delete every entry whose tag matches (manager-directed eviction)."""
+        victims: list[bytes] = []
+        large: list[bytes] = []
         with self._lock:
             tids = {tid for tid, tag in enumerate(self._tags) if match(tag)}
             keys = [k for k, (_, tid) in self._index.items() if tid in tids]
-            freed = sum(self._index_remove(k) for k in keys)
+            freed = sum(self._remove_victim(k, victims, large) for k in keys)
         if keys:
-            self._delete_keys(keys)
+            self._delete_keys(keys, large)
             self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
         return len(keys), freed
 
