@@ -26,7 +26,7 @@ log = logging.getLogger("cacheserver")
 EMPTY_MEMTABLE = 1 << 16  # what an empty memtable reports (its first arena block)
 ROOM_FLUSH_WAIT_S = 60.0
 PINNED = 0.05  # of capacity: dead bytes in blob files worth rewriting their survivors for
-RELOCATE = 0.04  # of capacity: survivors rewritten at most per step (held on disk twice until compacted)...
+RELOCATE = 0.02  # of capacity: survivors rewritten at most per step (held on disk twice until compacted)...
 RELOCATE_MAX = 64 << 20  # ...and at most this (it holds the store's lock)
 Items = Sequence[tuple[bytes, "bytes | memoryview"]]
 
