@@ -270,7 +270,7 @@ class ManagerClient:
         batches), the counts to run now. ``policy``: "autoscale" or "placement"."""
         r = self._call("ScaleWorkers", mpb.ScaleWorkersRequest(
             job=job, policy=policy, batch_time=m.batch_time if m else 0.0, queue=m.queue if m else 0.0,
-            remote=remote, local=local))
+            remote=remote, local=local), job=job)
         return WorkerCounts(r.ray_address or None, r.remote, r.local, r.reason, r.phase)
 
     def get_ring(self) -> Ring:

@@ -213,6 +213,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             raise Rejected("INVALID_ARGUMENT", f"batch_time and queue must be >= 0, got {request.batch_time}, "
                                                f"{request.queue}")
         with self.store.lock:
+            self._act_as(request.job, context)
             jobs = set(self.store.model.jobs)
             if request.job not in jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it first")
