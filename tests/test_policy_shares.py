@@ -48,6 +48,20 @@ def test_io_bound_dataset_gets_the_room_compute_bound_gets_none():
     assert "no job benefits" in a["compute"].reason
 
 
+def test_a_little_benefit_elsewhere_does_not_keep_a_large_one_from_being_pinned_whole():
+    # compute gains 1.15x (a user of the shared LRU), io 4x; pinning io whole leaves
+    # the LRU 20 GB, but saves far more than compute could get from it
+    a = allocate_shares([ds("compute", 200 * GB, (4, 1.15), (4, 1.15)), ds("io", 200 * GB, (4, 4.0), (4, 4.0))],
+                        220 * GB)
+    assert a["io"].bytes == 200 * GB and a["compute"].bytes == 0
+    # ... nor a lone job of it that could use a partial share (one compute job left)
+    a = allocate_shares([ds("compute", 200 * GB, (4, 1.4)), ds("io", 200 * GB, (4, 4.0), (4, 4.0))], 220 * GB)
+    assert a["io"].bytes == 200 * GB and a["compute"].bytes == 0
+    # ... but where the pin adds less than the other dataset loses of the LRU, both share it
+    a = allocate_shares([ds("x", 200 * GB, (4, 1.3), (4, 1.3)), ds("y", 200 * GB, (4, 1.3), (4, 1.3))], 220 * GB)
+    assert a["x"].bytes == 0 and a["y"].bytes == 0
+
+
 def test_multi_job_datasets_are_pinned_whole_or_not_at_all():
     a = allocate_shares([ds("big", 1000 * GB, *[(4, 3.0)] * 4)], 300 * GB)
     assert a["big"].bytes == 0                   # a part would only take the shared LRU's room
@@ -171,10 +185,12 @@ def test_a_full_dataset_stays_full_when_a_job_leaving_makes_its_share_partial():
     for j in ("a", "b"):
         m.apply({"type": "job_register", "job": j, "dataset": "d", "dataset_bytes": 200, "n_items": 100,
                  "n_gpus": 1, "now": 0.0})
-    m.apply({"type": "job_register", "job": "c", "dataset": "other", "dataset_bytes": 900, "n_items": 100,
-             "n_gpus": 1, "now": 0.0})
+    for j in ("c", "c2"):  # two jobs that gain: pinning "d" whole past the LRU's reserve costs them more
+        m.apply({"type": "job_register", "job": j, "dataset": "other", "dataset_bytes": 900, "n_items": 100,
+                 "n_gpus": 1, "now": 0.0})
     m.allocs["d"] = m.allocs["d"].__class__("d", Option.FULL, 200, 200, 1.0, "full", True, 200)
-    m.board.jobs["a"].benefit = m.board.jobs["a"].known_benefit = 2.0
+    for j in ("a", "c", "c2"):
+        m.board.jobs[j].benefit = m.board.jobs[j].known_benefit = 2.0
     effects = m.apply({"type": "job_unregister", "job": "b", "reason": "done", "now": 1.0})
     # alone, "a" would get a partial share (half of 300 GB room: 100 of 200); it keeps FULL
     assert m.allocs["d"].option is Option.FULL and "kept full" in m.allocs["d"].reason

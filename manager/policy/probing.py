@@ -124,6 +124,11 @@ class ProbeConfig:
     passive: bool = False
     passive_window: int = 300        # (miss fraction, time) pairs kept per job
     passive_every: int = 25          # re-estimate after this many new pairs
+    # until a job's first estimate: try every passive_first_every pairs from
+    # passive_first_n on, so allocation acts within a few batches of a job's start
+    # (the fit's spread and standard-error checks still guard a noisy one)
+    passive_first_every: int = 5
+    passive_first_n: int = 15
     passive_probe_after: int = 600
     # the estimate of b is conclusive only with this share of pairs at or above this
     # miss fraction; otherwise it is a lower bound (counts as at least the prior)
@@ -394,9 +399,11 @@ class JobProbe:
         self.obs.append([1.0 - bt.hit_ratio, bt.duration])
         del self.obs[:-cfg.passive_window]
         self.obs_total += 1
-        if self.obs_total % cfg.passive_every:
+        first = self.benefit is None  # no estimate yet: try early and often
+        every = cfg.passive_first_every if first else cfg.passive_every
+        if self.obs_total % every or (first and self.obs_total < cfg.passive_first_n):
             return None
-        est = regress_benefit([(m, t) for m, t in self.obs])
+        est = regress_benefit([(m, t) for m, t in self.obs], min_n=cfg.passive_first_n if first else 30)
         if est is None:
             return None
         # A line read at m = 1 is only known where batches near m = 1 were seen: a job

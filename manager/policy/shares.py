@@ -64,12 +64,12 @@ def share_value(d: DatasetDemand, share_bytes: int, cfg: AllocConfig = AllocConf
     return max(0.0, total - spare_value(d, cfg))
 
 
-def _candidates(d: DatasetDemand, budget: int, grain: int, cfg: AllocConfig) -> list[int]:
+def _candidates(d: DatasetDemand, budget: int, grain: int, cfg: AllocConfig, whole_only: bool = False) -> list[int]:
     """Shares worth considering for ``d``: the saturation points, the whole
     dataset, and every budget step below them (all capped by size and budget)."""
     top = min(d.size_bytes, budget)
     out = {top}
-    if len(d.jobs) > 1:
+    if len(d.jobs) > 1 or whole_only:
         # Concurrent jobs already share their reads through the spare LRU; a part
         # of the dataset pinned takes that room and gains little over it: whole only.
         return [top] if top >= d.size_bytes else []
@@ -103,25 +103,29 @@ def allocate_shares(datasets: Iterable[DatasetDemand], budget_bytes: int,
     budget = max(0, int(budget_bytes))
     current = dict(current or {})
     # Pinned shares must leave the shared LRU room to work in, unless every dataset
-    # that uses it is pinned whole (then nobody needs it).
+    # that uses it is pinned whole (then nobody needs it), or datasets pinned whole
+    # past that reserve save more than those left unpinned lose of the LRU (all of
+    # it, at worst): a dataset gaining 1.1x must not keep one gaining 4x from being
+    # pinned whole. Partial shares past the reserve starve the LRU (docs/benchmarks.md).
     rank, picks = _solve(ds, int(budget * (1.0 - cfg.spare_reserve)), budget, current, grain, cfg)
-    rank2, picks2 = _solve(ds, budget, budget, current, grain, cfg)
-    users = [i for i, d in enumerate(ds) if d.jobs and any(b > 1.0 for _, b in _gains(d, cfg))]
-    if rank2 > rank and all(picks2[i] >= ds[i].size_bytes for i in users):
+    rank2, picks2 = _solve(ds, budget, budget, current, grain, cfg, whole_only=True)
+    lost = sum(spare_value(d, cfg) for i, d in enumerate(ds) if d.jobs and picks2[i] < d.size_bytes)
+    if rank2 > rank + lost:
         picks = picks2
     return {d.name: _explain(d, picks[i], budget, cfg) for i, d in enumerate(ds)}
 
 
 def _solve(ds: Sequence[DatasetDemand], room: int, budget: int, current: Mapping[str, int], grain: int,
-           cfg: AllocConfig) -> tuple[float, tuple[int, ...]]:
-    """Knapsack by dynamic programming over ``room`` in steps of ``budget / grain``."""
+           cfg: AllocConfig, whole_only: bool = False) -> tuple[float, tuple[int, ...]]:
+    """Knapsack by dynamic programming over ``room`` in steps of ``budget / grain``
+    (``whole_only``: each dataset whole or not at all)."""
     unit = max(1, math.ceil(budget / grain)) if budget else 1
     slots = max(0, room) // unit
     best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] * (slots + 1)
     for d in ds:
         opts = [(0, 0, 0.0)]
         if d.jobs and d.size_bytes > 0 and room > 0:
-            for s in _candidates(d, room, grain, cfg):
+            for s in _candidates(d, room, grain, cfg, whole_only):
                 v = share_value(d, s, cfg)
                 if v > 0:
                     near = abs(s - current.get(d.name, -1)) <= unit
