@@ -344,12 +344,13 @@ class ManagerModel:
             current = {d: a.knapsack_option for d, a in self.allocs.items()}  # hysteresis, also under --no-chunks
             return allocate(ds, budget, cfg, current)
         shares = allocate_shares(ds, budget, cfg, {d: a.share for d, a in self.allocs.items()})
-        shares = _keep_full(shares, {d.name: d.size_bytes for d in ds}, self.allocs, budget)
+        gaining = {d.name for d in ds if any(j.benefit is None or j.benefit >= cfg.min_benefit for j in d.jobs)}
+        shares = _keep_full(shares, {d.name: d.size_bytes for d in ds}, self.allocs, budget, gaining)
         out = {}
         for d in ds:
             s = shares[d.name]
             full = d.size_bytes > 0 and s.bytes >= d.size_bytes
-            benefits = any(j.benefit is None or j.benefit >= cfg.min_benefit for j in d.jobs)
+            benefits = d.name in gaining
             out[d.name] = Allocation(d.name, Option.FULL if full else Option.NONE, s.bytes,
                                      d.size_bytes if full else 0, s.value, s.reason,
                                      spare=bool(d.jobs) and benefits, share=s.bytes)
@@ -487,14 +488,16 @@ class ManagerModel:
 
 
 def _keep_full(shares: dict[str, Share], sizes: Mapping[str, int], allocs: Mapping[str, Allocation],
-               budget: int) -> dict[str, Share]:
-    """A FULL dataset offered a partial share stays FULL while the budget holds it:
-    leaving FULL evicts its entries, so the jobs still reading it would lose what
-    they read from the cache now (a job leaving made the share partial, say)."""
+               budget: int, gaining: set[str]) -> dict[str, Share]:
+    """A FULL dataset offered a partial share, or none while its jobs still gain from
+    the cache, stays FULL while the budget holds it: leaving FULL evicts its entries,
+    so the jobs still reading it would lose what they read from the cache now (a job
+    leaving made the share partial; another dataset's first estimates made the
+    shared LRU look worth more for a moment, say)."""
     out = dict(shares)
     for name, s in sorted(shares.items()):
         a = allocs.get(name)
-        if a is None or a.option is not Option.FULL or not 0 < s.bytes < sizes[name]:
+        if a is None or a.option is not Option.FULL or s.bytes >= sizes[name] or (s.bytes == 0 and name not in gaining):
             continue
         if sum(x.bytes for x in out.values()) - s.bytes + sizes[name] <= budget:
             out[name] = Share(name, sizes[name], s.value, f"kept full: a partial share would evict what its "

@@ -195,3 +195,23 @@ def test_a_full_dataset_stays_full_when_a_job_leaving_makes_its_share_partial():
     # alone, "a" would get a partial share (half of 300 GB room: 100 of 200); it keeps FULL
     assert m.allocs["d"].option is Option.FULL and "kept full" in m.allocs["d"].reason
     assert not [e for e in effects if type(e).__name__ == "EvictDataset"]
+
+
+def test_a_full_dataset_stays_full_when_offered_none_while_its_jobs_still_gain():
+    # "d" is FULL; the other dataset's jobs now measure enough gain that the shared
+    # LRU looks worth more than pinning "d" past its reserve: "d" keeps FULL (leaving
+    # it would evict what its jobs read now) -- unless its jobs stop gaining
+    m = ManagerModel(ManagerConfig(budget=300, probe=ProbeConfig(passive=True)))
+    for j, d, size in (("a", "d", 200), ("b", "d", 200), ("c", "other", 200), ("c2", "other", 200)):
+        m.apply({"type": "job_register", "job": j, "dataset": d, "dataset_bytes": size, "n_items": 100,
+                 "n_gpus": 1, "now": 0.0})
+    m.allocs["d"] = m.allocs["d"].__class__("d", Option.FULL, 200, 200, 1.0, "full", True, 200)
+    for j, b in (("a", 1.2), ("b", 1.2), ("c", 2.0), ("c2", 2.0)):
+        m.board.jobs[j].benefit = m.board.jobs[j].known_benefit = b
+    effects = m.apply({"type": "tick", "now": 1.0})
+    assert m.allocs["d"].option is Option.FULL and "kept full" in m.allocs["d"].reason
+    assert not [e for e in effects if type(e).__name__ == "EvictDataset"]
+    for j in ("a", "b"):
+        m.board.jobs[j].benefit = m.board.jobs[j].known_benefit = 1.0
+    m.apply({"type": "tick", "now": 2.0})
+    assert m.allocs["d"].option is Option.NONE
