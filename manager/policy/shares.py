@@ -118,13 +118,14 @@ def allocate_shares(datasets: Iterable[DatasetDemand], budget_bytes: int,
 def _solve(ds: Sequence[DatasetDemand], room: int, budget: int, current: Mapping[str, int], grain: int,
            cfg: AllocConfig, whole_only: bool = False) -> tuple[float, tuple[int, ...]]:
     """Knapsack by dynamic programming over ``room`` in steps of ``budget / grain``
-    (``whole_only``: each dataset whole or not at all)."""
+    (``whole_only``: each dataset whole or not at all, and only one whose benefit
+    was measured: a pin on a prior alone is evicted again once measured)."""
     unit = max(1, math.ceil(budget / grain)) if budget else 1
     slots = max(0, room) // unit
     best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] * (slots + 1)
     for d in ds:
         opts = [(0, 0, 0.0)]
-        if d.jobs and d.size_bytes > 0 and room > 0:
+        if d.jobs and d.size_bytes > 0 and room > 0 and (d.is_measured() or not whole_only):
             for s in _candidates(d, room, grain, cfg, whole_only):
                 v = share_value(d, s, cfg)
                 if v > 0:
