@@ -57,7 +57,11 @@ def test_a_little_benefit_elsewhere_does_not_keep_a_large_one_from_being_pinned_
     # ... nor a lone job of it that could use a partial share (one compute job left)
     a = allocate_shares([ds("compute", 200 * GB, (4, 1.4)), ds("io", 200 * GB, (4, 4.0), (4, 4.0))], 220 * GB)
     assert a["io"].bytes == 200 * GB and a["compute"].bytes == 0
-    # ... but where the pin adds less than the other dataset loses of the LRU, both share it
+    # ... yet not on priors alone: an unmeasured dataset is not pinned past the reserve
+    prior = DatasetDemand("io", 200 * GB, (JobGain("io-0", 4, None), JobGain("io-1", 4, None)))
+    a = allocate_shares([ds("compute", 200 * GB, (4, 1.0), (4, 1.0)), prior], 220 * GB)
+    assert a["io"].bytes == 0
+    # ... and where the pin adds less than the other dataset loses of the LRU, both share it
     a = allocate_shares([ds("x", 200 * GB, (4, 1.3), (4, 1.3)), ds("y", 200 * GB, (4, 1.3), (4, 1.3))], 220 * GB)
     assert a["x"].bytes == 0 and a["y"].bytes == 0
 

@@ -110,7 +110,7 @@ def allocate_shares(datasets: Iterable[DatasetDemand], budget_bytes: int,
     rank, picks = _solve(ds, int(budget * (1.0 - cfg.spare_reserve)), budget, current, grain, cfg)
     rank2, picks2 = _solve(ds, budget, budget, current, grain, cfg, whole_only=True)
     lost = sum(spare_value(d, cfg) for i, d in enumerate(ds) if d.jobs and picks2[i] < d.size_bytes)
-    if rank2 > rank + lost:
+    if rank2 > (rank + lost) * (1.0 + 1e-6) + 1e-9:  # a tie (a saturation share = whole) keeps the reserve
         picks = picks2
     return {d.name: _explain(d, picks[i], budget, cfg) for i, d in enumerate(ds)}
 
