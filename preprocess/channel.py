@@ -8,10 +8,14 @@ own pipe, and no process waits on a lock another one holds: the writer's lock is
 thread lock (the worker's two threads), and the reader never blocks: its end is
 non-blocking, bytes are buffered until a whole frame (8-byte length, then the
 pickle) is in, and end of file (the writer's process gone) closes the channel,
-dropping a partial last frame (its item is re-run by the scheduler)."""
+dropping a partial last frame (its item is re-run by the scheduler). A worker that
+stops marks its end with an empty frame and stays until the scheduler closes its
+end: a tensor in a message is fetched from the sender's process while it is
+unpickled (torch's shared-memory reducers), which fails once that process is gone."""
 from __future__ import annotations
 
 import os
+import select
 import struct
 import threading
 import time
@@ -22,6 +26,7 @@ from typing import Any
 HEADER = struct.Struct("!Q")
 READ_BYTES = 1 << 20
 MAX_READS = 64  # per read(): a reader takes at most 64 MiB at a time, so one busy worker cannot starve the rest
+END = HEADER.pack(0)  # an empty frame (no pickle is empty): the writer has sent its last message
 
 
 def _register_tensor_reducers() -> None:
@@ -50,6 +55,20 @@ class ChannelWriter:
             except BrokenPipeError:  # the scheduler closed its end: nothing left to work for
                 os._exit(1)
 
+    def finish(self, timeout: float) -> None:
+        """After the last message: mark the end, then stay until the reader closes its
+        end (at most `timeout` s). Tensors sent go through shared memory that the reader
+        fetches from this process while unpickling, so it must still be there."""
+        fd = self.conn.fileno()
+        with self.lock:
+            try:
+                os.write(fd, END)  # under PIPE_BUF: written whole
+            except BrokenPipeError:
+                return
+        p = select.poll()
+        p.register(fd, select.POLLERR | select.POLLHUP)  # a pipe's write end: POLLERR once no reader is left
+        p.poll(timeout * 1000)
+
     def close(self) -> None:
         self.conn.close()
 
@@ -59,6 +78,7 @@ class ChannelReader:
 
     def __init__(self, conn: Connection) -> None:
         self.conn, self.buf, self.closed = conn, bytearray(), False
+        self.ended = False  # the writer has marked its end (ChannelWriter.finish) and waits for close()
         os.set_blocking(conn.fileno(), False)
 
     def fileno(self) -> int:
@@ -87,6 +107,9 @@ class ChannelReader:
             if len(self.buf) - at - HEADER.size < n:
                 break
             at += HEADER.size
+            if n == 0:
+                self.ended = True
+                continue
             frame = bytes(self.buf[at:at + n])
             out.append(ForkingPickler.loads(frame) if decode else frame)
             at += n

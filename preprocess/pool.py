@@ -83,8 +83,8 @@ class WorkerPool:
     def exited(self, wid: int) -> None:
         p = self.procs.pop(wid, None)
         if p is not None:
+            self._forget(wid)  # closing its channel lets it go (ChannelWriter.finish)
             p.join(JOIN_SECONDS)
-            self._forget(wid)
         self.stopping.discard(wid)
 
     def dead(self) -> list[int]:
@@ -104,7 +104,9 @@ class WorkerPool:
         q = self.queues.pop(wid)
         q.cancel_join_thread()  # a task still being fed to a dead worker must not hold up our exit
         q.close()
-        self.results.pop(wid).close()
+        r = self.results.pop(wid, None)
+        if r is not None:
+            r.close()
 
     def drain_tasks(self) -> None:
         """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""
@@ -125,6 +127,8 @@ class WorkerPool:
         deadline = time.monotonic() + JOIN_SECONDS
         while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
             self.receive(0.05, decode=False)
+            for wid in [w for w, r in self.results.items() if r.ended]:
+                self.results.pop(wid).close()  # all read: it may go (ChannelWriter.finish)
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()

@@ -26,6 +26,7 @@ from .feed import PlainFeed, run_item
 from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 
+EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take it
 NO_TARGET = object()  # the item is not a (sample, target) pair
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
@@ -72,6 +73,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     bg.join()
     feed.close()
     out.send(("exit", wid, None))
+    out.finish(EXIT_WAIT_S)  # the scheduler may still be unpickling our tensors: stay until it has read
 
 
 def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, out: Any,

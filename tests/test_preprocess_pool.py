@@ -1,0 +1,40 @@
+"""preprocess/pool.py with real spawned workers: a worker stopped by a shrink stays
+until the scheduler has taken what it sent (tensors come through shared memory, which
+the scheduler can only fetch from a living process)."""
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from clients.dataset import CachedDataset  # noqa: E402
+from preprocess import Pipeline  # noqa: E402
+from preprocess.pool import WorkerPool  # noqa: E402
+from preprocess_steps import as_tensor, index_of  # noqa: E402
+from test_preprocess_loader import indexed_items  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_shrunk_workers_tensors_are_taken_after_it_was_told_to_stop(tmp_path):
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False)
+    pipeline = Pipeline([index_of, as_tensor])
+    pool = WorkerPool(ds, pipeline, job_seed=0)
+    try:
+        pool.resize(2)
+        pool.send(1, ("task", 7, 0, pipeline.order, None, [(3, False), (5, False)]))
+        pool.resize(1)                          # worker 1 stops after its task
+        victim = pool.procs[1]
+        victim.join(5)                          # it has sent all; nothing read yet
+        got, deadline = [], time.monotonic() + 30
+        while not any(m[0] == "exit" for m in got) and time.monotonic() < deadline:
+            got += pool.receive(0.1)
+        done = {m[3]: m[4].tolist() for m in got if m[0] == "done"}
+        assert done == {3: [3] * 4, 5: [5] * 4} and got[-1] == ("exit", 1, None)
+        pool.exited(1)
+        assert victim.exitcode == 0 and 1 not in pool.results and pool.size == 1
+    finally:
+        pool.close()
+        ds.close()
