@@ -14,11 +14,12 @@ import queue
 import time
 from typing import Any
 
-from .channel import ChannelReader, channel, ready
+from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
 from .worker import worker_main
 
 JOIN_SECONDS = 5.0
+DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
 MAX_IDS = 128  # the shared counters' rows
 
 
@@ -75,10 +76,24 @@ class WorkerPool:
 
     def receive(self, timeout: float, decode: bool = True) -> list[tuple]:
         """The messages the workers have sent, waiting at most timeout seconds for one."""
-        out: list[tuple] = []
+        out: list[Any] = []
+        wids = {id(r): wid for wid, r in self.results.items()}
         for r in ready(list(self.results.values()), timeout):
-            out += r.read(decode)
-        return out
+            frames = r.read(decode=False)
+            out += [self._decode(wids[id(r)], f) for f in frames] if decode else frames
+        return [m for m in out if m is not None]
+
+    def _decode(self, wid: int, frame: bytes) -> tuple | None:
+        """A worker's message; None for one a killed worker sent whose tensors went with
+        it (its items are re-run: dead()). Any other failure is raised."""
+        try:
+            return decode_frame(frame)
+        except Exception:
+            p = self.procs[wid]
+            p.join(DEATH_SECONDS)  # its shared memory is gone: it is dead or dying
+            if p.exitcode in (0, None):
+                raise
+            return None
 
     def exited(self, wid: int) -> None:
         p = self.procs.pop(wid, None)

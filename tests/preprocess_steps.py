@@ -50,3 +50,17 @@ def as_tensor(i):
     """A torch tensor (passed to the scheduler through shared memory, as DataLoader's)."""
     import torch
     return torch.full((4,), i)
+
+
+class KillOn:
+    """Kills its own worker process (SIGKILL) on the given indices."""
+
+    def __init__(self, indices):
+        self.indices = frozenset(indices)
+
+    def __call__(self, i):
+        if i in self.indices:
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i

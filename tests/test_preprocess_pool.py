@@ -2,6 +2,7 @@
 until the scheduler has taken what it sent (tensors come through shared memory, which
 the scheduler can only fetch from a living process)."""
 import os
+import signal
 import sys
 import time
 
@@ -12,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from clients.dataset import CachedDataset  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.pool import WorkerPool  # noqa: E402
-from preprocess_steps import as_tensor, index_of  # noqa: E402
+from preprocess_steps import KillOn, as_tensor, index_of  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,6 +36,26 @@ def test_a_shrunk_workers_tensors_are_taken_after_it_was_told_to_stop(tmp_path):
         assert done == {3: [3] * 4, 5: [5] * 4} and got[-1] == ("exit", 1, None)
         pool.exited(1)
         assert victim.exitcode == 0 and 1 not in pool.results and pool.size == 1
+    finally:
+        pool.close()
+        ds.close()
+
+
+def test_a_killed_workers_message_whose_tensor_went_with_it_is_dropped(tmp_path):
+    """Its item is held by the dead worker and so re-run (dead()), never an error."""
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False)
+    pipeline = Pipeline([index_of, KillOn({5}), as_tensor])
+    pool = WorkerPool(ds, pipeline, job_seed=0)
+    try:
+        pool.resize(1)
+        victim = pool.procs[0]
+        pool.send(0, ("task", 7, 0, pipeline.order, None, [(3, False), (5, False)]))  # 3 sent, then killed on 5
+        victim.join(30)
+        assert victim.exitcode == -signal.SIGKILL
+        got = []
+        for _ in range(5):
+            got += pool.receive(0.1)
+        assert got == [] and pool.dead() == [0]
     finally:
         pool.close()
         ds.close()
