@@ -218,7 +218,8 @@ class ManagerService(mpb_grpc.ManagerServicer):
             if request.job not in jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it first")
             self.liveness.touch_job(request.job, self._now())
-        self.scaling.forget_except(jobs)
+            # under the store's lock: a job registered after this snapshot must not lose its policy
+            self.scaling.forget_except(jobs)
         m = Measurement(request.batch_time, request.queue) if request.batch_time > 0 else None
         try:
             c = self.scaling.decide(request.job, request.policy, m, request.remote, request.local)
