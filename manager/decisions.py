@@ -3,8 +3,12 @@
 ``DecisionLoop`` is the clock: every ``--decision-seconds`` it turns the passage
 of time into events -- servers that missed heartbeats leave the ring, jobs
 silent for too long are unregistered, and a ``tick`` lets the policy time out
-probe phases, force-evict stragglers and re-run allocation -- and then has the
-actuator reconcile every server with the state.
+probe phases, force-evict stragglers and re-run allocation -- and, every
+``reconcile_s`` (not every round), has the actuator reconcile every server with
+the state. Reconciling is a safety net (a missed call, a restarted server; a
+joining server is reconciled at once by the actuator): its Stats calls cost every
+server CPU, so a short decision period must not multiply them (the demo's 0.5 s
+rounds cost its 2-core machine ~0.5 CPU-s per run in the servers).
 """
 from __future__ import annotations
 
@@ -26,14 +30,17 @@ class DecisionLoop:
 
     def __init__(self, store: "StateStore", liveness: "Liveness", actuator: "Actuator", *,
                  interval: float, heartbeat_s: float, misses: int, job_timeout_s: float,
-                 reconcile_every: int = 1, clock: Callable[[], float] = time.time) -> None:
+                 reconcile_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.liveness = liveness
         self.actuator = actuator
         self.interval = interval
         self.server_timeout = heartbeat_s * misses
         self.job_timeout_s = job_timeout_s
-        self.reconcile_every = max(1, reconcile_every)
+        if not reconcile_s >= 0:
+            raise ValueError(f"reconcile period must be >= 0 seconds, not {reconcile_s!r}")
+        self.reconcile_s = reconcile_s
+        self._reconciled_at: float | None = None  # monotonic time of the last reconcile
         self.clock = clock
         self.runs = 0
         self._stop = threading.Event()
@@ -53,7 +60,9 @@ class DecisionLoop:
         # Journaled only when it changed something (most ticks do not).
         self.store.submit({"type": "tick", "now": now}, only_if_changed=True)
         self.runs += 1
-        if (self.runs - 1) % self.reconcile_every == 0:
+        mono = time.monotonic()
+        if self._reconciled_at is None or mono - self._reconciled_at >= self.reconcile_s:
+            self._reconciled_at = mono
             self.actuator.reconcile()
 
     def _run(self) -> None:

@@ -54,6 +54,7 @@ class DaemonConfig:
     heartbeat_s: float = 5.0
     heartbeat_misses: int = 3
     decision_s: float = 5.0
+    reconcile_s: float = 5.0
     job_timeout_s: float = 900.0
     server_timeout_s: float = 2.0
     snapshot_every: int = 1000
@@ -89,7 +90,7 @@ class ManagerDaemon:
             raise
         self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,
                                  heartbeat_s=cfg.heartbeat_s, misses=cfg.heartbeat_misses,
-                                 job_timeout_s=cfg.job_timeout_s, clock=self.clock)
+                                 job_timeout_s=cfg.job_timeout_s, reconcile_s=cfg.reconcile_s, clock=self.clock)
         self.metrics_server = None
 
     @property
@@ -140,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-misses", type=int, default=3,
                    help="a server missing this many heartbeats leaves the ring")
     p.add_argument("--decision-seconds", type=float, default=5.0,
-                   help="period of the decision loop (time-outs, allocation, reconciling servers)")
+                   help="period of the decision loop (time-outs, allocation)")
+    p.add_argument("--reconcile-seconds", type=float, default=5.0,
+                   help="period of reconciling every server with the state (a safety net for missed calls; "
+                        "a joining server is reconciled at once)")
     p.add_argument("--chunk-size", type=parse_size, default=15 * 10**9,
                    help="largest chunk (a chunk is min(this, 10%% of the dataset))")
     p.add_argument("--chunks", action="store_true",
@@ -202,7 +206,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,
         tls=tls_from_args(args),
         heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
-        decision_s=args.decision_seconds, job_timeout_s=args.job_timeout_seconds,
+        decision_s=args.decision_seconds, reconcile_s=args.reconcile_seconds, job_timeout_s=args.job_timeout_seconds,
         server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
         cluster_token_file=args.cluster_token_file,
         scaling=_scaling(args.ray, over))

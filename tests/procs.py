@@ -92,7 +92,7 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
     os.makedirs(state_dir, exist_ok=True)
     listen = f"127.0.0.1:{port or free_port()}"
     return Daemon(["manager.managerd", "--listen", listen, "--state-dir", state_dir,
-                   "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--log-format", "text", *extra],
+                   "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--reconcile-seconds", "0.2", "--log-format", "text", *extra],
                   log_path=os.path.join(state_dir, "manager.log"))
 
 
