@@ -25,9 +25,11 @@ HANDSHAKE_SECONDS = 10.0
 
 class DataPlaneServer:
     def __init__(self, core: CacheCore, instance: str, tcp: tuple[str, int] | None,
-                 unix_path: str | None, ssl_ctx: ssl.SSLContext | None = None) -> None:
+                 unix_path: str | None, ssl_ctx: ssl.SSLContext | None = None,
+                 admission: Admission | None = None) -> None:
         self.core = core
-        self.admission = Admission(core.limits.max_inflight_bytes, core.limits.max_connections)
+        # Shared with the gRPC server's calls (grpcadmit.py): one budget of request bytes.
+        self.admission = admission or Admission(core.limits.max_inflight_bytes, core.limits.max_connections)
         self.instance = instance
         self.ssl_ctx = ssl_ctx
         self._stopping = threading.Event()

@@ -3,8 +3,10 @@
 A gRPC call's request message is received whole before it is served, up to
 --max-batch-size plus 8 MiB. So: calls served at once are capped
 (--max-grpc-calls; a call past it is refused at once with RESOURCE_EXHAUSTED
-and its message is not read), bounding request bytes held to about
-N x (--max-batch-size + 8 MiB); a connection lives at most CONNECTION_AGE_X x
+and its message is not read); calls that carry ids or values are admitted by
+their declared size against --max-inflight-bytes, shared with the data plane
+(grpcadmit.py), so bodies held stay within it; a caller that lies about its
+size is still bounded by N x (--max-batch-size + 8 MiB); a connection lives at most CONNECTION_AGE_X x
 --request-timeout, then its calls get --request-timeout to finish and it is
 closed (clients reconnect), so a sender that stalls mid-message is cut off
 too; and idle connections are pinged so that dead peers' are closed."""
@@ -17,9 +19,14 @@ CONNECTION_AGE_X = 10
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 60_000, 20_000
 
 
+def grpc_max_message(limits: Limits) -> int:
+    """The largest request message the gRPC server reads."""
+    return limits.max_batch_bytes + GRPC_MESSAGE_SLACK
+
+
 def grpc_server_options(limits: Limits) -> list[tuple[str, int]]:
     timeout_ms = int(limits.request_timeout_s * 1000)
-    return [("grpc.max_receive_message_length", limits.max_batch_bytes + GRPC_MESSAGE_SLACK),
+    return [("grpc.max_receive_message_length", grpc_max_message(limits)),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
             ("grpc.max_connection_age_ms", CONNECTION_AGE_X * timeout_ms),

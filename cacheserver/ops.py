@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from .proto import cache_pb2 as pb
-from .vocab import FLAG_FEATURES, FETCH, ID_LEN, BadRequest, split_ids
+from .vocab import BODY_BYTES_HEADER, FLAG_FEATURES, FETCH, ID_LEN, BadRequest, split_ids
 
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
@@ -55,6 +55,12 @@ class Core(Protocol):
     def get_local_inline(self, job: str, ids: Sequence[bytes]) -> list: ...
     def put(self, job: str, items: Sequence, dataset: str = ..., chunk: int = ..., replace: bool = ...) -> tuple: ...
     def open_follower(self) -> bool: ...
+
+
+def sized_call(method: Any, request: Any, timeout: float) -> Any:
+    """Call a gRPC method declaring the request's size: the server admits the call by it
+    against its bytes in flight before reading the message (grpcadmit.py)."""
+    return method(request, timeout=timeout, metadata=((BODY_BYTES_HEADER, str(request.ByteSize())),))
 
 
 class Op:
@@ -100,8 +106,8 @@ class Lookup(Op):
         return len(keys), [b"".join(keys)], (FLAG_PENDING if pending else 0) | (FLAG_NOT_SPARE if not_spare else 0)
 
     def grpc(self, stub, keys, job, timeout, pending: bool = False, not_spare: bool = False) -> bytes:
-        return stub.Lookup(pb.LookupRequest(job=job, ids=b"".join(keys), pending=pending, not_spare=not_spare),
-                           timeout=timeout).present
+        return sized_call(stub.Lookup, pb.LookupRequest(job=job, ids=b"".join(keys), pending=pending,
+                                                        not_spare=not_spare), timeout).present
 
     def serve(self, core, job, flags, count, body):
         present = core.lookup(job, split_counted(body, count), pending=bool(flags & FLAG_PENDING),
@@ -120,7 +126,7 @@ class Claim(Op):
         return bytes([FETCH]) * n  # nobody to wait for: read everything ourselves
 
     def grpc(self, stub, keys, job, timeout) -> bytes:
-        return stub.Claim(pb.ClaimRequest(job=job, ids=b"".join(keys)), timeout=timeout).codes
+        return sized_call(stub.Claim, pb.ClaimRequest(job=job, ids=b"".join(keys)), timeout).codes
 
     def serve(self, core, job, flags, count, body):
         return count, [core.claim(job, split_counted(body, count))]
@@ -139,8 +145,8 @@ class Adopt(Op):
         return bytes(n)  # all absent: the caller reads those items from the store
 
     def grpc(self, stub, keys, job, timeout, dataset: str = "", chunk: int = -1) -> bytes:
-        return stub.Adopt(pb.AdoptRequest(job=job, dataset=dataset, chunk=chunk, ids=b"".join(keys)),
-                          timeout=timeout).held
+        return sized_call(stub.Adopt, pb.AdoptRequest(job=job, dataset=dataset, chunk=chunk, ids=b"".join(keys)),
+                          timeout).held
 
     def serve(self, core, job, flags, count, body):
         dataset, chunk, pos = parse_tag(body, "adopt")
@@ -161,7 +167,7 @@ class Get(Op):
 
     def grpc(self, stub, keys, job, timeout) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(keys)
-        for msg in stub.Get(pb.GetRequest(job=job, ids=b"".join(keys)), timeout=timeout):
+        for msg in sized_call(stub.Get, pb.GetRequest(job=job, ids=b"".join(keys)), timeout):
             mv, pos = memoryview(msg.data), 0
             for j, size in enumerate(msg.sizes):
                 if size >= 0:
@@ -211,7 +217,7 @@ class Put(Op):
              replace: bool = False) -> tuple[int, int, int]:
         req = pb.PutRequest(job=job, dataset=dataset, chunk=chunk if dataset else -1, replace=replace,
                             items=[pb.PutItem(id=k, size=len(v), value=bytes(v)) for k, v in keys])
-        r = stub.Put(req, timeout=timeout)
+        r = sized_call(stub.Put, req, timeout)
         return r.stored, r.already, r.rejected_full
 
     def serve(self, core, job, flags, count, body):

@@ -16,7 +16,9 @@ from .dataplane import DataPlaneServer
 from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
-from .grpcopts import grpc_server_options
+from .admission import Admission
+from .grpcadmit import ByteAdmission
+from .grpcopts import grpc_max_message, grpc_server_options
 from .logs import event
 from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
@@ -66,9 +68,12 @@ class CacheServer:
         self.server_id = sid.decode()
         self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
 
+        lim = cfg.limits
+        self.admission = Admission(lim.max_inflight_bytes, lim.max_connections)  # both transports' bodies
+        gate = ByteAdmission(self.admission, grpc_max_message(lim), self.counters)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
-                                options=grpc_server_options(cfg.limits),
-                                maximum_concurrent_rpcs=cfg.limits.max_grpc_calls)
+                                interceptors=[gate], options=grpc_server_options(lim),
+                                maximum_concurrent_rpcs=lim.max_grpc_calls)
         token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
@@ -92,13 +97,13 @@ class CacheServer:
             unix = None
         ssl_ctx = cfg.tls.server_context() if cfg.tls else None
         try:
-            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx)
+            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission)
         except OSError as e:
             if cfg.data_listen != "auto" or tcp is None or tcp[1] == 0:
                 raise OSError(f"--data-listen: cannot bind {tcp[0]}:{tcp[1]}: {e}") from e
             # gRPC port + 1 is taken: any port will do, clients learn it from Info.
             log.warning("data plane port %d in use (%s); binding a free port instead", tcp[1], e)
-            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx)
+            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx, self.admission)
         self.metrics_server = None
         self.manager_link = None
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
+# gRPC metadata in which a caller declares its request message's size (grpcadmit.py).
+BODY_BYTES_HEADER = "x-mlcache-body-bytes"
+
 # ---- ids: 32 bytes, derived by the client from content digests; the server
 # only checks their shape.
 ID_LEN = 32

@@ -6,6 +6,7 @@ import hashlib
 import select
 import socket
 import time
+import urllib.parse
 
 import h2.config
 import h2.connection
@@ -20,9 +21,10 @@ SENT = 40 << 20
 
 
 class StalledPut:
-    """A gRPC Put whose message announces MESSAGE bytes, of which SENT are sent."""
+    """A gRPC Put whose message announces `message` bytes, of which `sent` are sent."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, message: int = MESSAGE, sent: int = SENT,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
@@ -30,10 +32,11 @@ class StalledPut:
         self.sid = self.conn.get_next_available_stream_id()
         self.conn.send_headers(self.sid, [(":method", "POST"), (":scheme", "http"),
                                           (":path", "/mlcache.v1.Cache/Put"), (":authority", address),
-                                          ("content-type", "application/grpc"), ("te", "trailers")])
+                                          ("content-type", "application/grpc"), ("te", "trailers"),
+                                          *headers])
         self.events: list = []
         self.closed = self.ended = False
-        payload = b"\0" + MESSAGE.to_bytes(4, "big") + bytes(SENT)
+        payload = b"\0" + message.to_bytes(4, "big") + bytes(sent)
         at, deadline = 0, time.monotonic() + 30
         while at < len(payload) and not self.status() and time.monotonic() < deadline and not self.closed:
             n = min(self.conn.local_flow_control_window(self.sid), self.conn.max_outbound_frame_size,
@@ -63,11 +66,14 @@ class StalledPut:
         self.sock.sendall(self.conn.data_to_send())
 
     def status(self) -> str | None:
+        return self.trailer(b"grpc-status")
+
+    def trailer(self, name: bytes) -> str | None:
         for e in self.events:
             if isinstance(e, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
                 headers = {bytes(k): bytes(v) for k, v in e.headers}
-                if b"grpc-status" in headers:
-                    return headers[b"grpc-status"].decode()
+                if name in headers:
+                    return urllib.parse.unquote(headers[name].decode())
         return None
 
 
