@@ -29,6 +29,7 @@ from google.protobuf import json_format
 
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
+from cacheserver.roles import metadata as roles_metadata
 from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
 
@@ -158,8 +159,10 @@ def _int64_fields(msg: Any, d: dict[str, Any]) -> dict[str, Any]:
 
 
 class ManagerClient:
-    def __init__(self, address: str, *, tls: TlsFiles | None = None, timeout: float = 1.0) -> None:
+    def __init__(self, address: str, *, tls: TlsFiles | None = None, timeout: float = 1.0,
+                 cluster_token: bytes | None = None) -> None:
         self.address = address
+        self._role_md = roles_metadata(cluster_token) or ()  # the manager's role: Status shows every job
         self.timeout = timeout
         self.channel = grpc_channel(address, tls, FAST_RECONNECT)
         self.stub = mpb_grpc.ManagerStub(self.channel)
@@ -180,8 +183,11 @@ class ManagerClient:
         with self._lock:
             self._tokens[job] = token
 
-    def _call(self, method: str, request: Any, timeout: float | None = None, job: str | None = None) -> Any:
-        md = jobtokens.metadata(self.job_token(job)) if job else None
+    def _call(self, method: str, request: Any, timeout: float | None = None, job: str | None = None,
+              extra: tuple[tuple[str, str], ...] = ()) -> Any:
+        """Call ``method`` with the cluster token (if given), ``job``'s token and ``extra`` metadata."""
+        job_md = (jobtokens.metadata(self.job_token(job)) if job else None) or ()
+        md = self._role_md + job_md + extra or None
         try:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=md)
         except grpc.RpcError as e:
@@ -226,8 +232,8 @@ class ManagerClient:
         return BatchReply(_mode_name(r.mode), r.plan_version)
 
     def get_plan(self, dataset: str, job: str = "") -> Plan:
-        return self._remember(Plan.from_message(self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job))),
-                              job)
+        r = self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job), job=job or None)
+        return self._remember(Plan.from_message(r), job)
 
     def release_chunk(self, job: str, dataset: str, chunk: int) -> Plan:
         """The job finished its pass over ``chunk``; returns its next plan."""
@@ -242,7 +248,7 @@ class ManagerClient:
             with self._lock:
                 job = self._jobs.get(dataset, "")
         r = self._call("ReportLoaded", mpb.ReportLoadedRequest(dataset=dataset, chunk=chunk, fraction=fraction,
-                                                               job=job))
+                                                               job=job), job=job or None)
         return self._remember(Plan.from_message(r), job)
 
     def unregister_job(self, job: str) -> None:
@@ -281,7 +287,12 @@ class ManagerClient:
         return ring
 
     def status(self, timeout: float | None = None) -> mpb.StatusResponse:
-        return self._call("Status", mpb.StatusRequest(), timeout)
+        """The manager's Status: everything with the cluster token, else the jobs this
+        client holds tokens of (statusview.py) and aggregates of the rest."""
+        with self._lock:
+            tokens = sorted(set(self._tokens.values()))
+        return self._call("Status", mpb.StatusRequest(), timeout,
+                          extra=tuple((jobtokens.TOKEN_HEADER, t) for t in tokens))
 
     def status_dict(self, timeout: float | None = None) -> dict[str, Any]:
         """Status as a JSON-ready dict (field names as in manager.proto; enums by name)."""

@@ -24,7 +24,7 @@ from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.runtime import bind_grpc, run_until_signal
 from cacheserver.sizes import parse_size
-from cacheserver.roles import read_token
+from cacheserver.roles import Roles, read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
 from .actuator import Actuator, desired_from
@@ -68,10 +68,14 @@ class ManagerDaemon:
         self.cfg = cfg
         self.counters = Counters(MANAGER_COUNTERS)
         self.clock = time.time  # wall clock: journaled times must mean the same after a restart
+        token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
+        if token is None and cfg.tls is None:
+            log.warning("no --cluster-token-file: every caller has the manager's role and sees every "
+                        "tenant's jobs in Status (docs/security.md)")
         self.actuator = Actuator(lambda: self.store.read(desired_from),
                                  lambda: self.store.read(lambda m: m.registry.addresses()),
                                  tls=cfg.tls, timeout=cfg.server_timeout_s, counters=self.counters,
-                                 token=read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None)
+                                 token=token)
         self.store = StateStore(cfg.state_dir, cfg.model, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync,
                                 clock=self.clock, on_effects=self.actuator.submit)
         self.store.open()
@@ -79,7 +83,8 @@ class ManagerDaemon:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(32, thread_name_prefix="grpc"),
                                 options=[("grpc.so_reuseport", 0)])
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
-                                      decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling)
+                                      decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
+                                      roles=Roles(token, tls=cfg.tls is not None))
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -136,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     add_tls_flags(p, serves=True, peers="servers and clients", cert_note=", also towards servers")
     p.add_argument("--cluster-token-file", default=None, metavar="FILE",
-                   help="the servers' --cluster-token-file: sent with mode changes and evictions")
+                   help="the servers' --cluster-token-file: sent with mode changes and evictions; callers "
+                        "that send it see every job in Status and may report chunk loads without a job")
     p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
     p.add_argument("--heartbeat-misses", type=int, default=3,
                    help="a server missing this many heartbeats leaves the ring")

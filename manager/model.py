@@ -170,6 +170,8 @@ class ManagerModel:
             if old.dataset != ds:
                 raise Rejected("FAILED_PRECONDITION",
                                f"job {job} is registered on dataset {old.dataset}; unregister it first")
+            if not old.token_hash and ev.get("token_hash"):  # from a state before tokens: the first one binds it
+                self.jobs[job] = replace(old, token_hash=str(ev["token_hash"]))
             return []  # a client retrying, or re-attaching after a manager restart
         if rec is None:
             rec = self.datasets[ds] = DatasetRecord(ds, size, n)

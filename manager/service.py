@@ -16,7 +16,10 @@ from cacheserver.counters import Counters
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 
-from . import jobtokens
+from cacheserver.identity import grpc_identity
+from cacheserver.roles import Roles
+
+from . import jobtokens, statusview
 from .membership import Liveness
 from .model import ManagerModel, Rejected
 from .pipelines import PipelineRecord, pipeline_key
@@ -58,8 +61,9 @@ def _mode(m: ManagerModel, job: str) -> int:
 
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
-                 counters: Counters, scaling: WorkerScaling | None = None) -> None:
+                 counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None) -> None:
         self.store = store
+        self.roles = roles or Roles(None)  # the manager's role: full Status, ReportLoaded without a job
         self.scaling = scaling or WorkerScaling()
         self.liveness = liveness
         self.heartbeat_s = heartbeat_s
@@ -79,6 +83,19 @@ class ManagerService(mpb_grpc.ManagerServicer):
                            f"job {job!r} is registered with a token this caller did not send: only the job "
                            f"acts as itself (the ranks of one job share {jobtokens.SECRET_ENV}, or torchrun's "
                            "run id; docs/security.md)")
+
+    def _may_report_loaded(self, dataset: str, job: str, context) -> None:
+        """A load report moves a dataset's chunks on: only from a job registered on it (or on
+        the dataset a transformed tag derives from), with its token, or the manager's role."""
+        if self.roles.is_manager(context):
+            return
+        rec = self.store.model.jobs.get(job)
+        if rec is None or dataset.split("+t", 1)[0] != rec.dataset:
+            self.counters.add("job_token_refused")
+            raise Rejected("PERMISSION_DENIED",
+                           f"ReportLoaded changes the chunk states of dataset {dataset[:16]}: it needs the job "
+                           f"registered on it and that job's token (got job {job!r}), or the manager's role")
+        self._act_as(job, context)
 
     # ---------------------------------------------------------------- servers
     def _join_if_needed(self, sid: str, address: str, capacity: int, now: float) -> None:
@@ -126,8 +143,12 @@ class ManagerService(mpb_grpc.ManagerServicer):
         token = jobtokens.presented(context)
         with self.store.lock:
             self._act_as(request.job, context)
-            if request.job not in self.store.model.jobs:
+            old = self.store.model.jobs.get(request.job)
+            if old is None or not old.token_hash:
                 token = token or jobtokens.new_token()
+            if old is not None and not old.token_hash:  # the model gives it this token
+                log.warning("job %s, from a state written before job tokens, now takes the token of this "
+                            "registration (from %s)", request.job, grpc_identity(context))
             self.store.submit({"type": "job_register", "job": request.job, "dataset": request.dataset,
                                "dataset_bytes": request.dataset_bytes, "n_items": request.n_items,
                                "n_gpus": request.n_gpus, "token_hash": jobtokens.token_hash(token or "")})
@@ -158,6 +179,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
     @_rpc
     def GetPlan(self, request: mpb.GetPlanRequest, context) -> mpb.Plan:
         with self.store.lock:
+            self._act_as(request.job, context)  # "" asks for the dataset-wide plan: its fingerprint is the key
             if request.job in self.store.model.jobs:
                 self.liveness.touch_job(request.job, self._now())
             return plan_message(self.store.model.plan(request.dataset, request.job))
@@ -176,6 +198,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         if not 0.0 <= request.fraction <= 1.0:
             raise Rejected("INVALID_ARGUMENT", f"fraction must be in [0, 1], got {request.fraction}")
         with self.store.lock:
+            self._may_report_loaded(request.dataset, request.job, context)
             self.store.submit({"type": "loaded", "dataset": request.dataset, "chunk": request.chunk,
                                "fraction": request.fraction})
             return plan_message(self.store.model.plan(request.dataset, request.job))
@@ -235,8 +258,13 @@ class ManagerService(mpb_grpc.ManagerServicer):
     def Status(self, request: mpb.StatusRequest, context) -> mpb.StatusResponse:
         now = self._now()
         with self.store.lock:
-            return build_status(self.store.model, self.liveness, now, seq=self.store.seq,
-                                heartbeat_s=self.heartbeat_s, decision_s=self.decision_s)
+            m = self.store.model
+            r = build_status(m, self.liveness, now, seq=self.store.seq,
+                             heartbeat_s=self.heartbeat_s, decision_s=self.decision_s)
+            if self.roles.is_manager(context):
+                return r
+            jobs = statusview.visible_jobs(m.jobs, statusview.presented_tokens(context))
+            return statusview.restrict(r, jobs, {m.jobs[j].dataset for j in jobs})
 
 
 def decision_message(rec: PipelineRecord) -> mpb.AutocacheDecision:

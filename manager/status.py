@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.proto import manager_pb2 as mpb
+from cacheserver.roles import read_token
 from cacheserver.tls import add_tls_flags, tls_from_args
 from cacheserver.vocab import CacheMode, Option
 
@@ -32,6 +33,9 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--manager", required=True, metavar="ADDR", help="cache manager gRPC address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_tls_flags(p, serves=False, peers="the manager")
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="the manager's --cluster-token-file: without it (or a manager certificate under mTLS) "
+                        "other tenants' jobs and datasets are left out, only counted")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
     return p
@@ -43,11 +47,12 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     try:
         tls = tls_from_args(args)
+        token = read_token(args.cluster_token_file) if args.cluster_token_file else None
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     try:
-        with ManagerClient(args.manager, tls=tls, timeout=args.timeout) as mc:
+        with ManagerClient(args.manager, tls=tls, timeout=args.timeout, cluster_token=token) as mc:
             doc = mc.status_dict()
     except ManagerError as e:
         print(f"{PROG}: {' '.join(str(e).split())}", file=sys.stderr)
@@ -102,6 +107,9 @@ def render(d: dict[str, Any], address: str = "") -> str:
              f"journal seq {d.get('journal_seq', 0)}"]
     lines += ["", "SERVERS", *_servers(servers), "", "DATASETS", *_datasets(d.get("datasets", [])),
               "", "JOBS", *_jobs(d.get("jobs", []))]
+    if d.get("other_jobs") or d.get("other_datasets"):
+        lines += ["", f"  ({d.get('other_jobs', 0)} other jobs and {d.get('other_datasets', 0)} other datasets "
+                      "not shown: they are other tenants'; --cluster-token-file shows them)"]
     if d.get("pipelines"):
         lines += ["", "AUTOCACHE (per dataset and pipeline)", *_pipelines(d["pipelines"])]
     decisions = d.get("decisions", [])

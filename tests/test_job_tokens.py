@@ -1,5 +1,6 @@
 """Issue 12 item 7: only a job acts as itself (its token, issued at registration); real daemons."""
 import base64
+import json
 import os
 import time
 
@@ -27,11 +28,16 @@ def lone_process(monkeypatch):
 
 
 @pytest.fixture
-def cluster(tmp_path, lone_process):
-    token = base64.b64encode(os.urandom(32))
+def token_file(tmp_path):
     path = tmp_path / "cluster.token"
-    path.write_bytes(token)
+    path.write_bytes(base64.b64encode(os.urandom(32)))
     path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path, lone_process, token_file):
+    path = token_file
     m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "300kB", "--chunk-size", "100kB",
                      "--cluster-token-file", str(path)).start()
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--cluster-token-file", str(path),
@@ -126,3 +132,74 @@ def test_job_token_derivation():
         jobtokens.job_token("j", {"MASTER_ADDR": "h", "MASTER_PORT": "2"})
     assert jobtokens.matches("t", jobtokens.token_hash("t")) and not jobtokens.matches("u", jobtokens.token_hash("t"))
     assert not jobtokens.matches(None, jobtokens.token_hash("t")) and jobtokens.matches(None, "")
+
+
+def test_plans_and_load_reports_need_the_jobs_token(cluster, token_file):
+    m, _ = cluster
+    with ManagerClient(m.address, timeout=5) as owner, ManagerClient(m.address, timeout=5) as intruder, \
+            ManagerClient(m.address, timeout=5, cluster_token=token_file.read_bytes().strip()) as admin:
+        owner.register_job("victim", DS_CH, 1_000_000, 100)
+        intruder.register_job("other", DS, 50_000, 10)
+        # A job's plan and load reports are the job's: GetPlan names it, ReportLoaded moves
+        # its dataset's chunks on (a false 1.0 would activate a chunk not loaded).
+        assert "token this caller did not send" in _refused(lambda: intruder.get_plan(DS_CH, "victim"))
+        _refused(lambda: intruder.report_loaded(DS_CH, 0, 1.0, job="victim"))
+        why = _refused(lambda: intruder.report_loaded(DS_CH, 0, 1.0, job=""))
+        assert "needs the job registered on it" in why, why
+        _refused(lambda: intruder.report_loaded(DS_CH, 0, 1.0, job="other"))  # its job is on another dataset
+        assert intruder.get_plan(DS_CH).option  # the dataset-wide plan: its fingerprint is the key
+        # The job itself, and the manager's role, may.
+        assert owner.report_loaded(DS_CH, 0, 0.5).dataset == DS_CH
+        assert owner.get_plan(DS_CH, "victim").dataset == DS_CH
+        assert admin.report_loaded(DS_CH, 0, 1.0, job="").dataset == DS_CH
+        assert owner.get_plan(DS_CH, "victim").chunks == (0,)
+
+
+def test_status_shows_a_caller_only_its_own_jobs(cluster, token_file):
+    m, _ = cluster
+    with ManagerClient(m.address, timeout=5) as owner, ManagerClient(m.address, timeout=5) as other, \
+            ManagerClient(m.address, timeout=5) as anonymous, \
+            ManagerClient(m.address, timeout=5, cluster_token=token_file.read_bytes().strip()) as admin:
+        owner.register_job("victim", DS_CH, 1_000_000, 100)
+        other.register_job("other", DS, 50_000, 10)
+        mine = other.status_dict()
+        assert [j["job"] for j in mine["jobs"]] == ["other"]
+        assert [d["dataset"] for d in mine["datasets"]] == [DS]
+        assert (mine["other_jobs"], mine["other_datasets"]) == (1, 1)
+        assert "victim" not in str(other.status()) and DS_CH not in str(other.status())
+        assert mine["budget"] and mine["servers"]  # the aggregates stay
+        none = anonymous.status_dict()
+        assert (none["jobs"], none["datasets"], none["decisions"]) == ([], [], [])
+        assert (none["other_jobs"], none["other_datasets"]) == (2, 2)
+        everything = admin.status_dict()
+        assert sorted(j["job"] for j in everything["jobs"]) == ["other", "victim"]
+        assert everything["other_jobs"] == 0
+
+
+def test_a_job_from_a_state_before_tokens_is_bound_by_its_next_registration(tmp_path, lone_process, token_file):
+    state = tmp_path / "m"
+    state.mkdir()
+    ev = {"type": "job_register", "job": "old", "dataset": DS, "dataset_bytes": 50_000, "n_items": 10,
+          "n_gpus": 1, "now": time.time()}  # as a manager before job tokens journaled it
+    (state / "journal.jsonl").write_text(json.dumps({"seq": 1, "ev": ev}) + "\n")
+    m = cachemanager(str(state), 0, "--cluster-token-file", str(token_file)).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as first, ManagerClient(m.address, timeout=5) as later:
+            assert later.status_dict()["other_jobs"] == 1  # no token: only the manager's role sees it
+            token = first.register_job("old", DS, 50_000, 10).token  # the first caller binds it
+            assert len(token) == 64
+            _refused(lambda: later.register_job("old", DS, 50_000, 10))
+            _refused(lambda: later.report_batches("old", _batches()))
+            first.report_batches("old", _batches())
+            assert [j["job"] for j in first.status_dict()["jobs"]] == ["old"]
+        log = (state / "manager.log").read_text()
+        assert "job old, from a state written before job tokens, now takes the token" in log
+    finally:
+        m.kill()
+    # The binding is journaled: a restarted manager keeps it.
+    m = cachemanager(str(state), 0, "--cluster-token-file", str(token_file)).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as later:
+            _refused(lambda: later.unregister_job("old"))
+    finally:
+        m.kill()

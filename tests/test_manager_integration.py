@@ -263,14 +263,14 @@ def test_manager_kill9_restart_restores_identical_state(cluster, snapshot_every)
         after = status(mc)
         assert _comparable(after) == _comparable(before)
         assert after["state_digest"] == before["state_digest"]  # the rest of the state, too
+        # Jobs re-attach with their tokens (journaled): their plans, reports and releases just work.
+        for job, token in tokens.items():
+            mc.set_job_token(job, token)
         assert mc.get_plan(DS_CH, "j2") == plan_j2
         # Servers re-attach: heartbeats arrive, nobody left the ring.
         wait_for(lambda: all(s["last_heartbeat_age"] >= 0 for s in status(mc)["servers"]),
                  what="heartbeats after the restart")
         assert ring(mc).version == int(before["ring_version"])
-        # Jobs re-attach with their tokens (journaled): their next reports and releases just work.
-        for job, token in tokens.items():
-            mc.set_job_token(job, token)
         mc.report_batches("j1", [(time.time(), 0.05, None)])
         assert mc.release_chunk("j2", DS_CH, 0).chunks == (1,)
         assert mc.register_job("j1", DS_CH, 1_000_000, 100, n_gpus=2).plan.chunks == (1,)
@@ -343,9 +343,14 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
                 plain.get_ring()
         parser = argparse.ArgumentParser()
         add_status_parser(parser.add_subparsers(dest="command"))
-        tls_args = ["--tls-cert", str(b.client_cert), "--tls-key", str(b.client_key), "--tls-ca", str(b.ca)]
-        out = io.StringIO()
         from manager.status import run_status
+        client_args = ["--tls-cert", str(b.client_cert), "--tls-key", str(b.client_key), "--tls-ca", str(b.ca)]
+        out = io.StringIO()  # a client certificate: other tenants' jobs are only counted
+        assert run_status(parser.parse_args(["status", "--manager", m.address, *client_args]), out) == 0
+        assert "job-tls" not in out.getvalue() and DS_IO[:16] not in out.getvalue()
+        assert "1 other jobs and 1 other datasets not shown" in out.getvalue()
+        tls_args = mgr_tls  # the manager's certificate: everything
+        out = io.StringIO()
         assert run_status(parser.parse_args(["status", "--manager", m.address, *tls_args]), out) == 0
         text = out.getvalue()
         assert s.address in text and "job-tls" in text and "probe_bypass" in text and "full" in text
