@@ -5,11 +5,13 @@ RESOURCE_EXHAUSTED "server busy"; a caller that sends more than it declared is
 refused. Real daemons; raw HTTP/2 senders (test_hardening_grpc.StalledPut)
 that send part of a Put and stall."""
 import hashlib
+import logging
 import time
 
 import grpc
 import pytest
 
+from cacheserver.client.ring_client import RingClient
 from cacheserver.client.server_client import ServerClient
 from cacheserver.proto import cache_pb2 as pb
 from cacheserver.vocab import BODY_BYTES_HEADER
@@ -54,7 +56,7 @@ def test_stalled_grpc_senders_cannot_pass_the_byte_budget(tmp_path):
         assert s.stop() == 0
 
 
-def test_a_client_put_past_the_budget_is_busy_then_admitted_once_it_frees(tmp_path):
+def test_a_client_put_past_the_budget_is_busy_then_admitted_once_it_frees(tmp_path, caplog):
     s = _server(tmp_path)
     stalled = StalledPut(s.address, MESSAGE, SENT, _declared(MESSAGE))  # holds 40 of the 48 MiB
     value = bytes(range(256)) * (16 * MiB // 256)
@@ -65,6 +67,15 @@ def test_a_client_put_past_the_budget_is_busy_then_admitted_once_it_frees(tmp_pa
                 c.put([item])
             assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "server busy" in busy.value.details() and "retry later" in busy.value.details()
+            # A ring takes it as it takes the data plane's busy: that server's share is a miss
+            # for its back-off, nothing is raised, the reason is logged.
+            ring = RingClient([s.address], use_dataplane=False, down_backoff=0.2)
+            try:
+                with caplog.at_level(logging.WARNING, logger="cacheserver.ring"):
+                    assert ring.put([item]) == 0 and ring.errors == 1
+                assert "server busy" in caplog.text
+            finally:
+                ring.close()
             stalled.sock.close()  # its call is cancelled: its reservation goes back
             deadline, stored = time.monotonic() + 10, None
             while stored is None and time.monotonic() < deadline:
