@@ -46,6 +46,11 @@ def transformed_tag(dataset_tag: str, fingerprint: str) -> str:
     return f"{dataset_tag}+t{fingerprint[:16]}"
 
 
+def source_tag(tag: str) -> str:
+    """The dataset a transformed tag derives from (a plain dataset tag is its own)."""
+    return tag.split("+t", 1)[0]
+
+
 class CacheMode(str, Enum):
     NORMAL = "normal"
     BYPASS = "bypass"

@@ -13,11 +13,11 @@ import grpc
 from google.protobuf import json_format
 
 from cacheserver.counters import Counters
+from cacheserver.identity import grpc_identity
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-
-from cacheserver.identity import grpc_identity
 from cacheserver.roles import Roles
+from cacheserver.vocab import source_tag
 
 from . import jobtokens, statusview
 from .membership import Liveness
@@ -90,7 +90,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         if self.roles.is_manager(context):
             return
         rec = self.store.model.jobs.get(job)
-        if rec is None or dataset.split("+t", 1)[0] != rec.dataset:
+        if rec is None or source_tag(dataset) != rec.dataset:
             self.counters.add("job_token_refused")
             raise Rejected("PERMISSION_DENIED",
                            f"ReportLoaded changes the chunk states of dataset {dataset[:16]}: it needs the job "

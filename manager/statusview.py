@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from cacheserver.proto import manager_pb2 as mpb
+from cacheserver.vocab import source_tag
 
 from . import jobtokens
 
@@ -34,7 +35,7 @@ def visible_jobs(jobs: Mapping[str, Any], tokens: Iterable[str]) -> set[str]:
 
 
 def _of_jobs(dataset: str, roots: Collection[str]) -> bool:
-    return dataset.split("+t", 1)[0] in roots  # a transformed tag (vocab.transformed_tag) is its source's
+    return source_tag(dataset) in roots  # a transformed tag is its source dataset's
 
 
 def _keep(repeated: Any, keep: Any) -> None:
