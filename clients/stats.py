@@ -6,6 +6,7 @@ travels to workers by pickling (multiprocessing shares the memory)."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +33,21 @@ def worker_row() -> int:
 class SharedCounters:
     def __init__(self) -> None:
         self._arr = multiprocessing.get_context("spawn").RawArray("q", MAX_ROWS * len(FIELDS))
+        # a process's row is added to from several threads at once (tf_dataset's parallel reads)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"_arr": self._arr}
+
+    def __setstate__(self, state: dict) -> None:
+        self._arr = state["_arr"]
+        self._lock = threading.Lock()
 
     def add(self, row: int, **counts: int) -> None:
         base = (row % MAX_ROWS) * len(FIELDS)
-        for name, n in counts.items():
-            self._arr[base + FIELDS.index(name)] += n
+        with self._lock:
+            for name, n in counts.items():
+                self._arr[base + FIELDS.index(name)] += n
 
     def totals(self) -> dict[str, int]:
         out = dict.fromkeys(FIELDS, 0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 _END = np.empty(0, dtype=object)
+_NO_TICKET = np.int64(-1)
 
 
 class Feed:
@@ -74,3 +75,110 @@ def batches_dataset(feed: Feed) -> "tf.data.Dataset":
     batches = tf.data.Dataset.range(np.iinfo(np.int64).max).map(lambda call: tf.ensure_shape(
         tf.numpy_function(feed.next_batch, [call], tf.string, stateful=True), [None]))
     return batches.take_while(lambda b: tf.size(b) > 0)
+
+
+class EpochReads(Protocol):
+    """One epoch as TicketFeed drives it (tf_source.py makes them)."""
+
+    def plan(self) -> Any:
+        """The next batch to read (the sampler's indices), None at the epoch's end."""
+
+    def read(self, batch: Any) -> np.ndarray:
+        """The batch's items (a numpy object array of bytes)."""
+
+    def delivered(self) -> None:
+        """A batch read was handed over (the epoch's stats)."""
+
+    def finish(self, complete: bool) -> None:
+        """The epoch ended: all its batches were handed over (complete), or it stopped."""
+
+
+class TicketFeed:
+    """Several batches read at once, handed over in the sampler's order.
+
+    A sequential map plans each batch (the sampler's next one, in order: call 0
+    starts a new epoch, as Feed's) and answers a ticket; a parallel map with
+    `deterministic=True` reads the tickets, up to `parallel` at once, in
+    TensorFlow's threads, and TensorFlow hands their batches on in ticket order.
+    Reads overlap where they let go of the GIL (AES-GCM decryption, hashing,
+    the store's fetches) and with each other's Python. The epoch ends when the
+    sampler has none left and every ticket planned has been read. Tickets
+    count on across epochs: a read of a ticket from an epoch abandoned
+    meanwhile answers an empty batch (that iteration is gone)."""
+
+    def __init__(self, begin: Callable[[], EpochReads]) -> None:
+        self.begin = begin
+        self._lock = threading.Lock()
+        self._epoch: EpochReads | None = None
+        self._todo: dict[int, Any] = {}  # ticket -> batch planned, not yet taken by a read
+        self._next = 0  # the next ticket
+        self._reading = 0  # tickets planned in this epoch whose reads have not finished
+        self._planned_all = False
+
+    def plan(self, call: np.int64) -> np.int64:
+        """The ticket of the next batch (`call`: the iteration's count of calls; 0
+        starts an epoch), -1 at the epoch's end."""
+        with self._lock:
+            if call == 0:
+                self._end(False)  # an epoch left open was stopped early
+                self._epoch = self.begin()
+            if self._epoch is None or self._planned_all:
+                return _NO_TICKET
+            try:
+                batch = self._epoch.plan()
+            except BaseException:
+                self._end(False)
+                raise
+            if batch is None:
+                self._planned_all = True
+                if not self._reading:
+                    self._end(True)
+                return _NO_TICKET
+            ticket, self._next = self._next, self._next + 1
+            self._todo[ticket] = batch
+            self._reading += 1
+            return np.int64(ticket)
+
+    def read(self, ticket: np.int64) -> np.ndarray:
+        """The items of the batch planned under `ticket` (read outside the lock)."""
+        with self._lock:
+            batch, epoch = self._todo.pop(int(ticket), None), self._epoch
+        if batch is None or epoch is None:
+            return _END
+        try:
+            out = epoch.read(batch)
+        except BaseException:
+            with self._lock:
+                if self._epoch is epoch:
+                    self._end(False)
+            raise
+        with self._lock:
+            if self._epoch is epoch:
+                epoch.delivered()
+                self._reading -= 1
+                if self._planned_all and not self._reading:
+                    self._end(True)
+        return out
+
+    def _end(self, complete: bool) -> None:
+        epoch, self._epoch = self._epoch, None
+        self._todo.clear()
+        self._reading, self._planned_all = 0, False
+        if epoch is not None:
+            epoch.finish(complete)
+
+    def close(self) -> None:
+        """Ends an iteration left open (it is recorded as stopped early)."""
+        with self._lock:
+            self._end(False)
+
+
+def ticket_batches_dataset(feed: TicketFeed, parallel: int) -> "tf.data.Dataset":
+    """The dataset of feed's batches (tf.string vectors), up to `parallel` read at once."""
+    import tensorflow as tf
+
+    tickets = tf.data.Dataset.range(np.iinfo(np.int64).max).map(lambda call: tf.ensure_shape(
+        tf.numpy_function(feed.plan, [call], tf.int64, stateful=True), []))
+    tickets = tickets.take_while(lambda t: t >= 0)
+    return tickets.map(lambda t: tf.ensure_shape(tf.numpy_function(feed.read, [t], tf.string, stateful=True), [None]),
+                       num_parallel_calls=parallel, deterministic=True)

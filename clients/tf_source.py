@@ -40,13 +40,14 @@ from .digest import Digest
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
 from . import tf_transform
-from .tf_batches import Feed, batches_dataset
+from .tf_batches import Feed, TicketFeed, batches_dataset, ticket_batches_dataset
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
 READ_BATCH = 64  # items per Python call (and per sampler batch)
 READ_AHEAD = 4  # batches read ahead of the one the pipeline is taking (a prefetch of batches)
+READ_PARALLEL = 2  # batches read at once (TicketFeed), in TensorFlow's threads
 
 
 class TFSource(EpochLog):
@@ -54,14 +55,16 @@ class TFSource(EpochLog):
     epoch log (`epoch_stats`, `batch_times`, callbacks), as on the PyTorch loader."""
 
     def __init__(self, cached: CachedDataset, sampler: SubstitutableBatchSampler, read_ahead: int,
-                 engine: Any = None) -> None:
+                 engine: Any = None, read_parallel: int = 1) -> None:
         super().__init__()
         self.cached = cached
         self.sampler = sampler
         self.read_ahead = max(0, read_ahead)
+        self.read_parallel = max(1, read_parallel)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self.autocache: Any = None  # clients.autocache.Autocache in a mode other than source (transform or map_fn)
         self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
+        self.tickets = TicketFeed(lambda: _EpochReads(self))  # the same, read_parallel batches at once
         self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
@@ -95,14 +98,20 @@ class TFSource(EpochLog):
         `read_ahead` batches (tf_dataset) runs this in a thread of TensorFlow's, so the
         reads overlap with the pipeline's own work without a thread of ours (no hand-off)."""
         for batch in self.sampler:
-            items = self.cached.__getitems__(batch)
+            items = self.read(batch)
             run.batch()
-            out = np.empty(len(items), dtype=object)  # converts to a tf.string tensor in C++
-            out[:] = items
-            yield out
+            yield items
+
+    def read(self, batch: list[int]) -> np.ndarray:
+        """A batch's items as a numpy object array (converted to a tf.string tensor in C++)."""
+        items = self.cached.__getitems__(batch)
+        out = np.empty(len(items), dtype=object)
+        out[:] = items
+        return out
 
     def close(self) -> None:
         self.feed.close()
+        self.tickets.close()
         if self.preprocess is not None:  # stops the preprocessing workers
             self.preprocess.close()
         if self.autocache is not None:
@@ -110,9 +119,32 @@ class TFSource(EpochLog):
         self.cached.close()
 
 
+class _EpochReads:
+    """One epoch of a TFSource's batches as TicketFeed drives it (tf_batches.EpochReads):
+    the sampler plans in order, reads run in several of TensorFlow's threads at once."""
+
+    def __init__(self, source: TFSource) -> None:
+        self.source = source
+        self.run = EpochRun(source.cached, source.sampler, source)
+        self.batches = iter(source.sampler)
+
+    def plan(self) -> list[int] | None:
+        return next(self.batches, None)
+
+    def read(self, batch: list[int]) -> np.ndarray:
+        return self.source.read(batch)
+
+    def delivered(self) -> None:
+        self.run.batch()
+
+    def finish(self, complete: bool) -> None:
+        self.run.finish(complete, None, self.source.autocache)
+
+
 def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = None,
                manager: str | None = None, job: str | None = None, seed: int = 0, *,
-               read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, lookahead: int = 10,
+               read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, read_parallel: int = READ_PARALLEL,
+               lookahead: int = 10,
                substitute: bool = True, miss_seed: int | None = None, map_fn: Callable[[Any], Any] | None = None,
                num_workers: int | None = None, rank: int | None = None, world_size: int | None = None,
                transform: Any = None, autocache: str = "source", epochs: int | None = None,
@@ -137,6 +169,8 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
+    if read_parallel < 1:
+        raise ValueError(f"read_parallel must be >= 1, got {read_parallel}")
     options = _check_arguments(read_batch, rank, world_size, map_fn, num_workers, dataset_kwargs)
     if autocache != "source" and transform is None and map_fn is None:
         raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= "
@@ -153,7 +187,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
             engine, ac = tf_transform.make_engine(cached, map_fn, num_workers, seed, options, autocache, epochs)
             if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
                 sampler.lookup = ac.lookup_codes
-        source = TFSource(cached, sampler, read_ahead, engine)
+        source = TFSource(cached, sampler, read_ahead, engine, read_parallel)
         source.autocache = ac
     except BaseException:
         if engine is not None:
@@ -201,7 +235,8 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
 
         return transformed_dataset(source, transform, autocache, epochs)
     if engine is None:
-        batches = batches_dataset(source.feed)
+        batches = (batches_dataset(source.feed) if source.read_parallel == 1
+                   else ticket_batches_dataset(source.tickets, source.read_parallel))
         if source.read_ahead:  # reads in a thread of TensorFlow's, read_ahead batches ahead
             batches = batches.prefetch(source.read_ahead)
         ds = batches.unbatch()

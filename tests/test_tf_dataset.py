@@ -78,10 +78,12 @@ def test_exactly_once_per_epoch_with_partial_cache(shards, ring3, fraction):
         warm.close()
 
 
-@pytest.mark.parametrize("read_ahead", [0, 4], ids=["in-tf-thread", "read-ahead"])
-def test_repeat_gives_new_epochs_with_new_orders(shards, tmp_path, read_ahead):
+@pytest.mark.parametrize("read_ahead,read_parallel", [(0, 1), (4, 1), (4, 3)],
+                         ids=["in-tf-thread", "read-ahead", "parallel-reads"])
+def test_repeat_gives_new_epochs_with_new_orders(shards, tmp_path, read_ahead, read_parallel):
     digest, _, records = shards
-    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=3, read_ahead=read_ahead)
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=3, read_ahead=read_ahead,
+                    read_parallel=read_parallel)
     try:
         got = epoch(ds.repeat(3))
         orders = [got[k * N:(k + 1) * N] for k in range(3)]
@@ -95,9 +97,32 @@ def test_repeat_gives_new_epochs_with_new_orders(shards, tmp_path, read_ahead):
         ds.mlcache.close()
 
 
-def test_server_killed_mid_epoch_no_error_exactly_once(shards, ring3):
+def test_parallel_reads_keep_the_serial_order_and_the_counts(shards, tmp_path):
+    """read_parallel=3 reads three batches at once: the same items in the same order per
+    seed as one at a time (tickets are planned in order and handed on in order), each
+    exactly once, and the same hit, miss and insert counts (the counters take concurrent adds)."""
     digest, _, records = shards
-    ds = tf_dataset(digest, cache=",".join(s.address for s in ring3), read_batch=16, read_ahead=2, seed=4)
+    made = {p: tf_dataset(digest, cache_dir=str(tmp_path / f"emb{p}"), capacity="64MB", seed=7, miss_seed=1,
+                          read_batch=16, read_parallel=p) for p in (1, 3)}
+    try:
+        runs = {p: [epoch(ds), epoch(ds)] for p, ds in made.items()}  # a cold epoch, then all hits
+        assert runs[3] == runs[1]
+        for got in runs[3]:
+            assert Counter(got) == Counter(records)
+        for p, ds in made.items():
+            e = ds.mlcache.epoch_stats
+            assert [(s.misses, s.hits, s.inserted, s.items, s.batches, s.complete) for s in e] == [
+                (N, 0, N, N, N // 16, True), (0, N, 0, N, N // 16, True)], p
+    finally:
+        for ds in made.values():
+            ds.mlcache.close()
+
+
+@pytest.mark.parametrize("read_parallel", [1, 3], ids=["serial", "parallel-reads"])
+def test_server_killed_mid_epoch_no_error_exactly_once(shards, ring3, read_parallel):
+    digest, _, records = shards
+    ds = tf_dataset(digest, cache=",".join(s.address for s in ring3), read_batch=16, read_ahead=2, seed=4,
+                    read_parallel=read_parallel)
     try:
         assert Counter(epoch(ds)) == Counter(records)  # epoch 1 fills the cache
         seen = []
@@ -136,9 +161,11 @@ def test_model_fit_two_epochs(shards, ring3):
         ds.mlcache.close()
 
 
-def test_an_abandoned_iteration_is_stopped_early_and_the_next_is_a_whole_epoch(shards, tmp_path):
+@pytest.mark.parametrize("read_parallel", [1, 3], ids=["serial", "parallel-reads"])
+def test_an_abandoned_iteration_is_stopped_early_and_the_next_is_a_whole_epoch(shards, tmp_path, read_parallel):
     digest, _, records = shards
-    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=5, read_batch=16)
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=5, read_batch=16,
+                    read_parallel=read_parallel)
     try:
         it = iter(ds)
         first = [bytes(next(it).numpy()) for _ in range(20)]  # then left: its epoch is not finished
@@ -156,13 +183,14 @@ def test_an_abandoned_iteration_is_stopped_early_and_the_next_is_a_whole_epoch(s
 
 
 @pytest.mark.timeout(120)
-def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path):
+@pytest.mark.parametrize("read_parallel", [1, 3], ids=["serial", "parallel-reads"])
+def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path, read_parallel):
     paths, _ = write_shards(str(tmp_path / "d"), 50, shards=2)
     assert digest_main([str(tmp_path / "d"), "-o", str(tmp_path / "d.dig"), "-f", "tfrecord", "-q"]) == 0
     with open(paths[1], "r+b") as f:  # the first record of the second file
         f.seek(100)
         f.write(b"XXXX")
-    ds = tf_dataset(str(tmp_path / "d.dig"), cache=False, read_batch=8)
+    ds = tf_dataset(str(tmp_path / "d.dig"), cache=False, read_batch=8, read_parallel=read_parallel)
     try:
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"ItemMismatch: item 25 \(train-00001-of-00002"):
             epoch(ds)
@@ -212,6 +240,8 @@ def test_bad_arguments_say_what_is_wrong(shards):
         tf_dataset(digest, cache=False, target="class")
     with pytest.raises(ValueError, match="read_batch must be >= 1"):
         tf_dataset(digest, cache=False, read_batch=0)
+    with pytest.raises(ValueError, match="read_parallel must be >= 1"):
+        tf_dataset(digest, cache=False, read_parallel=0)
     with pytest.raises(ValueError, match="names no server"):
         tf_dataset(digest, cache=" , ")
     with pytest.raises(ValueError, match="pass rank= and world_size= together"):
