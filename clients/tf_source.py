@@ -144,9 +144,9 @@ class _EpochReads:
 def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = None,
                manager: str | None = None, job: str | None = None, seed: int = 0, *,
                read_batch: int = READ_BATCH, read_ahead: int = READ_AHEAD, read_parallel: int = READ_PARALLEL,
-               lookahead: int = 10,
-               substitute: bool = True, miss_seed: int | None = None, map_fn: Callable[[Any], Any] | None = None,
-               num_workers: int | None = None, rank: int | None = None, world_size: int | None = None,
+               lookahead: int = 10, substitute: bool = True, miss_seed: int | None = None,
+               map_fn: Callable[[Any], Any] | None = None, num_workers: int | None = None,
+               rank: int | None = None, world_size: int | None = None,
                transform: Any = None, autocache: str = "source", epochs: int | None = None,
                **dataset_kwargs: Any) -> "tf.data.Dataset":
     """A tf.data.Dataset of tf.string items, one per digest entry, read through the cache.
@@ -159,6 +159,8 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     `cache`, `manager`, `job` and the keyword arguments (`storage_options`, `cache_dir`,
     `capacity`, `verify_hash`, `insert`, `fetch_threads`, `claims`, ...) are
     CachedDataset's; `seed`, `lookahead`, `substitute` and `miss_seed` are its loader's.
+    Items are read `read_batch` per Python call, `read_ahead` batches ahead of the pipeline,
+    `read_parallel` batches at once (TicketFeed, tf_batches.py; docs/client.md says when it pays).
     `map_fn` (a function of TF ops on one item, or a preprocess.tf_map.TFMap) runs in
     `num_workers` preprocessing worker processes (None: adaptive, 0: in this process);
     the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`,
@@ -169,14 +171,8 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
-    if read_parallel < 1:
-        raise ValueError(f"read_parallel must be >= 1, got {read_parallel}")
-    options = _check_arguments(read_batch, rank, world_size, map_fn, num_workers, dataset_kwargs)
-    if autocache != "source" and transform is None and map_fn is None:
-        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= "
-                         f"or a map_fn=")
-    if transform is not None and map_fn is not None:
-        raise ValueError("pass transform= (a chain of the dataset) or map_fn= (run in our workers), not both")
+    options = _check_arguments(read_batch, read_parallel, rank, world_size, map_fn, num_workers, dataset_kwargs)
+    _check_modes(autocache, transform, map_fn)
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
     engine = ac = None
@@ -205,12 +201,14 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     return ds
 
 
-def _check_arguments(read_batch: int, rank: int | None, world_size: int | None, map_fn: Any,
+def _check_arguments(read_batch: int, read_parallel: int, rank: int | None, world_size: int | None, map_fn: Any,
                      num_workers: int | None, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Refuse what tf_dataset cannot do, naming what to do instead; take the scheduler's
     options out of dataset_kwargs (returned)."""
     if read_batch < 1:
         raise ValueError(f"read_batch must be >= 1, got {read_batch}")
+    if read_parallel < 1:
+        raise ValueError(f"read_parallel must be >= 1, got {read_parallel}")
     if (rank is None) != (world_size is None):
         raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
     for name in ("decode", "target", "samples"):
@@ -222,6 +220,14 @@ def _check_arguments(read_batch: int, rank: int | None, world_size: int | None, 
         named = [*options, *(["num_workers"] if num_workers is not None else [])]
         raise ValueError(f"{', '.join(named)}: options of the preprocessing workers, which run only with a map_fn=")
     return options
+
+
+def _check_modes(autocache: str, transform: Any, map_fn: Any) -> None:
+    if autocache != "source" and transform is None and map_fn is None:
+        raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= "
+                         f"or a map_fn=")
+    if transform is not None and map_fn is not None:
+        raise ValueError("pass transform= (a chain of the dataset) or map_fn= (run in our workers), not both")
 
 
 def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform: Any, autocache: str,
