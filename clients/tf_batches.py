@@ -15,6 +15,9 @@ from `Dataset.random` would do too, but deleting its iterator waited 0.1-0.3 s
 for TensorFlow's autotuning thread under load.) One iteration at a time (as
 tf_source.py says): an iterator opened while another runs starts a new epoch,
 whose batches the two would then share.
+
+TicketFeed does the same with several batches read at once (tf_dataset's
+`read_parallel`): the batches are planned in order and handed on in order.
 """
 from __future__ import annotations
 

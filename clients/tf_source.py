@@ -18,6 +18,8 @@ generator, and so the reads, in a thread of TensorFlow's while the pipeline
 works on the batches before: store or cache latency overlaps with the
 pipeline's work without a thread of ours to hand batches over from (which cost
 more CPU: tools/bench/tfdata); `read_ahead=0` reads in the pipeline's own thread.
+`read_parallel=N` reads up to N batches at once in TensorFlow's threads, in the
+same order (tf_batches.TicketFeed; off by default: docs/client.md).
 
 Each iteration of the dataset is one epoch of the sampler (a new order, new
 stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
