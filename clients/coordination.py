@@ -3,7 +3,10 @@
 - registers the job (dataset fingerprint, size, GPUs) and, when no cache
   addresses were given, takes the ring from the manager;
 - reports mini-batch times in the background (probing compares them with and
-  without the cache; the servers apply bypass mode themselves);
+  without the cache; the servers apply bypass mode themselves): every
+  `report_seconds` while the plan has chunk work or the job runs in bypass, else
+  every `quiet_report_seconds` -- with no chunk to load or release nothing waits
+  on a report, and each one costs the manager a journaled event;
 - keeps the chunk plan current and publishes it to DataLoader workers through
   shared memory (`SharedPlan`): which items may be inserted, under which chunk;
 - releases a chunk once this job has consumed those of its items it reads this
@@ -99,13 +102,15 @@ class CoordinatedDataset(Protocol):
 
 class JobCoordinator:
     def __init__(self, ds: CoordinatedDataset, manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
-                 prefetch_bandwidth: float = 20e6) -> None:
+                 prefetch_bandwidth: float = 20e6, quiet_report_seconds: float = 2.0) -> None:
         self._unavailable = ManagerUnavailable
         self.ds = ds
         self.client = ManagerClient(manager)
         self.dataset = ds.digest.fingerprint.hex()
         self.plan: Plan | None = None
         self.report_seconds = report_seconds
+        self.quiet_report_seconds = max(report_seconds, quiet_report_seconds)
+        self._mode = "normal"  # what the manager's last reply said the servers apply to this job
         self.prefetch_bandwidth = prefetch_bandwidth
         self._batches: deque = deque(maxlen=10_000)
         self._hit_ratios: deque = deque(maxlen=10_000)   # per sampled batch, not yet handed over
@@ -230,9 +235,16 @@ class JobCoordinator:
             return None
 
     # ---- background work --------------------------------------------------
+    def period(self) -> float:
+        """Seconds until the next report: short while a chunked plan loads and releases
+        chunks or the job is being probed in bypass (both wait on reports), else quiet."""
+        plan = self.plan
+        busy = self._mode != "normal" or (plan is not None and plan.option == Option.CHUNKED)
+        return self.report_seconds if busy else self.quiet_report_seconds
+
     def _run(self) -> None:
         last_loaded = 0.0
-        while not self._stop.wait(self.report_seconds):
+        while not self._stop.wait(self.period()):
             try:
                 self._report()
                 # One read of the plan: the main thread may swap it meanwhile (a released
@@ -255,6 +267,7 @@ class JobCoordinator:
         if not batch:
             return
         reply = self.client.report_batches(self.ds.job, batch)
+        self._mode = reply.mode
         if self.plan is None or reply.plan_version != self.plan.version:
             self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
 

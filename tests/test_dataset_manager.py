@@ -39,10 +39,14 @@ def test_ring_registration_and_batch_reports(tmp_path, cluster):
         for _ in range(2):
             got = [x for b in loader for x in b]
             assert Counter(got) == Counter(items.values())
-        time.sleep(1.0)  # the coordinator reports every 0.5 s
+        # With no chunk work in its plan the coordinator reports every quiet_report_seconds (2 s).
+        deadline = time.monotonic() + 3 * ds.coordinator.quiet_report_seconds
         with ManagerClient(m.address, timeout=2) as mc:
-            st = mc.status_dict()
-        job = next(j for j in st["jobs"] if j["job"] == "job-a")
+            while True:
+                job = next(j for j in mc.status_dict()["jobs"] if j["job"] == "job-a")
+                if int(job.get("batches", 0)) >= 30 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
         assert job["dataset"] == ds.digest.fingerprint.hex() and job["n_gpus"] == 2
         assert job["batches"] >= 30  # 2 epochs x 20 batches reported (minus warm-up)
         inserted = 0
@@ -187,12 +191,40 @@ def test_default_manager_measures_without_bypass_from_reported_hit_ratios(tmp_pa
         loader = ds.loader(batch_size=10, seed=3)
         for _ in range(2):
             assert Counter(x for b in loader for x in b) == Counter(items.values())
-        time.sleep(1.0)
+        deadline = time.monotonic() + 3 * coord.quiet_report_seconds  # reports come every 2 s here
+        while sum(len(b) == 3 for b in sent) < 30 and time.monotonic() < deadline:
+            time.sleep(0.1)
         with ManagerClient(m.address, timeout=2) as mc:
             st = mc.status_dict()
         job = next(j for j in st["jobs"] if j["job"] == "job-p")
         assert job.get("probes", 0) == 0 and job.get("phase") != "probe_bypass"
         hits = [b[2] for b in sent if len(b) == 3]
         assert len(hits) >= 30 and min(hits) < 0.5 and max(hits) > 0.5  # epoch 1 misses, epoch 2 hits
+    finally:
+        ds.close()
+
+
+def test_reports_are_quiet_unless_chunk_work_or_a_probe_waits_on_them(tmp_path):
+    """A plan with no chunks to load or release (none, with or without spare entries;
+    full) waits on no report: the coordinator reports every quiet_report_seconds, and
+    every report_seconds only while a chunked plan rotates or the job runs in bypass."""
+    from procs import free_port
+
+    from manager.manager_client import Plan
+
+    path, _ = make_dataset(tmp_path / "ds", n=20)
+    ds = CachedDataset(path, cache=False, manager=f"127.0.0.1:{free_port()}", job="q")  # manager down
+    coord = ds.coordinator
+    try:
+        assert coord.quiet_report_seconds == 2.0 and coord.report_seconds == 0.5
+        assert coord.period() == 2.0  # no plan yet (the manager is down): nothing waits
+        for option, version in (("none", 1), ("full", 2)):
+            coord._set_plan(Plan(coord.dataset, option, 1, 20, 0, None, None, (), version))
+            assert coord.period() == 2.0, option
+        coord._set_plan(Plan(coord.dataset, "chunked", 4, 20, 5, active=0, loading=1, chunks=(0,), version=3))
+        assert coord.period() == 0.5
+        coord._set_plan(Plan(coord.dataset, "none", 1, 20, 0, None, None, (), 4, spare=True))
+        coord._mode = "bypass"  # as the manager's last reply said
+        assert coord.period() == 0.5
     finally:
         ds.close()

@@ -220,9 +220,14 @@ def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
         got = epoch(ds.repeat(2))
         assert Counter(got[:N]) == Counter(records) and Counter(got[N:]) == Counter(records)
         assert sum(s.inserted for s in ds.mlcache.epoch_stats) > 0  # the plan allowed caching (hits: probing decides)
-        time.sleep(1.0)  # the coordinator reports every 0.5 s
+        # with no chunk work in its plan the coordinator reports every quiet_report_seconds (2 s)
+        deadline = time.monotonic() + 3 * ds.mlcache.cached.coordinator.quiet_report_seconds
         with ManagerClient(m.address, timeout=2) as mc:
-            job = next(j for j in mc.status_dict()["jobs"] if j["job"] == "tf-job")
+            while True:
+                job = next(j for j in mc.status_dict()["jobs"] if j["job"] == "tf-job")
+                if int(job.get("batches", 0)) >= 20 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
         assert job["n_gpus"] == 2 and job["batches"] >= 20  # 2 epochs x 15 batch times reported
     finally:
         if ds is not None:

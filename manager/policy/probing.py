@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
@@ -461,7 +461,12 @@ class JobProbe:
 
     # -- persistence
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # By hand, not asdict(): its deep copy of every sample made this the larger part
+        # of the state's fingerprint, taken twice per decision round (StateStore.submit).
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("samples", "hits", "recent", "recent_hits"):
+            d[k] = list(d[k])
+        d["obs"] = [list(x) for x in self.obs]
         d["phase"] = self.phase.value
         return d
 
