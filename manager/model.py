@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Mapping
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
@@ -38,6 +39,11 @@ from .policy.admission import AdmissionBoard, AdmissionConfig
 from .policy.shares import Share, allocate_shares, share_items
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
+
+
+@lru_cache(maxsize=8)
+def _config_dict(cfg: "ManagerConfig") -> dict[str, Any]:
+    return cfg._dict()
 
 
 class Rejected(Exception):
@@ -58,6 +64,11 @@ class ManagerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        # Built once (frozen, flat fields) and copied out: the state's fingerprint,
+        # taken twice per decision round, spent most of its time in asdict() here.
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in _config_dict(self).items()}
+
+    def _dict(self) -> dict[str, Any]:
         alloc = asdict(self.alloc)
         if alloc["chunked"]:  # left out at its default: the state stays readable where the flag is unknown
             del alloc["chunked"]

@@ -66,6 +66,7 @@ import math
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
 from cacheserver.vocab import CacheMode
@@ -559,10 +560,21 @@ class ProbeBoard:
         return {ds: dataset_gain(js, self.config.prior_benefit) for ds, js in self.job_gains().items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": asdict(self.config),
+        return {"config": _config_dict(self.config),
                 "jobs": {jid: j.to_dict() for jid, j in sorted(self.jobs.items())}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ProbeBoard":
         return cls(ProbeConfig(**d.get("config", {})),
                    {jid: JobProbe.from_dict(j) for jid, j in d.get("jobs", {}).items()})
+
+
+@lru_cache(maxsize=8)
+def _frozen_config_dict(cfg: ProbeConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+def _config_dict(cfg: ProbeConfig) -> dict[str, Any]:
+    """asdict(cfg), built once per config (frozen, flat): the state's fingerprint takes it
+    twice per decision round."""
+    return dict(_frozen_config_dict(cfg))
