@@ -8,7 +8,12 @@ Layout::
 
 Every state change is an event (model.py). ``submit`` applies it, appends it
 to the journal and fsyncs *before* the caller answers the RPC, so whatever a
-client or server was told survives ``kill -9`` and power loss. Every
+client or server was told survives ``kill -9`` and power loss -- except batch
+reports (``UNSYNCED``): written at once (so they survive ``kill -9``) but made
+durable by the next fsynced event or snapshot. They promise a client nothing, and
+losing the last seconds of them to a power loss only delays a benefit estimate;
+fsyncing each one (several a second with many jobs) made the disk commit the
+cache servers' writes too, on the same machine. Every
 ``snapshot_every`` events the whole state is written to a temporary file,
 fsynced, and renamed over the snapshot (atomic), then the journal is
 truncated; a crash between rename and truncation only leaves events the
@@ -38,6 +43,10 @@ T = TypeVar("T")
 
 class StateError(RuntimeError):
     """The state directory cannot be used (locked, damaged)."""
+
+
+# Events journaled without an fsync of their own (see the module's docstring).
+UNSYNCED = frozenset({"batches"})
 
 
 def _fsync_dir(path: str) -> None:
@@ -185,7 +194,7 @@ class StateStore:
                 self.model.now = prev_now
             else:
                 try:
-                    self._append(ev)
+                    self._append(ev, sync=ev.get("type") not in UNSYNCED)
                 except OSError:
                     # Not durable, so it must not have happened: back to the disk state.
                     log.critical("journal write failed; dropping the event", exc_info=True)
@@ -202,14 +211,14 @@ class StateStore:
         d.pop("now")
         return canonical(d)
 
-    def _append(self, ev: Mapping[str, Any]) -> None:
+    def _append(self, ev: Mapping[str, Any], sync: bool = True) -> None:
         assert self._journal_fd is not None, "state store is not open"
         line = json.dumps({"seq": self.seq + 1, "ev": ev}, sort_keys=True, separators=(",", ":")) + "\n"
         data = line.encode()
         written = os.write(self._journal_fd, data)
         if written != len(data):  # disk full: fail-stop rather than diverge
             raise OSError(f"short journal write ({written} of {len(data)} bytes)")
-        if self.fsync:
+        if self.fsync and sync:
             os.fsync(self._journal_fd)
         self.seq += 1
         self.since_snapshot += 1
