@@ -5,8 +5,9 @@ each mode (preprocess/feed.py), and the store of what passes the caching point.
     compute      the store only: nothing read from the cache, nothing put in it
     transformed  the item kept at the caching point when the cache holds it (the
                  steps before the point are skipped, the source is not read); else
-                 the source (from the cache if it holds it, never inserted), every
-                 step run, and the sample put in the cache as it passes the point
+                 the source (from the cache if it holds it, inserted only while auto
+                 measures), every step run, and the sample put in the cache as it
+                 passes the point
 
 The mode is read from a SharedMode (clients/autocache.py) before each task, so a
 decision taken in the main process reaches every worker at its next task. Puts go
@@ -228,10 +229,11 @@ class CacheFeed:
         ds = self.ds
         t, Ks, got, bad = kept_items(st, ds, indices, key, seed)
         miss = [p for p, v in enumerate(got) if v is None]
-        sources = iter(st.source.read([indices[p] for p in miss]) if miss else [])
+        spec = self.shared.keep()  # measuring: the set has no plan yet
+        # measuring, the sources are inserted too: a source decision reads none of them again
+        sources = iter((ds.read if spec else st.source.read)([indices[p] for p in miss]) if miss else [])
         with_target = ds.target is not None
         out = []
-        spec = self.shared.keep()  # measuring: the set has no plan yet
         for p, (i, v) in enumerate(zip(indices, got)):
             if v is None:
                 # the manager's plan of the transformed set

@@ -115,7 +115,8 @@ class TransformedEpochs:
             return outs
         t, Ks, got, bad = kept_items(st, cached, batch, ac.key, ac.seed)
         miss = [p for p, v in enumerate(got) if v is None]
-        outs = self.runner.run(st.source.read([batch[p] for p in miss]))
+        # measuring, the sources are inserted too: a source decision reads none of them again
+        outs = self.runner.run((cached if ac.state == "measuring" else st.source).read([batch[p] for p in miss]))
         for p, y in zip(miss, outs):
             chunk = ac.plan.insert_chunk(batch[p])  # the manager's plan of the transformed set
             if chunk is not None:

@@ -1,5 +1,6 @@
 """Autocache in the PyTorch loader: real cache servers, real files, real spawned workers."""
 import hashlib
+import math
 import os
 import sys
 import time
@@ -199,11 +200,19 @@ def test_kept_item_is_the_one_at_the_point_even_if_later_steps_change_it(tmp_pat
         loader.close()
 
 
-def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server):
+def slow_prefix(tmp_path, server, epochs: int):
+    """(items path, pipeline, dataset, auto loader) of a 10 ms step before the caching point."""
     path = make_items(tmp_path / "ds", n=96, size=4096)
     p = Pipeline([as_array, Slow(0.01), shrink, autocache, step(noise, random=True), total])
     ds = CachedDataset(path, cache=server.address, transform=p)
-    loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=5, cost_dir=False)
+    return path, p, ds, ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=epochs, cost_dir=False)
+
+
+def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server, monkeypatch):
+    import manager.policy.autocache as policy
+
+    monkeypatch.setattr(policy, "CLEAR", math.inf)  # never clear enough: the first epoch is measured
+    path, p, ds, loader = slow_prefix(tmp_path, server, 5)
     ref = CachedDataset(path, cache=False, transform=p).loader(B, num_workers=0, seed=3, cost_dir=False)
     try:
         assert loader.autocache.state == "measuring" and "measuring" in loader.autocache.reason
@@ -231,6 +240,48 @@ def test_auto_decides_transformed_for_a_slow_prefix_and_reports(tmp_path, server
         for st in (s2, s3):
             assert st.transformed["hits"] == 96 and st.store_bytes == 0 and st.cache_bytes == 0
         assert [e1, e2, e3] == [e for e, _ in collect(ref, 3)]
+    finally:
+        loader.close()
+
+
+def test_auto_decides_before_the_first_epoch_where_the_estimate_is_clear(tmp_path, server):
+    # the sample's 10 ms step makes transformed far the cheapest: decided as the loader is made,
+    # so the whole first epoch runs as transformed and puts every output once, under the plan
+    _, _, ds, loader = slow_prefix(tmp_path, server, 5)
+    try:
+        ac = loader.autocache
+        assert (ac.mode, ac.state) == ("transformed", "estimated"), ac.reason
+        assert ac.decision.mode == ac.estimate.mode == "transformed" and ac.reason == ac.decision.reason
+        assert ac.costs.epoch_done == 0 and ac.costs.prefix_s >= 0.008 and ac.costs.epochs_left == 4
+        assert not ac.shared.keep()  # nothing speculative: the set is decided
+        (_, s1), = collect(loader, 1)
+        assert ac.state == "estimated" and "autocache transformed (estimated)" in s1.line()
+        t1 = s1.transformed  # the probe's 16 sample outputs hit; every other item is made and put once
+        assert t1["hits"] <= 16 and t1["hits"] + t1["misses"] == 96 and 0 < t1["puts"] <= t1["misses"]
+        wait_kept(ds, loader, 96)
+        (_, s2), = collect(loader, 1)
+        assert s2.transformed["hits"] == 96 and s2.store_bytes == 0 and s2.cache_bytes == 0
+    finally:
+        loader.close()
+
+
+def test_a_transformed_measured_part_caches_its_sources_too(tmp_path, server, monkeypatch):
+    # measured as transformed, then source chosen: the measured part's sources were inserted
+    # as they were read, so the second epoch reads none of them from the store
+    import clients.autocache as acmod
+    import manager.policy.autocache as policy
+    from manager.policy.autocache import Decision
+
+    monkeypatch.setattr(policy, "CLEAR", math.inf)
+    monkeypatch.setattr(acmod, "choose", lambda costs, *a: Decision("source", {}, "source: forced by the test"))
+    _, _, ds, loader = slow_prefix(tmp_path, server, 3)
+    try:
+        ac = loader.autocache
+        assert (ac.mode, ac.state) == ("transformed", "measuring"), ac.reason
+        (_, s1), = collect(loader, 1)
+        assert (ac.mode, ac.state) == ("source", "decided") and s1.transformed["misses"] > 0
+        (_, s2), = collect(loader, 1)
+        assert s2.store_bytes == 0 and s2.hits == 96, s2.line()
     finally:
         loader.close()
 
@@ -264,7 +315,7 @@ def test_auto_with_nothing_to_keep_chooses_between_compute_and_source(tmp_path, 
         assert "cannot be stored" in loader.autocache.why_not
         collect(loader, 2)
         ac = loader.autocache
-        assert ac.state == "decided" and ac.mode in ("compute", "source") and not ac.costs.cacheable
+        assert ac.state in ("decided", "estimated") and ac.mode in ("compute", "source") and not ac.costs.cacheable
         assert "cannot be stored" in ac.costs.why_not and "transformed" not in ac.decision.costs
         assert sum(st.transformed["puts"] for st in loader.epoch_stats) == 0
     finally:
@@ -387,16 +438,16 @@ def test_auto_with_a_manager_takes_its_decision(tmp_path):
                 time.sleep(0.1)
         ds = CachedDataset(path, manager=m.address, job="job-m", transform=p)
         loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=5, cost_dir=False)
-        (_, s1), = collect(loader, 1)
         ac = loader.autocache
-        assert ac.state == "decided"
+        assert ac.state == "estimated"  # the sample's 10 ms step: clearly transformed, decided at once
+        (_, s1), = collect(loader, 1)
         with ManagerClient(m.address, timeout=2) as mc:
             st = mc.status_dict()
         d = st["pipelines"][0]["decision"]
         assert d["fingerprint"] == ac.key and d["mode"] == ac.mode == "transformed"
         assert d["reason"] == ac.reason and d["jobs"] == ["job-m"] and d["tag"] == ac.transformed().tag
-        # kept as spare entries while measuring (the set was not allocated yet), then under the
-        # set's plan as the manager allocated it: every item is found in epoch 2
+        # put under the set's plan as the manager allocated it from the start: every item is
+        # found in epoch 2
         wait_kept(ds, loader, 96)
         (_, s2), = collect(loader, 1)
         assert s2.transformed["hits"] == 96 and s2.store_bytes == 0

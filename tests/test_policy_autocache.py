@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from manager.policy.autocache import (HEDGE, MODES, Decision, PipelineCosts, costs_from_dict,
-                                      costs_to_dict, decide, decision_from_dict,
+from manager.policy.autocache import (CLEAR, HEDGE, MODES, Decision, PipelineCosts, clear_estimate,
+                                      costs_from_dict, costs_to_dict, decide, decision_from_dict,
                                       decision_to_dict, item_time, measuring_mode, merge_costs,
                                       project, redecide)
 
@@ -208,6 +208,25 @@ def test_measuring_mode_hedges_a_near_tie():
         assert (mode, keep) == ("source", True), ratio
     assert measuring_mode(costs(cache_read_marker_s=at(1 - 2 * HEDGE), **base))[:2] == ("transformed", True)
     assert measuring_mode(costs(cache_read_marker_s=at(1 + 2 * HEDGE), **base))[:2] == ("source", False)
+
+
+def test_clear_estimate_only_beyond_its_margin():
+    # the estimate's option cheaper than every other by CLEAR: decided before the first epoch
+    assert clear_estimate(Decision("transformed", {"compute": 5.0, "source": 2.5, "transformed": 2.0}, ""))
+    # within CLEAR of another option (either side of it): the first epoch is measured first
+    assert not clear_estimate(Decision("transformed", {"compute": 5.0, "source": 2.4, "transformed": 2.0}, ""))
+    assert not clear_estimate(Decision("source", {"compute": 5.0, "source": 2.0, "transformed": 1.99}, ""))
+    assert clear_estimate(Decision("source", {"compute": 2.0 * (1 + CLEAR), "source": 2.0}, ""))
+    assert not clear_estimate(Decision("source", {"compute": 2.0, "source": 2.0}, ""), margin=0.01)
+    assert clear_estimate(Decision("compute", {"compute": 2.0, "source": 2.0}, ""), margin=0.0)
+    # a decision whose option was not projected (the manager's, say) is never taken as clear
+    assert not clear_estimate(Decision("transformed", {"compute": 5.0, "source": 2.0}, ""))
+    # on an estimate: a CPU-heavy prefix is clear, the bench's near tie at 8x and 1 ms is not
+    start = dict(epoch_done=0.0, source_cached=0.0, transformed_cached=0.0, epochs_left=2)
+    assert clear_estimate(measuring_mode(costs(prefix_s=0.004, marker_bytes=128 * KIB, **start))[2])
+    near = costs(prefix_s=0.0013, marker_bytes=128 * KIB * 8, cache_read_marker_s=0.0004, handoff_s=0.0001,
+                 put_marker_s=0.0023, store_read_s=0.0027, cache_read_source_s=0.0001, **start)
+    assert not clear_estimate(measuring_mode(near)[2])
 
 
 def test_redecide_only_where_the_mode_in_force_is_clearly_wrong():

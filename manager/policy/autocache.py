@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 MODES = ("compute", "source", "transformed")
 TIE = 0.02
 HEDGE = 0.05  # measuring_mode: an estimate's margin taken as clear
+CLEAR = 0.25  # clear_estimate: a margin no measurement of the first epoch is expected to overturn
 REDECIDE = 0.25  # redecide: how much dearer the mode in force must project before it is changed
 DEFAULT_OVERLAP = 1.0
 
@@ -228,6 +229,18 @@ def measuring_mode(c: PipelineCosts, overlap: float = DEFAULT_OVERLAP, tie: floa
     if t * (1 + HEDGE) <= others:
         return "transformed", True, d
     return "source", t <= min(others, t) * (1 + HEDGE), d
+
+
+def clear_estimate(d: Decision, margin: float | None = None) -> bool:
+    """Whether an estimate's decision (measuring_mode's) is taken as final before the
+    first epoch: its option projects cheaper than every other by ``margin``. Then the
+    first epoch is not measured first: it runs in the chosen mode from its first item
+    (nothing put speculatively, nothing made in a form then not used). The steps run
+    slower in busy workers than in the profiled sample, and the probes are noisy by a
+    few percent: within ``margin`` the measured part of the first epoch decides."""
+    margin = CLEAR if margin is None else margin
+    mine = d.costs.get(d.mode)
+    return mine is not None and all(mine * (1 + margin) <= v for m, v in d.costs.items() if m != d.mode)
 
 
 def redecide(current: Decision, c: PipelineCosts, margin: float = REDECIDE, overlap: float = DEFAULT_OVERLAP,
