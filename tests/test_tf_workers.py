@@ -276,8 +276,9 @@ def test_map_fn_with_autocache_auto_decides_in_the_first_epoch(shards, tmp_path)
             assert as_rows(ds.as_numpy_iterator()) == reference(paths)
             assert ds.mlcache.epoch_stats[-1].items == N
         ac = ds.mlcache.autocache
-        assert ac.state == "decided" and ac.mode in ("source", "transformed", "compute"), ac.line()
-        assert f"autocache {ac.mode} (decided)" in ds.mlcache.epoch_stats[-1].line()
+        # decided after a measured part of the first epoch, or before it where the estimate is clear
+        assert ac.state in ("decided", "estimated") and ac.mode in ("source", "transformed", "compute"), ac.line()
+        assert f"autocache {ac.mode} ({ac.state})" in ds.mlcache.epoch_stats[-1].line()
     finally:
         ds.mlcache.close()
         server.kill()
