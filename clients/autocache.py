@@ -110,12 +110,18 @@ class SharedMode:
 
     def read(self) -> tuple[str, int, str, int | None]:
         """(mode, caching point, key, seed of the kept items or None)."""
+        return self.snapshot()[:4]
+
+    def snapshot(self) -> tuple[str, int, str, int | None, bool]:
+        """read() and keep() of one publication: a decision published between two reads
+        cannot pair the old mode with the new keep."""
         for _ in range(10000):
             v = self._a[0]
             mode, cut, key = MODES[self._a[1]], self._a[2], self._key.value.decode()
             seed = self._a[4] if self._a[3] else None
+            keep = bool(self._a[6])
             if v and self._a[0] == v:
-                return mode, cut, key, seed
+                return mode, cut, key, seed, keep
             time.sleep(0.0001)
         raise RuntimeError("autocache: the shared mode stayed mid-update")
 

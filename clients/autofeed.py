@@ -205,19 +205,21 @@ class CacheFeed:
 
     def read(self, indices: list[int]) -> list[Any]:
         """Items before the pipeline, read as the mode reads sources."""
-        mode = self.shared.read()[0]
+        return self._read(self.shared.read()[0], indices)
+
+    def _read(self, mode: str, indices: list[int]) -> list[Any]:
         if mode == "source":
             return self.ds.read(indices)
         st = self.proc()
         return (st.store if mode == "compute" else st.source).read(indices)
 
     def fetch(self, indices: list[int], epoch: int) -> list[Fed]:
-        mode, cut, key, seed = self.shared.read()
-        if mode == "source" and key and self.shared.keep():
+        mode, cut, key, seed, keep = self.shared.snapshot()
+        if mode == "source" and key and keep:
             return self._kept(self.proc(), indices, cut, key, seed)
         if mode != "transformed" or not key:
-            return [Fed(x) for x in self.read(indices)]
-        return self._transformed(self.proc(), indices, cut, key, seed)
+            return [Fed(x) for x in self._read(mode, indices)]
+        return self._transformed(self.proc(), indices, cut, key, seed, keep)
 
     def _kept(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None) -> list[Fed]:
         """Source mode that also puts every output at the caching point (auto, measuring)."""
@@ -225,11 +227,12 @@ class CacheFeed:
         return [Fed(x, 0, cut, (t, ds.digest.hashes[i].tobytes(), speculative_chunk(ds), False))
                 for i, x in zip(indices, ds.read(indices))]
 
-    def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None) -> list[Fed]:
+    def _transformed(self, st: _ProcState, indices: list[int], cut: int, key: str, seed: int | None,
+                     spec: bool) -> list[Fed]:
+        """Transformed mode; `spec`: auto measuring (the set has no plan yet)."""
         ds = self.ds
         t, Ks, got, bad = kept_items(st, ds, indices, key, seed)
         miss = [p for p, v in enumerate(got) if v is None]
-        spec = self.shared.keep()  # measuring: the set has no plan yet
         # measuring, the sources are inserted too: a source decision reads none of them again
         sources = iter((ds.read if spec else st.source.read)([indices[p] for p in miss]) if miss else [])
         with_target = ds.target is not None

@@ -278,8 +278,13 @@ def test_a_transformed_measured_part_caches_its_sources_too(tmp_path, server, mo
     try:
         ac = loader.autocache
         assert (ac.mode, ac.state) == ("transformed", "measuring"), ac.reason
-        (_, s1), = collect(loader, 1)
-        assert (ac.mode, ac.state) == ("source", "decided") and s1.transformed["misses"] > 0
+        collect(loader, 1)
+        assert (ac.mode, ac.state) == ("source", "decided"), ac.reason
+        # inserts are asynchronous: wait (bounded) until every source item is cached
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(ds.lookup(range(96))):
+            time.sleep(0.05)
+        assert all(ds.lookup(range(96))), [i for i, p in enumerate(ds.lookup(range(96))) if not p]
         (_, s2), = collect(loader, 1)
         assert s2.store_bytes == 0 and s2.hits == 96, s2.line()
     finally:
@@ -373,6 +378,16 @@ def test_a_poisoned_transformed_item_is_recomputed_and_replaced(tmp_path, server
         assert loader.epoch_stats[-1].transformed["hits"] == N  # replaced by a good one
     finally:
         loader.close()
+
+
+def test_shared_mode_reads_mode_and_keep_of_one_publication():
+    from clients.autocache import SharedMode
+
+    m = SharedMode()
+    m.publish("transformed", 2, "k" * 64, None, direct=True, keep=True)
+    assert m.snapshot() == ("transformed", 2, "k" * 64, None, True) and m.read() == m.snapshot()[:4]
+    m.publish("source", 2, "k" * 64, 7, keep=False)  # the decision: keep is cleared with the mode
+    assert m.snapshot() == ("source", 2, "k" * 64, 7, False) and not m.keep()
 
 
 def test_caching_point_marker():
