@@ -291,7 +291,10 @@ def test_a_transformed_measured_part_caches_its_sources_too(tmp_path, server, mo
         loader.close()
 
 
-def test_auto_keeps_nothing_while_measuring_where_transformed_is_clearly_dearer(tmp_path, server):
+def test_auto_keeps_nothing_while_measuring_where_transformed_is_clearly_dearer(tmp_path, server, monkeypatch):
+    import manager.policy.autocache as policy
+
+    monkeypatch.setattr(policy, "CLEAR", math.inf)  # the first epoch is measured (not decided at once)
     # 2 MiB outputs of 4 KiB items at almost no CPU, cut down after the caching point: putting
     # and reading them back costs far more than remaking them
     path = make_items(tmp_path / "ds", n=96, size=4096)
