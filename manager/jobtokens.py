@@ -54,6 +54,17 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+# The release that brought tokens journaled re-registrations of jobs from a state before
+# tokens with the hash of an empty token (it kept none): that hash means "no token".
+NO_TOKEN_HASH = token_hash("")
+
+
+def journaled_hash(ev_hash: object) -> str:
+    """The token hash a job_register event gives a job ("": none)."""
+    h = str(ev_hash or "")
+    return "" if h == NO_TOKEN_HASH else h
+
+
 def matches(token: str | None, expected_hash: str) -> bool:
     """Whether ``token`` is the one whose hash the manager keeps (a job without one, from
     a state written before tokens, takes any caller)."""

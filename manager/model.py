@@ -29,6 +29,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
+from .jobtokens import journaled_hash
 from .membership import Registry
 from .pipelines import PipelineRecord, move_gains, pipeline_key
 from .pipelines import report as report_pipeline
@@ -181,13 +182,13 @@ class ManagerModel:
             if old.dataset != ds:
                 raise Rejected("FAILED_PRECONDITION",
                                f"job {job} is registered on dataset {old.dataset}; unregister it first")
-            if not old.token_hash and ev.get("token_hash"):  # from a state before tokens: the first one binds it
-                self.jobs[job] = replace(old, token_hash=str(ev["token_hash"]))
+            if not old.token_hash and journaled_hash(ev.get("token_hash")):  # from a state before tokens:
+                self.jobs[job] = replace(old, token_hash=journaled_hash(ev["token_hash"]))  # the first binds it
             return []  # a client retrying, or re-attaching after a manager restart
         if rec is None:
             rec = self.datasets[ds] = DatasetRecord(ds, size, n)
         rec.idle_since = None
-        self.jobs[job] = JobRecord(job, ds, gpus, now, token_hash=str(ev.get("token_hash", "")))
+        self.jobs[job] = JobRecord(job, ds, gpus, now, token_hash=journaled_hash(ev.get("token_hash")))
         out: list[Effect] = [note("job registered", job=job, dataset=ds, n_gpus=gpus)]
         out += self._transitions(self.board.add_job(job, ds, gpus, now))
         if ds in self.buffers:

@@ -151,7 +151,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
                             "registration (from %s)", request.job, grpc_identity(context))
             self.store.submit({"type": "job_register", "job": request.job, "dataset": request.dataset,
                                "dataset_bytes": request.dataset_bytes, "n_items": request.n_items,
-                               "n_gpus": request.n_gpus, "token_hash": jobtokens.token_hash(token or "")})
+                               "n_gpus": request.n_gpus, "token_hash": jobtokens.token_hash(token) if token else ""})
             self.liveness.touch_job(request.job, self._now())
             m = self.store.model
             return mpb.JobInfo(job=request.job, dataset=request.dataset, mode=_mode(m, request.job),

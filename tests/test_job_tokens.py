@@ -203,3 +203,25 @@ def test_a_job_from_a_state_before_tokens_is_bound_by_its_next_registration(tmp_
             _refused(lambda: later.unregister_job("old"))
     finally:
         m.kill()
+
+
+def test_a_pre_token_job_re_registered_under_the_first_token_release_is_still_bound_by_a_client(
+        tmp_path, lone_process, token_file):
+    # The release before this one journaled a re-registration of a job from a state before
+    # tokens with the hash of an empty token (it kept none then): replayed now, that must
+    # not bind the job to a token no client can send.
+    state = tmp_path / "m"
+    state.mkdir()
+    ev = {"type": "job_register", "job": "old", "dataset": DS, "dataset_bytes": 50_000, "n_items": 10,
+          "n_gpus": 1, "now": time.time()}
+    again = dict(ev, token_hash=jobtokens.token_hash(""), now=time.time() + 1)
+    (state / "journal.jsonl").write_text(json.dumps({"seq": 1, "ev": ev}) + "\n" +
+                                         json.dumps({"seq": 2, "ev": again}) + "\n")
+    m = cachemanager(str(state), 0, "--cluster-token-file", str(token_file)).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as first, ManagerClient(m.address, timeout=5) as later:
+            assert len(first.register_job("old", DS, 50_000, 10).token) == 64  # the first caller binds it
+            first.report_batches("old", _batches())
+            _refused(lambda: later.report_batches("old", _batches()))
+    finally:
+        m.kill()
