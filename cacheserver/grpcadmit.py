@@ -12,10 +12,11 @@ clients send it: ops.py); a call that would pass the budget is refused at once
 with RESOURCE_EXHAUSTED and a "server busy" message, and its message is never
 read. Undeclared calls of the methods that carry ids or values (BULK) count as
 the largest message the server accepts. Control calls (modes, chunks, Stats,
-Info, health) are small and not admitted, so the manager is never refused busy.
+Info) are small and not admitted, so the manager is never refused busy; the
+health service is left as it is.
 
-A message larger than its caller declared (or, for a control call, larger than
-CONTROL_BYTES) is refused with INVALID_ARGUMENT once read, counted
+A message larger than its caller declared (or, for a Cache control call, larger
+than CONTROL_BYTES) is refused with INVALID_ARGUMENT once read, counted
 (grpc_overdeclared) and logged with the caller's identity. That is after it was
 held: a caller that lies about its size is bounded only by --max-grpc-calls
 messages of --max-batch-size + 8 MiB each and the connection age (grpcopts.py);
@@ -35,7 +36,8 @@ from .sizes import format_size
 from .vocab import BODY_BYTES_HEADER
 
 log = logging.getLogger("cacheserver.grpc")
-BULK = frozenset(f"/mlcache.v1.Cache/{m}" for m in ("Put", "Lookup", "Claim", "Adopt", "Get"))
+SERVICE = "/mlcache.v1.Cache/"  # the calls admitted here; health keeps its own handlers
+BULK = frozenset(f"{SERVICE}{m}" for m in ("Put", "Lookup", "Claim", "Adopt", "Get"))
 CONTROL_BYTES = 1 << 20
 
 
@@ -57,7 +59,9 @@ class ByteAdmission(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
-        if handler is None or handler.request_streaming:
+        if handler is None or handler.request_streaming or not details.method.startswith(SERVICE):
+            # Health is not wrapped: its Watch is non-blocking (no thread, no --max-grpc-calls
+            # slot while it waits); served as a blocking stream it would hold both.
             return handler
         declared = declared_bytes(details.invocation_metadata)
         if details.method in BULK:

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheserver.client.ring_client import RingClient
 from cacheserver.client.server_client import ServerClient
@@ -105,4 +106,26 @@ def test_a_message_larger_than_declared_is_refused_and_counted(tmp_path):
             assert c.lookup([req.items[0].id]) == b"\0"  # nothing stored
             assert c.stats().counters["grpc_overdeclared"] == 1
     finally:
+        assert s.stop() == 0
+
+
+def test_health_watchers_take_no_call_slots(tmp_path):
+    # grpc's client-side health checking keeps a Watch open per channel. Non-blocking in the
+    # health service, a Watch holds no server thread and no --max-grpc-calls slot while it
+    # waits: more watchers than slots must leave Cache calls (the manager's too) served.
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--unix-socket", "off", "--max-grpc-calls", "4").start()
+    channel = grpc.insecure_channel(s.address)
+    watches = []
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(8):
+            w = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+            watches.append(w)
+        with ServerClient(s.address, use_dataplane=False) as c:
+            assert c.lookup([b"k" * 32]) == b"\0" and c.stats().counters["busy_refused"] == 0
+    finally:
+        for w in watches:
+            w.cancel()
+        channel.close()
         assert s.stop() == 0
