@@ -27,9 +27,9 @@ def test_a_first_call_starts_the_policy_and_measurements_drive_it():
     s = WorkerScaling("ray://head:10001", AutoscaleConfig(settle=0))
     assert s.ray_address == "ray://head:10001"
     first = s.decide("j", "autoscale", None)
-    assert (first.remote, first.local, first.reason, first.phase) == (1, 0, "", "growing")
+    assert (first.remote, first.local, first.reason, first.phase) == (1, 0, "", "ramping")
     got = [s.decide("j", "autoscale", Measurement(bt)) for bt in (0.4, 0.2, 0.195)]
-    assert [c.remote for c in got] == [2, 3, 2]                     # Cachew: grow, then undo the useless one
+    assert [c.remote for c in got] == [2, 4, 2]                     # the ramp: 2 doubled, 4 did not help
     assert got[-1].phase == "converged" and "threshold" in got[-1].reason
     assert s.decide("j", "autoscale", None).remote == 1             # a new start: a fresh policy
 
@@ -47,7 +47,7 @@ def test_placement_runs_for_remote_and_local_workers():
 def test_after_a_manager_restart_a_policy_starts_from_the_jobs_counts():
     s = WorkerScaling(autoscale=AutoscaleConfig(settle=0))
     c = s.decide("j", "autoscale", Measurement(0.1), remote=12, local=0)   # no policy known: it restarted
-    assert c.remote == 13 and c.phase == "growing"                  # on from 12, not from 1
+    assert c.remote == 13 and c.phase == "ramping"                  # on from 12, not from 1
     p = WorkerScaling(placement=PlacementConfig(settle=0)).decide("j", "placement", Measurement(0.1), 3, 2)
     assert (p.remote, p.local) == (4, 2)
 
@@ -78,7 +78,7 @@ def test_a_real_manager_gives_its_ray_address_and_runs_the_jobs_policy(tmp_path)
             # the default settle (1) drops the measurement after each change
             counts = [mc.scale_workers("job-a", "autoscale", Measurement(bt), 0, 0).remote
                       for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
-            assert counts == [2, 2, 3, 3, 2]
+            assert counts == [2, 2, 4, 4, 2]          # the ramp: 2 doubled, 4 did not help
             with pytest.raises(ManagerError, match="policy must be one of") as e:
                 mc.scale_workers("job-a", "fixed")
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

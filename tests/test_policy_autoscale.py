@@ -1,17 +1,22 @@
-"""Cachew's autoscaling rule (manager/policy/autoscale.py) and the HPA peer
-(manager/policy/hpa.py) on synthetic and recorded-style traces."""
+"""The autoscaler (manager/policy/autoscale.py): our ramp climb and Cachew's
+one-at-a-time rule, and the HPA peer (manager/policy/hpa.py), on synthetic and
+recorded-style traces."""
 import pytest
 
 from manager.policy.autoscale import AutoscaleConfig, Autoscaler, ScalePhase
+from manager.policy.climb import Gain, expected_gain, judge_step, next_probe
 from manager.policy.hpa import HpaConfig, HpaScaler, hpa_desired
 from manager.policy.scaling import Change, Measurement, change_from_dict, change_to_dict
 
 from scaling_traces import drive, pipeline_model, table_model
 
 
-def test_grows_one_at_a_time_and_converges_on_the_ideal_count():
+CACHEW = dict(climb="cachew")
+
+
+def test_cachew_grows_one_at_a_time_and_converges_on_the_ideal_count():
     # 20 ms items, batch 32, 50 ms step: 12.8 workers keep up, 13 is ideal
-    scaler = Autoscaler.start(AutoscaleConfig(settle=1))
+    scaler = Autoscaler.start(AutoscaleConfig(settle=1, **CACHEW))
     scaler, counts = drive(scaler, pipeline_model(), 80)
     assert scaler.phase is ScalePhase.CONVERGED and scaler.workers == 13
     ups = [b[0] - a[0] for a, b in zip([(1, 0)] + counts, counts)]
@@ -22,7 +27,7 @@ def test_grows_one_at_a_time_and_converges_on_the_ideal_count():
 
 
 def test_settle_drops_the_measurements_straddling_a_change():
-    scaler = Autoscaler.start(AutoscaleConfig(settle=2))
+    scaler = Autoscaler.start(AutoscaleConfig(settle=2, **CACHEW))
     assert scaler.observe(Measurement(1.0)) == Change(1, 0, 2, 0, "first measurement: try one more worker")
     # the two straddling measurements are ignored, however bad they look
     assert scaler.observe(Measurement(5.0)) is None
@@ -33,23 +38,80 @@ def test_settle_drops_the_measurements_straddling_a_change():
     assert c is None and scaler.workers == 3
 
 
-def test_noisy_trace_converges_within_two_of_ideal():
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_noisy_trace_converges_within_two_of_ideal(climb):
     for seed in range(8):
-        scaler = Autoscaler.start(AutoscaleConfig(settle=1))
+        scaler = Autoscaler.start(AutoscaleConfig(settle=1, climb=climb))
         scaler, _ = drive(scaler, pipeline_model(noise=0.01, seed=seed), 120)
         assert abs(scaler.workers - 13) <= 2, (seed, scaler.workers)
 
 
-def test_recorded_sweep_stops_at_the_knee():
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_recorded_sweep_stops_at_the_knee(climb):
     # a sweep shaped like Cachew Fig. 6: steep gains, then a noisy plateau
     sweep = {1: 1.00, 2: 0.52, 3: 0.36, 4: 0.29, 5: 0.25, 6: 0.245, 7: 0.243, 8: 0.251, 9: 0.24}
-    scaler, counts = drive(Autoscaler.start(AutoscaleConfig(settle=0)), table_model(sweep), 30)
+    scaler, counts = drive(Autoscaler.start(AutoscaleConfig(settle=0, climb=climb)), table_model(sweep), 30)
     assert scaler.workers == 5 and scaler.converged
-    assert counts[:6] == [(2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (5, 0)]
+    if climb == "cachew":
+        assert counts[:6] == [(2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (5, 0)]
+    else:   # 2->4 brings 44% of an expected 50%: flattening, so one at a time from 4
+        assert [c[0] for c in counts[:5]] == [2, 4, 5, 6, 5]
 
 
-def test_recheck_adds_workers_when_items_get_dearer():
+def test_ramp_gallops_then_brackets_the_smallest_count_on_the_plateau():
+    scaler, counts = drive(Autoscaler.start(AutoscaleConfig(settle=0)), pipeline_model(), 30)
+    assert scaler.converged and scaler.workers == 13
+    # 1->2->4->8 linear; 8->16 brought 37.5% of an expected 50% (PARTIAL): one more;
+    # 17 brought nothing: 16 is on the plateau, search (8, 16]: estimate 13, then 12
+    assert [c[0] for c in counts[:8]] == [2, 4, 8, 16, 17, 13, 12, 13]
+    assert counts[-20:] == [(13, 0)] * 20
+    assert scaler.conv.batch_time == pytest.approx(0.05)
+
+
+def test_ramp_reaches_the_plateau_in_far_fewer_measurements_than_cachew():
+    def first_on_plateau(climb: str) -> int:
+        _, counts = drive(Autoscaler.start(AutoscaleConfig(settle=1, climb=climb)), pipeline_model(), 80)
+        return next(i + 1 for i, c in enumerate(counts) if c[0] >= 13)   # measurements fed
+    ramp, cachew = first_on_plateau("ramp"), first_on_plateau("cachew")
+    assert ramp == 7 and cachew == 23         # 4 changes x (settle + 1) - 1 vs 12 x 2 - 1
+
+
+def test_ramp_ideal_at_a_power_of_two_tries_double_and_comes_back():
+    # 25 ms items: 16 workers exactly keep up; 8->16 is linear, so 32 is tried
+    scaler, counts = drive(Autoscaler.start(AutoscaleConfig(settle=0)), pipeline_model(item_s=0.025), 30)
+    assert scaler.converged and scaler.workers == 16
+    assert [c[0] for c in counts[:7]] == [2, 4, 8, 16, 32, 15, 16]
+
+
+def test_ramp_regrows_from_one_more_when_items_get_dearer():
     cfg = AutoscaleConfig(settle=1, recheck_every=5)
+    scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 60)
+    assert scaler.workers == 13
+    scaler, counts = drive(scaler, pipeline_model(item_s=0.030), 60)
+    assert scaler.converged and scaler.workers == 19
+    # the re-check adds one (as Cachew does), then gallops +2, +4 while gains are linear;
+    # 16->20 brought 16.7% of an expected 20%: one more (21: nothing); search (16, 20]
+    changes = [c[0] for a, c in zip([(13, 0)] + counts, counts) if c != a]
+    assert changes == [14, 16, 20, 21, 19, 18, 19]
+    assert counts[-10:] == [(19, 0)] * 10
+
+
+def test_climb_arithmetic():
+    assert expected_gain(8, 16) == 0.5
+    assert judge_step(8, 0.080, 16, 0.040, 0.03, 0.03) is Gain.LINEAR
+    assert judge_step(8, 0.080, 16, 0.050, 0.03, 0.03) is Gain.PARTIAL
+    assert judge_step(16, 0.050, 17, 0.0495, 0.03, 0.03) is Gain.NONE
+    assert next_probe(8, 0.080, 16, 0.050) == 13      # 8 x 80 / 50 = 12.8
+    assert next_probe(8, 0.080, 13, 0.050) == 12      # kept inside the bracket
+    assert next_probe(8, 0.051, 16, 0.050) == 9
+    with pytest.raises(ValueError, match="between"):
+        next_probe(12, 0.053, 13, 0.050)
+    with pytest.raises(ValueError, match="climb"):
+        AutoscaleConfig(climb="fast")
+
+
+def test_cachew_recheck_adds_workers_when_items_get_dearer():
+    cfg = AutoscaleConfig(settle=1, recheck_every=5, **CACHEW)
     scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 60)
     assert scaler.workers == 13
     # items now cost 30 ms: 19.2 workers keep up; 19 is within 3% of the step
@@ -58,8 +120,9 @@ def test_recheck_adds_workers_when_items_get_dearer():
     assert counts[0] == (13, 0) and (14, 0) in counts[:cfg.recheck_every]   # at the re-check
 
 
-def test_queue_growth_removes_workers_until_batch_time_suffers():
-    cfg = AutoscaleConfig(settle=1, recheck_every=3)
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_queue_growth_removes_workers_until_batch_time_suffers(climb):
+    cfg = AutoscaleConfig(settle=1, recheck_every=3, climb=climb)
     scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 60)
     assert scaler.workers == 13
     # items now cost 10 ms (say the cache now serves part of the chain): 6.4 needed
@@ -92,9 +155,11 @@ def test_bounds_and_bad_input():
         Autoscaler.start(AutoscaleConfig(max_workers=2), workers=3)
 
 
-def test_journal_round_trip_mid_run_gives_the_same_decisions():
-    plain, a = drive(Autoscaler.start(), pipeline_model(noise=0.01, seed=3), 60)
-    again, b = drive(Autoscaler.start(), pipeline_model(noise=0.01, seed=3), 60, journal=True)
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_journal_round_trip_mid_run_gives_the_same_decisions(climb):
+    cfg = AutoscaleConfig(climb=climb)
+    plain, a = drive(Autoscaler.start(cfg), pipeline_model(noise=0.01, seed=3), 60)
+    again, b = drive(Autoscaler.start(cfg), pipeline_model(noise=0.01, seed=3), 60, journal=True)
     assert a == b and plain.to_dict() == again.to_dict()
     c = Change(1, 0, 2, 0, "x")
     assert change_from_dict(change_to_dict(c)) == c

@@ -96,8 +96,8 @@ def test_controller_applies_the_autoscaler_every_window_of_batches():
     assert pool.target == 2 and ctl.decisions[-1].change.remote == 2
     f.stats.batch_times += [0.1, 0.1]
     f.stats.queues += [0.0, 0.0]
-    ctl(f)                                                     # improved: try another
-    assert pool.target == 3 and f.local_share == 0.0
+    ctl(f)                                                     # halved (linear): double
+    assert pool.target == 4 and f.local_share == 0.0
 
 
 def test_controller_places_local_workers_and_falls_back_once():
@@ -108,7 +108,8 @@ def test_controller_places_local_workers_and_falls_back_once():
     assert pool.target == 1 and local == [0]
     for bt in (0.2, 0.1, 0.1, 0.1):                            # remote plateau at 2, then a local worker
         ctl.observe(Measurement(bt))
-    assert [(d.change.remote, d.change.local) for d in ctl.decisions] == [(2, 0), (3, 0), (2, 0), (2, 1)]
+    # the ramp: 1 -> 2 halved batch time (linear): 4; no gain: back to 2; a local one
+    assert [(d.change.remote, d.change.local) for d in ctl.decisions] == [(2, 0), (4, 0), (2, 0), (2, 1)]
     assert ctl.local == 1 and local[-1] == 1 and pool.target == 2
     f = Feeder(pool, window=1)
     ctl(f)

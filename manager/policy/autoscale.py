@@ -1,11 +1,39 @@
 """Autoscaling of one job's preprocessing workers (Cachew section 4.3), as an
 explicit state machine fed one Measurement per window of batches.
 
+Two climbs from the starting count (``AutoscaleConfig.climb``):
+
+* ``"ramp"`` (the default, ours): a galloping climb, then a bracketing search.
+  RAMPING steps from the last accepted count ``hi`` to ``hi + step`` and judges
+  the gain against the gain the step should bring while workers are the
+  bottleneck (climb.judge_step): about that much (within ``linear_slack``)
+  doubles the step; more than the threshold but clearly less resets it to one
+  (gains are flattening: walk on one at a time, as Cachew does); no more than
+  the threshold means ``hi`` was on the plateau. REFINING then searches the
+  bracket (lo, hi] -- lo known slower than the plateau by more than the
+  threshold -- for the smallest count within the threshold of the plateau,
+  probing the linear model's estimate (climb.next_probe). From one worker to a
+  plateau at 13 this visits 1, 2, 4, 8, 16, 17, 13, 12 -> 13: five changes to
+  reach the plateau instead of twelve.
+* ``"cachew"``: the paper's rule, one worker per measurement (GROWING below).
+
 States and transitions (``observe(m)`` is the only event; every change sets
 ``settle_left = settle``, and the next ``settle`` measurements are dropped
 because they straddle the change -- Cachew pauses metric collection)::
 
-    GROWING  (ref = measurement with one worker fewer, or None)
+    RAMPING  (hi = last accepted count, hi_m its measurement, None at the start;
+              lo = the accepted count before it, start - 1 at first; step)
+      -- hi_m is None -------------------------------> hi := n; add step (1)   (RAMPING)
+      -- gain LINEAR ---> lo := hi; hi := n; step x 2; add step               (RAMPING)
+      -- gain PARTIAL --> lo := hi; hi := n; step := 1; add step              (RAMPING)
+                         (at max_workers: conv := m ---------------------> CONVERGED)
+      -- gain NONE -----> plateau := hi_m's batch time; go to a probe in (lo, hi),
+                          or to hi when none is left: conv := hi_m ------> CONVERGED
+    REFINING (lo, hi, plateau)
+      -- m within threshold of the plateau --> hi := n (plateau := min); then
+      -- otherwise --------------------------> lo := n;                   then
+         a probe in (lo, hi) (REFINING), or go to hi: conv := hi_m ------> CONVERGED
+    GROWING  (climb "cachew"; ref = measurement with one worker fewer, or None)
       -- ref is None --------------------------------> ref := m; add one    (GROWING)
       -- m improves on ref by > threshold ------------> ref := m; add one    (GROWING)
                          (at max_workers: conv := m ----------------------> CONVERGED)
@@ -13,7 +41,8 @@ because they straddle the change -- Cachew pauses metric collection)::
                          not help; conv := ref ---------------------------> CONVERGED
     CONVERGED (conv = batch time and queue recorded at convergence)
       every ``recheck_every`` measurements:
-      -- batch time > conv x (1 + threshold) ---------> ref := m; add one    (GROWING)
+      -- batch time > conv x (1 + threshold) ---------> ref := m; add one
+                                                   (GROWING, or RAMPING from step 1)
       -- queue > conv.queue x (1 + queue_growth) + queue_slack
                                                  ---> remove one           (SHRINKING)
     SHRINKING (conv kept as the reference; ref = the measurement that started it)
@@ -35,10 +64,15 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Mapping
 
+from .climb import Gain, judge_step, next_probe, on_plateau
 from .scaling import Change, Measurement, relative
+
+CLIMBS = ("ramp", "cachew")
 
 
 class ScalePhase(str, Enum):
+    RAMPING = "ramping"
+    REFINING = "refining"
     GROWING = "growing"
     CONVERGED = "converged"
     SHRINKING = "shrinking"
@@ -53,8 +87,14 @@ class AutoscaleConfig:
     queue_slack: float = 2.0     # plus this many items, so an empty queue is not noise-bait
     min_workers: int = 1
     max_workers: int = 64
+    climb: str = "ramp"          # "ramp" (ours: gallop, then bracket) or "cachew" (one at a time)
+    linear_slack: float = 0.03   # a ramp step within this of its expected gain counts as linear
 
     def __post_init__(self) -> None:
+        if self.climb not in CLIMBS:
+            raise ValueError(f"climb must be one of {CLIMBS}, got {self.climb!r}")
+        if not 0 <= self.linear_slack < 1:
+            raise ValueError(f"linear_slack must be in [0, 1), got {self.linear_slack}")
         if not 0 <= self.threshold < 1:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.settle < 0 or self.recheck_every < 1:
@@ -76,6 +116,13 @@ class Autoscaler:
     ref: Measurement | None = None    # GROWING: measured with one worker fewer
     conv: Measurement | None = None   # CONVERGED / SHRINKING: recorded at convergence
     since_check: int = 0
+    # RAMPING / REFINING: lo is slower than the plateau, hi (measured hi_m) is on it
+    lo: int = 0
+    lo_m: Measurement | None = None
+    hi: int = 0
+    hi_m: Measurement | None = None
+    step: int = 1
+    plateau: float | None = None
 
     @classmethod
     def start(cls, config: AutoscaleConfig | None = None, workers: int | None = None) -> "Autoscaler":
@@ -83,7 +130,10 @@ class Autoscaler:
         n = max(1, cfg.min_workers) if workers is None else workers
         if not cfg.min_workers <= n <= cfg.max_workers:
             raise ValueError(f"workers={n} is outside [{cfg.min_workers}, {cfg.max_workers}]")
-        return cls(cfg, n)
+        scaler = cls(cfg, n)
+        if cfg.climb == "ramp":
+            scaler._ramp_from(None)
+        return scaler
 
     @property
     def converged(self) -> bool:
@@ -93,6 +143,10 @@ class Autoscaler:
         if self.settle_left > 0:
             self.settle_left -= 1
             return None
+        if self.phase is ScalePhase.RAMPING:
+            return self._ramp(m)
+        if self.phase is ScalePhase.REFINING:
+            return self._refine(m)
         if self.phase is ScalePhase.GROWING:
             return self._grow(m)
         if self.phase is ScalePhase.SHRINKING:
@@ -102,12 +156,59 @@ class Autoscaler:
     def regrow(self, m: Measurement) -> Change | None:
         """Batch time degraded at the current count: add a worker and grow
         again from here (used by the placement policy after it converged)."""
+        if self.config.climb == "ramp":
+            self._ramp_from(m)
+            return self._ramp_up("batch time degraded: add a worker")
         self.phase, self.ref = ScalePhase.GROWING, m
         if self.workers >= self.config.max_workers:
             return self._converge(m)
         return self._change(+1, "batch time degraded: add a worker")
 
-    # -- transitions
+    # -- transitions: the ramp (climb "ramp")
+    def _ramp_from(self, m: Measurement | None) -> None:
+        self.phase, self.step, self.plateau = ScalePhase.RAMPING, 1, None
+        self.lo, self.lo_m, self.hi, self.hi_m = self.workers - 1, None, self.workers, m
+
+    def _ramp(self, m: Measurement) -> Change | None:
+        if self.hi_m is None:
+            self.hi_m = m
+            return self._ramp_up("first measurement: try one more worker")
+        cfg, n = self.config, self.workers
+        gain = judge_step(self.hi, self.hi_m.batch_time, n, m.batch_time, cfg.threshold, cfg.linear_slack)
+        if gain is Gain.NONE:
+            self.phase, self.plateau = ScalePhase.REFINING, self.hi_m.batch_time
+            return self._probe(f"{n - self.hi} more worker(s) improved batch time by <= threshold")
+        self.lo, self.lo_m, self.hi, self.hi_m = self.hi, self.hi_m, n, m
+        self.step = 2 * self.step if gain is Gain.LINEAR else 1
+        return self._ramp_up(f"{gain.value} gain: try {self.step} more")
+
+    def _ramp_up(self, reason: str) -> Change | None:
+        target = min(self.config.max_workers, self.hi + self.step)
+        if target <= self.workers:
+            assert self.hi_m is not None
+            return self._converge(self.hi_m)
+        return self._change(target - self.workers, reason)
+
+    def _refine(self, m: Measurement) -> Change | None:
+        assert self.plateau is not None
+        if on_plateau(m.batch_time, self.plateau, self.config.threshold):
+            self.hi, self.hi_m, self.plateau = self.workers, m, min(self.plateau, m.batch_time)
+            return self._probe(f"{self.workers} on the plateau: try fewer")
+        self.lo, self.lo_m = self.workers, m
+        return self._probe(f"{self.workers} slower than the plateau: try more")
+
+    def _probe(self, reason: str) -> Change | None:
+        """Go to the next count to try in (lo, hi), or settle on hi when none is left."""
+        assert self.hi_m is not None and self.plateau is not None
+        if self.hi - self.lo < 2 or self.lo_m is None:
+            target, conv = self.hi, self.hi_m
+            self._converge(conv)
+            return self._change(target - self.workers, f"{reason}; settle on {target}") \
+                if target != self.workers else None
+        target = next_probe(self.lo, self.lo_m.batch_time, self.hi, self.plateau)
+        return self._change(target - self.workers, f"{reason}: probe {target}")
+
+    # -- transitions: Cachew's rule (climb "cachew")
     def _grow(self, m: Measurement) -> Change | None:
         cfg = self.config
         if self.ref is not None and -relative(m.batch_time, self.ref.batch_time) <= cfg.threshold:
@@ -149,6 +250,7 @@ class Autoscaler:
 
     def _converge(self, m: Measurement) -> None:
         self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, m, None, 0
+        self.lo_m = self.hi_m = None
         return None
 
     def _queue_high(self, m: Measurement) -> bool:
@@ -168,5 +270,7 @@ class Autoscaler:
     def from_dict(cls, d: Mapping[str, Any]) -> "Autoscaler":
         def meas(x: Mapping[str, Any] | None) -> Measurement | None:
             return None if x is None else Measurement(**x)
-        return cls(AutoscaleConfig(**d["config"]), d["workers"], ScalePhase(d["phase"]),
-                   d["settle_left"], meas(d["ref"]), meas(d["conv"]), d["since_check"])
+        fields = dict(d, config=AutoscaleConfig(**d["config"]), phase=ScalePhase(d["phase"]))
+        for name in ("ref", "conv", "lo_m", "hi_m"):
+            fields[name] = meas(d.get(name))
+        return cls(**fields)

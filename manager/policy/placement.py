@@ -63,6 +63,7 @@ class PlacementConfig:
     min_remote: int = 0
     max_remote: int = 64
     slowdown_guard: float | None = 0.05
+    climb: str = "ramp"              # phase 1's climb: see AutoscaleConfig.climb
 
     def __post_init__(self) -> None:
         if self.trainer_price < 0 or self.worker_price < 0 or self.trainers < 1:
@@ -75,7 +76,8 @@ class PlacementConfig:
     def autoscale(self) -> AutoscaleConfig:
         # settle is handled here, for every phase alike
         return AutoscaleConfig(threshold=self.threshold, settle=0, recheck_every=self.recheck_every,
-                               min_workers=max(1, self.min_remote), max_workers=self.max_remote)
+                               min_workers=max(1, self.min_remote), max_workers=self.max_remote,
+                               climb=self.climb)
 
     def cost(self, batch_time: float, remote: int) -> float:
         return batch_time * (self.trainer_price * self.trainers + self.worker_price * remote)
