@@ -100,6 +100,33 @@ def test_controller_applies_the_autoscaler_every_window_of_batches():
     assert pool.target == 4 and f.local_share == 0.0
 
 
+def test_controller_holds_a_window_while_started_workers_have_not_answered():
+    pool = RecordingPool(workers=0)
+    pool.starting = 0
+    ctl = Controller(pool, Autoscaler.start(AutoscaleConfig(settle=0)), every=2, hold_limit=2)
+    f = Feeder(pool, window=1, on_batch=ctl)
+
+    def window(bt):
+        f.stats.batch_times += [bt, bt]
+        f.stats.queues += [0.0, 0.0]
+        ctl(f)
+    window(0.2)
+    assert pool.target == 2                                    # first measurement: one more
+    pool.starting = 1                                          # the new worker has not answered:
+    window(0.2)                                                # its windows would say it brings
+    window(0.2)                                                # nothing; they are held
+    assert pool.target == 2 and len(ctl.decisions) == 1
+    pool.starting = 0
+    window(0.1)                                                # in effect: halved, so double
+    assert pool.target == 4 and ctl.decisions[-1].change.reason == "linear gain: try 2 more"
+    pool.starting = 2                                          # two that never start (no CPU):
+    window(0.1)
+    window(0.1)
+    assert pool.target == 4
+    window(0.1)                                                # held at most hold_limit windows
+    assert pool.target == 2 and len(ctl.decisions) == 3
+
+
 def test_controller_places_local_workers_and_falls_back_once():
     pool = RecordingPool(workers=0)
     local = []

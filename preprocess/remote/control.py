@@ -33,6 +33,7 @@ class Controller:
     set_local: Callable[[int], None] | None = None
     every: int = 20
     fallback_local: int = 1
+    hold_limit: int = 3   # windows a measurement waits at most for started workers
     decisions: list[Decision] = field(default_factory=list)
     fell_back: bool = False
 
@@ -41,6 +42,7 @@ class Controller:
             raise ValueError(f"every must be >= 1 batch, got {self.every}")
         self._t0 = time.monotonic()
         self._seen = 0
+        self._held = 0
         self.pool.resize(self.remote)
         if self.set_local is not None:
             self.set_local(self.local)
@@ -68,8 +70,19 @@ class Controller:
             times, queues = st.batch_times[self._seen:], st.queues[self._seen:]
             if len(times) >= self.every:
                 self._seen = len(st.batch_times)
-                self.observe(Measurement(batch_time=fmean(times), queue=fmean(queues)), st.batches)
+                if self._in_effect():
+                    self.observe(Measurement(batch_time=fmean(times), queue=fmean(queues)), st.batches)
         feeder.local_share = self.local_share()
+
+    def _in_effect(self) -> bool:
+        """Whether the last change has taken effect: a window in which started workers
+        had not answered a task yet (Ray starts actors one after the other, and a ramp
+        starts several at once) is not measured, for at most `hold_limit` windows."""
+        if getattr(self.pool, "starting", 0) and self._held < self.hold_limit:
+            self._held += 1
+            return False
+        self._held = 0
+        return True
 
     def observe(self, m: Measurement, batch: int = 0) -> Change | None:
         change = self.policy.observe(m)

@@ -80,6 +80,11 @@ class RemotePool:
         """Workers taking tasks (draining ones excluded)."""
         return sum(not w.draining for w in self.workers.values())
 
+    @property
+    def starting(self) -> int:
+        """Workers taking tasks that have not answered one yet (Ray still starting them)."""
+        return sum(not w.draining and w.finished == 0 for w in self.workers.values())
+
     def resize(self, n: int) -> None:
         """Start workers, or drain the least loaded ones, until `n` take tasks."""
         self.target = max(0, n)
