@@ -27,10 +27,10 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- gain LINEAR ---> lo := hi; hi := n; step x 2; add step               (RAMPING)
       -- gain PARTIAL --> lo := hi; hi := n; step := 1; add step              (RAMPING)
                          (at max_workers: conv := m ---------------------> CONVERGED)
-      -- gain NONE -----> plateau := hi_m's batch time; go to a probe in (lo, hi),
+      -- gain NONE -----> plateau := max(hi_m, m) batch time; a probe in (lo, hi),
                           or to hi when none is left: conv := hi_m ------> CONVERGED
     REFINING (lo, hi, plateau)
-      -- m within threshold of the plateau --> hi := n (plateau := min); then
+      -- m within threshold of the plateau --> hi := n;                   then
       -- otherwise --------------------------> lo := n;                   then
          a probe in (lo, hi) (REFINING), or go to hi: conv := hi_m ------> CONVERGED
     GROWING  (climb "cachew"; ref = measurement with one worker fewer, or None)
@@ -116,6 +116,7 @@ class Autoscaler:
     ref: Measurement | None = None    # GROWING: measured with one worker fewer
     conv: Measurement | None = None   # CONVERGED / SHRINKING: recorded at convergence
     since_check: int = 0
+    check_sum: tuple[float, float] = (0.0, 0.0)   # batch time, queue summed since the last re-check
     # RAMPING / REFINING: lo is slower than the plateau, hi (measured hi_m) is on it
     lo: int = 0
     lo_m: Measurement | None = None
@@ -175,8 +176,9 @@ class Autoscaler:
             return self._ramp_up("first measurement: try one more worker")
         cfg, n = self.config, self.workers
         gain = judge_step(self.hi, self.hi_m.batch_time, n, m.batch_time, cfg.threshold, cfg.linear_slack)
-        if gain is Gain.NONE:
-            self.phase, self.plateau = ScalePhase.REFINING, self.hi_m.batch_time
+        if gain is Gain.NONE:   # hi and n both sample the plateau: the higher, so noise in
+            # one window does not make every count below look slower than the plateau
+            self.phase, self.plateau = ScalePhase.REFINING, max(self.hi_m.batch_time, m.batch_time)
             return self._probe(f"{n - self.hi} more worker(s) improved batch time by <= threshold")
         self.lo, self.lo_m, self.hi, self.hi_m = self.hi, self.hi_m, n, m
         self.step = 2 * self.step if gain is Gain.LINEAR else 1
@@ -192,7 +194,7 @@ class Autoscaler:
     def _refine(self, m: Measurement) -> Change | None:
         assert self.plateau is not None
         if on_plateau(m.batch_time, self.plateau, self.config.threshold):
-            self.hi, self.hi_m, self.plateau = self.workers, m, min(self.plateau, m.batch_time)
+            self.hi, self.hi_m = self.workers, m
             return self._probe(f"{self.workers} on the plateau: try fewer")
         self.lo, self.lo_m = self.workers, m
         return self._probe(f"{self.workers} slower than the plateau: try more")
@@ -212,8 +214,7 @@ class Autoscaler:
     def _grow(self, m: Measurement) -> Change | None:
         cfg = self.config
         if self.ref is not None and -relative(m.batch_time, self.ref.batch_time) <= cfg.threshold:
-            conv = self.ref
-            self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, conv, None, 0
+            self._converge(self.ref)
             return self._change(-1, "the last worker improved batch time by <= threshold")
         first, self.ref = self.ref is None, m
         if self.workers >= cfg.max_workers:
@@ -221,15 +222,18 @@ class Autoscaler:
         return self._change(+1, "first measurement: try one more worker" if first else
                             "the last worker improved batch time by > threshold")
 
-    def _recheck(self, m: Measurement) -> Change | None:
+    def _recheck(self, last: Measurement) -> Change | None:
         cfg, conv = self.config, self.conv
         assert conv is not None
         self.since_check += 1
+        self.check_sum = (self.check_sum[0] + last.batch_time, self.check_sum[1] + last.queue)
         if self.since_check < cfg.recheck_every:
             return None
-        self.since_check = 0
+        # the interval's mean, not its last window: one noisy window must not add a worker
+        m = Measurement(self.check_sum[0] / self.since_check, self.check_sum[1] / self.since_check)
+        self.since_check, self.check_sum = 0, (0.0, 0.0)
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
-            return self.regrow(m)
+            return self.regrow(last)      # the climb's reference: batch time as it is now
         if self._queue_high(m) and self.workers > cfg.min_workers:
             self.phase, self.ref = ScalePhase.SHRINKING, m
             return self._change(-1, "queue well above its size at convergence")
@@ -241,8 +245,7 @@ class Autoscaler:
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
             # this count's queue is as high as it was: not a reason to shrink again
             high = max(conv.queue, self.ref.queue if self.ref else 0.0)
-            self.phase, self.since_check = ScalePhase.CONVERGED, 0
-            self.conv, self.ref = replace(conv, queue=high), None
+            self._converge(replace(conv, queue=high))
             return self._change(+1, "removal slowed batches: add the worker back")
         if self._queue_high(m) and self.workers > cfg.min_workers:
             return self._change(-1, "queue still well above its size at convergence")
@@ -250,6 +253,7 @@ class Autoscaler:
 
     def _converge(self, m: Measurement) -> None:
         self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, m, None, 0
+        self.check_sum = (0.0, 0.0)
         self.lo_m = self.hi_m = None
         return None
 
@@ -273,4 +277,5 @@ class Autoscaler:
         fields = dict(d, config=AutoscaleConfig(**d["config"]), phase=ScalePhase(d["phase"]))
         for name in ("ref", "conv", "lo_m", "hi_m"):
             fields[name] = meas(d.get(name))
+        fields["check_sum"] = tuple(d.get("check_sum", (0.0, 0.0)))
         return cls(**fields)
