@@ -96,6 +96,22 @@ def test_ramp_regrows_from_one_more_when_items_get_dearer():
     assert counts[-10:] == [(19, 0)] * 10
 
 
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_recheck_judges_the_interval_mean_not_one_noisy_window(climb):
+    cfg = AutoscaleConfig(settle=0, recheck_every=5, climb=climb)
+    scaler = Autoscaler(cfg, 13, ScalePhase.CONVERGED, conv=Measurement(0.050, queue=2.0))
+    # a spike in the interval's last window: 10% over, but the mean is 2% over
+    for bt in (0.050, 0.050, 0.050, 0.050, 0.055):
+        assert scaler.observe(Measurement(bt, queue=2.0)) is None
+    assert scaler.workers == 13 and scaler.converged
+    # a lasting slowdown: the next interval's mean is 8% over, and the climb's reference
+    # is the last window as it is now
+    for bt in (0.054, 0.054, 0.054, 0.054):
+        assert scaler.observe(Measurement(bt, queue=2.0)) is None
+    c = scaler.observe(Measurement(0.054, queue=2.0))
+    assert c is not None and c.remote == 14 and c.reason == "batch time degraded: add a worker"
+
+
 def test_climb_arithmetic():
     assert expected_gain(8, 16) == 0.5
     assert judge_step(8, 0.080, 16, 0.040, 0.03, 0.03) is Gain.LINEAR

@@ -13,8 +13,8 @@ Two climbs from the starting count (``AutoscaleConfig.climb``):
   bracket (lo, hi] -- lo known slower than the plateau by more than the
   threshold -- for the smallest count within the threshold of the plateau,
   probing the linear model's estimate (climb.next_probe). From one worker to a
-  plateau at 13 this visits 1, 2, 4, 8, 16, 17, 13, 12 -> 13: five changes to
-  reach the plateau instead of twelve.
+  plateau at 13 this visits 1, 2, 4, 8, 16, 17, 13, 12 -> 13: on the plateau
+  after four changes instead of twelve.
 * ``"cachew"``: the paper's rule, one worker per measurement (GROWING below).
 
 States and transitions (``observe(m)`` is the only event; every change sets
@@ -40,9 +40,9 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- m improves by <= threshold ------------------> remove the worker that did
                          not help; conv := ref ---------------------------> CONVERGED
     CONVERGED (conv = batch time and queue recorded at convergence)
-      every ``recheck_every`` measurements:
-      -- batch time > conv x (1 + threshold) ---------> ref := m; add one
-                                                   (GROWING, or RAMPING from step 1)
+      every ``recheck_every`` measurements, on the interval's mean (m):
+      -- batch time > conv x (1 + threshold) ---------> ref := the last window; add
+                                                   one (GROWING, or RAMPING from step 1)
       -- queue > conv.queue x (1 + queue_growth) + queue_slack
                                                  ---> remove one           (SHRINKING)
     SHRINKING (conv kept as the reference; ref = the measurement that started it)
@@ -56,7 +56,8 @@ Better than the paper: the worker whose addition did not help is removed again
 ``queue_slack`` keeps an empty queue at convergence from turning noise into
 removals; a shrink that had to be undone raises the recorded queue size, so a
 count whose queue runs full without being removable is not probed again at
-every re-check. Counts stay within [min_workers, max_workers].
+every re-check; the re-check judges the interval's mean, not one noisy window.
+Counts stay within [min_workers, max_workers].
 """
 from __future__ import annotations
 
