@@ -39,7 +39,18 @@ def read_token(path: str) -> bytes:
                          f"{MIN_TOKEN_BYTES} are needed (e.g. `head -c 32 /dev/urandom | base64 > {path}`)")
     if os.stat(path).st_mode & 0o077:
         raise ValueError(f"--cluster-token-file {path}: readable by others; chmod 600 it")
+    check_printable(token, f"--cluster-token-file {path}")
     return token
+
+
+def check_printable(token: bytes, where: str) -> None:
+    """gRPC metadata values (keys not ending in -bin) are printable ASCII: a token that is
+    not would be read here and fail on every call instead; ValueError names ``where``."""
+    bad = next((i for i, b in enumerate(token) if not 0x21 <= b <= 0x7E), None)
+    if bad is not None:
+        raise ValueError(f"{where}: the token must be printable ASCII without spaces (it is sent as gRPC "
+                         f"metadata), byte {bad} is {token[bad]:#04x}; write raw bytes encoded, e.g. "
+                         "`head -c 32 /dev/urandom | base64 > FILE`")
 
 
 def metadata(token: bytes | None) -> tuple[tuple[str, str], ...] | None:

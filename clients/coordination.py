@@ -30,6 +30,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from cacheserver.vocab import Option
+
+from .jobtokenfile import JobTokenFile
+import grpc
+
+from manager import jobtokens
 from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
 from manager.policy.autocache import Decision, PipelineCosts
 
@@ -100,9 +105,14 @@ class CoordinatedDataset(Protocol):
     def prefetch(self, indices: Sequence[int]) -> Any: ...
 
 
+class JobRefused(ManagerError):
+    """The manager refused to register the job: another holder of its name (its token) runs it."""
+
+
 class JobCoordinator:
     def __init__(self, ds: CoordinatedDataset, manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
-                 prefetch_bandwidth: float = 20e6, quiet_report_seconds: float = 2.0) -> None:
+                 prefetch_bandwidth: float = 20e6, quiet_report_seconds: float = 2.0,
+                 keep_token: bool = True) -> None:
         self._unavailable = ManagerUnavailable
         self.ds = ds
         self.client = ManagerClient(manager)
@@ -124,13 +134,46 @@ class JobCoordinator:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.reached = False  # whether the manager has answered yet
+        self._thread: threading.Thread | None = None
+        # A lone process (no launcher secret) keeps its token of a named job for its next run.
+        self._token_file = (JobTokenFile(manager, ds.job) if keep_token and jobtokens.launcher_secret() is None
+                            else None)
+        try:
+            self._register(n_gpus)
+        except BaseException:
+            self.client.close()
+            if self._token_file is not None:
+                self._token_file.release()
+            raise
+
+    def _register(self, n_gpus: int) -> None:
+        ds, tf = self.ds, self._token_file
+        kept = tf.claim() if tf is not None else None
+        if kept is not None:
+            self.client.set_job_token(ds.job, kept)
         try:
             info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
-            self._set_plan(info.plan)
-            self.reached = True
         except self._unavailable as e:
-            log.warning("cache manager %s unavailable (%s): training without a plan", manager, e)
-        self._thread: threading.Thread | None = None
+            log.warning("cache manager %s unavailable (%s): training without a plan", self.client.address, e)
+            return
+        except ManagerError as e:
+            if e.code != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            raise JobRefused(f"{e}. {self._refused_hint(kept)}.", e.code) from None
+        if tf is not None and kept is not None and info.token and info.token != kept:
+            tf.replace(info.token)  # a job from a state before tokens keeps the manager's
+        self._set_plan(info.plan)
+        self.reached = True
+
+    def _refused_hint(self, kept: str | None) -> str:
+        tf = self._token_file
+        if tf is None:
+            return ("This process sent the token derived from its launcher's secret "
+                    f"({jobtokens.SECRET_ENV} or torchrun's run id)" if jobtokens.launcher_secret() is not None
+                    else "This process was given no job name, so it keeps no token")
+        if kept is None:
+            return f"Another running process of this user holds the job's token file {tf.path}"
+        return f"This process sent the token kept in {tf.path}, which is not the job's"
 
     def ring_spec(self) -> str | None:
         try:
@@ -306,3 +349,5 @@ class JobCoordinator:
         except Exception:
             pass
         self.client.close()
+        if self._token_file is not None:
+            self._token_file.release()

@@ -13,7 +13,9 @@ a secret the launcher gives every rank, ``MLCACHE_JOB_SECRET``, else from what
 torchrun gives every rank of one run (TORCHELASTIC_RUN_ID with MASTER_ADDR and
 MASTER_PORT). That default keeps jobs apart from mistakes and from tenants who
 do not know the run's rendezvous; against a tenant who can read another job's
-environment, set MLCACHE_JOB_SECRET to a real secret.
+environment, set MLCACHE_JOB_SECRET to a real secret. A lone process with neither
+keeps its token of a named job in a user-private file for its next run
+(clients/jobtokenfile.py).
 """
 from __future__ import annotations
 

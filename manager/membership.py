@@ -144,6 +144,11 @@ class Liveness:
         with self._lock:
             self._jobs.pop(job, None)
 
+    def job_expires_in(self, job: str, now: float, timeout: float) -> float:
+        """Seconds until ``job`` has been idle ``timeout`` seconds (idle_jobs then names it)."""
+        with self._lock:
+            return max(0.0, timeout - (now - self._jobs.get(job, self.started)))
+
     def idle_jobs(self, jobs: list[str], now: float, timeout: float) -> list[str]:
         with self._lock:
             return [j for j in jobs if now - self._jobs.get(j, self.started) > timeout]

@@ -61,13 +61,15 @@ def _mode(m: ManagerModel, job: str) -> int:
 
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
-                 counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None) -> None:
+                 counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None,
+                 job_timeout_s: float = 900.0) -> None:
         self.store = store
         self.roles = roles or Roles(None)  # the manager's role: full Status, ReportLoaded without a job
         self.scaling = scaling or WorkerScaling()
         self.liveness = liveness
         self.heartbeat_s = heartbeat_s
         self.decision_s = decision_s
+        self.job_timeout_s = job_timeout_s
         self.counters = counters
 
     def _now(self) -> float:
@@ -79,10 +81,17 @@ class ManagerService(mpb_grpc.ManagerServicer):
         rec = self.store.model.jobs.get(job)
         if rec is not None and not jobtokens.matches(jobtokens.presented(context), rec.token_hash):
             self.counters.add("job_token_refused")
-            raise Rejected("PERMISSION_DENIED",
-                           f"job {job!r} is registered with a token this caller did not send: only the job "
-                           f"acts as itself (the ranks of one job share {jobtokens.SECRET_ENV}, or torchrun's "
-                           "run id; docs/security.md)")
+            raise Rejected("PERMISSION_DENIED", self._not_the_job(job))
+
+    def _not_the_job(self, job: str) -> str:
+        """Why a caller without ``job``'s token is refused, and what it can do."""
+        wait = self.liveness.job_expires_in(job, self._now(), self.job_timeout_s) + self.decision_s
+        return (f"job {job!r} is registered with a token this caller did not send: only the job acts as itself. "
+                f"If this is that job run again: give all its processes the same {jobtokens.SECRET_ENV} "
+                "(torchrun ranks share their run id), or run it as the same user on the same machine (a lone "
+                "process keeps its token in ~/.cache/mlcache/jobs); else choose another job name, or wait "
+                f"about {wait:.0f} s until the manager drops the old registration (no contact for "
+                f"--job-timeout-seconds={self.job_timeout_s:.0f}). docs/security.md, Job tokens")
 
     def _may_report_loaded(self, dataset: str, job: str, context) -> None:
         """A load report moves a dataset's chunks on: only from a job registered on it (or on

@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs import cacheserver  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _private_job_tokens(tmp_path_factory, monkeypatch):
+    """Lone test processes keep their job tokens (clients/jobtokenfile.py) out of the user's home."""
+    monkeypatch.setenv("MLCACHE_JOB_TOKEN_DIR", str(tmp_path_factory.mktemp("job-tokens")))
+
+
 @pytest.fixture
 def server(tmp_path):
     """One running cacheserver process; killed at teardown."""

@@ -59,9 +59,14 @@ def test_control_operations_need_the_cluster_token(tmp_path):
 
 
 @pytest.mark.parametrize("daemon", ["cacheserver.serverd", "manager.managerd"])
-def test_bad_token_file_is_one_line_exit_2(tmp_path, daemon):
+@pytest.mark.parametrize("content,why", [
+    (b"short", "the token has 5 bytes, at least 16 are needed"),
+    # raw bytes (not ASCII, or with inner spaces) cannot travel as gRPC metadata: refused on reading
+    (bytes(range(200, 232)), "the token must be printable ASCII without spaces"),
+    (b"a token with inner spaces", "byte 1 is 0x20")])
+def test_bad_token_file_is_one_line_exit_2(tmp_path, daemon, content, why):
     weak = tmp_path / "weak.token"
-    weak.write_text("short")
+    weak.write_bytes(content)
     weak.chmod(0o600)
     argv = [sys.executable, "-m", daemon, "--listen", f"127.0.0.1:{free_port()}",
             "--cluster-token-file", str(weak)]
@@ -69,7 +74,8 @@ def test_bad_token_file_is_one_line_exit_2(tmp_path, daemon):
              else ["--state-dir", str(tmp_path / "m")])
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "the token has 5 bytes, at least 16 are needed" in p.stderr.strip().splitlines()[-1]
+    last = p.stderr.strip().splitlines()[-1]
+    assert why in last and str(weak) in last, last
 
 
 def test_replaces_counted_per_client_identity(tmp_path):
