@@ -18,17 +18,23 @@ pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_ENV = (jobtokens.SECRET_ENV, "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
-# One training run: build the dataset on the manager's ring, train an epoch, then (argv[4]
-# "hang") say so and wait to be killed, or close and exit.
+# One training run (argv[5]: "torch", CachedDataset's loader, or "tf", tf_dataset): build the
+# dataset on the manager's ring, read an epoch, then (argv[4] "hang") say so and wait to be
+# killed, or close and exit.
 TRAIN = """
 import sys, time
-from clients.dataset import CachedDataset
-ds = CachedDataset(sys.argv[1], manager=sys.argv[2], job=sys.argv[3])
-n = sum(len(b) for b in ds.loader(batch_size=10, seed=1))
+if sys.argv[5] == "tf":
+    from clients.tf_source import tf_dataset
+    ds = tf_dataset(sys.argv[1], manager=sys.argv[2], job=sys.argv[3], epochs=1)
+    n, close = sum(1 for _ in ds), ds.mlcache.close
+else:
+    from clients.dataset import CachedDataset
+    ds = CachedDataset(sys.argv[1], manager=sys.argv[2], job=sys.argv[3])
+    n, close = sum(len(b) for b in ds.loader(batch_size=10, seed=1)), ds.close
 print("trained", n, flush=True)
 if sys.argv[4] == "hang":
     time.sleep(120)
-ds.close()
+close()
 """
 
 
@@ -37,8 +43,8 @@ def _env(token_root):
     return dict(env, PYTHONPATH=ROOT, **{DIR_ENV: str(token_root)})
 
 
-def _train(digest, manager, job, token_root, mode="exit"):
-    argv = [sys.executable, "-c", TRAIN, str(digest), manager, job, mode]
+def _train(digest, manager, job, token_root, mode="exit", client="torch"):
+    argv = [sys.executable, "-c", TRAIN, str(digest), manager, job, mode, client]
     return subprocess.Popen(argv, cwd=ROOT, env=_env(token_root), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -56,11 +62,14 @@ def cluster(tmp_path):
     m.kill()
 
 
-def test_a_lone_job_killed_and_run_again_registers_and_trains(tmp_path, cluster):
+@pytest.mark.parametrize("client", ["torch", "tf"])
+def test_a_lone_job_killed_and_run_again_registers_and_trains(tmp_path, cluster, client):
+    if client == "tf":
+        pytest.importorskip("tensorflow")
     m = cluster
     digest, items = make_dataset(tmp_path / "ds", n=60)
     mine, theirs = tmp_path / "alice-tokens", tmp_path / "bob-tokens"
-    first = _train(digest, m.address, "lone", mine, "hang")
+    first = _train(digest, m.address, "lone", mine, "hang", client)
     try:
         line = first.stdout.readline()  # bounded: the child sleeps at most 120 s after it
         assert line.split() == ["trained", str(len(items))], (line, first.stderr.read() if first.poll() else "")
@@ -72,7 +81,7 @@ def test_a_lone_job_killed_and_run_again_registers_and_trains(tmp_path, cluster)
     assert os.stat(os.path.dirname(kept)).st_mode & 0o777 == 0o700
     # Another user (its own token dir) cannot take the job while the manager keeps it, and is
     # told what to do.
-    other = _train(digest, m.address, "lone", theirs)
+    other = _train(digest, m.address, "lone", theirs, client=client)
     out, err = other.communicate(timeout=120)
     assert other.returncode != 0 and "trained" not in out
     why = err.strip().splitlines()[-1]
@@ -82,7 +91,7 @@ def test_a_lone_job_killed_and_run_again_registers_and_trains(tmp_path, cluster)
                  f"This process sent the token kept in {theirs}"):
         assert hint in why, why
     # The same user runs it again under the same name: it registers with its kept token and trains.
-    again = _train(digest, m.address, "lone", mine)
+    again = _train(digest, m.address, "lone", mine, client=client)
     out, err = again.communicate(timeout=120)
     assert again.returncode == 0, err
     assert out.split() == ["trained", str(len(items))]
