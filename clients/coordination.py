@@ -160,8 +160,6 @@ class JobCoordinator:
             if e.code != grpc.StatusCode.PERMISSION_DENIED:
                 raise
             raise JobRefused(f"{e}. {self._refused_hint(kept)}.", e.code) from None
-        if tf is not None and kept is not None and info.token and info.token != kept:
-            tf.replace(info.token)  # a job from a state before tokens keeps the manager's
         self._set_plan(info.plan)
         self.reached = True
 
@@ -172,7 +170,7 @@ class JobCoordinator:
                     f"({jobtokens.SECRET_ENV} or torchrun's run id)" if jobtokens.launcher_secret() is not None
                     else "This process was given no job name, so it keeps no token")
         if kept is None:
-            return f"Another running process of this user holds the job's token file {tf.path}"
+            return f"This process sent no token: {tf.why_none}"
         return f"This process sent the token kept in {tf.path}, which is not the job's"
 
     def ring_spec(self) -> str | None:

@@ -138,7 +138,7 @@ class CachedDataset(_TorchDataset):
             parse_spec(cache)  # a malformed address fails here, not at the first batch
         if manager is not None:
             split_hostport(manager, "cache manager address")
-            self.coordinator = JobCoordinator(self, manager, n_gpus, keep_token=job is not None)
+            self.coordinator = JobCoordinator(self, manager, n_gpus, keep_token=bool(job))
             if cache is None:
                 cache = self.coordinator.ring_spec()
                 if cache is None:

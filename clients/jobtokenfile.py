@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from urllib.parse import quote
 from cacheserver.roles import check_printable
 from manager import jobtokens
 
+log = logging.getLogger("mlcache.client")
 _MAX_NAME = 120  # longer job names are hashed into the file name
 
 
@@ -54,19 +56,27 @@ class JobTokenFile:
     def __init__(self, manager: str, job: str, directory: str | None = None) -> None:
         self.directory = directory or token_dir(manager)
         self.path = os.path.join(self.directory, _file_name(job))
+        self.why_none = ""  # why claim() gave no token
         self._fd: int | None = None
 
     def claim(self) -> str | None:
         """The token to register with (the kept one, else a new one, kept now), or None
-        when another live process of this user holds the job's file. ValueError (naming
-        the file) when it is not private or not a token."""
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        (``why_none`` says why: another live process of this user holds the job's file, or
+        the file cannot be written: the process then registers as before, without one).
+        ValueError (naming the file) when it is not private or not a token."""
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # e.g. a read-only home in a container
+            self.why_none = f"its job token file {self.path} cannot be kept ({e.strerror or e})"
+            log.warning("job token not kept across restarts: %s", self.why_none)
+            return None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                self.why_none = f"another running process of this user holds the job's token file {self.path}"
                 return None
             token = self._read_or_make(fd)
         except BaseException:
@@ -88,13 +98,6 @@ class JobTokenFile:
         os.write(fd, token.encode() + b"\n")
         os.fsync(fd)
         return token
-
-    def replace(self, token: str) -> None:
-        """Keep ``token`` (the one the manager answered with) instead of the claimed one."""
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, token.encode() + b"\n", 0)
-            os.fsync(self._fd)
 
     def release(self) -> None:
         """Let another process of this user take the job's token (the file stays)."""

@@ -103,6 +103,7 @@ def test_a_second_live_process_of_the_same_user_does_not_take_the_token(tmp_path
     token = a.claim()
     assert token is not None and len(token) == 64
     assert b.claim() is None  # a's flock: the job's token stays with the process running it
+    assert "another running process of this user holds" in b.why_none
     a.release()
     assert b.claim() == token  # a finished (or was killed): the next run takes it
     b.release()
@@ -125,3 +126,19 @@ def test_a_token_file_that_cannot_travel_as_metadata_is_refused_naming_it(tmp_pa
     os.chmod(f.path, 0o644)
     with pytest.raises(ValueError, match="readable by others"):
         f.claim()
+
+
+def test_a_token_dir_that_cannot_be_written_leaves_registration_as_before(tmp_path, cluster, monkeypatch):
+    from clients.dataset import CachedDataset
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(DIR_ENV, str(blocker))  # e.g. a read-only home in a container
+    digest, items = make_dataset(tmp_path / "ds", n=20)
+    ds = CachedDataset(digest, manager=cluster.address, job="no-home")
+    try:
+        assert ds.coordinator.reached and "cannot be kept" in ds.coordinator._token_file.why_none
+        assert sum(len(b) for b in ds.loader(batch_size=10)) == len(items)
+    finally:
+        ds.close()
