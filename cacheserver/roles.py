@@ -54,8 +54,12 @@ def check_printable(token: bytes, where: str) -> None:
 
 
 def metadata(token: bytes | None) -> tuple[tuple[str, str], ...] | None:
-    """gRPC metadata that carries ``token`` (None: send nothing)."""
-    return None if token is None else ((TOKEN_HEADER, token.decode()),)
+    """gRPC metadata that carries ``token`` (None: send nothing); ValueError for a token
+    that cannot travel as metadata."""
+    if token is None:
+        return None
+    check_printable(token, "cluster token")
+    return ((TOKEN_HEADER, token.decode()),)
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,6 +29,7 @@ from google.protobuf import json_format
 
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
+from cacheserver.roles import check_printable
 from cacheserver.roles import metadata as roles_metadata
 from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
@@ -179,7 +180,9 @@ class ManagerClient:
         return token if token is not None else jobtokens.job_token(job)
 
     def set_job_token(self, job: str, token: str) -> None:
-        """Act as ``job`` with ``token`` (one another client's registration returned)."""
+        """Act as ``job`` with ``token`` (one another client's registration returned);
+        ValueError for one that cannot travel as gRPC metadata."""
+        check_printable(token.encode(), f"job token for {job!r}")
         with self._lock:
             self._tokens[job] = token
 

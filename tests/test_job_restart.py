@@ -142,3 +142,11 @@ def test_a_token_dir_that_cannot_be_written_leaves_registration_as_before(tmp_pa
         assert sum(len(b) for b in ds.loader(batch_size=10)) == len(items)
     finally:
         ds.close()
+
+
+def test_tokens_that_cannot_travel_as_metadata_are_refused_before_any_call():
+    with ManagerClient("127.0.0.1:1", timeout=1) as mc:
+        with pytest.raises(ValueError, match="job token for 'j': the token must be printable ASCII"):
+            mc.set_job_token("j", "caf\u00e9 token")
+    with pytest.raises(ValueError, match="cluster token: the token must be printable ASCII"):
+        ManagerClient("127.0.0.1:1", cluster_token=bytes(range(200, 232)))
