@@ -27,16 +27,15 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 
 from cacheserver.vocab import Option
-
-from .jobtokenfile import JobTokenFile
-import grpc
-
 from manager import jobtokens
 from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
 from manager.policy.autocache import Decision, PipelineCosts
+
+from .jobtokenfile import JobTokenFile
 
 log = logging.getLogger("mlcache.client")
 # The plan's option as the shared array holds it; _SPARE: a "none" plan whose

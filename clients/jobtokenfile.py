@@ -7,8 +7,8 @@ hold its token only in memory: restarted after a crash under the same job name,
 it would be refused. So it makes its token before registering, keeps it in
 ``<cache dir>/jobs/<hash of the manager address>/<job>.token`` (mode 0600, in
 0700 directories; the cache dir is $MLCACHE_DIR, else $XDG_CACHE_HOME/mlcache,
-else ~/.cache/mlcache; $MLCACHE_JOB_TOKEN_DIR replaces <cache dir>/jobs) and presents it again on the next run of that job name
-with that manager. The file is as private as the user's home: whoever can read it
+else ~/.cache/mlcache; $MLCACHE_JOB_TOKEN_DIR replaces <cache dir>/jobs) and
+presents it again on the next run of that job name with that manager. The file is as private as the user's home: whoever can read it
 can act as the job, which is also true of the user's environment.
 
 While a process runs the job it holds an exclusive flock on the file, so a
@@ -29,10 +29,8 @@ from cacheserver.roles import check_printable
 from manager import jobtokens
 
 log = logging.getLogger("mlcache.client")
-_MAX_NAME = 120  # longer job names are hashed into the file name
-
-
 DIR_ENV = "MLCACHE_JOB_TOKEN_DIR"
+_MAX_NAME = 120  # longer job names are hashed into the file name
 
 
 def token_dir(manager: str, env: Mapping[str, str] = os.environ) -> str:
