@@ -181,6 +181,22 @@ def test_journal_round_trip_mid_run_gives_the_same_decisions(climb):
     assert change_from_dict(change_to_dict(c)) == c
 
 
+def test_a_state_from_before_the_ramp_loads_and_rechecks_on_a_whole_mean():
+    """No climb, lo/hi or check_sum in it: the default climb, and the interval in
+    progress starts again (its windows were not summed), so the first re-check's mean
+    is not diluted by windows it never saw."""
+    old = {"config": {"threshold": 0.03, "settle": 1, "recheck_every": 10, "queue_growth": 0.4,
+                      "queue_slack": 2.0, "min_workers": 1, "max_workers": 64},
+           "workers": 3, "phase": "converged", "settle_left": 0, "ref": None,
+           "conv": {"batch_time": 0.1, "queue": 1.0, "cpu": 0.0}, "since_check": 9}
+    scaler = Autoscaler.from_dict(old)
+    assert scaler.config.climb == "ramp" and scaler.phase is ScalePhase.CONVERGED
+    # 5% slower than at convergence; counting the nine unsummed windows, the first
+    # re-check's mean would be 0.105 / 10 and hide it
+    got = [scaler.observe(Measurement(0.105, queue=1.0)) for _ in range(10)]
+    assert got[:-1] == [None] * 9 and got[-1] is not None and got[-1].remote == 4
+
+
 def test_hpa_rule_matches_kubernetes():
     assert hpa_desired(10, 0.8) == 10
     assert hpa_desired(10, 0.85) == 10              # within the 10% tolerance

@@ -279,4 +279,6 @@ class Autoscaler:
         for name in ("ref", "conv", "lo_m", "hi_m"):
             fields[name] = meas(d.get(name))
         fields["check_sum"] = tuple(d.get("check_sum", (0.0, 0.0)))
+        if "check_sum" not in d:  # a state from before the mean: its windows so far were not summed
+            fields["since_check"] = 0
         return cls(**fields)
