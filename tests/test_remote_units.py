@@ -100,16 +100,23 @@ def test_controller_applies_the_autoscaler_every_window_of_batches():
     assert pool.target == 4 and f.local_share == 0.0
 
 
-def test_controller_holds_a_window_while_started_workers_have_not_answered():
+def held_controller(settle: int):
+    """A controller over a pool whose started workers answer when the test says (hold_limit 2),
+    and a function that feeds it one window of two batches of batch time `bt`."""
     pool = RecordingPool(workers=0)
     pool.starting = 0
-    ctl = Controller(pool, Autoscaler.start(AutoscaleConfig(settle=0)), every=2, hold_limit=2)
+    ctl = Controller(pool, Autoscaler.start(AutoscaleConfig(settle=settle)), every=2, hold_limit=2)
     f = Feeder(pool, window=1, on_batch=ctl)
 
     def window(bt):
         f.stats.batch_times += [bt, bt]
         f.stats.queues += [0.0, 0.0]
         ctl(f)
+    return pool, ctl, window
+
+
+def test_controller_holds_a_window_while_started_workers_have_not_answered():
+    pool, ctl, window = held_controller(settle=0)
     window(0.2)
     assert pool.target == 2                                    # first measurement: one more
     pool.starting = 1                                          # the new worker has not answered:
@@ -125,6 +132,23 @@ def test_controller_holds_a_window_while_started_workers_have_not_answered():
     assert pool.target == 4
     window(0.1)                                                # held at most hold_limit windows
     assert pool.target == 2 and len(ctl.decisions) == 3
+
+
+def test_a_worker_that_never_starts_holds_one_judgement_not_every_window():
+    """hold_limit bounds the wait per change: once it is spent, the windows that follow
+    are measured although a worker still has not answered (no CPU for it)."""
+    pool, ctl, window = held_controller(settle=1)
+    window(0.2)
+    assert pool.target == 2                                    # first measurement: one more
+    pool.starting = 1                                          # it never answers
+    window(0.1)
+    window(0.1)                                                # held: hold_limit windows
+    window(0.1)                                                # measured, dropped by settle
+    assert pool.target == 2 and len(ctl.decisions) == 1
+    window(0.1)                                                # measured: no second hold
+    assert pool.target == 4 and ctl.decisions[-1].change.reason == "linear gain: try 2 more"
+    window(0.1)                                                # a new change: held again
+    assert ctl._held == 1
 
 
 def test_controller_places_local_workers_and_falls_back_once():

@@ -77,11 +77,15 @@ class Controller:
     def _in_effect(self) -> bool:
         """Whether the last change has taken effect: a window in which started workers
         had not answered a task yet (Ray starts actors one after the other, and a ramp
-        starts several at once) is not measured, for at most `hold_limit` windows."""
-        if getattr(self.pool, "starting", 0) and self._held < self.hold_limit:
+        starts several at once) is not measured, for at most `hold_limit` windows per
+        change: a worker that never starts (no CPU for it) holds up one judgement, not
+        every later window."""
+        if not getattr(self.pool, "starting", 0):
+            self._held = 0  # all answered: a replacement started later may be waited for again
+            return True
+        if self._held < self.hold_limit:
             self._held += 1
             return False
-        self._held = 0
         return True
 
     def observe(self, m: Measurement, batch: int = 0) -> Change | None:
@@ -89,6 +93,7 @@ class Controller:
         if change is None:
             return None
         self.decisions.append(Decision(time.monotonic() - self._t0, batch, change))
+        self._held = 0  # the new workers may be waited for
         self.pool.resize(change.remote)
         if self.set_local is not None and change.local_delta:
             self.set_local(change.local)
