@@ -79,7 +79,7 @@ class WorkerScaling:
         local = min(cfg.max_local, max(0, counts[1]))
         if remote + local < 1:
             remote = max(1, cfg.min_remote)
-        return Placement(cfg, Autoscaler(cfg.autoscale(), remote), remote, local, start=(remote, local))
+        return Placement(cfg, Autoscaler.resume(cfg.autoscale(), remote), remote, local, start=(remote, local))
 
 
 def _kind(p: Autoscaler | Placement) -> str:

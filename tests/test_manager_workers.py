@@ -52,6 +52,19 @@ def test_after_a_manager_restart_a_policy_starts_from_the_jobs_counts():
     assert (p.remote, p.local) == (4, 2)
 
 
+def test_a_placement_restarted_from_the_jobs_counts_climbs_as_configured():
+    """The ramp (the default), not Cachew's one-at-a-time rule: 3 -> 4 brought its
+    expected gain (linear), so the step doubles to 6; with climb="cachew", 5."""
+    for climb, after in (("ramp", 6), ("cachew", 5)):
+        s = WorkerScaling(placement=PlacementConfig(settle=0, climb=climb))
+        s.decide("j", "placement", Measurement(0.4), remote=3, local=0)          # restarted: on from 3
+        c = s.decide("j", "placement", Measurement(0.3))                         # 4 workers: 0.4 x 3 / 4
+        assert (c.remote, c.phase) == (after, "remote"), climb
+    only_local = WorkerScaling(placement=PlacementConfig(settle=0, min_remote=0))
+    c = only_local.decide("j", "placement", Measurement(0.4), remote=0, local=2)  # 0 remote: allowed
+    assert (c.remote, c.local) == (1, 2)
+
+
 def test_forgotten_jobs_and_bad_input():
     s = WorkerScaling()
     s.decide("a", "autoscale", None)

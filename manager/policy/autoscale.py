@@ -132,8 +132,15 @@ class Autoscaler:
         n = max(1, cfg.min_workers) if workers is None else workers
         if not cfg.min_workers <= n <= cfg.max_workers:
             raise ValueError(f"workers={n} is outside [{cfg.min_workers}, {cfg.max_workers}]")
-        scaler = cls(cfg, n)
-        if cfg.climb == "ramp":
+        return cls.resume(cfg, n)
+
+    @classmethod
+    def resume(cls, config: AutoscaleConfig, workers: int) -> "Autoscaler":
+        """The configured climb from a count this policy did not choose (a job's counts
+        after a manager restart; the placement policy's remote workers, which local ones
+        may leave at 0): not checked against [min_workers, max_workers]."""
+        scaler = cls(config, workers)
+        if config.climb == "ramp":
             scaler._ramp_from(None)
         return scaler
 
