@@ -147,8 +147,11 @@ def test_a_worker_that_never_starts_holds_one_judgement_not_every_window():
     assert pool.target == 2 and len(ctl.decisions) == 1
     window(0.1)                                                # measured: no second hold
     assert pool.target == 4 and ctl.decisions[-1].change.reason == "linear gain: try 2 more"
-    window(0.1)                                                # a new change: held again
-    assert ctl._held == 1
+    window(0.1)                                                # a change that starts workers:
+    assert ctl._held == 1                                      # held again
+    ctl.observe(Measurement(0.1))                              # settle
+    ctl.observe(Measurement(0.1))                              # 4 no faster than 2: back to 2
+    assert pool.target == 2 and ctl._held == 1                 # a removal: no new wait
 
 
 def test_controller_places_local_workers_and_falls_back_once():

@@ -78,8 +78,8 @@ class Controller:
         """Whether the last change has taken effect: a window in which started workers
         had not answered a task yet (Ray starts actors one after the other, and a ramp
         starts several at once) is not measured, for at most `hold_limit` windows per
-        change: a worker that never starts (no CPU for it) holds up one judgement, not
-        every later window."""
+        change that starts workers: a worker that never starts (no CPU for it) holds up
+        one judgement, not every later window."""
         if not getattr(self.pool, "starting", 0):
             self._held = 0  # all answered: a replacement started later may be waited for again
             return True
@@ -93,7 +93,8 @@ class Controller:
         if change is None:
             return None
         self.decisions.append(Decision(time.monotonic() - self._t0, batch, change))
-        self._held = 0  # the new workers may be waited for
+        if change.remote_delta > 0:
+            self._held = 0  # the workers it starts may be waited for
         self.pool.resize(change.remote)
         if self.set_local is not None and change.local_delta:
             self.set_local(change.local)
