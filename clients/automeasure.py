@@ -215,7 +215,8 @@ def costs(ac: Any, reads: dict[str, float], items: int, done: int, prefix_s: flo
         cache_read_source_s=reads["cache_read_source_s"], cache_read_marker_s=reads["cache_read_marker_s"],
         prefix_s=prefix_s + reads["decode_s"], rest_s=rest_s, workers=max(1, workers), cacheable=bool(ac.key),
         why_not=ac.why_not, source_cached=source_cached, transformed_cached=transformed_cached,
-        put_marker_s=reads["put_marker_s"], epoch_done=min(1.0, done / max(1, items)), handoff_s=handoff_s)
+        put_marker_s=reads["put_marker_s"], epoch_done=min(1.0, done / max(1, items)), handoff_s=handoff_s,
+        cores=float(len(os.sched_getaffinity(0))))
 
 
 def busy_factor(engine: Any, cut: int, steps_s: float) -> float:

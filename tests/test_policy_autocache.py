@@ -246,3 +246,24 @@ def test_redecide_only_where_the_mode_in_force_is_clearly_wrong():
     # a job found the pipeline not cacheable: transformed cannot stay, whatever the margin
     new = redecide(cur, costs(prefix_s=0.008, cacheable=False, why_not="a random step"))
     assert new is not None and new.mode != "transformed" and "was transformed (not cacheable now)" in new.reason
+
+
+def test_the_hosts_cores_bound_an_option_by_its_cpu_per_item():
+    """Recorded at f = 8, s = 0.5 ms on 2 cores (tools/bench/autocache, auto's own costs at its
+    decision): source's epochs ran 2.1-2.3 s against transformed's 0.75-0.8, yet the pipelined
+    model, which gives the loader and each worker a core of their own, tied them and took source.
+    Counted over the 2 cores the host has (cache read, both ends of the hand-off, the steps),
+    source is dearer and transformed is chosen; with the cores unknown nothing changes."""
+    recorded = dict(items=2000, epochs_left=2, source_bytes=131072.0, marker_bytes=1048602.0,
+                    store_read_s=0.002578, cache_read_source_s=8.25e-05, cache_read_marker_s=0.000331,
+                    prefix_s=0.000615, rest_s=0.0, workers=2, cacheable=True, source_cached=0.133,
+                    transformed_cached=0.129, put_marker_s=0.00169, epoch_done=0.128, handoff_s=0.000238)
+    unknown = PipelineCosts(**recorded)
+    two = PipelineCosts(**recorded, cores=2.0)
+    assert decide(unknown).mode == "source"
+    assert decide(two).mode == "transformed"
+    p0, p2 = project(unknown), project(two)
+    assert p2["source"] > p0["source"] * 1.1
+    assert p2["transformed"] == pytest.approx(p0["transformed"], rel=0.1)
+    many = PipelineCosts(**recorded, cores=64.0)
+    assert project(many) == pytest.approx(p0)

@@ -20,6 +20,8 @@ computed from the store every epoch):
 * transformed: read = phi_t cache_marker + (1-phi_t) store,
                cpu  = phi_t rest + (1-phi_t) (prefix + rest)
 
+and, where the host's ``cores`` are known, no option runs faster than its CPU per item on
+the host (cache reads, the hand-off at both ends, the steps, the puts) over those cores;
 where an item that runs steps also costs the loader ``handoff_s`` on the read side
 (passing it to a worker and its output back: large inflated outputs cost more to
 move than to read from the cache); a transformed hit with no steps after the caching
@@ -77,6 +79,8 @@ class PipelineCosts:
                                       # in the chosen mode and fills what that mode caches)
     handoff_s: float = 0.0            # wall seconds per item, in the loader's process, to hand an item to a
                                       # worker and take its output back (pickling, pipes); 0: unknown
+    cores: float = 0.0                # cores the loader's process and its workers share; 0: unknown (no
+                                      # limit: each worker and the loader's threads have a core of their own)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,10 +103,14 @@ class Decision:
     reason: str               # one line: why (the measured costs)
 
 
-def item_time(read_s: float, cpu_s: float, workers: int, overlap: float = DEFAULT_OVERLAP) -> float:
-    """Seconds per item of a loader that reads on threads and computes on ``workers``."""
+def item_time(read_s: float, cpu_s: float, workers: int, overlap: float = DEFAULT_OVERLAP,
+              host_cpu_s: float = 0.0, cores: float = 0.0) -> float:
+    """Seconds per item of a loader that reads on threads and computes on ``workers``;
+    with ``cores`` known, never less than the host's CPU per item (``host_cpu_s``) spread
+    over them: the loader's process and the workers share those cores."""
     c = cpu_s / max(1, workers)
-    return max(read_s, c) + (1.0 - overlap) * min(read_s, c)
+    t = max(read_s, c) + (1.0 - overlap) * min(read_s, c)
+    return max(t, host_cpu_s / cores) if cores > 0 else t
 
 
 def fit_fraction(set_bytes: float, room_bytes: float) -> float:
@@ -114,7 +122,10 @@ def fit_fraction(set_bytes: float, room_bytes: float) -> float:
 
 def _source_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
     read = hit * c.cache_read_source_s + (1 - hit) * c.store_read_s + c.handoff_s
-    return item_time(read, c.prefix_s + c.rest_s, c.workers, overlap)
+    cpu = c.prefix_s + c.rest_s
+    # host CPU: cache reads, the hand-off at both ends (a worker writes what the loader reads), the steps
+    host = hit * c.cache_read_source_s + 2 * c.handoff_s + cpu
+    return item_time(read, cpu, c.workers, overlap, host, c.cores)
 
 
 def _transformed_item(c: PipelineCosts, hit: float, fill: float, src_hit: float, overlap: float) -> float:
@@ -123,7 +134,8 @@ def _transformed_item(c: PipelineCosts, hit: float, fill: float, src_hit: float,
     handoff = (1 - hit) * c.handoff_s + (hit * c.handoff_s if c.rest_s > 0 else 0.0)
     read = hit * c.cache_read_marker_s + (1 - hit) * miss_read + handoff
     cpu = hit * c.rest_s + (1 - hit) * (c.prefix_s + c.rest_s) + fill * c.put_marker_s
-    return item_time(read, cpu, c.workers, overlap)
+    host = hit * c.cache_read_marker_s + (1 - hit) * src_hit * c.cache_read_source_s + 2 * handoff + cpu
+    return item_time(read, cpu, c.workers, overlap, host, c.cores)
 
 
 def _source_left(c: PipelineCosts) -> float:
