@@ -23,13 +23,14 @@ Reads made here count in no epoch's statistics."""
 from __future__ import annotations
 
 import os
+import pickle
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from preprocess.channel import HEADER, channel, ready
+from preprocess.channel import HEADER, READ_BYTES
 
 from .autofeed import raw, reader, speculative_chunk
 from .stats import SharedCounters
@@ -125,32 +126,34 @@ def handoff(outputs: list[Any]) -> float:
 
 
 def _read_frames(frames: list[bytes]) -> float:
-    """CPU seconds of this thread to take ``frames`` in through the scheduler's own
-    ChannelReader (reads and unpickling), a thread writing them as a worker does."""
-    import multiprocessing
-
-    reader, w = channel(multiprocessing.get_context())
+    """CPU seconds of this thread to read and unpickle ``frames`` from a pipe."""
+    r, w = os.pipe()
 
     def write() -> None:
         try:
             for f in frames:
                 view = memoryview(f)
                 while view:
-                    view = view[os.write(w.fileno(), view):]
+                    view = view[os.write(w, view):]
         finally:
-            w.close()
+            os.close(w)
 
     writer = threading.Thread(target=write, daemon=True)
-    t0, got = time.thread_time(), 0
+    t0 = time.thread_time()
     writer.start()
-    deadline = time.monotonic() + 10.0
+    buf = bytearray()
     try:
-        while got < len(frames) and not reader.closed and time.monotonic() < deadline:
-            ready([reader], 0.5)
-            got += len(reader.read())
+        while chunk := os.read(r, READ_BYTES):
+            buf += chunk
+            while len(buf) >= HEADER.size:
+                (n,) = HEADER.unpack_from(buf)
+                if len(buf) < HEADER.size + n:
+                    break
+                pickle.loads(bytes(buf[HEADER.size:HEADER.size + n]))
+                del buf[:HEADER.size + n]
     finally:
+        os.close(r)
         spent = time.thread_time() - t0
-        reader.close()
         writer.join(5.0)
     return spent
 
