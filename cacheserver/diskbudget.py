@@ -12,7 +12,7 @@ deletes its inputs. Left alone, LRU churn held up to 2.4x --capacity on disk
   table files apart, measured at most every MEASURE_EVERY_S.
 * room(): a pure function of those measurements. A put is admitted only while
   what is on disk, plus what is not flushed yet, plus the put stays within
-  the capacity less HEADROOM (room for the compaction running meanwhile); when
+  the capacity less headroom() (room for the compaction running meanwhile); when
   the dead values on disk would not free enough once compacted, more entries
   are evicted (least recently used first), SLACK ahead, so that they will and
   puts go on while compactions free it. Until a compaction frees room, puts
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import rocksdict
 
-HEADROOM = 0.05  # of capacity: what a running compaction may add before it deletes its inputs
+HEADROOM = 0.05  # of capacity at least: what a running compaction may add before it deletes its inputs
 SLACK = 0.15  # of capacity: evicted ahead once full, so that puts go on while compaction frees it
 TABLE_SLACK = 0.02  # table files' own bytes (index, filter, block padding) per byte of entries
 MEASURE_EVERY_S = 0.02
@@ -59,26 +59,53 @@ def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
+@dataclass(frozen=True)
+class LsmSizes:
+    write_buffer: int
+    table_file: int
+    level_base: int
+    l0_trigger: int
+
+
+def lsm_sizes(capacity: int) -> LsmSizes:
+    """The LSM's sizes for a capacity (size_lsm); RocksDB's defaults from LARGE up."""
+    small = capacity < LARGE
+    return LsmSizes(write_buffer=_clamp(capacity // 128, 1 * MIB, 64 * MIB),
+                    table_file=_clamp(capacity // 512, 1 * MIB, 64 * MIB),
+                    level_base=_clamp(capacity // 64, 2 * MIB, 256 * MIB),
+                    l0_trigger=2 if small else 4)
+
+
+def headroom(capacity: int) -> int:
+    """Bytes a running compaction may add before it deletes its inputs: HEADROOM of the
+    capacity, or what one level-0 compaction writes when that is more. Ids are uniform
+    hashes, so it rewrites the level-0 files and the whole base level (up to ~2x its target
+    while it lags), plus one preallocated output file; RocksDB's sizes have floors (1-2 MiB),
+    which made that 11% of a 48 MiB store, where 5% let `du` peak at 1.15x --capacity."""
+    z = lsm_sizes(capacity)
+    level0 = z.l0_trigger * z.write_buffer + 2 * z.level_base + z.table_file * 11 // 10
+    return max(int(capacity * HEADROOM), level0)
+
+
 def size_lsm(opts: rocksdict.Options, capacity: int) -> None:
     """RocksDB sizes scaled to the capacity, so that no compaction rewrites more than a
     few percent of the store (RocksDB's defaults from LARGE up). Ids are uniform hashes:
     every level-0 file spans the whole id space, and a file of the level above the
     last overlaps about `multiplier` times its size there."""
+    z = lsm_sizes(capacity)
     small = capacity < LARGE
-    write_buffer = _clamp(capacity // 128, 1 * MIB, 64 * MIB)
-    opts.set_write_buffer_size(write_buffer)
-    table_file = _clamp(capacity // 512, 1 * MIB, 64 * MIB)
-    opts.set_target_file_size_base(table_file)
+    opts.set_write_buffer_size(z.write_buffer)
+    opts.set_target_file_size_base(z.table_file)
     # One compaction job writes at most about this much before its inputs go (RocksDB's
-    # default is 25 table files): the transient that HEADROOM covers.
-    opts.set_max_compaction_bytes(min(capacity // 32, 25 * table_file))
+    # default is 25 table files): part of the transient that headroom() covers.
+    opts.set_max_compaction_bytes(min(capacity // 32, 25 * z.table_file))
     opts.set_level_compaction_dynamic_level_bytes(True)
     multiplier = 4 if small else 10
     opts.set_max_bytes_for_level_multiplier(float(multiplier))
-    opts.set_max_bytes_for_level_base(_clamp(capacity // 64, 2 * MIB, 256 * MIB))
-    opts.set_level_zero_file_num_compaction_trigger(2 if small else 4)
+    opts.set_max_bytes_for_level_base(z.level_base)
+    opts.set_level_zero_file_num_compaction_trigger(z.l0_trigger)
     # Unmerged level-0 files hold at most about capacity/16 before writes stop.
-    stop = _clamp(capacity // 16 // write_buffer, 4, 36)
+    stop = _clamp(capacity // 16 // z.write_buffer, 4, 36)
     opts.set_level_zero_slowdown_writes_trigger(max(2, stop // 2))
     opts.set_level_zero_stop_writes_trigger(stop)
     opts.set_soft_pending_compaction_bytes_limit(max(capacity // 8, 64 * MIB))
@@ -117,7 +144,7 @@ def room(capacity: int, disk: OnDisk, unflushed: int, used: int, reserved: int, 
     enough for ``need``). ``used`` counts every entry, flushed or not; ``unflushed``
     the memtables (on disk after the next flush); ``reserved`` puts being written;
     ``stuck``: waiting has not helped, so what looked dead is not (evict all of it)."""
-    budget = capacity - int(capacity * HEADROOM)
+    budget = capacity - headroom(capacity)
     free = budget - disk.total - unflushed - reserved
     if need <= free:
         return free, 0
@@ -132,7 +159,7 @@ def bounded(capacity: int) -> bool:
 
 def hopeless(capacity: int, disk: OnDisk, need: int) -> bool:
     """No compaction can make room for ``need``: the files besides tables leave too little."""
-    return need > capacity - int(capacity * HEADROOM) - disk.other
+    return need > capacity - headroom(capacity) - disk.other
 
 
 class DiskUse:

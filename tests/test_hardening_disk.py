@@ -72,9 +72,9 @@ def test_disk_use_stays_within_capacity_under_churn(tmp_path):
 
 
 def test_room_waits_for_dead_bytes_and_evicts_only_what_they_lack():
-    from cacheserver.diskbudget import HEADROOM, SLACK, OnDisk, room
+    from cacheserver.diskbudget import SLACK, OnDisk, headroom, room
     cap = 100 << 20
-    budget = cap - int(cap * HEADROOM)
+    budget = cap - headroom(cap)
     # Room left: admitted, nothing evicted.
     assert room(cap, OnDisk(50 << 20, 5 << 20), 0, 50 << 20, 0, 1 << 20) == (budget - (55 << 20), 0)
     # Full on disk, 30 MiB of evicted values not compacted yet: wait, evict nothing.
