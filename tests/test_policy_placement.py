@@ -126,3 +126,21 @@ def test_never_removes_the_last_worker_of_all():
         counts.append((p.remote, p.local))
         assert p.remote + p.local >= 1, counts
     assert (1, 1) in counts and counts[-1] == (1, 0) and p.converged
+
+
+@pytest.mark.parametrize("climb", ["ramp", "cachew"])
+def test_spare_cores_replace_remote_workers_without_piling_up_local_ones(climb):
+    """16 spare cores: no local worker ever slows batches. Pecan's rule added local workers
+    up to max_local before removing any remote one (tools/bench/placement on 16 cores: 15
+    local, 3 remote after 40 s, cost 1.00x remote-only's); TRIM removes remote workers as
+    soon as local ones keep batch time, and stops adding local ones once none is left."""
+    model = placement_model(free_cores=16)
+    cfg = PlacementConfig(settle=1, climb=climb, max_local=32)
+    place, counts = drive(Placement.start_with(cfg), model, 200)
+    assert place.converged and (place.remote, place.local) == (0, 5)
+    assert max(c[1] for c in counts) == 5                  # never more local workers than needed
+    first = counts.index((0, 5))
+    assert first < 60, first                               # windows, convergence included
+    assert model(0, 5).batch_time <= 1.05 * place.bpt_conv
+    # no worker bill left: half remote-only's cost at worker price 0.1 (the bench's target: <= 0.8x)
+    assert cfg.cost(model(0, 5).batch_time, 0) == pytest.approx(0.5 * cfg.cost(model(10, 0).batch_time, 10))

@@ -12,25 +12,37 @@ States and transitions (each change sets ``settle_left = settle``; the next
       -- the autoscaler converged -----------> bpt_conv := its batch time;
                                                iteration starts       (ADD_LOCAL)
     ADD_LOCAL (good = last measurement at an accepted count, None at the start)
+      -- good is None, no remote worker left to replace ------------> end
       -- good is None --------------------------> good := m; add a local worker
+                     (at max_local: ref_cost := cost(m); remove a remote one  (REMOVE_REMOTE))
       -- batch time / bpt_conv - 1 >= T --------> remove that local worker; ref_cost
                                                   := cost(good); remove a remote one
                                                                         (REMOVE_REMOTE)
-      -- otherwise ------------------------------> good := m; add a local worker
-                     (at max_local: ref_cost := cost(m); remove a remote one)
-    REMOVE_REMOTE
+      -- otherwise ------------------------------> good := m; ref_cost := cost(m);
+                                                  remove a remote one           (TRIM)
+    TRIM (the local workers replace remote ones, one removal at a time)
       -- cost <= ref_cost and batch time within slowdown_guard of bpt_conv
-                 -----> ref_cost := cost; remove another (at min_remote, or
-                        where it would leave no worker at all: end)
-      -- otherwise -----> add the last remote worker back; end
+                 -----> ref_cost := cost; remove another (none left to remove: end)
+      -- otherwise -----> add the last remote worker back and a local worker
+                          (at max_local: only the remote one; end)      (ADD_LOCAL)
+    REMOVE_REMOTE (Pecan's: local workers no longer help)
+      -- as TRIM, except -- otherwise --> add the last remote worker back; end
       end of an iteration: counts as at its start -------------------> CONVERGED
                            else a new iteration -------------------> ADD_LOCAL
     CONVERGED, every recheck_every measurements:
       -- batch time > bpt_conv x (1 + T) --> add a remote worker, Cachew's rule
                                              again from this count          (REMOTE)
 
-Each iteration adds local workers net and removes remote ones net, so the loop
-ends within max_local + max_remote iterations. ``slowdown_guard`` (not in the
+Pecan adds local workers until one slows batches (or max_local) and only then
+removes remote ones. On a host with many spare cores no local worker slows
+batches, so it spent the whole run adding them (tools/bench/placement on 16
+cores: 15 local workers after 40 s, every remote worker still paid for, cost
+1.00x remote-only's). TRIM instead removes remote workers as soon as a local one
+keeps batch time, and adds a local worker only when a removal fails: local
+workers stop where they have replaced what they can, and no local worker is
+added once no remote one is left to replace (they would only take the trainer's
+cores). Each iteration adds local workers net and removes remote ones net, so the
+loop ends within max_local + max_remote iterations. ``slowdown_guard`` (not in the
 paper, None turns it off) keeps the cost rule from trading much throughput for
 a cheaper worker bill: a removal that slows batches by more than it is undone.
 """
@@ -47,6 +59,7 @@ from .scaling import Change, Measurement, relative
 class PlacePhase(str, Enum):
     REMOTE = "remote"
     ADD_LOCAL = "add_local"
+    TRIM = "trim"
     REMOVE_REMOTE = "remove_remote"
     CONVERGED = "converged"
 
@@ -116,7 +129,7 @@ class Placement:
             self.settle_left -= 1
             return None
         step = {PlacePhase.REMOTE: self._remote, PlacePhase.ADD_LOCAL: self._add_local,
-                PlacePhase.REMOVE_REMOTE: self._remove_remote,
+                PlacePhase.TRIM: self._remove_remote, PlacePhase.REMOVE_REMOTE: self._remove_remote,
                 PlacePhase.CONVERGED: self._recheck}[self.phase]
         return step(m)
 
@@ -133,15 +146,22 @@ class Placement:
 
     def _add_local(self, m: Measurement) -> Change | None:
         assert self.bpt_conv is not None
-        if self.good is not None and relative(m.batch_time, self.bpt_conv) >= self.config.threshold:
-            return self._to_remove_remote(self.good, -1, "the last local worker slowed batches")
+        if self.good is None:
+            self.good = m
+            if not self._may_remove_remote(self.local + 1):
+                return self._end_iteration(0, 0, "")  # no remote worker left to replace
+            if self.local < self.config.max_local:
+                return self._change(0, +1, "batch time within T of the plateau: add a local worker")
+            return self._to_remove_remote(m, 0, "local workers at max_local", PlacePhase.REMOVE_REMOTE)
+        if relative(m.batch_time, self.bpt_conv) >= self.config.threshold:
+            return self._to_remove_remote(self.good, -1, "the last local worker slowed batches",
+                                          PlacePhase.REMOVE_REMOTE)
         self.good = m
-        if self.local < self.config.max_local:
-            return self._change(0, +1, "batch time within T of the plateau: add a local worker")
-        return self._to_remove_remote(m, 0, "local workers at max_local")
+        return self._to_remove_remote(m, 0, "the local worker kept batch time", PlacePhase.TRIM)
 
-    def _to_remove_remote(self, good: Measurement, local_delta: int, why: str) -> Change | None:
-        self.phase = PlacePhase.REMOVE_REMOTE
+    def _to_remove_remote(self, good: Measurement, local_delta: int, why: str,
+                          phase: PlacePhase) -> Change | None:
+        self.phase = phase
         self.ref_cost = self.config.cost(good.batch_time, self.remote)
         if self._may_remove_remote(self.local + local_delta):
             return self._change(-1, local_delta, f"{why}; remove a remote worker")
@@ -156,6 +176,10 @@ class Placement:
             if self._may_remove_remote(self.local):
                 return self._change(-1, 0, "batch cost did not rise: remove another remote worker")
             return self._end_iteration(0, 0, "")
+        if self.phase is PlacePhase.TRIM and self.local < self.config.max_local:
+            self.phase = PlacePhase.ADD_LOCAL  # good: the measurement before this removal
+            return self._change(+1, +1, "removal raised batch cost: add the remote worker back "
+                                        "and a local worker")
         return self._end_iteration(+1, 0, "removal raised batch cost: add the remote worker back")
 
     def _may_remove_remote(self, local: int) -> bool:
