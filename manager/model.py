@@ -16,6 +16,7 @@ Events (dicts; ``type`` and ``now`` always present):
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
   tick {}                                      configure {config}
   pipeline {job, dataset, fingerprint, costs}  (autocache: pipelines.py)
+  workers {job, kind, state}                   (a job's worker-scaling policy: workerstate.py)
 
 A request the model refuses raises ``Rejected`` before anything is mutated,
 so refused requests are never journaled.
@@ -38,6 +39,7 @@ from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, B
                      StartLoading, Transition, allocate, demands, num_chunks)
 from .policy.admission import AdmissionBoard, AdmissionConfig
 from .policy.shares import Share, allocate_shares, share_items
+from .workerstate import checked as checked_policy
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
 
@@ -120,6 +122,7 @@ class ManagerModel:
     counters: dict[str, int] = field(default_factory=dict)
     pipelines: dict[str, PipelineRecord] = field(default_factory=dict)  # autocache, by pipeline_key
     admission: AdmissionBoard = field(default_factory=AdmissionBoard)   # who inserts into the shared LRU
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)   # job -> its journaled scaling policy
 
     def __post_init__(self) -> None:
         if self.board.config != self.config.probe:
@@ -200,6 +203,7 @@ class ManagerModel:
         rec = self.jobs.pop(job, None)
         if rec is None:
             return []
+        self.workers.pop(job, None)
         out: list[Effect] = [note("job unregistered", job=job, reason=ev.get("reason", ""))]
         probe = self.board.jobs.get(job)
         if probe is not None and probe.mode is CacheMode.BYPASS:
@@ -265,6 +269,16 @@ class ManagerModel:
             size, n = rec.transformed_bytes()
             self.datasets[rec.tag] = DatasetRecord(rec.tag, size, n)
         return out + self.reallocate(now)
+
+    def _on_workers(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        """A job's worker-scaling policy as it stands after a call that changed it
+        (manager/workers.py decides; the model only keeps it, validated)."""
+        job = self._job(str(ev["job"])).job
+        try:
+            self.workers[job] = checked_policy({"kind": ev.get("kind"), "state": ev.get("state")})
+        except ValueError as e:
+            raise Rejected("INVALID_ARGUMENT", str(e)) from None
+        return []
 
     def _room(self, ds: str, tag: str) -> float:
         """Cache bytes a dataset's pipeline may count on: the budget less what the
@@ -478,7 +492,18 @@ class ManagerModel:
             "allocs": {k: v.to_dict() for k, v in sorted(self.allocs.items())},
             "buffers": {k: v.to_dict() for k, v in sorted(self.buffers.items())},
             "decisions": list(self.decisions), "counters": dict(sorted(self.counters.items())),
-        } | ({"admission": self.admission.to_dict()} if self.admission.key else {}) | ({"pipelines": {k: v.to_dict() for k, v in sorted(self.pipelines.items())}} if self.pipelines else {})
+        } | self._optional_dict()
+
+    def _optional_dict(self) -> dict[str, Any]:
+        """Parts left out while empty: a state without them reads (and digests) as before."""
+        out: dict[str, Any] = {}
+        if self.admission.key:
+            out["admission"] = self.admission.to_dict()
+        if self.pipelines:
+            out["pipelines"] = {k: v.to_dict() for k, v in sorted(self.pipelines.items())}
+        if self.workers:
+            out["workers"] = {k: dict(v) for k, v in sorted(self.workers.items())}
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ManagerModel":
@@ -494,6 +519,7 @@ class ManagerModel:
             decisions=list(d.get("decisions", [])), counters=dict(d.get("counters", {})),
             pipelines={k: PipelineRecord.from_dict(v) for k, v in d.get("pipelines", {}).items()},
             admission=AdmissionBoard.from_dict(d.get("admission", {})),
+            workers={k: dict(v) for k, v in d.get("workers", {}).items()},
         )
 
     def digest(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -66,6 +66,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         self.store = store
         self.roles = roles or Roles(None)  # the manager's role: full Status, ReportLoaded without a job
         self.scaling = scaling or WorkerScaling()
+        self.scaling.attach(StoreJournal(store))
         self.liveness = liveness
         self.heartbeat_s = heartbeat_s
         self.decision_s = decision_s
@@ -244,19 +245,21 @@ class ManagerService(mpb_grpc.ManagerServicer):
         if request.batch_time < 0 or request.queue < 0:
             raise Rejected("INVALID_ARGUMENT", f"batch_time and queue must be >= 0, got {request.batch_time}, "
                                                f"{request.queue}")
+        m = Measurement(request.batch_time, request.queue) if request.batch_time > 0 else None
+        # All under the store's lock (taken before the scaling's, as everywhere): a job
+        # registered or dropped meanwhile must not gain or lose a policy, and a changed
+        # policy is journaled before the answer.
         with self.store.lock:
             self._act_as(request.job, context)
             jobs = set(self.store.model.jobs)
             if request.job not in jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it first")
             self.liveness.touch_job(request.job, self._now())
-            # under the store's lock: a job registered after this snapshot must not lose its policy
             self.scaling.forget_except(jobs)
-        m = Measurement(request.batch_time, request.queue) if request.batch_time > 0 else None
-        try:
-            c = self.scaling.decide(request.job, request.policy, m, request.remote, request.local)
-        except ValueError as e:
-            raise Rejected("INVALID_ARGUMENT", str(e)) from None
+            try:
+                c = self.scaling.decide(request.job, request.policy, m, request.remote, request.local)
+            except ValueError as e:
+                raise Rejected("INVALID_ARGUMENT", str(e)) from None
         if c.reason:
             log.info("job %s workers: remote %d, local %d (%s)", request.job, c.remote, c.local, c.reason)
         return mpb.ScaleWorkersResponse(ray_address=self.scaling.ray_address, remote=c.remote, local=c.local,
@@ -274,6 +277,20 @@ class ManagerService(mpb_grpc.ManagerServicer):
                 return r
             jobs = statusview.visible_jobs(m.jobs, statusview.presented_tokens(context))
             return statusview.restrict(r, jobs, {m.jobs[j].dataset for j in jobs})
+
+
+class StoreJournal:
+    """Worker-scaling policies journaled on the state store (``workers`` events, fsynced
+    like any answer the manager gives; callers hold the store's lock)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+
+    def saved(self, job: str) -> Mapping[str, Any] | None:
+        return self.store.model.workers.get(job)
+
+    def save(self, job: str, saved: dict[str, Any]) -> None:
+        self.store.submit({"type": "workers", "job": job, "kind": saved["kind"], "state": saved["state"]})
 
 
 def decision_message(rec: PipelineRecord) -> mpb.AutocacheDecision:

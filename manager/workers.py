@@ -4,21 +4,40 @@ and each job's worker-scaling policy (manager/policy: Cachew's autoscaling or
 Pecan's AutoPlacement) fed the measurements the job reports (ScaleWorkers).
 
 A job's first call (no measurement) starts its policy afresh; each later call is
-one window's measurement and gets the counts to run. Policies live in memory, not
-in the journal: after a manager restart a job's next measurement starts its policy
-again from the counts the job reports it runs (the job keeps its counts while the
-manager is away). A job the manager no longer has registered is forgotten."""
+one window's measurement and gets the counts to run. With a journal (the daemon's
+state store: ``attach``) each policy is journaled (manager/workerstate.py: after
+every call that changed it in more than its window counters), so after a manager
+restart a job's next measurement continues its policy where it was: same phase,
+counts, plateau. The policy starts again from the counts the job reports where
+none is journaled, where the job asks for another kind, or where the journaled one
+was made under another --policy-config. A job the manager no longer has
+registered is forgotten (its journaled policy goes with its ``job_unregister``).
+Without a journal (``WorkerScaling`` alone, as unit tests use it) they live in memory only."""
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .policy.autoscale import AutoscaleConfig, Autoscaler
 from .policy.placement import Placement, PlacementConfig
 from .policy.scaling import Measurement
+from .workerstate import KINDS, Policy, decisive, kind_of, restore, saved_form
 
-POLICIES = ("autoscale", "placement")
+log = logging.getLogger("manager.workers")
+POLICIES = KINDS
+
+
+class PolicyJournal(Protocol):
+    """Where journaled policies live (the daemon: its state store, service.py)."""
+
+    def saved(self, job: str) -> Mapping[str, Any] | None:
+        """The job's last journaled policy (workerstate's form), None if none."""
+
+    def save(self, job: str, saved: dict[str, Any]) -> None:
+        """Journal it (durably) before the call that changed it is answered."""
 
 
 def check_ray_address(address: str) -> str:
@@ -45,8 +64,14 @@ class WorkerScaling:
         self.ray_address = check_ray_address(ray_address) if ray_address else ""
         self.autoscale = autoscale or AutoscaleConfig()
         self.placement = placement or PlacementConfig()
-        self.jobs: dict[str, Autoscaler | Placement] = {}
+        self.jobs: dict[str, Policy] = {}
+        self.journal: PolicyJournal | None = None
         self.lock = threading.Lock()
+
+    def attach(self, journal: PolicyJournal) -> None:
+        """Journal policies there from now on, and resume them from it."""
+        with self.lock:
+            self.journal = journal
 
     def decide(self, job: str, policy: str, m: Measurement | None, remote: int = 0, local: int = 0) -> Counts:
         """m None: the job starts its workers (a fresh policy); else one window's
@@ -55,10 +80,13 @@ class WorkerScaling:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         with self.lock:
             p = self.jobs.get(job)
-            if m is None or p is None or _kind(p) != policy:
+            if p is None and m is not None:
+                p = self._resumed(job, policy)
+            if m is None or p is None or kind_of(p) != policy:
                 p = self._start(policy, None if m is None else (remote, local))
-                self.jobs[job] = p
+            self.jobs[job] = p
             change = p.observe(m) if m is not None else None
+            self._journal(job, p)
             return Counts(*_counts(p), change.reason if change is not None else "", p.phase.value)
 
     def forget_except(self, jobs: Iterable[str]) -> None:
@@ -67,7 +95,33 @@ class WorkerScaling:
             for job in [j for j in self.jobs if j not in keep]:
                 del self.jobs[job]
 
-    def _start(self, policy: str, counts: tuple[int, int] | None) -> Autoscaler | Placement:
+    def _resumed(self, job: str, policy: str) -> Policy | None:
+        """The job's journaled policy (after a manager restart), if it is of this kind
+        and was made under this configuration (else its state may not hold under
+        the new bounds and thresholds: it starts again from the job's counts)."""
+        saved = self.journal.saved(job) if self.journal is not None else None
+        if saved is None or saved.get("kind") != policy:
+            return None
+        p = restore(saved)
+        if p.config != (self.autoscale if policy == "autoscale" else self.placement):
+            log.info("job %s: its journaled %s policy was made under another --policy-config; "
+                     "starting again from the job's counts", job, policy)
+            return None
+        return p
+
+    def _journal(self, job: str, p: Policy) -> None:
+        if self.journal is None:
+            return
+        saved = saved_form(p)
+        if decisive(saved) == decisive(self.journal.saved(job)):
+            return
+        try:
+            self.journal.save(job, saved)
+        except BaseException:
+            del self.jobs[job]  # not durable, so it did not happen: the next call resumes the journal's
+            raise
+
+    def _start(self, policy: str, counts: tuple[int, int] | None) -> Policy:
         if policy == "autoscale":
             cfg = self.autoscale
             n = None if counts is None else min(cfg.max_workers, max(cfg.min_workers, counts[0], 1))
@@ -82,9 +136,5 @@ class WorkerScaling:
         return Placement(cfg, Autoscaler.resume(cfg.autoscale(), remote), remote, local, start=(remote, local))
 
 
-def _kind(p: Autoscaler | Placement) -> str:
-    return "autoscale" if isinstance(p, Autoscaler) else "placement"
-
-
-def _counts(p: Autoscaler | Placement) -> tuple[int, int]:
+def _counts(p: Policy) -> tuple[int, int]:
     return (p.workers, 0) if isinstance(p, Autoscaler) else (p.remote, p.local)

@@ -99,6 +99,46 @@ def test_a_real_manager_gives_its_ray_address_and_runs_the_jobs_policy(tmp_path)
         m.stop()
 
 
+def test_after_kill_9_a_real_manager_continues_each_jobs_policy_where_it_was(tmp_path):
+    """The policies are journaled: after kill -9 and a new manager on the same state
+    directory, the next measurement continues them (phase, counts, plateau) instead
+    of starting again from the counts the jobs report. A snapshot every 4 events, so
+    the state comes back from a snapshot and a journal tail."""
+    state = str(tmp_path / "mgr")
+    m = cachemanager(state, 0, "--snapshot-every", "4").start()
+    try:
+        with ManagerClient(m.address, timeout=10) as mc:
+            for job in ("scaled", "placed"):
+                mc.register_job(job, DATASET, 10**6, 100)
+                mc.scale_workers(job, "autoscale" if job == "scaled" else "placement")
+            counts = [mc.scale_workers("scaled", "autoscale", Measurement(bt)).remote
+                      for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]      # settle 1: every other window dropped
+            assert counts == [2, 2, 4, 4, 2]                      # converged on 2, plateau 0.2
+            placed = [mc.scale_workers("placed", "placement", Measurement(bt))
+                      for bt in (0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1)]
+            assert [(c.remote, c.local) for c in placed] == [(2, 0), (2, 0), (4, 0), (4, 0), (2, 0), (2, 0), (2, 1)]
+            assert placed[-1].phase == "add_local"
+            tokens = {job: mc.job_token(job) for job in ("scaled", "placed")}
+    finally:
+        m.proc.kill()                                             # kill -9: no snapshot at exit
+        m.proc.wait()
+    m2 = cachemanager(state, 0, "--snapshot-every", "4").start()
+    try:
+        with ManagerClient(m2.address, timeout=10) as mc:
+            for job, token in tokens.items():
+                mc.set_job_token(job, token)
+            got = [mc.scale_workers("scaled", "autoscale", Measurement(0.2), 2, 0) for _ in range(11)]
+            assert {(c.remote, c.phase, c.reason) for c in got} == {(2, "converged", "")}  # not ramping from 2
+            for _ in range(10):                                   # the re-check's mean above the plateau
+                c = mc.scale_workers("scaled", "autoscale", Measurement(0.3), 2, 0)
+            assert (c.remote, c.phase) == (3, "ramping") and "degraded" in c.reason
+            mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)   # the settle window
+            c = mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)
+            assert (c.remote, c.local, c.phase) == (1, 1, "trim")  # the local worker kept batch time
+    finally:
+        m2.stop()
+
+
 def test_manager_refuses_a_malformed_ray_address(tmp_path):
     r = subprocess.run([sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir",
                         str(tmp_path / "st"), "--ray", "10.0.0.1:10001"], cwd=ROOT, capture_output=True,

@@ -1,0 +1,147 @@
+"""Worker-scaling policies journaled on the manager's state store (manager/workers.py,
+manager/workerstate.py, the model's `workers` event): what is journaled and when,
+replay, resumption after a restart, and what starts a policy again. The real
+cachemanager killed with -9 is in tests/test_manager_workers.py."""
+import pytest
+
+from manager.model import ManagerConfig, Rejected
+from manager.policy.autoscale import AutoscaleConfig, Autoscaler
+from manager.policy.placement import PlacementConfig
+from manager.policy.scaling import Measurement
+from manager.service import StoreJournal
+from manager.state import StateStore
+from manager.workers import WorkerScaling
+from manager.workerstate import decisive, saved_form
+
+CFG = ManagerConfig()
+
+
+def open_store(path) -> StateStore:
+    return StateStore(str(path), CFG, fsync=False).open()
+
+
+def register(store: StateStore, *jobs: str) -> None:
+    for job in jobs:
+        store.submit({"type": "job_register", "job": job, "dataset": "ab" * 8, "dataset_bytes": 100,
+                      "n_items": 10, "n_gpus": 1, "token_hash": ""})
+
+
+def scaling(store: StateStore, **over) -> WorkerScaling:
+    s = WorkerScaling(autoscale=AutoscaleConfig(**over), placement=PlacementConfig(**over))
+    s.attach(StoreJournal(store))
+    return s
+
+
+def decide(store, s, job, policy, bt, remote=0, local=0):
+    with store.lock:  # as ScaleWorkers calls it
+        return s.decide(job, policy, None if bt is None else Measurement(bt), remote, local)
+
+
+def test_only_windows_that_change_the_policy_are_journaled(tmp_path):
+    store = open_store(tmp_path)
+    register(store, "j")
+    s = scaling(store)                                   # settle 1, recheck every 10
+    before = store.events_written
+    decide(store, s, "j", "autoscale", None)             # a fresh start: journaled
+    got = [decide(store, s, "j", "autoscale", bt) for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
+    assert [c.remote for c in got] == [2, 2, 4, 4, 2] and got[-1].phase == "converged"
+    assert store.events_written - before == 1 + 3       # the start and the three changes, no settle window
+    before = store.events_written
+    for _ in range(35):                                  # converged: windows and re-checks change nothing
+        assert decide(store, s, "j", "autoscale", 0.2).remote == 2
+    assert store.events_written == before
+    journaled = store.model.workers["j"]
+    assert journaled["kind"] == "autoscale" and journaled["state"]["phase"] == "converged"
+    assert journaled["state"]["conv"]["batch_time"] == 0.2      # the plateau it converged on
+    store.close()
+
+
+def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path):
+    store = open_store(tmp_path)
+    register(store, "a", "p")
+    s = scaling(store, settle=0)
+    decide(store, s, "a", "autoscale", None)
+    for bt in (0.4, 0.2):                                # ramping: 1 -> 2 -> 4, hi = 2 measured
+        decide(store, s, "a", "autoscale", bt)
+    decide(store, s, "p", "placement", None)
+    for bt in (0.2, 0.1, 0.1, 0.1):                      # remote plateau at 2, then a local worker
+        c = decide(store, s, "p", "placement", bt)
+    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
+    live = {job: decisive(saved_form(s.jobs[job])) for job in ("a", "p")}
+    digest = store.model.digest()
+    store.close(snapshot=False)                          # as after kill -9: replay the journal
+    again = open_store(tmp_path)
+    assert again.model.digest() == digest
+    assert {job: decisive(again.model.workers[job]) for job in ("a", "p")} == live
+    s2 = scaling(again, settle=0)
+    c = decide(again, s2, "a", "autoscale", 0.2, remote=4)   # 4 did not help: settle on 2
+    assert (c.remote, c.phase) == (2, "converged")           # from scratch it would try 5
+    c = decide(again, s2, "p", "placement", 0.1, remote=2, local=1)
+    assert (c.remote, c.local, c.phase) == (1, 1, "trim")     # the local worker kept batch time
+    again.close()
+
+
+def test_a_kind_or_configuration_change_starts_again_from_the_jobs_counts(tmp_path):
+    store = open_store(tmp_path)
+    register(store, "j")
+    s = scaling(store, settle=0)
+    decide(store, s, "j", "autoscale", None)
+    for bt in (0.4, 0.2, 0.2):
+        decide(store, s, "j", "autoscale", bt)
+    assert store.model.workers["j"]["state"]["phase"] == "converged"
+    c = decide(store, scaling(store, settle=0, threshold=0.1), "j", "autoscale", 0.2, remote=2)
+    assert (c.remote, c.phase) == (3, "ramping")          # another --policy-config: on from 2
+    c = decide(store, scaling(store, settle=0), "j", "placement", 0.2, remote=3, local=0)
+    assert (c.remote, c.local, c.phase) == (4, 0, "remote")
+    assert store.model.workers["j"]["kind"] == "placement"
+    store.close()
+
+
+def test_a_job_dropped_takes_its_policy_out_of_the_state(tmp_path):
+    store = open_store(tmp_path)
+    register(store, "a", "b")
+    s = scaling(store)
+    for job in ("a", "b"):
+        decide(store, s, job, "autoscale", None)
+    store.submit({"type": "job_unregister", "job": "a", "reason": "expired"})
+    assert set(store.model.workers) == {"b"} and "a" not in store.model.to_dict()["workers"]
+    with store.lock:
+        s.forget_except(store.model.jobs)
+    assert set(s.jobs) == {"b"}
+    store.close(snapshot=False)
+    assert set(open_store(tmp_path).model.workers) == {"b"}
+
+
+def test_bad_workers_events_are_refused_and_not_journaled(tmp_path):
+    store = open_store(tmp_path)
+    register(store, "j")
+    seq = store.seq
+    good = saved_form(Autoscaler.start())
+    with pytest.raises(Rejected, match="unknown job"):
+        store.submit({"type": "workers", "job": "nobody", **good})
+    with pytest.raises(Rejected, match="kind must be one of"):
+        store.submit({"type": "workers", "job": "j", "kind": "hpa", "state": good["state"]})
+    with pytest.raises(Rejected, match="bad autoscale policy state"):
+        store.submit({"type": "workers", "job": "j", "kind": "autoscale", "state": {"workers": 3}})
+    assert store.seq == seq and store.model.workers == {}
+    store.close()
+
+
+def test_a_journal_write_that_fails_leaves_the_journaled_policy(tmp_path, monkeypatch):
+    store = open_store(tmp_path)
+    register(store, "j")
+    s = scaling(store, settle=0)
+    decide(store, s, "j", "autoscale", None)
+    journaled = store.model.workers["j"]
+
+    def full(*a, **k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(store, "_append", full)
+    with pytest.raises(OSError):
+        decide(store, s, "j", "autoscale", 0.4)           # would add a worker
+    monkeypatch.undo()
+    assert store.model.workers["j"] == journaled and "j" not in s.jobs
+    c = decide(store, s, "j", "autoscale", 0.4)           # resumes the journaled policy: the same step
+    assert (c.remote, c.phase) == (2, "ramping")
+    store.close()
