@@ -44,9 +44,10 @@ def test_placement_runs_for_remote_and_local_workers():
     assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
 
 
-def test_after_a_manager_restart_a_policy_starts_from_the_jobs_counts():
+def test_a_policy_unknown_here_starts_from_the_jobs_counts():
+    """No policy in memory nor journaled (none attached here): on from the job's counts."""
     s = WorkerScaling(autoscale=AutoscaleConfig(settle=0))
-    c = s.decide("j", "autoscale", Measurement(0.1), remote=12, local=0)   # no policy known: it restarted
+    c = s.decide("j", "autoscale", Measurement(0.1), remote=12, local=0)   # no policy known
     assert c.remote == 13 and c.phase == "ramping"                  # on from 12, not from 1
     p = WorkerScaling(placement=PlacementConfig(settle=0)).decide("j", "placement", Measurement(0.1), 3, 2)
     assert (p.remote, p.local) == (4, 2)

@@ -56,7 +56,8 @@ def test_only_windows_that_change_the_policy_are_journaled(tmp_path):
     store.close()
 
 
-def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path):
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path, snapshot):
     store = open_store(tmp_path)
     register(store, "a", "p")
     s = scaling(store, settle=0)
@@ -69,7 +70,7 @@ def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path):
     assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
     live = {job: decisive(saved_form(s.jobs[job])) for job in ("a", "p")}
     digest = store.model.digest()
-    store.close(snapshot=False)                          # as after kill -9: replay the journal
+    store.close(snapshot=snapshot)                       # False: as after kill -9, replay the journal
     again = open_store(tmp_path)
     assert again.model.digest() == digest
     assert {job: decisive(again.model.workers[job]) for job in ("a", "p")} == live
