@@ -5,6 +5,7 @@ survives a crash."""
 from __future__ import annotations
 
 import functools
+import math
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -242,9 +243,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
     # ---------------------------------------------------------------- remote workers
     @_rpc
     def ScaleWorkers(self, request: mpb.ScaleWorkersRequest, context) -> mpb.ScaleWorkersResponse:
-        if request.batch_time < 0 or request.queue < 0:
-            raise Rejected("INVALID_ARGUMENT", f"batch_time and queue must be >= 0, got {request.batch_time}, "
-                                               f"{request.queue}")
+        if not (0 <= request.batch_time < math.inf and 0 <= request.queue < math.inf):
+            raise Rejected("INVALID_ARGUMENT", f"batch_time and queue must be finite and >= 0, got "
+                                               f"{request.batch_time}, {request.queue}")
         m = Measurement(request.batch_time, request.queue) if request.batch_time > 0 else None
         # All under the store's lock (taken before the scaling's, as everywhere): a job
         # registered or dropped meanwhile must not gain or lose a policy, and a changed

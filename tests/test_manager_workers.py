@@ -96,6 +96,9 @@ def test_a_real_manager_gives_its_ray_address_and_runs_the_jobs_policy(tmp_path)
             with pytest.raises(ManagerError, match="policy must be one of") as e:
                 mc.scale_workers("job-a", "fixed")
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(ManagerError, match="finite and >= 0") as e:   # never into the journal
+                mc.scale_workers("job-a", "autoscale", Measurement(0.1, float("inf")), 2, 0)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         m.stop()
 
