@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from .policy.autoscale import AutoscaleConfig, Autoscaler
 from .policy.placement import Placement, PlacementConfig
 from .policy.scaling import Measurement
-from .workerstate import KINDS, Policy, decisive, kind_of, restore, saved_form
+from .workerstate import KINDS, Policy, decisive, decisive_key, kind_of, restore, saved_form
 
 log = logging.getLogger("manager.workers")
 POLICIES = KINDS
@@ -66,6 +66,7 @@ class WorkerScaling:
         self.placement = placement or PlacementConfig()
         self.jobs: dict[str, Policy] = {}
         self.journal: PolicyJournal | None = None
+        self.journaled: dict[str, tuple[Any, Any]] = {}   # job -> (decisive_key, the journal's entry) last seen
         self.lock = threading.Lock()
 
     def attach(self, journal: PolicyJournal) -> None:
@@ -94,6 +95,7 @@ class WorkerScaling:
         with self.lock:
             for job in [j for j in self.jobs if j not in keep]:
                 del self.jobs[job]
+                self.journaled.pop(job, None)
 
     def _resumed(self, job: str, policy: str) -> Policy | None:
         """The job's journaled policy (after a manager restart), if it is of this kind
@@ -110,16 +112,24 @@ class WorkerScaling:
         return p
 
     def _journal(self, job: str, p: Policy) -> None:
+        """Journal the policy where this call changed it in more than its window
+        counters (why not every window: manager/workerstate.py)."""
         if self.journal is None:
             return
+        key, entry = decisive_key(p), self.journal.saved(job)
+        last = self.journaled.get(job)
+        if last is not None and last[1] is entry and last[0] == key:
+            return  # the journal holds what we last journaled, and nothing decisive moved
         saved = saved_form(p)
-        if decisive(saved) == decisive(self.journal.saved(job)):
-            return
-        try:
-            self.journal.save(job, saved)
-        except BaseException:
-            del self.jobs[job]  # not durable, so it did not happen: the next call resumes the journal's
-            raise
+        if decisive(saved) != decisive(entry):
+            try:
+                self.journal.save(job, saved)
+            except BaseException:
+                del self.jobs[job]  # not durable, so it did not happen: the next call resumes the journal's
+                self.journaled.pop(job, None)
+                raise
+            entry = self.journal.saved(job)
+        self.journaled[job] = (key, entry)
 
     def _start(self, policy: str, counts: tuple[int, int] | None) -> Policy:
         if policy == "autoscale":

@@ -65,3 +65,10 @@ def decisive(saved: Mapping[str, Any] | None) -> Any:
     if isinstance(state.get("scaler"), Mapping):
         state["scaler"] = {k: v for k, v in state["scaler"].items() if k not in WINDOW_COUNTERS}
     return saved["kind"], state
+
+
+def decisive_key(p: Policy) -> tuple[Any, ...]:
+    """What ``decisive`` keeps, read off the live policy without copying it (a few
+    microseconds, against tens for ``saved_form``): equal keys, equal decisive forms."""
+    return tuple((k, decisive_key(v) if isinstance(v, Autoscaler) else v)
+                 for k, v in vars(p).items() if k not in WINDOW_COUNTERS)
