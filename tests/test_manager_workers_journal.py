@@ -109,6 +109,17 @@ def test_a_job_dropped_takes_its_policy_out_of_the_state(tmp_path):
     with store.lock:
         s.forget_except(store.model.jobs)
     assert set(s.jobs) == {"b"}
+    assert decide(store, s, "b", "autoscale", 0.4).remote == 2   # a change: the next window settles
+    register(store, "b")                                  # a retry: b keeps its policy
+    store.submit({"type": "job_unregister", "job": "b", "reason": "expired"})
+    register(store, "b")                                  # b back before its next window
+    with store.lock:
+        s.forget_except(store.model.jobs)
+    assert "b" in s.jobs and "b" not in store.model.workers
+    seq = store.seq
+    assert decide(store, s, "b", "autoscale", 0.4).reason == ""  # a settle window, yet journaled again:
+    assert store.seq == seq + 1                                  # the journal no longer held it
+    assert store.model.workers["b"] == saved_form(s.jobs["b"])
     store.close(snapshot=False)
     assert set(open_store(tmp_path).model.workers) == {"b"}
 
