@@ -87,7 +87,7 @@ class WorkerScaling:
                 p = self._start(policy, None if m is None else (remote, local))
             self.jobs[job] = p
             change = p.observe(m) if m is not None else None
-            self._journal(job, p)
+            self._journal(job, p, fresh=m is None)
             return Counts(*_counts(p), change.reason if change is not None else "", p.phase.value)
 
     def forget_except(self, jobs: Iterable[str]) -> None:
@@ -104,16 +104,24 @@ class WorkerScaling:
         saved = self.journal.saved(job) if self.journal is not None else None
         if saved is None or saved.get("kind") != policy:
             return None
-        p = restore(saved)
+        try:
+            p = restore(saved)
+        except ValueError as e:  # another version's form (a snapshot): not the job's request at fault
+            log.warning("job %s: its journaled %s policy cannot be read here (%s); starting again from "
+                        "the job's counts", job, policy, e)
+            return None
         if p.config != (self.autoscale if policy == "autoscale" else self.placement):
             log.info("job %s: its journaled %s policy was made under another --policy-config; "
                      "starting again from the job's counts", job, policy)
             return None
         return p
 
-    def _journal(self, job: str, p: Policy) -> None:
+    def _journal(self, job: str, p: Policy, fresh: bool) -> None:
         """Journal the policy where this call changed it in more than its window
-        counters (why not every window: manager/workerstate.py)."""
+        counters (why not every window: manager/workerstate.py). A fresh start over
+        nothing journaled is not: a restarted manager builds the same policy from the
+        counts it answers, and the job's first call (a 1 s deadline, whose timeout
+        it reads as "no manager") then writes nothing."""
         if self.journal is None:
             return
         key, entry = decisive_key(p), self.journal.saved(job)
@@ -121,7 +129,7 @@ class WorkerScaling:
         if last is not None and last[1] is entry and last[0] == key:
             return  # the journal holds what we last journaled, and nothing decisive moved
         saved = saved_form(p)
-        if decisive(saved) != decisive(entry):
+        if decisive(saved) != decisive(entry) and not (fresh and entry is None):
             try:
                 self.journal.save(job, saved)
             except BaseException:

@@ -5,7 +5,8 @@ replay of the journal gives, byte for byte.
 
 What is journaled, and when (manager/workers.py): a job's policy after every call
 that changed it in anything but its window counters (``WINDOW_COUNTERS``): a
-fresh start, a change of counts, of phase, of the plateau or the references a
+fresh start over a journaled policy (over none it is what a restart rebuilds
+from the job's counts: not journaled), a change of counts, of phase, of the plateau or the references a
 climb compares against. A measurement that only counts a window (one dropped
 after a change, one more toward a re-check) is not journaled: a policy that has
 converged changes nothing for minutes, and an fsync a window (0.5-1 s, per job)

@@ -42,10 +42,10 @@ def test_only_windows_that_change_the_policy_are_journaled(tmp_path):
     register(store, "j")
     s = scaling(store)                                   # settle 1, recheck every 10
     before = store.events_written
-    decide(store, s, "j", "autoscale", None)             # a fresh start: journaled
+    decide(store, s, "j", "autoscale", None)             # a fresh start over nothing journaled: not
     got = [decide(store, s, "j", "autoscale", bt) for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
     assert [c.remote for c in got] == [2, 2, 4, 4, 2] and got[-1].phase == "converged"
-    assert store.events_written - before == 1 + 3       # the start and the three changes, no settle window
+    assert store.events_written - before == 3           # the three changes, no settle window
     before = store.events_written
     for _ in range(35):                                  # converged: windows and re-checks change nothing
         assert decide(store, s, "j", "autoscale", 0.2).remote == 2
@@ -104,12 +104,12 @@ def test_a_job_dropped_takes_its_policy_out_of_the_state(tmp_path):
     s = scaling(store)
     for job in ("a", "b"):
         decide(store, s, job, "autoscale", None)
+        assert decide(store, s, job, "autoscale", 0.4).remote == 2   # journaled; the next window settles
     store.submit({"type": "job_unregister", "job": "a", "reason": "expired"})
     assert set(store.model.workers) == {"b"} and "a" not in store.model.to_dict()["workers"]
     with store.lock:
         s.forget_except(store.model.jobs)
     assert set(s.jobs) == {"b"}
-    assert decide(store, s, "b", "autoscale", 0.4).remote == 2   # a change: the next window settles
     register(store, "b")                                  # a retry: b keeps its policy
     store.submit({"type": "job_unregister", "job": "b", "reason": "expired"})
     register(store, "b")                                  # b back before its next window
@@ -144,6 +144,7 @@ def test_a_journal_write_that_fails_leaves_the_journaled_policy(tmp_path, monkey
     register(store, "j")
     s = scaling(store, settle=0)
     decide(store, s, "j", "autoscale", None)
+    decide(store, s, "j", "autoscale", 0.4)              # 1 -> 2
     journaled = store.model.workers["j"]
 
     def full(*a, **k):
@@ -151,9 +152,55 @@ def test_a_journal_write_that_fails_leaves_the_journaled_policy(tmp_path, monkey
 
     monkeypatch.setattr(store, "_append", full)
     with pytest.raises(OSError):
-        decide(store, s, "j", "autoscale", 0.4)           # would add a worker
+        decide(store, s, "j", "autoscale", 0.2)           # would go on to 4
     monkeypatch.undo()
     assert store.model.workers["j"] == journaled and "j" not in s.jobs
-    c = decide(store, s, "j", "autoscale", 0.4)           # resumes the journaled policy: the same step
-    assert (c.remote, c.phase) == (2, "ramping")
+    c = decide(store, s, "j", "autoscale", 0.2, remote=2)  # resumes the journaled policy: the same step
+    assert (c.remote, c.phase) == (4, "ramping")           # (from the job's 2 it would try 3)
+    store.close()
+
+
+def test_a_first_start_writes_nothing_a_restart_would_not_rebuild(tmp_path):
+    """A fresh start with nothing journaled is what a restarted manager builds from the
+    counts the job was given, so it costs no fsync: the first ScaleWorkers, which a job
+    makes under the client's 1 s deadline and reads a timeout of as "no manager", does
+    no disk write. A fresh start over a journaled policy is journaled (else a restart
+    would resume the old one), and so is the first measurement's change."""
+    store = open_store(tmp_path)
+    register(store, "a", "p")
+    s = scaling(store, settle=0)
+    seq = store.seq
+    first = {job: decide(store, s, job, kind, None) for job, kind in (("a", "autoscale"), ("p", "placement"))}
+    assert store.seq == seq and store.model.workers == {}
+    fresh = {job: decisive(saved_form(s.jobs[job])) for job in ("a", "p")}
+    store.close(snapshot=False)                          # as after kill -9
+    store = open_store(tmp_path)
+    s2 = scaling(store, settle=0)
+    rebuilt = {job: s2._start(kind, (first[job].remote, first[job].local))
+               for job, kind in (("a", "autoscale"), ("p", "placement"))}
+    assert {job: decisive(saved_form(p)) for job, p in rebuilt.items()} == fresh
+    assert decide(store, s2, "a", "autoscale", 0.4, first["a"].remote).remote == 2   # the ramp's first step
+    assert store.model.workers["a"]["state"]["workers"] == 2 and store.seq == seq + 1
+    for bt in (0.2, 0.2):                                # 2 -> 4 -> converged: a policy to restart over
+        decide(store, s2, "a", "autoscale", bt)
+    seq = store.seq
+    assert decide(store, s2, "a", "autoscale", None).remote == 1   # the job starts again
+    assert store.seq == seq + 1 and store.model.workers["a"] == saved_form(s2.jobs["a"])
+    store.close()
+
+
+def test_a_journaled_policy_this_version_cannot_read_starts_again_from_the_counts(tmp_path, caplog):
+    """A snapshot's policy written by another version (here: a field unknown to this one)
+    must not make every window of the job fail: the policy starts again from the job's
+    counts, with a warning, and the new one replaces it in the journal."""
+    store = open_store(tmp_path)
+    register(store, "j")
+    bad = saved_form(Autoscaler.start(AutoscaleConfig(settle=0)))
+    bad["state"]["config"]["retired_knob"] = 1
+    store.model.workers["j"] = bad                       # as ManagerModel.from_dict loads a snapshot
+    s = scaling(store, settle=0)
+    c = decide(store, s, "j", "autoscale", 0.2, remote=3)
+    assert (c.remote, c.phase) == (4, "ramping")          # on from the job's 3
+    assert "cannot be read" in caplog.text
+    assert store.model.workers["j"] == saved_form(s.jobs["j"])
     store.close()
