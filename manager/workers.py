@@ -76,7 +76,8 @@ class WorkerScaling:
 
     def decide(self, job: str, policy: str, m: Measurement | None, remote: int = 0, local: int = 0) -> Counts:
         """m None: the job starts its workers (a fresh policy); else one window's
-        measurement, with the counts the job runs (where its policy is not known here)."""
+        measurement, with the counts the job runs (where its policy is not known here,
+        it starts from them; where they are not the policy's, the window is dropped)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         with self.lock:
@@ -86,7 +87,7 @@ class WorkerScaling:
             if m is None or p is None or kind_of(p) != policy:
                 p = self._start(policy, None if m is None else (remote, local))
             self.jobs[job] = p
-            change = p.observe(m) if m is not None else None
+            change = p.observe(m) if m is not None and _measured_at(p, remote, local) else None
             self._journal(job, p, fresh=m is None)
             return Counts(*_counts(p), change.reason if change is not None else "", p.phase.value)
 
@@ -152,6 +153,14 @@ class WorkerScaling:
         if remote + local < 1:
             remote = max(1, cfg.min_remote)
         return Placement(cfg, Autoscaler.resume(cfg.autoscale(), remote), remote, local, start=(remote, local))
+
+
+def _measured_at(p: Policy, remote: int, local: int) -> bool:
+    """Whether a window the job measured at these counts is the policy's: not where
+    the job runs others (it did not get the answer that changed them: its deadline
+    passed, or the manager died after journaling it); the policy's counts are then
+    answered again. (0, 0): the caller reports no counts (a policy keeps a worker)."""
+    return (remote, local) in ((0, 0), _counts(p))
 
 
 def _counts(p: Policy) -> tuple[int, int]:

@@ -53,6 +53,21 @@ def test_a_policy_unknown_here_starts_from_the_jobs_counts():
     assert (p.remote, p.local) == (4, 2)
 
 
+def test_a_window_measured_at_counts_the_policy_did_not_choose_is_dropped():
+    """An answer the job did not get (its 1 s deadline passed while the manager journaled
+    the change) leaves it on its old counts: the window it measures there is not the
+    new count's, so it is dropped and the policy's counts are answered again. Counts
+    (0, 0) are a caller that reports none: its windows count."""
+    s = WorkerScaling(autoscale=AutoscaleConfig(settle=0))
+    s.decide("j", "autoscale", None)
+    assert s.decide("j", "autoscale", Measurement(0.4), 1, 0).remote == 2    # this answer is lost
+    c = s.decide("j", "autoscale", Measurement(0.4), 1, 0)                   # still on 1
+    assert (c.remote, c.reason, c.phase) == (2, "", "ramping")               # not "2 did not help"
+    c = s.decide("j", "autoscale", Measurement(0.2), 2, 0)
+    assert c.remote == 4 and "linear" in c.reason
+    assert s.decide("j", "autoscale", Measurement(0.1)).remote == 8          # no counts reported
+
+
 def test_a_placement_restarted_from_the_jobs_counts_climbs_as_configured():
     """The ramp (the default), not Cachew's one-at-a-time rule: 3 -> 4 brought its
     expected gain (linear), so the step doubles to 6; with climb="cachew", 5."""

@@ -204,3 +204,21 @@ def test_a_journaled_policy_this_version_cannot_read_starts_again_from_the_count
     assert "cannot be read" in caplog.text
     assert store.model.workers["j"] == saved_form(s.jobs["j"])
     store.close()
+
+
+def test_after_a_restart_a_window_at_counts_the_job_was_never_told_is_dropped(tmp_path):
+    """The change is journaled before the answer: a manager killed in between comes back
+    with a policy ahead of the job. The job's next window (at its old counts) is not
+    the policy's; it is dropped and the journaled counts answered."""
+    store = open_store(tmp_path)
+    register(store, "j")
+    s = scaling(store, settle=0)
+    decide(store, s, "j", "autoscale", None)
+    assert decide(store, s, "j", "autoscale", 0.4, remote=1).remote == 2   # journaled, never answered
+    store.close(snapshot=False)
+    again = open_store(tmp_path)
+    s2 = scaling(again, settle=0)
+    c = decide(again, s2, "j", "autoscale", 0.4, remote=1)
+    assert (c.remote, c.reason, c.phase) == (2, "", "ramping")              # not "2 did not help"
+    assert decide(again, s2, "j", "autoscale", 0.2, remote=2).remote == 4
+    again.close()
