@@ -31,13 +31,22 @@ MIN_CATCH_UP_INTERVAL = 0.02  # seconds
 MAX_CATCH_UP_INTERVAL = 0.5
 
 
-def log_bytes(db_path: str) -> int:
-    """Size of the primary's write-ahead logs: what a follower would replay."""
+def written_files(db_path: str) -> dict[str, int]:
+    """Sizes of the primary's write-ahead logs and table files, by name: what a
+    follower replays (the logs' growth) or must open (the table files that flushes
+    and compactions made since it last caught up)."""
+    out: dict[str, int] = {}
     try:
         with os.scandir(db_path) as it:
-            return sum(e.stat().st_size for e in it if e.name.endswith(".log"))
+            for e in it:
+                if e.name.endswith((".log", ".sst")):
+                    try:
+                        out[e.name] = e.stat().st_size
+                    except FileNotFoundError:  # a compaction deleted it meanwhile
+                        continue
     except OSError:
-        return 0
+        pass
+    return out
 
 
 def catch_up_interval(cost_s: float) -> float:

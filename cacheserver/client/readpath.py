@@ -9,8 +9,9 @@ serves few of them: in tools/bench/partial, 1.2 s of catch-up per job bought
 25 MB of local reads that the socket served at ~8 ms/MB. So the client
 measures both paths and keeps the follower only while it pays. (With the
 default --durability cache, values skip the log: the follower replays only
-the small index entries and sees values once the server flushes them, so
-catching up stays cheap and this mostly matters with --durability process.)
+the small index entries and sees values once the server flushes them, but it
+still opens every table file the flushes and compactions made: catching up
+with a small store under heavy inserts took ~0.1 s in tools/bench/partial.)
 
 States, per server client (ReadPaths):
 
@@ -25,11 +26,17 @@ States, per server client (ReadPaths):
   LOCAL  -> REMOTE  a window ends and the socket would have been cheaper;
                     stay remote for `hold` seconds, then double it (to
                     MAX_HOLD) in case the next try loses again
-  REMOTE -> LOCAL   the hold is over, or the writes stopped: the server's log
-                    grew by less than QUIET_BYTES in QUIET_CHECK seconds (the
-                    client stats the log files; a follower's replay is in
-                    proportion to that growth). Reopen the follower; its
-                    opening counts as follower cost.
+  REMOTE -> LOCAL   the hold is over, or the writes stopped: the server wrote
+                    less than QUIET_BYTES to its log and table files in
+                    QUIET_CHECK seconds (the client stats them; a follower
+                    replays the log's growth and opens the table files that
+                    flushes and compactions made: written_between()). The log
+                    alone is not enough: with --durability cache values skip
+                    it, so it looked quiet under the heaviest inserts, and the
+                    client reopened a follower every QUIET_CHECK (0.1-0.4 s of
+                    RocksDB work each in tools/bench/partial's lru run, most
+                    of the jobs' CPU). Reopen the follower; its opening counts
+                    as follower cost.
 
 The policy itself, local_pays(), is a pure function of the measured costs.
 """
@@ -37,13 +44,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MIN_FOLLOWER_S = 0.05  # decide once the follower has cost this much wall time
 MIN_REMOTE_BYTES = 1 << 20  # below this the socket's cost per byte is not measured yet...
 PRIOR_REMOTE_S_PER_BYTE = 1e-9  # ...so assume 1 GB/s (tools/bench/hitpath: Unix socket, idle host)
-QUIET_CHECK = 0.25  # seconds between looks at the server's log while REMOTE
-QUIET_BYTES = 1 << 20  # log growth per look below which the writes count as stopped
+QUIET_CHECK = 0.25  # seconds between looks at the server's files while REMOTE
+QUIET_BYTES = 1 << 20  # bytes written per look below which the writes count as stopped
 MIN_HOLD = 5.0  # while the writes go on, each reopen starts another losing window: not too often
 MAX_HOLD = 60.0
 
@@ -56,6 +64,12 @@ def local_pays(follower_s: float, local_read_s: float, local_bytes: int,
     would have for the same bytes."""
     per_byte = remote_s / remote_bytes if remote_bytes >= MIN_REMOTE_BYTES else PRIOR_REMOTE_S_PER_BYTE
     return follower_s + local_read_s <= local_bytes * per_byte
+
+
+def written_between(before: Mapping[str, int], now: Mapping[str, int]) -> int:
+    """Bytes the server wrote between two looks at its log and table files (name ->
+    size): files new since whole, grown ones by their growth; deleted ones add nothing."""
+    return sum(size - before.get(name, 0) for name, size in now.items() if size > before.get(name, 0))
 
 
 @dataclass
@@ -78,25 +92,23 @@ class ReadPaths:
         self.stats = PathStats()
         self._hold = MIN_HOLD
         self._until = 0.0
-        self._log_size: int | None = None  # the server's log size at the last look
+        self._files: Mapping[str, int] | None = None  # the server's files at the last look
         self._looked_at = 0.0
 
-    def wants_log_size(self) -> bool:
-        """Whether the next use_local() should be given the server's log size."""
+    def wants_files(self) -> bool:
+        """Whether the next use_local() should be given the server's files (localread.written_files)."""
         return self.state == REMOTE and self._clock() - self._looked_at >= QUIET_CHECK
 
-    def use_local(self, log_size: int | None = None) -> bool:
+    def use_local(self, files: Mapping[str, int] | None = None) -> bool:
         """Whether this get should try the follower (REMOTE -> LOCAL, see above)."""
         with self._lock:
             if self.state == REMOTE:
                 now = self._clock()
                 if now >= self._until:
                     self.state = LOCAL
-                elif log_size is not None and now - self._looked_at >= QUIET_CHECK:
-                    last, self._log_size, self._looked_at = self._log_size, log_size, now
-                    # a smaller log was rotated by a flush: all of it is new
-                    grown = None if last is None else log_size - last if log_size >= last else log_size
-                    if grown is not None and grown < QUIET_BYTES:
+                elif files is not None and now - self._looked_at >= QUIET_CHECK:
+                    last, self._files, self._looked_at = self._files, files, now
+                    if last is not None and written_between(last, files) < QUIET_BYTES:
                         self.state = LOCAL
             return self.state == LOCAL
 
@@ -124,7 +136,7 @@ class ReadPaths:
                 self._hold = MIN_HOLD
             else:
                 self.state = REMOTE
-                self._log_size, self._looked_at = None, 0.0
+                self._files, self._looked_at = None, 0.0
                 self._until = self._clock() + self._hold
                 self._hold = min(self._hold * 2, MAX_HOLD)
                 s.switches += 1

@@ -21,7 +21,7 @@ from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
 from ..vocab import FEATURE_INLINE, check_ids
-from .localread import LocalReader, log_bytes
+from .localread import LocalReader, written_files
 from .readpath import LOCAL, ReadPaths
 from ..roles import metadata
 
@@ -111,8 +111,8 @@ class ServerClient:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
         if self._db_path is None:
             return None
-        log_size = log_bytes(self._db_path) if self.paths.wants_log_size() else None
-        if not self.paths.use_local(log_size):
+        files = written_files(self._db_path) if self.paths.wants_files() else None
+        if not self.paths.use_local(files):
             # Dropped, not closed: a get in another thread may still hold it;
             # the last reference closes it, and nothing is replayed meanwhile.
             self._local = None
