@@ -1,6 +1,7 @@
 """The same-host read-path policy (cacheserver/client/readpath.py): pure, no servers."""
 from cacheserver.client import readpath
-from cacheserver.client.readpath import LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays
+from cacheserver.client.readpath import (LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays,
+                                         written_between)
 
 MB = 1 << 20
 
@@ -86,22 +87,50 @@ def test_decide_waits_until_the_follower_has_cost_enough():
     assert p.decide() == LOCAL and p.stats.follower_s > 0  # window still open
 
 
-def test_remote_returns_to_local_early_once_the_servers_log_stops_growing():
+def test_written_between_counts_new_files_whole_and_growth_not_deletions():
+    before = {"000010.log": 5 * MB, "000011.sst": 3 * MB, "000012.sst": 1 * MB}
+    assert written_between(before, before) == 0
+    assert written_between(before, {**before, "000010.log": 6 * MB}) == 1 * MB  # the log grew
+    # a flush rotated the log and wrote a table file; a compaction merged two into one
+    after = {"000013.log": 100, "000014.sst": 2 * MB, "000015.sst": 4 * MB}
+    assert written_between(before, after) == 100 + 6 * MB
+    assert written_between(after, {}) == 0  # all deleted: nothing to replay
+
+
+def test_remote_returns_to_local_early_once_the_server_stops_writing():
     clock = Clock()
     p = ReadPaths(clock)
     p.follower(1.0)
     assert p.decide() == REMOTE
-    assert p.wants_log_size()
-    assert not p.use_local(50 * MB)  # the first look only records the size
+    assert p.wants_files()
+    files = {"000010.log": 50 * MB}
+    assert not p.use_local(files)  # the first look only records the files
     clock.t += readpath.QUIET_CHECK / 2
-    assert not p.wants_log_size()
+    assert not p.wants_files()
     clock.t += readpath.QUIET_CHECK
-    assert not p.use_local(60 * MB)  # still growing: 10 MB
+    files = {"000010.log": 60 * MB}
+    assert not p.use_local(files)  # still growing: 10 MB
     clock.t += readpath.QUIET_CHECK
-    assert not p.use_local(2 * MB)  # rotated by a flush: 2 MB written since
+    files = {"000011.log": 2 * MB, "000012.sst": 58 * MB}
+    assert not p.use_local(files)  # rotated by a flush: 2 MB logged and a table file since
     clock.t += readpath.QUIET_CHECK
-    assert p.use_local(2 * MB + 1000)  # quiet: the writes stopped, long before the hold ends
+    assert p.use_local({**files, "000011.log": 2 * MB + 1000})  # quiet, long before the hold ends
     assert p.state == LOCAL
+
+
+def test_values_that_skip_the_log_still_count_as_writes():
+    """--durability cache: the log grows by index entries only, while flushes and compactions
+    write the table files a follower must open; REMOTE holds (it used to reopen every look)."""
+    clock = Clock()
+    p = ReadPaths(clock)
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    files = {"000010.log": 4000}
+    for k in range(int(MIN_HOLD / readpath.QUIET_CHECK) - 2):
+        assert not p.use_local(files)
+        clock.t += readpath.QUIET_CHECK
+        files = {**files, "000010.log": files["000010.log"] + 4000, f"{20 + k:06d}.sst": 2 * MB}
+    assert p.state == REMOTE
 
 
 def test_catch_ups_are_spaced_by_their_cost():

@@ -1,0 +1,48 @@
+"""A same-host client off its follower (REMOTE) while a real server takes inserts whose
+values skip the log (--durability cache, the default): it must stay off, not reopen a
+follower at every look (readpath.py), and come back once the writes stop."""
+import os
+import time
+
+from cacheserver.client import readpath
+from cacheserver.client.localread import written_files
+from cacheserver.client.readpath import LOCAL, QUIET_BYTES, REMOTE
+from cacheserver.client.server_client import ServerClient
+from procs import cacheserver
+
+
+def _log_bytes(db_path: str) -> int:
+    return sum(n for name, n in written_files(db_path).items() if name.endswith(".log"))
+
+
+def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path):
+    srv = cacheserver(str(tmp_path / "srv"), "8MB").start()
+    try:
+        ids = [bytes([i]) * 32 for i in range(1, 9)]
+        with ServerClient(srv.address) as c, ServerClient(srv.address, local_read=False) as w:
+            w.put([(k, os.urandom(50_000)) for k in ids])
+            c.get(ids)
+            assert c.transport == "local" and c._db_path is not None
+            db = c._db_path
+            c.paths._hold = 3600.0  # the hold cannot end here: only the writes decide
+            c.paths.follower(1.0)  # a losing window
+            assert c.paths.decide() == REMOTE
+            log0, opens, n = _log_bytes(db), c.paths.stats.follower_s, 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5 * readpath.QUIET_CHECK and n < 500:
+                w.put([(os.urandom(32), os.urandom(150_000)) for _ in range(8)])  # ~1.2 MB
+                assert [v is not None for v in c.get(ids)] == [True] * 8
+                n += 1
+            # the log alone grew too little to tell (the rule before: it read as "writes stopped")
+            assert _log_bytes(db) - log0 < QUIET_BYTES
+            assert c.paths.state == REMOTE and c._local is None
+            assert c.paths.stats.follower_s == opens  # no follower was opened meanwhile
+            # the writes stop: once the flusher and compactions are done, the files go quiet
+            deadline = time.monotonic() + 60
+            while c.paths.state == REMOTE and time.monotonic() < deadline:
+                c.get(ids)
+                time.sleep(0.05)
+            assert c.paths.state == LOCAL
+            assert [v is not None for v in c.get(ids)] == [True] * 8
+    finally:
+        srv.kill()
