@@ -46,3 +46,18 @@ def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path):
             assert [v is not None for v in c.get(ids)] == [True] * 8
     finally:
         srv.kill()
+
+
+def test_written_files_stats_logs_and_new_table_files_only(tmp_path):
+    files = (("000007.log", 300), ("000008.sst", 1000), ("000009.sst", 2000), ("LOG", 50), ("MANIFEST-000005", 70))
+    for name, n in files:
+        (tmp_path / name).write_bytes(b"x" * n)
+    first = written_files(str(tmp_path))
+    assert first == {"000007.log": 300, "000008.sst": 1000, "000009.sst": 2000}
+    (tmp_path / "000007.log").write_bytes(b"x" * 900)  # the log grows
+    (tmp_path / "000009.sst").unlink()  # compacted away
+    (tmp_path / "000010.sst").write_bytes(b"x" * 4000)  # its output
+    # a known table file keeps its known size (written once: not statted again)
+    again = written_files(str(tmp_path), {**first, "000008.sst": 999})
+    assert again == {"000007.log": 900, "000008.sst": 999, "000010.sst": 4000}
+    assert written_files(str(tmp_path / "gone")) == {}

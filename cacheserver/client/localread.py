@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import rocksdict
 
@@ -31,17 +31,23 @@ MIN_CATCH_UP_INTERVAL = 0.02  # seconds
 MAX_CATCH_UP_INTERVAL = 0.5
 
 
-def written_files(db_path: str) -> dict[str, int]:
+def written_files(db_path: str, known: Mapping[str, int] | None = None) -> dict[str, int]:
     """Sizes of the primary's write-ahead logs and table files, by name: what a
     follower replays (the logs' growth) or must open (the table files that flushes
-    and compactions made since it last caught up)."""
+    and compactions made since it last caught up). Table files are written once:
+    those in `known` (the last look) keep their size there, unstatted, so a look at
+    a store of thousands of files costs one directory listing and a few stats."""
+    known = known or {}
     out: dict[str, int] = {}
     try:
         with os.scandir(db_path) as it:
             for e in it:
-                if e.name.endswith((".log", ".sst")):
+                name = e.name
+                if name.endswith(".sst") and name in known:
+                    out[name] = known[name]
+                elif name.endswith((".log", ".sst")):
                     try:
-                        out[e.name] = e.stat().st_size
+                        out[name] = e.stat().st_size
                     except FileNotFoundError:  # a compaction deleted it meanwhile
                         continue
     except OSError:

@@ -95,6 +95,11 @@ class ReadPaths:
         self._files: Mapping[str, int] | None = None  # the server's files at the last look
         self._looked_at = 0.0
 
+    @property
+    def files_seen(self) -> Mapping[str, int] | None:
+        """The server's files at the last look (localread.written_files reuses their sizes)."""
+        return self._files
+
     def wants_files(self) -> bool:
         """Whether the next use_local() should be given the server's files (localread.written_files)."""
         return self.state == REMOTE and self._clock() - self._looked_at >= QUIET_CHECK
