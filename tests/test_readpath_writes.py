@@ -4,6 +4,8 @@ follower at every look (readpath.py), and come back once the writes stop."""
 import os
 import time
 
+import pytest
+
 from cacheserver.client import readpath
 from cacheserver.client.localread import written_files
 from cacheserver.client.readpath import LOCAL, QUIET_BYTES, REMOTE
@@ -15,7 +17,10 @@ def _log_bytes(db_path: str) -> int:
     return sum(n for name, n in written_files(db_path).items() if name.endswith(".log"))
 
 
-def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path):
+# 150 KB values go to the table files followers open; 300 KB ones (>= diskbudget.BLOB_MIN) to blob
+# files, while each flush still writes small table files of their index entries that followers open.
+@pytest.mark.parametrize("size", [150_000, 300_000])
+def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path, size):
     srv = cacheserver(str(tmp_path / "srv"), "8MB").start()
     try:
         ids = [bytes([i]) * 32 for i in range(1, 9)]
@@ -30,7 +35,7 @@ def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path):
             log0, opens, n = _log_bytes(db), c.paths.stats.follower_s, 0
             t0 = time.monotonic()
             while time.monotonic() - t0 < 5 * readpath.QUIET_CHECK and n < 500:
-                w.put([(os.urandom(32), os.urandom(150_000)) for _ in range(8)])  # ~1.2 MB
+                w.put([(os.urandom(32), os.urandom(size)) for _ in range(8)])  # 1.2-2.4 MB
                 assert [v is not None for v in c.get(ids)] == [True] * 8
                 n += 1
             # the log alone grew too little to tell (the rule before: it read as "writes stopped")
@@ -61,3 +66,44 @@ def test_written_files_stats_logs_and_new_table_files_only(tmp_path):
     again = written_files(str(tmp_path), {**first, "000008.sst": 999})
     assert again == {"000007.log": 900, "000008.sst": 999, "000010.sst": 4000}
     assert written_files(str(tmp_path / "gone")) == {}
+
+
+def test_a_table_file_seen_while_being_written_counts_until_it_stops_growing(tmp_path):
+    """RocksDB writes a table file under its final name: a look may catch a flush's or a
+    compaction's output half-written; its growth after that is writing too."""
+    clock = [0.0]
+    p = readpath.ReadPaths(lambda: clock[0])
+    p._hold = 3600.0
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    out = tmp_path / "000020.sst"
+
+    def look() -> bool:
+        clock[0] += readpath.QUIET_CHECK
+        return p.use_local(written_files(str(tmp_path), p.files_finished))
+
+    out.write_bytes(b"x" * 1000)  # the compaction has begun
+    assert not look()  # the first look only records the files
+    for _ in range(3):
+        with open(out, "ab") as f:
+            f.write(b"x" * (2 * QUIET_BYTES))  # ...and goes on
+        assert not look()
+    assert look()  # done: it stopped growing
+
+
+def test_blob_files_count_as_writes(tmp_path):
+    """Values of diskbudget.BLOB_MIN bytes and more go to blob files: followers never read
+    them, but each flush of them writes table files of their index entries, which they open."""
+    clock = [1.0]
+    p = readpath.ReadPaths(lambda: clock[0])
+    p._hold = 3600.0
+    p.follower(1.0)
+    assert p.decide() == REMOTE
+    (tmp_path / "000010.log").write_bytes(b"x" * 100)
+    assert not p.use_local(written_files(str(tmp_path), p.files_finished))
+    (tmp_path / "000011.blob").write_bytes(b"x" * (4 * QUIET_BYTES))
+    clock[0] += readpath.QUIET_CHECK
+    assert not p.use_local(written_files(str(tmp_path), p.files_finished))
+    assert p.state == REMOTE
+    clock[0] += readpath.QUIET_CHECK
+    assert p.use_local(written_files(str(tmp_path), p.files_finished))  # the writes stopped

@@ -31,21 +31,26 @@ MIN_CATCH_UP_INTERVAL = 0.02  # seconds
 MAX_CATCH_UP_INTERVAL = 0.5
 
 
-def written_files(db_path: str, known: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Sizes of the primary's write-ahead logs and table files, by name: what a
-    follower replays (the logs' growth) or must open (the table files that flushes
-    and compactions made since it last caught up). Table files are written once:
-    those in `known` (the last look) keep their size there, unstatted, so a look at
-    a store of thousands of files costs one directory listing and a few stats."""
-    known = known or {}
+TABLE_FILES = (".sst", ".blob")  # written once under their final names, then only deleted
+
+
+def written_files(db_path: str, finished: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Sizes of the primary's write-ahead logs, table files and blob files, by name:
+    what a follower replays (the logs' growth) or must open (the table files that
+    flushes and compactions made since it last caught up; blob files it never reads,
+    but each flush of them writes table files of their index entries). Table and
+    blob files are written once: those in `finished` keep their size there,
+    unstatted, so a look at a store of thousands of files costs one directory
+    listing and a few stats."""
+    finished = finished or {}
     out: dict[str, int] = {}
     try:
         with os.scandir(db_path) as it:
             for e in it:
                 name = e.name
-                if name.endswith(".sst") and name in known:
-                    out[name] = known[name]
-                elif name.endswith((".log", ".sst")):
+                if name in finished and name.endswith(TABLE_FILES):
+                    out[name] = finished[name]
+                elif name.endswith((".log", *TABLE_FILES)):
                     try:
                         out[name] = e.stat().st_size
                     except FileNotFoundError:  # a compaction deleted it meanwhile

@@ -27,10 +27,12 @@ States, per server client (ReadPaths):
                     stay remote for `hold` seconds, then double it (to
                     MAX_HOLD) in case the next try loses again
   REMOTE -> LOCAL   the hold is over, or the writes stopped: the server wrote
-                    less than QUIET_BYTES to its log and table files in
+                    less than QUIET_BYTES to its log, table and blob files in
                     QUIET_CHECK seconds (the client stats them; a follower
                     replays the log's growth and opens the table files that
-                    flushes and compactions made: written_between()). The log
+                    flushes and compactions made: written_between(); blob
+                    files, of values a follower never reads, count because
+                    their flushes make table files of index entries). The log
                     alone is not enough: with --durability cache values skip
                     it, so it looked quiet under the heaviest inserts, and the
                     client reopened a follower every QUIET_CHECK (0.1-0.4 s of
@@ -67,7 +69,7 @@ def local_pays(follower_s: float, local_read_s: float, local_bytes: int,
 
 
 def written_between(before: Mapping[str, int], now: Mapping[str, int]) -> int:
-    """Bytes the server wrote between two looks at its log and table files (name ->
+    """Bytes the server wrote between two looks at its log, table and blob files (name ->
     size): files new since whole, grown ones by their growth; deleted ones add nothing."""
     return sum(size - before.get(name, 0) for name, size in now.items() if size > before.get(name, 0))
 
@@ -93,12 +95,15 @@ class ReadPaths:
         self._hold = MIN_HOLD
         self._until = 0.0
         self._files: Mapping[str, int] | None = None  # the server's files at the last look
+        self._finished: dict[str, int] = {}  # of those, the ones the look before saw at the same size
         self._looked_at = 0.0
 
     @property
-    def files_seen(self) -> Mapping[str, int] | None:
-        """The server's files at the last look (localread.written_files reuses their sizes)."""
-        return self._files
+    def files_finished(self) -> Mapping[str, int]:
+        """The server's files that kept their size over the last two looks: RocksDB writes a
+        table file under its final name, so a look may catch one half-written, and only
+        one that stopped growing is done (localread.written_files reuses their sizes)."""
+        return self._finished
 
     def wants_files(self) -> bool:
         """Whether the next use_local() should be given the server's files (localread.written_files)."""
@@ -113,6 +118,7 @@ class ReadPaths:
                     self.state = LOCAL
                 elif files is not None and now - self._looked_at >= QUIET_CHECK:
                     last, self._files, self._looked_at = self._files, files, now
+                    self._finished = {} if last is None else {n: k for n, k in files.items() if last.get(n) == k}
                     if last is not None and written_between(last, files) < QUIET_BYTES:
                         self.state = LOCAL
             return self.state == LOCAL
@@ -141,7 +147,7 @@ class ReadPaths:
                 self._hold = MIN_HOLD
             else:
                 self.state = REMOTE
-                self._files, self._looked_at = None, 0.0
+                self._files, self._finished, self._looked_at = None, {}, 0.0
                 self._until = self._clock() + self._hold
                 self._hold = min(self._hold * 2, MAX_HOLD)
                 s.switches += 1

@@ -111,7 +111,7 @@ class ServerClient:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
         if self._db_path is None:
             return None
-        files = written_files(self._db_path, self.paths.files_seen) if self.paths.wants_files() else None
+        files = written_files(self._db_path, self.paths.files_finished) if self.paths.wants_files() else None
         if not self.paths.use_local(files):
             # Dropped, not closed: a get in another thread may still hold it;
             # the last reference closes it, and nothing is replayed meanwhile.
