@@ -1,7 +1,7 @@
 """The same-host read-path policy (cacheserver/client/readpath.py): pure, no servers."""
 from cacheserver.client import readpath
 from cacheserver.client.readpath import (LOCAL, MAX_HOLD, MIN_FOLLOWER_S, MIN_HOLD, REMOTE, ReadPaths, local_pays,
-                                         written_between)
+                                         writes_stopped, written_between)
 
 MB = 1 << 20
 
@@ -97,6 +97,17 @@ def test_written_between_counts_new_files_whole_and_growth_not_deletions():
     assert written_between(after, {}) == 0  # all deleted: nothing to replay
 
 
+def test_a_log_of_index_entries_alone_shows_writes():
+    """--durability cache with large memtables: for seconds a put reaches the files only as
+    its index entry in the log (~60 B); values wait in the memtable."""
+    before = {"000010.log": 5 * MB, "000011.sst": 3 * MB}
+    assert writes_stopped(before, before)
+    assert writes_stopped(before, {**before, "000010.log": 5 * MB + 200})  # a few deletes, a mark
+    assert not writes_stopped(before, {**before, "000010.log": 5 * MB + 30 * 60})  # 30 puts
+    assert not writes_stopped(before, {**before, "000012.sst": 2 * MB})  # a flush or compaction
+    assert writes_stopped(before, {"000013.log": 100, "000012.sst": 100_000})  # the last flush: log rotated
+
+
 def test_remote_returns_to_local_early_once_the_server_stops_writing():
     clock = Clock()
     p = ReadPaths(clock)
@@ -114,7 +125,7 @@ def test_remote_returns_to_local_early_once_the_server_stops_writing():
     files = {"000011.log": 2 * MB, "000012.sst": 58 * MB}
     assert not p.use_local(files)  # rotated by a flush: 2 MB logged and a table file since
     clock.t += readpath.QUIET_CHECK
-    assert p.use_local({**files, "000011.log": 2 * MB + 1000})  # quiet, long before the hold ends
+    assert p.use_local({**files, "000011.log": 2 * MB + 100})  # quiet, long before the hold ends
     assert p.state == LOCAL
 
 

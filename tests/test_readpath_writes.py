@@ -17,11 +17,14 @@ def _log_bytes(db_path: str) -> int:
     return sum(n for name, n in written_files(db_path).items() if name.endswith(".log"))
 
 
-# 150 KB values go to the table files followers open; 300 KB ones (>= diskbudget.BLOB_MIN) to blob
-# files, while each flush still writes small table files of their index entries that followers open.
-@pytest.mark.parametrize("size", [150_000, 300_000])
-def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path, size):
-    srv = cacheserver(str(tmp_path / "srv"), "8MB").start()
+# 8MB: 1 MiB memtables, flushed every few puts; 150 KB values go to the table files followers
+# open, 300 KB ones (>= diskbudget.BLOB_MIN) to blob files, while each flush still writes small
+# table files of their index entries that followers open. 2GB: 16 MiB memtables
+# (diskbudget.lsm_sizes): for seconds of inserts only the values' index entries reach the files.
+@pytest.mark.parametrize("capacity,size,per_put,gap", [("8MB", 150_000, 8, 0.0), ("8MB", 300_000, 8, 0.0),
+                                                        ("2GB", 25_000, 32, 0.06)])
+def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path, capacity, size, per_put, gap):
+    srv = cacheserver(str(tmp_path / "srv"), capacity).start()
     try:
         ids = [bytes([i]) * 32 for i in range(1, 9)]
         with ServerClient(srv.address) as c, ServerClient(srv.address, local_read=False) as w:
@@ -35,9 +38,10 @@ def test_a_remote_client_stays_off_the_follower_while_inserts_go_on(tmp_path, si
             log0, opens, n = _log_bytes(db), c.paths.stats.follower_s, 0
             t0 = time.monotonic()
             while time.monotonic() - t0 < 5 * readpath.QUIET_CHECK and n < 500:
-                w.put([(os.urandom(32), os.urandom(size)) for _ in range(8)])  # 1.2-2.4 MB
+                w.put([(os.urandom(32), os.urandom(size)) for _ in range(per_put)])  # 0.8-2.4 MB
                 assert [v is not None for v in c.get(ids)] == [True] * 8
                 n += 1
+                time.sleep(gap)
             # the log alone grew too little to tell (the rule before: it read as "writes stopped")
             assert _log_bytes(db) - log0 < QUIET_BYTES
             assert c.paths.state == REMOTE and c._local is None

@@ -26,19 +26,22 @@ States, per server client (ReadPaths):
   LOCAL  -> REMOTE  a window ends and the socket would have been cheaper;
                     stay remote for `hold` seconds, then double it (to
                     MAX_HOLD) in case the next try loses again
-  REMOTE -> LOCAL   the hold is over, or the writes stopped: the server wrote
-                    less than QUIET_BYTES to its log, table and blob files in
-                    QUIET_CHECK seconds (the client stats them; a follower
-                    replays the log's growth and opens the table files that
-                    flushes and compactions made: written_between(); blob
-                    files, of values a follower never reads, count because
-                    their flushes make table files of index entries). The log
-                    alone is not enough: with --durability cache values skip
-                    it, so it looked quiet under the heaviest inserts, and the
-                    client reopened a follower every QUIET_CHECK (0.1-0.4 s of
-                    RocksDB work each in tools/bench/partial's lru run, most
-                    of the jobs' CPU). Reopen the follower; its opening counts
-                    as follower cost.
+  REMOTE -> LOCAL   the hold is over, or the writes stopped (writes_stopped()):
+                    in QUIET_CHECK seconds the server wrote less than
+                    QUIET_BYTES to its log, table and blob files, and less
+                    than QUIET_LOG_BYTES to its log (the client stats them:
+                    localread.written_files). A follower replays the log's
+                    growth and opens the table files that flushes and
+                    compactions made; blob files, of values it never reads,
+                    count because their flushes make table files of index
+                    entries. Bytes alone miss writes with --durability cache:
+                    values skip the log (the client reopened a follower every
+                    QUIET_CHECK under the heaviest inserts when only the log
+                    counted: 0.1-0.4 s of RocksDB work each in
+                    tools/bench/partial's lru run, most of the jobs' CPU) and
+                    wait in memtables of up to 64 MiB, so for seconds only
+                    their index entries, ~60 B a put, reach the files.
+                    Reopen the follower; its opening counts as follower cost.
 
 The policy itself, local_pays(), is a pure function of the measured costs.
 """
@@ -53,7 +56,10 @@ MIN_FOLLOWER_S = 0.05  # decide once the follower has cost this much wall time
 MIN_REMOTE_BYTES = 1 << 20  # below this the socket's cost per byte is not measured yet...
 PRIOR_REMOTE_S_PER_BYTE = 1e-9  # ...so assume 1 GB/s (tools/bench/hitpath: Unix socket, idle host)
 QUIET_CHECK = 0.25  # seconds between looks at the server's files while REMOTE
-QUIET_BYTES = 1 << 20  # bytes written per look below which the writes count as stopped
+QUIET_BYTES = 1 << 20  # bytes written per look below which the writes count as stopped...
+# ...and bytes of log: with --durability cache a put logs only its index entry (~60 B) and its
+# value waits in the memtable (up to 64 MiB, diskbudget.lsm_sizes), unseen, until a flush
+QUIET_LOG_BYTES = 1 << 10
 MIN_HOLD = 5.0  # while the writes go on, each reopen starts another losing window: not too often
 MAX_HOLD = 60.0
 
@@ -72,6 +78,14 @@ def written_between(before: Mapping[str, int], now: Mapping[str, int]) -> int:
     """Bytes the server wrote between two looks at its log, table and blob files (name ->
     size): files new since whole, grown ones by their growth; deleted ones add nothing."""
     return sum(size - before.get(name, 0) for name, size in now.items() if size > before.get(name, 0))
+
+
+def writes_stopped(before: Mapping[str, int], now: Mapping[str, int]) -> bool:
+    """Whether the server's files (name -> size) show no more writes between two looks:
+    fewer than QUIET_BYTES in all, and fewer than QUIET_LOG_BYTES of log (~17 puts)."""
+    logged = written_between({n: k for n, k in before.items() if n.endswith(".log")},
+                             {n: k for n, k in now.items() if n.endswith(".log")})
+    return logged < QUIET_LOG_BYTES and written_between(before, now) < QUIET_BYTES
 
 
 @dataclass
@@ -119,7 +133,7 @@ class ReadPaths:
                 elif files is not None and now - self._looked_at >= QUIET_CHECK:
                     last, self._files, self._looked_at = self._files, files, now
                     self._finished = {} if last is None else {n: k for n, k in files.items() if last.get(n) == k}
-                    if last is not None and written_between(last, files) < QUIET_BYTES:
+                    if last is not None and writes_stopped(last, files):
                         self.state = LOCAL
             return self.state == LOCAL
 
