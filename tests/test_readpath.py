@@ -136,11 +136,11 @@ def test_values_that_skip_the_log_still_count_as_writes():
     p = ReadPaths(clock)
     p.follower(1.0)
     assert p.decide() == REMOTE
-    files = {"000010.log": 4000}
+    files = {"000010.log": 500}
     for k in range(int(MIN_HOLD / readpath.QUIET_CHECK) - 2):
         assert not p.use_local(files)
         clock.t += readpath.QUIET_CHECK
-        files = {**files, "000010.log": files["000010.log"] + 4000, f"{20 + k:06d}.sst": 2 * MB}
+        files = {**files, "000010.log": files["000010.log"] + 500, f"{20 + k:06d}.sst": 2 * MB}
     assert p.state == REMOTE
 
 
