@@ -38,6 +38,7 @@ from .stats import SharedCounters
 REPEAT = 3
 MIN_STEP_ITEMS = 8  # step records of the epoch taken over the sample's
 MIN_PUTS = 32  # the job's own puts taken over the probe's
+MIN_HANDOFFS = 32  # outputs the scheduler read before its hand-off cost counts
 STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two (a read is slowed, never sped, by others)
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
@@ -254,4 +255,17 @@ def measure(ac: Any, engine: Any, epoch_items: int) -> Any:
     elif ac.probes is not None:  # a put takes the cores the steps take: as slowed as they are now
         reads["put_marker_s"] *= busy_factor(engine, ac.cut, prefix_s + rest_s)
     workers = engine.pool.size if engine.pool is not None else 1
-    return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers, reads["handoff_s"])
+    return costs(ac, reads, epoch_items, stats.items, prefix_s, rest_s, workers,
+                 handoff_seen(reads["handoff_s"], engine.pool))
+
+
+def handoff_seen(probed: float, pool: Any) -> float:
+    """The hand-off per item: the larger of the probe's and what the scheduler's thread
+    spent reading and decoding the workers' outputs so far (MIN_HANDOFFS of them at
+    least). Both undercount (the probe's reads vary with how they interleave with its
+    writer: 0.35-0.99 ms per 1 MiB output from run to run; the scheduler's leave out the
+    items' way to the workers), and a source epoch projected too cheap was the grid's
+    one wrong choice (docs/benchmarks.md, Autocache)."""
+    if pool is None or pool.handoff_items < MIN_HANDOFFS:
+        return probed
+    return max(probed, pool.handoff_cpu_s / pool.handoff_items)

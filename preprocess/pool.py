@@ -44,6 +44,9 @@ class WorkerPool:
         self.results: dict[int, ChannelReader] = {}
         self.stopping: set[int] = set()  # sent a stop message, not yet exited
         self.retired: set[int] = set()   # died: ids not given out again
+        # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
+        # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
+        self.handoff_cpu_s, self.handoff_items = 0.0, 0
 
     @property
     def size(self) -> int:
@@ -79,9 +82,14 @@ class WorkerPool:
         out: list[Any] = []
         wids = {id(r): wid for wid, r in self.results.items()}
         for r in ready(list(self.results.values()), timeout):
+            t0 = time.thread_time()
             frames = r.read(decode=False)
             out += [self._decode(wids[id(r)], f) for f in frames] if decode else frames
-        return [m for m in out if m is not None]
+            self.handoff_cpu_s += time.thread_time() - t0
+        msgs = [m for m in out if m is not None]
+        if decode:
+            self.handoff_items += sum(1 for m in msgs if m[0] == "done")
+        return msgs
 
     def _decode(self, wid: int, frame: bytes) -> tuple | None:
         """A worker's message; None for one a killed worker sent whose tensors went with

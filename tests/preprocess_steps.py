@@ -64,3 +64,8 @@ class KillOn:
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
         return i
+
+
+def inflate_mib(i):
+    """An output of 1 MiB (bytes), as an inflating step makes."""
+    return bytes([i % 256]) * (1 << 20)

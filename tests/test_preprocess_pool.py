@@ -59,3 +59,31 @@ def test_a_killed_workers_message_whose_tensor_went_with_it_is_dropped(tmp_path)
     finally:
         pool.close()
         ds.close()
+
+
+def test_the_scheduler_counts_its_cpu_reading_the_workers_outputs(tmp_path):
+    """The hand-off as the epochs run it (clients/automeasure.handoff_seen): items counted
+    once each, and 1 MiB outputs cost the scheduler's thread more than small ones."""
+    from clients.automeasure import MIN_HANDOFFS, handoff_seen
+    from preprocess_steps import inflate_mib
+
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 40), cache=False)
+    per_item = {}
+    for name, steps in (("small", [index_of]), ("large", [index_of, inflate_mib])):
+        pipeline = Pipeline(steps)
+        pool = WorkerPool(ds, pipeline, job_seed=0)
+        try:
+            pool.resize(1)
+            assert handoff_seen(0.5, pool) == 0.5                  # nothing read yet: the probe's
+            pool.send(0, ("task", 7, 0, pipeline.order, None, [(i, False) for i in range(40)]))
+            done, deadline = 0, time.monotonic() + 60
+            while done < 40 and time.monotonic() < deadline:
+                done += sum(1 for m in pool.receive(0.1) if m[0] == "done")
+            assert done == 40 and pool.handoff_items == 40 and pool.handoff_cpu_s > 0
+            per_item[name] = pool.handoff_cpu_s / pool.handoff_items
+            assert 40 >= MIN_HANDOFFS and handoff_seen(0.0, pool) == per_item[name]
+            assert handoff_seen(1.0, pool) == 1.0                  # the larger of the two
+        finally:
+            pool.close()
+    ds.close()
+    assert per_item["large"] > 2 * per_item["small"], per_item
