@@ -205,7 +205,8 @@ def explain(c: PipelineCosts, costs: Mapping[str, float], mode: str) -> str:
                f" transformed, {fit_fraction(c.items * c.source_bytes, c.room_bytes):.0%} source")
     return (f"{mode} {costs[mode]:.3g} s/epoch vs {others} over {c.epochs_left} epochs"
             f" (per item ms: store {_ms(c.store_read_s)}, cache src {_ms(c.cache_read_source_s)}"
-            f" marker {_ms(c.cache_read_marker_s)}, prefix {_ms(c.prefix_s)}, rest {_ms(c.rest_s)};"
+            f" marker {_ms(c.cache_read_marker_s)}, prefix {_ms(c.prefix_s)}, rest {_ms(c.rest_s)},"
+            f" hand-off {_ms(c.handoff_s)};"
             f" {c.workers} workers; marker {c.marker_bytes / max(c.source_bytes, 1):.3g}x source){fit}{why}")
 
 
