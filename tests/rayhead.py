@@ -19,10 +19,29 @@ HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled
             "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+# Ports Ray's components take by default whatever we pass (dashboard, its agent's HTTP server,
+# GCS, the client server, the metrics agent): a free port picked at random may be one of them
+# ("Ray component dashboard_agent_http is trying to use a port number 52365 that is used by
+# other components", seen in CI).
+RAY_DEFAULT_PORTS = frozenset({6379, 8076, 8265, 10001, 44217, 44227, 52365})
+
+
+def ray_free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports, none of Ray's defaults (bounded: 100 tries)."""
+    out: list[int] = []
+    for _ in range(100):
+        p = free_port()
+        if p not in RAY_DEFAULT_PORTS and p not in out:
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise RuntimeError(f"no {n} free ports outside Ray's defaults in 100 tries")
+
+
 class RayHead:
     def __init__(self, cpus: int = 2) -> None:
         self.tmp = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths have a length limit
-        self.port, self.client_port = free_port(), free_port()
+        self.port, self.client_port = ray_free_ports(2)
         env = dict(os.environ, **HEAD_ENV, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "wb")
