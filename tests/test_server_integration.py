@@ -1,4 +1,5 @@
 """Integration tests: real cacheserver processes on loopback."""
+import hashlib
 import os
 import random
 import socket
@@ -177,17 +178,22 @@ def test_restart_keeps_data_and_chunk_refs(tmp_path):
         d2.kill()
 
 
+def _sha(v: bytes) -> bytes:
+    return hashlib.sha256(v).digest()
+
+
 def _put_until_stopped(address: str, seed: int, stop: threading.Event, tried: dict | None = None,
-                       acked: dict | None = None) -> None:
-    """Put random batches until stopped or the server dies; records what it tried and what was acknowledged."""
+                       acked: dict | None = None, batches: int = 2000) -> None:
+    """Put random batches until stopped or the server dies; records what it tried (each value's
+    SHA-256: a long run would hold GBs) and what was acknowledged."""
     rng = random.Random(seed)
     with ServerClient(address, local_read=False) as c:
-        for _ in range(2000):
+        for _ in range(batches):
             if stop.is_set():
                 return
             batch = [(rng.randbytes(32), rng.randbytes(rng.randint(1, 50_000))) for _ in range(8)]
             if tried is not None:
-                tried.update(batch)
+                tried.update((k, _sha(v)) for k, v in batch)
             try:
                 c.put(batch)
             except Exception:
@@ -257,7 +263,7 @@ def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
     # evict early items: those held just before the kill must all survive it.
     d = cacheserver(str(tmp_path / "c"), "2GB").start()
     early = dict(zip(ids(40, seed=50), values(40, seed=50)))
-    tried: dict[bytes, bytes] = dict(early)
+    tried: dict[bytes, bytes] = {k: _sha(v) for k, v in early.items()}
     stop = threading.Event()
     with ServerClient(d.address, local_read=False) as c:
         c.put(list(early.items()))
@@ -265,8 +271,10 @@ def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
         while c.stats().counters["flushes"] < 1 and time.monotonic() < deadline:
             time.sleep(0.1)  # writes paused: the flusher writes them to a table file
         assert c.stats().counters["flushes"] >= 1
-    threads = [threading.Thread(target=_put_until_stopped, args=(d.address, s, stop), kwargs={"tried": tried})
-               for s in range(4)]
+    # Writers that outlast the wait (stopped after the kill): with writes going on the flusher
+    # flushes every MAX_AGE_S, so two flushes take ~10 s; 2000 batches each ran out sooner in CI.
+    threads = [threading.Thread(target=_put_until_stopped, args=(d.address, s, stop),
+                                kwargs={"tried": tried, "batches": 100_000}) for s in range(4)]
     for t in threads:
         t.start()
     _wait_for_flushed_and_unflushed_inserts(d.address)
@@ -286,10 +294,10 @@ def test_kill9_with_cache_durability_loses_only_unflushed_inserts(tmp_path):
             keys, present = list(tried), 0
             for i in range(0, len(keys), 256):
                 for k, v in zip(keys[i:i + 256], c.get(keys[i:i + 256])):
-                    if k in early:
+                    if k in held:
                         assert v is not None, "a flushed put was lost"
                     if v is not None:
-                        assert bytes(v) == tried[k]
+                        assert _sha(bytes(v)) == tried[k]
                         present += 1
             st = c.stats()
             assert st.counters["corrupt_dropped"] == 0  # no index entry lacked its value
