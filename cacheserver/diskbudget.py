@@ -31,6 +31,7 @@ hit reads them without a copy (mmap).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -76,6 +77,7 @@ def lsm_sizes(capacity: int) -> LsmSizes:
                     l0_trigger=2 if small else 4)
 
 
+@functools.lru_cache(maxsize=16)  # asked at every put's admission, of one capacity per store
 def headroom(capacity: int) -> int:
     """Bytes a running compaction may add before it deletes its inputs: HEADROOM of the
     capacity, or what one level-0 compaction writes when that is more. Ids are uniform
