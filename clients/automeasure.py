@@ -8,8 +8,10 @@ job's own read path at the sizes involved:
   the workers idle): the store read, the cache read of a source item and of a
   transformed item, per item: the scheduler's sample items (16) read as a batch, as
   the loader reads, by the same read path (store only; cache only;
-  TransformedItems), the median of REPEAT cache reads (the store: once its
-  connections are open, the faster of STORE_REPEAT reads). The transformed items
+  TransformedItems), the fastest of REPEAT reads of each (the store's once its
+  connections are open): other work only ever slows a read, and one slowed read
+  (a flush of the items just put, on a busy host) made the median of three 4x the
+  epochs' cost and a clear, wrong estimate. The transformed items
   read are the sample's own outputs at the caching point, put first: real items
   under the real key, hits later if transformed is chosen. Also the CPU to encode
   and seal one, and to hand one back from a worker;
@@ -35,16 +37,16 @@ from preprocess.channel import HEADER, READ_BYTES
 from .autofeed import raw, reader, speculative_chunk
 from .stats import SharedCounters
 
-REPEAT = 3
+REPEAT = 3  # reads of the cache, the fastest taken (as for the store: other work only slows one)
 MIN_STEP_ITEMS = 8  # step records of the epoch taken over the sample's
 MIN_PUTS = 32  # the job's own puts taken over the probe's
 MIN_HANDOFFS = 32  # outputs the scheduler read before its hand-off cost counts
-STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two (a read is slowed, never sped, by others)
+STORE_REPEAT = 2  # store reads cost its bandwidth: the faster of two
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
 
 def _per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT,
-              pick: Callable[[list[float]], float] = statistics.median) -> float:
+              pick: Callable[[list[float]], float] = min) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -186,7 +188,7 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
     try:
         data: list[Any] = []
         store.read(idx[:1])  # opens the reader's connections: once per process, not per item
-        store_s = _per_item(lambda: data.__setitem__(slice(None), store.read(idx)), len(idx), STORE_REPEAT, min)
+        store_s = _per_item(lambda: data.__setitem__(slice(None), store.read(idx)), len(idx), STORE_REPEAT)
         out = {"store_read_s": store_s, "decode_s": 0.0,
                "source_bytes": statistics.fmean(ds.entry(i).length for i in idx) if idx else 0.0}
         if ds.decode is not None:
