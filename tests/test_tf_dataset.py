@@ -182,6 +182,24 @@ def test_an_abandoned_iteration_is_stopped_early_and_the_next_is_a_whole_epoch(s
         ds.mlcache.close()
 
 
+@pytest.mark.parametrize("read_parallel", [1, 3], ids=["serial", "parallel-reads"])
+@pytest.mark.parametrize("change", [-1, 1], ids=["fewer", "more"])
+def test_an_epoch_with_a_wrong_item_count_fails(shards, tmp_path, read_parallel, change):
+    """The exactly-once check: an epoch that yields fewer or more items than the share
+    (here a read that loses or repeats an item) fails the user's loop, never passes silently."""
+    digest, _, _ = shards
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", read_batch=16,
+                    read_parallel=read_parallel)
+    src, read = ds.mlcache, ds.mlcache.read
+    src.read = lambda batch: read(batch[:-1] if change < 0 else batch + batch[:1]) if batch else read(batch)
+    try:
+        with pytest.raises(tf.errors.OpError, match=str(N)):
+            for _ in ds.map(parse).batch(64):  # as a training loop takes it
+                pass
+    finally:
+        src.close()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("read_parallel", [1, 3], ids=["serial", "parallel-reads"])
 def test_store_changed_since_digest_fails_the_epoch_naming_the_item(tmp_path, read_parallel):
