@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 READ_BATCH = 64  # items per Python call (and per sampler batch)
 READ_AHEAD = 4  # batches read ahead of the one the pipeline is taking (a prefetch of batches)
-READ_PARALLEL = 2  # batches read at once (TicketFeed), in TensorFlow's threads
+READ_PARALLEL = 1  # batches read at once (TicketFeed from 2); 2 cost more CPU and time here (docs/benchmarks.md)
 
 
 class TFSource(EpochLog):
