@@ -28,9 +28,11 @@ def test_a_first_call_starts_the_policy_and_measurements_drive_it():
     assert s.ray_address == "ray://head:10001"
     first = s.decide("j", "autoscale", None)
     assert (first.remote, first.local, first.reason, first.phase) == (1, 0, "", "ramping")
-    got = [s.decide("j", "autoscale", Measurement(bt)) for bt in (0.4, 0.2, 0.195)]
-    assert [c.remote for c in got] == [2, 4, 2]                     # the ramp: 2 doubled, 4 did not help
-    assert got[-1].phase == "converged" and "threshold" in got[-1].reason
+    got = [s.decide("j", "autoscale", Measurement(bt)) for bt in (0.4, 0.2, 0.195, 0.2)]
+    # the ramp: 2 doubled, 4 did not help: 2 and its headroom, measured there to converge
+    assert [c.remote for c in got] == [2, 4, 3, 3]
+    assert got[2].phase == "settling" and "threshold" in got[2].reason
+    assert got[-1].phase == "converged"
     assert s.decide("j", "autoscale", None).remote == 1             # a new start: a fresh policy
 
 
@@ -38,10 +40,10 @@ def test_placement_runs_for_remote_and_local_workers():
     s = WorkerScaling(None, placement=PlacementConfig(settle=0))
     first = s.decide("j", "placement", None)
     assert s.ray_address == "" and (first.remote, first.local) == (1, 0)
-    for bt in (0.2, 0.1, 0.1):                                      # remote plateau at 2
+    for bt in (0.2, 0.1, 0.1, 0.1):                                 # remote plateau at 2, settled on 3
         c = s.decide("j", "placement", Measurement(bt))
     c = s.decide("j", "placement", Measurement(0.1))                 # then a local worker
-    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
+    assert (c.remote, c.local, c.phase) == (3, 1, "add_local")
 
 
 def test_a_policy_unknown_here_starts_from_the_jobs_counts():
@@ -107,7 +109,7 @@ def test_a_real_manager_gives_its_ray_address_and_runs_the_jobs_policy(tmp_path)
             # the default settle (1) drops the measurement after each change
             counts = [mc.scale_workers("job-a", "autoscale", Measurement(bt), 0, 0).remote
                       for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
-            assert counts == [2, 2, 4, 4, 2]          # the ramp: 2 doubled, 4 did not help
+            assert counts == [2, 2, 4, 4, 3]          # the ramp: 2 doubled, 4 did not help: 2 + 1
             with pytest.raises(ManagerError, match="policy must be one of") as e:
                 mc.scale_workers("job-a", "fixed")
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -131,11 +133,12 @@ def test_after_kill_9_a_real_manager_continues_each_jobs_policy_where_it_was(tmp
                 mc.register_job(job, DATASET, 10**6, 100)
                 mc.scale_workers(job, "autoscale" if job == "scaled" else "placement")
             counts = [mc.scale_workers("scaled", "autoscale", Measurement(bt)).remote
-                      for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]      # settle 1: every other window dropped
-            assert counts == [2, 2, 4, 4, 2]                      # converged on 2, plateau 0.2
+                      for bt in (0.4, 0.4, 0.2, 0.2, 0.199, 0.2, 0.2)]   # settle 1: every other window dropped
+            assert counts == [2, 2, 4, 4, 3, 3, 3]                # plateau from 2: settled on 3, plateau 0.2
             placed = [mc.scale_workers("placed", "placement", Measurement(bt))
-                      for bt in (0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1)]
-            assert [(c.remote, c.local) for c in placed] == [(2, 0), (2, 0), (4, 0), (4, 0), (2, 0), (2, 0), (2, 1)]
+                      for bt in (0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)]
+            assert [(c.remote, c.local) for c in placed] == [(2, 0), (2, 0), (4, 0), (4, 0), (3, 0), (3, 0),
+                                                             (3, 0), (3, 1)]
             assert placed[-1].phase == "add_local"
             tokens = {job: mc.job_token(job) for job in ("scaled", "placed")}
     finally:
@@ -146,14 +149,15 @@ def test_after_kill_9_a_real_manager_continues_each_jobs_policy_where_it_was(tmp
         with ManagerClient(m2.address, timeout=10) as mc:
             for job, token in tokens.items():
                 mc.set_job_token(job, token)
-            got = [mc.scale_workers("scaled", "autoscale", Measurement(0.2), 2, 0) for _ in range(11)]
-            assert {(c.remote, c.phase, c.reason) for c in got} == {(2, "converged", "")}  # not ramping from 2
+            # converged on a window with no change, so no settle window: ten make a re-check
+            got = [mc.scale_workers("scaled", "autoscale", Measurement(0.2), 3, 0) for _ in range(10)]
+            assert {(c.remote, c.phase, c.reason) for c in got} == {(3, "converged", "")}  # not ramping from 3
             for _ in range(10):                                   # the re-check's mean above the plateau
-                c = mc.scale_workers("scaled", "autoscale", Measurement(0.3), 2, 0)
-            assert (c.remote, c.phase) == (3, "ramping") and "degraded" in c.reason
-            mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)   # the settle window
-            c = mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)
-            assert (c.remote, c.local, c.phase) == (1, 1, "trim")  # the local worker kept batch time
+                c = mc.scale_workers("scaled", "autoscale", Measurement(0.3), 3, 0)
+            assert (c.remote, c.phase) == (4, "ramping") and "degraded" in c.reason
+            mc.scale_workers("placed", "placement", Measurement(0.1), 3, 1)   # the settle window
+            c = mc.scale_workers("placed", "placement", Measurement(0.1), 3, 1)
+            assert (c.remote, c.local, c.phase) == (2, 1, "trim")  # the local worker kept batch time
     finally:
         m2.stop()
 

@@ -43,12 +43,13 @@ def test_only_windows_that_change_the_policy_are_journaled(tmp_path):
     s = scaling(store)                                   # settle 1, recheck every 10
     before = store.events_written
     decide(store, s, "j", "autoscale", None)             # a fresh start over nothing journaled: not
-    got = [decide(store, s, "j", "autoscale", bt) for bt in (0.4, 0.4, 0.2, 0.2, 0.199)]
-    assert [c.remote for c in got] == [2, 2, 4, 4, 2] and got[-1].phase == "converged"
-    assert store.events_written - before == 3           # the three changes, no settle window
+    got = [decide(store, s, "j", "autoscale", bt) for bt in (0.4, 0.4, 0.2, 0.2, 0.199, 0.2, 0.2)]
+    assert [c.remote for c in got] == [2, 2, 4, 4, 3, 3, 3] and got[-1].phase == "converged"
+    assert got[-3].phase == "settling"                   # 2 + the headroom, measured before converging
+    assert store.events_written - before == 4           # three changes and converging, no settle window
     before = store.events_written
     for _ in range(35):                                  # converged: windows and re-checks change nothing
-        assert decide(store, s, "j", "autoscale", 0.2).remote == 2
+        assert decide(store, s, "j", "autoscale", 0.2).remote == 3
     assert store.events_written == before
     journaled = store.model.workers["j"]
     assert journaled["kind"] == "autoscale" and journaled["state"]["phase"] == "converged"
@@ -65,9 +66,9 @@ def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path, snapshot):
     for bt in (0.4, 0.2):                                # ramping: 1 -> 2 -> 4, hi = 2 measured
         decide(store, s, "a", "autoscale", bt)
     decide(store, s, "p", "placement", None)
-    for bt in (0.2, 0.1, 0.1, 0.1):                      # remote plateau at 2, then a local worker
+    for bt in (0.2, 0.1, 0.1, 0.1, 0.1):                 # remote plateau at 2, settled on 3, then a local worker
         c = decide(store, s, "p", "placement", bt)
-    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
+    assert (c.remote, c.local, c.phase) == (3, 1, "add_local")
     live = {job: decisive(saved_form(s.jobs[job])) for job in ("a", "p")}
     digest = store.model.digest()
     store.close(snapshot=snapshot)                       # False: as after kill -9, replay the journal
@@ -75,10 +76,10 @@ def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path, snapshot):
     assert again.model.digest() == digest
     assert {job: decisive(again.model.workers[job]) for job in ("a", "p")} == live
     s2 = scaling(again, settle=0)
-    c = decide(again, s2, "a", "autoscale", 0.2, remote=4)   # 4 did not help: settle on 2
-    assert (c.remote, c.phase) == (2, "converged")           # from scratch it would try 5
-    c = decide(again, s2, "p", "placement", 0.1, remote=2, local=1)
-    assert (c.remote, c.local, c.phase) == (1, 1, "trim")     # the local worker kept batch time
+    c = decide(again, s2, "a", "autoscale", 0.2, remote=4)   # 4 did not help: settle on 2 + 1
+    assert (c.remote, c.phase) == (3, "settling")            # from scratch it would try 5
+    c = decide(again, s2, "p", "placement", 0.1, remote=3, local=1)
+    assert (c.remote, c.local, c.phase) == (2, 1, "trim")     # the local worker kept batch time
     again.close()
 
 
@@ -87,7 +88,7 @@ def test_a_kind_or_configuration_change_starts_again_from_the_jobs_counts(tmp_pa
     register(store, "j")
     s = scaling(store, settle=0)
     decide(store, s, "j", "autoscale", None)
-    for bt in (0.4, 0.2, 0.2):
+    for bt in (0.4, 0.2, 0.2, 0.2):
         decide(store, s, "j", "autoscale", bt)
     assert store.model.workers["j"]["state"]["phase"] == "converged"
     c = decide(store, scaling(store, settle=0, threshold=0.1), "j", "autoscale", 0.2, remote=2)

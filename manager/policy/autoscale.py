@@ -6,15 +6,17 @@ Two climbs from the starting count (``AutoscaleConfig.climb``):
 * ``"ramp"`` (the default, ours): a galloping climb, then a bracketing search.
   RAMPING steps from the last accepted count ``hi`` to ``hi + step`` and judges
   the gain against the gain the step should bring while workers are the
-  bottleneck (climb.judge_step): about that much (within ``linear_slack``)
-  doubles the step; more than the threshold but clearly less resets it to one
-  (gains are flattening: walk on one at a time, as Cachew does); no more than
+  bottleneck (climb.judge_step): at least ``linear_share`` of it (relative, so
+  a big step judged under load is not held to a few absolute points) doubles
+  the step; more than the threshold but less resets it to one (gains are
+  flattening: walk on one at a time, as Cachew does); no more than
   the threshold means ``hi`` was on the plateau. REFINING then searches the
   bracket (lo, hi] -- lo known slower than the plateau by more than the
   threshold -- for the smallest count within the threshold of the plateau,
-  probing the linear model's estimate (climb.next_probe). From one worker to a
-  plateau at 13 this visits 1, 2, 4, 8, 16, 17, 13, 12 -> 13: on the plateau
-  after four changes instead of twelve.
+  probing the linear model's estimate (climb.next_probe), and settles
+  ``headroom`` workers above it. From one worker to a plateau at 13 this visits
+  1, 2, 4, 8, 16, 17, 13, 12 -> 14: on the plateau after four changes instead
+  of twelve.
 * ``"cachew"``: the paper's rule, one worker per measurement (GROWING below).
 
 States and transitions (``observe(m)`` is the only event; every change sets
@@ -27,12 +29,17 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- gain LINEAR ---> lo := hi; hi := n; step x 2; add step               (RAMPING)
       -- gain PARTIAL --> lo := hi; hi := n; step := 1; add step              (RAMPING)
                          (at max_workers: conv := m ---------------------> CONVERGED)
-      -- gain NONE -----> plateau := max(hi_m, m) batch time; a probe in (lo, hi),
-                          or to hi when none is left: conv := hi_m ------> CONVERGED
+      -- gain NONE -----> plateau := max(hi_m, m) batch time; top := n; a probe in
+                          (lo, hi), or SETTLE when none is left
     REFINING (lo, hi, plateau)
       -- m within threshold of the plateau --> hi := n;                   then
       -- otherwise --------------------------> lo := n;                   then
-         a probe in (lo, hi) (REFINING), or go to hi: conv := hi_m ------> CONVERGED
+         a probe in (lo, hi) (REFINING), or SETTLE
+    SETTLE: go to h = max(hi, min(hi + headroom, top, max_workers));
+         h = hi: conv := hi_m -------------------------------------------> CONVERGED
+         h > hi: ----------------------------------------------------------> SETTLING
+    SETTLING (the count is h; nothing measured there yet)
+      -- any m --------------------------------------> conv := m          (CONVERGED)
     GROWING  (climb "cachew"; ref = measurement with one worker fewer, or None)
       -- ref is None --------------------------------> ref := m; add one    (GROWING)
       -- m improves on ref by > threshold ------------> ref := m; add one    (GROWING)
@@ -44,15 +51,25 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- batch time > conv x (1 + threshold) ---------> ref := the last window; add
                                                    one (GROWING, or RAMPING from step 1)
       -- queue > conv.queue x (1 + queue_growth) + queue_slack
-                                                 ---> remove one           (SHRINKING)
+                                  ---> top := n; remove one                (SHRINKING)
     SHRINKING (conv kept as the reference; ref = the measurement that started it)
-      -- batch time > conv x (1 + threshold) ---------> add the last one back;
+      -- batch time > conv x (1 + threshold) ---------> add the last one back, and the
+                         headroom up to top (the ramp only);
                          conv.queue := max(conv.queue, ref.queue) ----------> (CONVERGED)
       -- queue still above the bar, above min --------> remove one           (SHRINKING)
       -- otherwise -----------------------------------> conv.queue := m.queue (CONVERGED)
 
 Better than the paper: the worker whose addition did not help is removed again
-(Cachew keeps it), so the job converges on the smallest count on the plateau;
+(Cachew keeps it), so the job finds the smallest count on the plateau; the ramp
+then keeps ``headroom`` workers above it (default 1, 0 settles on the smallest
+count): "within the threshold of the plateau" allows that count to be up to 3%
+slower, and a count whose production is barely above demand lets the queue run
+dry on every jitter. The headroom never goes above ``top``, the highest count
+measured on the plateau, nor above max_workers. A shrink (the queue grew: the
+work got cheaper) that stops because the queue fell back under its bar keeps
+that count: the bar is its margin; one undone because batch time suffered found
+the smallest count again and restores the headroom, at most to where it began,
+whose queue is the one recorded. ``climb="cachew"`` takes no headroom;
 ``queue_slack`` keeps an empty queue at convergence from turning noise into
 removals; a shrink that had to be undone raises the recorded queue size, so a
 count whose queue runs full without being removable is not probed again at
@@ -77,6 +94,7 @@ class ScalePhase(str, Enum):
     GROWING = "growing"
     CONVERGED = "converged"
     SHRINKING = "shrinking"
+    SETTLING = "settling"
 
 
 @dataclass(frozen=True)
@@ -89,13 +107,16 @@ class AutoscaleConfig:
     min_workers: int = 1
     max_workers: int = 64
     climb: str = "ramp"          # "ramp" (ours: gallop, then bracket) or "cachew" (one at a time)
-    linear_slack: float = 0.03   # a ramp step within this of its expected gain counts as linear
+    linear_share: float = 0.9    # a ramp step bringing this share of its expected gain is linear
+    headroom: int = 1            # the ramp settles this many workers above the plateau's smallest count
 
     def __post_init__(self) -> None:
         if self.climb not in CLIMBS:
             raise ValueError(f"climb must be one of {CLIMBS}, got {self.climb!r}")
-        if not 0 <= self.linear_slack < 1:
-            raise ValueError(f"linear_slack must be in [0, 1), got {self.linear_slack}")
+        if not 0 < self.linear_share <= 1:
+            raise ValueError(f"linear_share must be in (0, 1], got {self.linear_share}")
+        if self.headroom < 0:
+            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
         if not 0 <= self.threshold < 1:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.settle < 0 or self.recheck_every < 1:
@@ -125,6 +146,7 @@ class Autoscaler:
     hi_m: Measurement | None = None
     step: int = 1
     plateau: float | None = None
+    top: int = 0    # the highest count measured on the plateau: headroom stays at or below it
 
     @classmethod
     def start(cls, config: AutoscaleConfig | None = None, workers: int | None = None) -> "Autoscaler":
@@ -160,6 +182,8 @@ class Autoscaler:
             return self._grow(m)
         if self.phase is ScalePhase.SHRINKING:
             return self._shrink(m)
+        if self.phase is ScalePhase.SETTLING:
+            return self._converge(m)
         return self._recheck(m)
 
     def regrow(self, m: Measurement) -> Change | None:
@@ -183,10 +207,11 @@ class Autoscaler:
             self.hi_m = m
             return self._ramp_up("first measurement: try one more worker")
         cfg, n = self.config, self.workers
-        gain = judge_step(self.hi, self.hi_m.batch_time, n, m.batch_time, cfg.threshold, cfg.linear_slack)
+        gain = judge_step(self.hi, self.hi_m.batch_time, n, m.batch_time, cfg.threshold, cfg.linear_share)
         if gain is Gain.NONE:   # hi and n both sample the plateau: the higher, so noise in
             # one window does not make every count below look slower than the plateau
             self.phase, self.plateau = ScalePhase.REFINING, max(self.hi_m.batch_time, m.batch_time)
+            self.top = n
             return self._probe(f"{n - self.hi} more worker(s) improved batch time by <= threshold")
         self.lo, self.lo_m, self.hi, self.hi_m = self.hi, self.hi_m, n, m
         self.step = 2 * self.step if gain is Gain.LINEAR else 1
@@ -211,12 +236,31 @@ class Autoscaler:
         """Go to the next count to try in (lo, hi), or settle on hi when none is left."""
         assert self.hi_m is not None and self.plateau is not None
         if self.hi - self.lo < 2 or self.lo_m is None:
-            target, conv = self.hi, self.hi_m
-            self._converge(conv)
-            return self._change(target - self.workers, f"{reason}; settle on {target}") \
-                if target != self.workers else None
+            return self._settle(reason)
         target = next_probe(self.lo, self.lo_m.batch_time, self.hi, self.plateau)
         return self._change(target - self.workers, f"{reason}: probe {target}")
+
+    def _settle(self, reason: str) -> Change | None:
+        """Settle on hi, the smallest count found on the plateau, plus the headroom. At hi
+        itself, hi's measurement is the one recorded at convergence; above it, the first
+        measurement at the settled count is (SETTLING), so the re-check's queue bar is the
+        queue the headroom worker builds, not a reason to remove it."""
+        assert self.hi_m is not None
+        target = self._with_headroom(self.hi)
+        if target == self.hi:
+            self._converge(self.hi_m)
+        else:
+            self.phase, self.lo_m, self.hi_m = ScalePhase.SETTLING, None, None
+            reason = f"{reason}; {target - self.hi} worker(s) of headroom"
+        return self._change(target - self.workers, f"{reason}; settle on {target}") \
+            if target != self.workers else None
+
+    def _with_headroom(self, n: int) -> int:
+        """n, the smallest count known on the plateau, plus the ramp's headroom, capped at
+        max_workers and at ``top``, the highest count measured on the plateau: headroom
+        never goes where no measurement has been. Cachew's climb keeps the paper's rule."""
+        extra = self.config.headroom if self.config.climb == "ramp" else 0
+        return max(n, min(n + extra, self.top, self.config.max_workers))
 
     # -- transitions: Cachew's rule (climb "cachew")
     def _grow(self, m: Measurement) -> Change | None:
@@ -243,7 +287,7 @@ class Autoscaler:
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
             return self.regrow(last)      # the climb's reference: batch time as it is now
         if self._queue_high(m) and self.workers > cfg.min_workers:
-            self.phase, self.ref = ScalePhase.SHRINKING, m
+            self.phase, self.ref, self.top = ScalePhase.SHRINKING, m, self.workers
             return self._change(-1, "queue well above its size at convergence")
         return None
 
@@ -251,10 +295,14 @@ class Autoscaler:
         cfg, conv = self.config, self.conv
         assert conv is not None
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
-            # this count's queue is as high as it was: not a reason to shrink again
+            # workers + 1 is the smallest count on the plateau: back to it plus the headroom,
+            # at most to where the shrink began, whose queue (ref's) is as high as it was:
+            # not a reason to shrink again
             high = max(conv.queue, self.ref.queue if self.ref else 0.0)
+            target = self._with_headroom(self.workers + 1)
             self._converge(replace(conv, queue=high))
-            return self._change(+1, "removal slowed batches: add the worker back")
+            return self._change(target - self.workers, "removal slowed batches: add the worker back"
+                                + (" and the headroom" if target > self.workers + 1 else ""))
         if self._queue_high(m) and self.workers > cfg.min_workers:
             return self._change(-1, "queue still well above its size at convergence")
         return self._converge(replace(conv, queue=m.queue))
@@ -282,7 +330,11 @@ class Autoscaler:
     def from_dict(cls, d: Mapping[str, Any]) -> "Autoscaler":
         def meas(x: Mapping[str, Any] | None) -> Measurement | None:
             return None if x is None else Measurement(**x)
-        fields = dict(d, config=AutoscaleConfig(**d["config"]), phase=ScalePhase(d["phase"]))
+        config = dict(d["config"])
+        # linear_slack (absolute points) has no exact relative equivalent: the default share
+        config.pop("linear_slack", None)
+        # a state without top (from before the headroom) settles without headroom: max(n, ...)
+        fields = dict(d, config=AutoscaleConfig(**config), phase=ScalePhase(d["phase"]))
         for name in ("ref", "conv", "lo_m", "hi_m"):
             fields[name] = meas(d.get(name))
         fields["check_sum"] = tuple(d.get("check_sum", (0.0, 0.0)))

@@ -5,10 +5,11 @@ Pure functions of measured batch times; the state lives in autoscale.Autoscaler.
 
 While workers are the bottleneck, batch time falls in proportion to their count
 (``b(m) = b(n) x n / m``), so a step from n to m workers should bring a relative
-gain of ``1 - n / m``. A step that brings about that much says the plateau is
-still above m; one that brings more than the threshold but clearly less says the
-plateau was reached inside the step, or that gains are flattening; one that
-brings no more than the threshold says n was already on the plateau.
+gain of ``1 - n / m``. A step that brings at least a share of that (0.9 by
+default) says the plateau is still above m; one that brings more than the
+threshold but less says the plateau was reached inside the step, or that gains
+are flattening; one that brings no more than the threshold says n was already
+on the plateau.
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def expected_gain(n: int, m: int) -> float:
     return 1.0 - n / m
 
 
-def judge_step(n: int, before: float, m: int, after: float, threshold: float, slack: float) -> Gain:
-    """Batch times ``before`` at n workers and ``after`` at m > n workers."""
+def judge_step(n: int, before: float, m: int, after: float, threshold: float, share: float) -> Gain:
+    """Batch times ``before`` at n workers and ``after`` at m > n workers. LINEAR when
+    the gain is at least ``share`` of the expected one: relative, so a big step judged
+    under load (4 -> 8 bringing 46% of an expected 50%) counts as linear as a small one does."""
     gain = 1.0 - after / before
     if gain <= threshold:
         return Gain.NONE
-    return Gain.LINEAR if gain >= expected_gain(n, m) - slack else Gain.PARTIAL
+    return Gain.LINEAR if gain >= share * expected_gain(n, m) else Gain.PARTIAL
 
 
 def next_probe(lo: int, lo_time: float, hi: int, plateau: float) -> int:

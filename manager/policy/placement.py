@@ -9,7 +9,8 @@ States and transitions (each change sets ``settle_left = settle``; the next
 ``settle`` measurements are dropped because they straddle the change)::
 
     REMOTE (local = 0; Cachew's rule, autoscale.Autoscaler, on remote workers)
-      -- the autoscaler converged -----------> bpt_conv := its batch time;
+      -- the autoscaler converged -----------> bpt_conv := its batch time (with the
+                                               ramp's headroom: measured at that count);
                                                iteration starts       (ADD_LOCAL)
     ADD_LOCAL (good = last measurement at an accepted count, None at the start)
       -- good is None, no remote worker left to replace ------------> end
@@ -45,6 +46,9 @@ cores). Each iteration adds local workers net and removes remote ones net, so th
 loop ends within max_local + max_remote iterations. ``slowdown_guard`` (not in the
 paper, None turns it off) keeps the cost rule from trading much throughput for
 a cheaper worker bill: a removal that slows batches by more than it is undone.
+The ramp's headroom worker (AutoscaleConfig.headroom) is a remote one like the
+others: TRIM removes it when batch cost does not rise without it, which is the
+cost rule doing its job; it only guards phase 1's plateau against jitter.
 """
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ class PlacementConfig:
     max_remote: int = 64
     slowdown_guard: float | None = 0.05
     climb: str = "ramp"              # phase 1's climb: see AutoscaleConfig.climb
+    headroom: int = 1                # phase 1's ramp settles this many above the plateau's smallest count
 
     def __post_init__(self) -> None:
         if self.trainer_price < 0 or self.worker_price < 0 or self.trainers < 1:
@@ -90,7 +95,7 @@ class PlacementConfig:
         # settle is handled here, for every phase alike
         return AutoscaleConfig(threshold=self.threshold, settle=0, recheck_every=self.recheck_every,
                                min_workers=max(1, self.min_remote), max_workers=self.max_remote,
-                               climb=self.climb)
+                               climb=self.climb, headroom=self.headroom)
 
     def cost(self, batch_time: float, remote: int) -> float:
         return batch_time * (self.trainer_price * self.trainers + self.worker_price * remote)
