@@ -224,6 +224,9 @@ def _scaling(ray: str | None, over: dict) -> WorkerScaling:
                              PlacementConfig(**over.get("placement", {})))
     except ValueError as e:
         raise ValueError(f"--ray {ray!r}: {e}" if ray and "Ray address" in str(e) else str(e)) from None
+    except TypeError as e:  # a key the configuration does not have
+        hint = " (linear_slack was replaced by linear_share)" if "linear_slack" in str(e) else ""
+        raise ValueError(f"--policy-config \"autoscale\"/\"placement\": {e}{hint}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

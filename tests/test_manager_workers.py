@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from manager.manager_client import ManagerClient, ManagerError  # noqa: E402
+from manager.managerd import _scaling  # noqa: E402
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from manager.policy.placement import PlacementConfig  # noqa: E402
 from manager.policy.scaling import Measurement  # noqa: E402
@@ -191,3 +192,12 @@ def test_remote_auto_without_a_cluster_runs_local_workers_with_one_warning(tmp_p
         finally:
             loader.close()
             ds.close()
+
+
+def test_policy_config_takes_headroom_and_linear_share_and_names_a_key_that_is_gone():
+    s = _scaling(None, {"autoscale": {"headroom": 0, "linear_share": 0.8}, "placement": {"headroom": 2}})
+    assert (s.autoscale.headroom, s.autoscale.linear_share, s.placement.autoscale().headroom) == (0, 0.8, 2)
+    with pytest.raises(ValueError, match="linear_slack was replaced by linear_share"):
+        _scaling(None, {"autoscale": {"linear_slack": 0.03}})
+    with pytest.raises(ValueError, match="headroom must be >= 0"):
+        _scaling(None, {"autoscale": {"headroom": -1}})
