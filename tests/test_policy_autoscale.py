@@ -101,14 +101,35 @@ def test_headroom_is_capped_at_max_workers_and_at_the_highest_count_measured():
 
 
 def test_a_settle_passes_through_settling_and_records_the_headroom_count():
-    scaler = Autoscaler(AutoscaleConfig(settle=1), 4, ScalePhase.RAMPING, lo=1, hi=2,
-                        hi_m=Measurement(0.2), step=2)
+    scaler = Autoscaler(AutoscaleConfig(settle=1), 4, ScalePhase.RAMPING, lo=1, lo_m=Measurement(0.4),
+                        hi=2, hi_m=Measurement(0.2), step=2)
     c = scaler.observe(Measurement(0.2, queue=5.0))       # 4 no faster than 2: 2 + 1
     assert (c.remote_delta, c.remote) == (-1, 3) and "headroom" in c.reason
     assert scaler.phase is ScalePhase.SETTLING and not scaler.converged
     assert scaler.observe(Measurement(9.0)) is None       # straddling: dropped
     assert scaler.observe(Measurement(0.19, queue=3.0)) is None
     assert scaler.converged and scaler.conv == Measurement(0.19, queue=3.0)
+
+
+def test_a_spurious_regrow_comes_back_to_the_headroom_count_not_one_above():
+    """A re-check that adds a worker on a noisy interval, and the step brings nothing:
+    the count before it (14, the headroom included) is kept; adding the headroom again
+    on top of it would ratchet the count up by one at every noisy re-check."""
+    cfg = AutoscaleConfig(settle=0, recheck_every=5)
+    scaler, _ = drive(Autoscaler.start(cfg), pipeline_model(), 40)
+    assert scaler.converged and scaler.workers == 14
+    model = pipeline_model()
+    for round_ in range(3):
+        slow = scaler.conv.batch_time * 1.06      # an interval 6% slow (the trainer, not workers)
+        for _ in range(2 * cfg.recheck_every):    # a re-check's interval, wherever it began
+            c = scaler.observe(Measurement(slow, model(14, 0).queue))
+            if c is not None:
+                break
+        assert c is not None and c.remote == 15, round_
+        c = scaler.observe(Measurement(slow, model(15, 0).queue))    # 15 brings nothing: back to 14
+        assert c is not None and c.remote == 14 and scaler.converged, round_
+        for _ in range(12):
+            assert scaler.observe(model(14, 0)) is None
 
 
 def test_the_queue_at_the_headroom_count_does_not_strip_the_headroom():

@@ -35,7 +35,8 @@ because they straddle the change -- Cachew pauses metric collection)::
       -- m within threshold of the plateau --> hi := n;                   then
       -- otherwise --------------------------> lo := n;                   then
          a probe in (lo, hi) (REFINING), or SETTLE
-    SETTLE: go to h = max(hi, min(hi + headroom, top, max_workers));
+    SETTLE: go to h = max(hi, min(hi + headroom, top, max_workers)) where hi is known
+            to be the smallest (lo measured slower, or lo below min_workers); else h = hi
          h = hi: conv := hi_m -------------------------------------------> CONVERGED
          h > hi: ----------------------------------------------------------> SETTLING
     SETTLING (the count is h; nothing measured there yet)
@@ -246,7 +247,11 @@ class Autoscaler:
         measurement at the settled count is (SETTLING), so the re-check's queue bar is the
         queue the headroom worker builds, not a reason to remove it."""
         assert self.hi_m is not None
-        target = self._with_headroom(self.hi)
+        # hi is known to be the smallest when the count under it was measured slower, or
+        # is none; not after a regrow (or resume) whose first step brought nothing: the
+        # count before it, which holds its headroom already, is kept (no ratchet)
+        smallest = self.lo_m is not None or self.lo < max(1, self.config.min_workers)
+        target = self._with_headroom(self.hi) if smallest else self.hi
         if target == self.hi:
             self._converge(self.hi_m)
         else:
