@@ -195,9 +195,14 @@ def test_remote_auto_without_a_cluster_runs_local_workers_with_one_warning(tmp_p
 
 
 def test_policy_config_takes_headroom_and_linear_share_and_names_a_key_that_is_gone():
-    s = _scaling(None, {"autoscale": {"headroom": 0, "linear_share": 0.8}, "placement": {"headroom": 2}})
-    assert (s.autoscale.headroom, s.autoscale.linear_share, s.placement.autoscale().headroom) == (0, 0.8, 2)
+    s = _scaling(None, {"autoscale": {"headroom": 0, "linear_share": 0.8},
+                        "placement": {"headroom": 2, "linear_share": 0.7}})
+    assert (s.autoscale.headroom, s.autoscale.linear_share, s.placement.autoscale().headroom,
+            s.placement.autoscale().linear_share) == (0, 0.8, 2, 0.7)
     with pytest.raises(ValueError, match="linear_slack was replaced by linear_share"):
         _scaling(None, {"autoscale": {"linear_slack": 0.03}})
-    with pytest.raises(ValueError, match="headroom must be >= 0"):
-        _scaling(None, {"autoscale": {"headroom": -1}})
+    for section in ("autoscale", "placement"):  # placement's phase-1 settings are checked at start-up too
+        with pytest.raises(ValueError, match="headroom must be a whole number >= 0"):
+            _scaling(None, {section: {"headroom": -1}})
+        with pytest.raises(ValueError, match="headroom must be a whole number >= 0"):
+            _scaling(None, {section: {"headroom": 1.5}})

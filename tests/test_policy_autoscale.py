@@ -111,6 +111,18 @@ def test_a_settle_passes_through_settling_and_records_the_headroom_count():
     assert scaler.converged and scaler.conv == Measurement(0.19, queue=3.0)
 
 
+def test_a_slow_window_at_the_headroom_count_does_not_become_the_reference():
+    """The first window after the move to the headroom count is no judged measurement:
+    a slow one recorded as the re-check's reference would hide a real slowdown for good."""
+    scaler = Autoscaler(AutoscaleConfig(settle=0, recheck_every=4), 4, ScalePhase.RAMPING, lo=1,
+                        lo_m=Measurement(0.4), hi=2, hi_m=Measurement(0.2), step=2)
+    assert scaler.observe(Measurement(0.2)).remote == 3               # settle on 2 + 1
+    assert scaler.observe(Measurement(0.3, queue=4.0)) is None        # a stall, or a queue drained by a probe
+    assert scaler.converged and scaler.conv == Measurement(0.2, queue=4.0)  # the plateau's time, this queue
+    changes = [scaler.observe(Measurement(0.25, queue=4.0)) for _ in range(4)]  # 25% slower, sustained
+    assert changes[:3] == [None] * 3 and changes[3] is not None and changes[3].remote_delta > 0
+
+
 def test_a_spurious_regrow_comes_back_to_the_headroom_count_not_one_above():
     """A re-check that adds a worker on a noisy interval, and the step brings nothing:
     the count before it (14, the headroom included) is kept; adding the headroom again

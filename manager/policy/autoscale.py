@@ -40,7 +40,7 @@ because they straddle the change -- Cachew pauses metric collection)::
          h = hi: conv := hi_m -------------------------------------------> CONVERGED
          h > hi: ----------------------------------------------------------> SETTLING
     SETTLING (the count is h; nothing measured there yet)
-      -- any m --------------------------------------> conv := m          (CONVERGED)
+      -- any m ------> conv := m, its batch time at most the plateau's    (CONVERGED)
     GROWING  (climb "cachew"; ref = measurement with one worker fewer, or None)
       -- ref is None --------------------------------> ref := m; add one    (GROWING)
       -- m improves on ref by > threshold ------------> ref := m; add one    (GROWING)
@@ -116,8 +116,8 @@ class AutoscaleConfig:
             raise ValueError(f"climb must be one of {CLIMBS}, got {self.climb!r}")
         if not 0 < self.linear_share <= 1:
             raise ValueError(f"linear_share must be in (0, 1], got {self.linear_share}")
-        if self.headroom < 0:
-            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
+        if isinstance(self.headroom, bool) or not isinstance(self.headroom, int) or self.headroom < 0:
+            raise ValueError(f"headroom must be a whole number >= 0, got {self.headroom!r}")
         if not 0 <= self.threshold < 1:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.settle < 0 or self.recheck_every < 1:
@@ -184,7 +184,7 @@ class Autoscaler:
         if self.phase is ScalePhase.SHRINKING:
             return self._shrink(m)
         if self.phase is ScalePhase.SETTLING:
-            return self._converge(m)
+            return self._settled(m)
         return self._recheck(m)
 
     def regrow(self, m: Measurement) -> Change | None:
@@ -260,10 +260,17 @@ class Autoscaler:
         return self._change(target - self.workers, f"{reason}; settle on {target}") \
             if target != self.workers else None
 
+    def _settled(self, m: Measurement) -> None:
+        """SETTLING -> CONVERGED: the queue bar is the headroom count's queue; the batch-time
+        reference stays the plateau's (one window after a move is no judged measurement:
+        a slow one recorded as the reference would hide a real slowdown from the re-check)."""
+        ref = m.batch_time if self.plateau is None else min(m.batch_time, self.plateau)
+        return self._converge(replace(m, batch_time=ref))
+
     def _with_headroom(self, n: int) -> int:
         """n, the smallest count known on the plateau, plus the ramp's headroom, capped at
-        max_workers and at ``top``, the highest count measured on the plateau: headroom
-        never goes where no measurement has been. Cachew's climb keeps the paper's rule."""
+        max_workers and at ``top``, the highest count measured on the plateau: never above
+        it. Cachew's climb keeps the paper's rule."""
         extra = self.config.headroom if self.config.climb == "ramp" else 0
         return max(n, min(n + extra, self.top, self.config.max_workers))
 

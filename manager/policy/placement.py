@@ -82,6 +82,7 @@ class PlacementConfig:
     slowdown_guard: float | None = 0.05
     climb: str = "ramp"              # phase 1's climb: see AutoscaleConfig.climb
     headroom: int = 1                # phase 1's ramp settles this many above the plateau's smallest count
+    linear_share: float = 0.9        # phase 1's ramp: see AutoscaleConfig.linear_share
 
     def __post_init__(self) -> None:
         if self.trainer_price < 0 or self.worker_price < 0 or self.trainers < 1:
@@ -90,12 +91,13 @@ class PlacementConfig:
         if self.max_local < 0 or not 0 <= self.min_remote <= self.max_remote or self.max_remote < 1:
             raise ValueError(f"need max_local >= 0, 0 <= min_remote <= max_remote >= 1, got "
                              f"{self.max_local}, {self.min_remote}, {self.max_remote}")
+        self.autoscale()  # phase 1's settings (climb, threshold, headroom, ...) checked now, not at a job's call
 
     def autoscale(self) -> AutoscaleConfig:
         # settle is handled here, for every phase alike
         return AutoscaleConfig(threshold=self.threshold, settle=0, recheck_every=self.recheck_every,
                                min_workers=max(1, self.min_remote), max_workers=self.max_remote,
-                               climb=self.climb, headroom=self.headroom)
+                               climb=self.climb, headroom=self.headroom, linear_share=self.linear_share)
 
     def cost(self, batch_time: float, remote: int) -> float:
         return batch_time * (self.trainer_price * self.trainers + self.worker_price * remote)
