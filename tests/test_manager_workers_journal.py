@@ -48,6 +48,10 @@ def test_only_windows_that_change_the_policy_are_journaled(tmp_path):
     assert got[-3].phase == "settling"                   # 2 + the headroom, measured before converging
     assert store.events_written - before == 4           # three changes and converging, no settle window
     before = store.events_written
+    for _ in range(10):                                  # the first re-check after the settle clears fresh_bar
+        assert decide(store, s, "j", "autoscale", 0.2).remote == 3
+    assert store.events_written == before + 1
+    before = store.events_written
     for _ in range(35):                                  # converged: windows and re-checks change nothing
         assert decide(store, s, "j", "autoscale", 0.2).remote == 3
     assert store.events_written == before

@@ -123,6 +123,21 @@ def test_a_slow_window_at_the_headroom_count_does_not_become_the_reference():
     assert changes[:3] == [None] * 3 and changes[3] is not None and changes[3].remote_delta > 0
 
 
+def test_the_first_recheck_after_a_settle_rebases_the_queue_bar_instead_of_shrinking():
+    """The settle's one window sees the queue still filling after the move (from a slower
+    probe, where it drained): the first re-check takes the interval's queue as the bar;
+    a queue well above that later still removes a worker."""
+    scaler = Autoscaler(AutoscaleConfig(settle=0, recheck_every=2), 4, ScalePhase.RAMPING, lo=1,
+                        lo_m=Measurement(0.4), hi=2, hi_m=Measurement(0.2), step=2)
+    assert scaler.observe(Measurement(0.2)).remote == 3
+    assert scaler.observe(Measurement(0.2, queue=1.0)) is None and scaler.converged
+    assert [scaler.observe(Measurement(0.2, queue=10.0)) for _ in range(2)] == [None, None]
+    assert scaler.conv.queue == 10.0 and scaler.workers == 3
+    assert [scaler.observe(Measurement(0.2, queue=11.0)) for _ in range(2)] == [None, None]
+    changes = [scaler.observe(Measurement(0.2, queue=30.0)) for _ in range(2)]
+    assert changes[0] is None and changes[1].remote_delta == -1 and scaler.phase is ScalePhase.SHRINKING
+
+
 def test_a_spurious_regrow_comes_back_to_the_headroom_count_not_one_above():
     """A re-check that adds a worker on a noisy interval, and the step brings nothing:
     the count before it (14, the headroom included) is kept; adding the headroom again

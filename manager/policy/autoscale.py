@@ -51,8 +51,10 @@ because they straddle the change -- Cachew pauses metric collection)::
       every ``recheck_every`` measurements, on the interval's mean (m):
       -- batch time > conv x (1 + threshold) ---------> ref := the last window; add
                                                    one (GROWING, or RAMPING from step 1)
-      -- queue > conv.queue x (1 + queue_growth) + queue_slack
-                                  ---> top := n; remove one                (SHRINKING)
+      -- queue > conv.queue x (1 + queue_growth) + queue_slack, at the first
+         re-check after the ramp settled -------------> conv.queue := m.queue (CONVERGED)
+         (the settle's one window saw the queue still filling after the move)
+      -- the same, later ---------> top := n; remove one                (SHRINKING)
     SHRINKING (conv kept as the reference; ref = the measurement that started it)
       -- batch time > conv x (1 + threshold) ---------> add the last one back, and the
                          headroom up to top (the ramp only);
@@ -148,6 +150,7 @@ class Autoscaler:
     step: int = 1
     plateau: float | None = None
     top: int = 0    # the highest count measured on the plateau: headroom stays at or below it
+    fresh_bar: bool = False  # conv.queue is one window's right after a settle: the first re-check re-bases it
 
     @classmethod
     def start(cls, config: AutoscaleConfig | None = None, workers: int | None = None) -> "Autoscaler":
@@ -254,6 +257,7 @@ class Autoscaler:
         target = self._with_headroom(self.hi) if smallest else self.hi
         if target == self.hi:
             self._converge(self.hi_m)
+            self.fresh_bar = True
         else:
             self.phase, self.lo_m, self.hi_m = ScalePhase.SETTLING, None, None
             reason = f"{reason}; {target - self.hi} worker(s) of headroom"
@@ -265,7 +269,8 @@ class Autoscaler:
         reference stays the plateau's (one window after a move is no judged measurement:
         a slow one recorded as the reference would hide a real slowdown from the re-check)."""
         ref = m.batch_time if self.plateau is None else min(m.batch_time, self.plateau)
-        return self._converge(replace(m, batch_time=ref))
+        self._converge(replace(m, batch_time=ref))
+        self.fresh_bar = True
 
     def _with_headroom(self, n: int) -> int:
         """n, the smallest count known on the plateau, plus the ramp's headroom, capped at
@@ -296,8 +301,12 @@ class Autoscaler:
         # the interval's mean, not its last window: one noisy window must not add a worker
         m = Measurement(self.check_sum[0] / self.since_check, self.check_sum[1] / self.since_check)
         self.since_check, self.check_sum = 0, (0.0, 0.0)
+        fresh, self.fresh_bar = self.fresh_bar, False
         if relative(m.batch_time, conv.batch_time) > cfg.threshold:
             return self.regrow(last)      # the climb's reference: batch time as it is now
+        if fresh and self._queue_high(m):  # the queue was still filling after the move: the bar is this
+            self.conv = replace(conv, queue=m.queue)  # interval's, not a reason to remove a worker
+            return None
         if self._queue_high(m) and self.workers > cfg.min_workers:
             self.phase, self.ref, self.top = ScalePhase.SHRINKING, m, self.workers
             return self._change(-1, "queue well above its size at convergence")
@@ -321,6 +330,7 @@ class Autoscaler:
 
     def _converge(self, m: Measurement) -> None:
         self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, m, None, 0
+        self.fresh_bar = False
         self.check_sum = (0.0, 0.0)
         self.lo_m = self.hi_m = None
         return None
