@@ -110,10 +110,23 @@ def test_local_reader_understands_a_server_without_inline_values(server):
         assert writer.stats().counters["local_inline"] == 0
 
 
-def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(logged_server):
-    server = logged_server
-    # A follower replays every write made since its last catch-up, read or
-    # not (~3 ms/MB): under heavy inserts the socket is cheaper (readpath.py).
+@pytest.fixture
+def roomy_logged_server(tmp_path):
+    """A logged server whose memtables (64 MiB at 8 GB, diskbudget.lsm_sizes) hold a round
+    of a test's writes: its followers replay them, not flushed into table files on the way."""
+    d = cacheserver(str(tmp_path / "srv"), "8GB", 0, "--durability", "process").start()
+    yield d
+    d.kill()
+
+
+def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(roomy_logged_server):
+    server = roomy_logged_server
+    # A follower replays every write made since its last catch-up, read or not
+    # (~1-3 ms/MB): under heavy inserts the socket is cheaper (readpath.py). Each round
+    # writes 40 MB and reads one 200 KB value: the window ends once the catch-ups cost
+    # readpath.MIN_FOLLOWER_S, however fast this host replays (one round of a fixed size
+    # stayed under it at times in CI, and no window ended), with only the values read
+    # locally to set against them.
     big = 200 << 10  # below diskbudget.BLOB_MIN: in the family followers open (larger ones they never replay)
     n = 200
     with ServerClient(server.address) as reader, ServerClient(server.address, local_read=False) as writer:
@@ -121,17 +134,19 @@ def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costl
         writer.put([(k, b"w" * 100) for k in warm])
         assert [bytes(v) for v in reader.get(warm)] == [b"w" * 100] * 2
         assert reader.transport == "local" and reader.paths.state == "local"
-        a, va = ids(n, seed=21), values(n, size=big, seed=21)
-        for i in range(0, n, 10):
-            writer.put(list(zip(a[i:i + 10], va[i:i + 10])))
-        assert [bytes(v) for v in reader.get(a)] == va  # just opened: served over the socket
-        time.sleep(0.6)  # past the catch-up interval
-        b, vb = ids(n, seed=22), values(n, size=big, seed=22)
-        for i in range(0, n, 10):
-            writer.put(list(zip(b[i:i + 10], vb[i:i + 10])))
-        assert [bytes(v) for v in reader.get(b[:1])] == vb[:1]  # replays 80 MB to serve 200 KB locally
-        assert reader.paths.state == "remote" and reader.paths.stats.switches == 1
-        assert [bytes(v) for v in reader.get(a + b)] == va + vb  # all over the socket now
+        written: list[tuple[list[bytes], list[bytes]]] = []
+        for round_ in range(8):
+            time.sleep(0.3)  # past the catch-up interval
+            ks, vs = ids(n, seed=21 + round_), values(n, size=big, seed=21 + round_)
+            for i in range(0, n, 10):
+                writer.put(list(zip(ks[i:i + 10], vs[i:i + 10])))
+            written.append((ks, vs))
+            assert [bytes(v) for v in reader.get(ks[:1])] == vs[:1]  # replays 40 MB to serve 200 KB
+            if reader.paths.state == "remote":
+                break
+        assert reader.paths.state == "remote" and reader.paths.stats.switches == 1, len(written)
+        every = [k for ks, _ in written for k in ks]
+        assert [bytes(v) for v in reader.get(every)] == [v for _, vs in written for v in vs]  # over the socket
         assert reader.transport == "local"  # the fast path stays available for later
 
 
