@@ -41,10 +41,10 @@ def test_placement_runs_for_remote_and_local_workers():
     s = WorkerScaling(None, placement=PlacementConfig(settle=0))
     first = s.decide("j", "placement", None)
     assert s.ray_address == "" and (first.remote, first.local) == (1, 0)
-    for bt in (0.2, 0.1, 0.1, 0.1):                                 # remote plateau at 2, settled on 3
+    for bt in (0.2, 0.1, 0.1):                                      # remote plateau at 2 (no headroom in placement)
         c = s.decide("j", "placement", Measurement(bt))
     c = s.decide("j", "placement", Measurement(0.1))                 # then a local worker
-    assert (c.remote, c.local, c.phase) == (3, 1, "add_local")
+    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
 
 
 def test_a_policy_unknown_here_starts_from_the_jobs_counts():
@@ -137,9 +137,8 @@ def test_after_kill_9_a_real_manager_continues_each_jobs_policy_where_it_was(tmp
                       for bt in (0.4, 0.4, 0.2, 0.2, 0.199, 0.2, 0.2)]   # settle 1: every other window dropped
             assert counts == [2, 2, 4, 4, 3, 3, 3]                # plateau from 2: settled on 3, plateau 0.2
             placed = [mc.scale_workers("placed", "placement", Measurement(bt))
-                      for bt in (0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)]
-            assert [(c.remote, c.local) for c in placed] == [(2, 0), (2, 0), (4, 0), (4, 0), (3, 0), (3, 0),
-                                                             (3, 0), (3, 1)]
+                      for bt in (0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1)]
+            assert [(c.remote, c.local) for c in placed] == [(2, 0), (2, 0), (4, 0), (4, 0), (2, 0), (2, 0), (2, 1)]
             assert placed[-1].phase == "add_local"
             tokens = {job: mc.job_token(job) for job in ("scaled", "placed")}
     finally:
@@ -156,9 +155,9 @@ def test_after_kill_9_a_real_manager_continues_each_jobs_policy_where_it_was(tmp
             for _ in range(10):                                   # the re-check's mean above the plateau
                 c = mc.scale_workers("scaled", "autoscale", Measurement(0.3), 3, 0)
             assert (c.remote, c.phase) == (4, "ramping") and "degraded" in c.reason
-            mc.scale_workers("placed", "placement", Measurement(0.1), 3, 1)   # the settle window
-            c = mc.scale_workers("placed", "placement", Measurement(0.1), 3, 1)
-            assert (c.remote, c.local, c.phase) == (2, 1, "trim")  # the local worker kept batch time
+            mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)   # the settle window
+            c = mc.scale_workers("placed", "placement", Measurement(0.1), 2, 1)
+            assert (c.remote, c.local, c.phase) == (1, 1, "trim")  # the local worker kept batch time
     finally:
         m2.stop()
 

@@ -70,9 +70,9 @@ def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path, snapshot):
     for bt in (0.4, 0.2):                                # ramping: 1 -> 2 -> 4, hi = 2 measured
         decide(store, s, "a", "autoscale", bt)
     decide(store, s, "p", "placement", None)
-    for bt in (0.2, 0.1, 0.1, 0.1, 0.1):                 # remote plateau at 2, settled on 3, then a local worker
+    for bt in (0.2, 0.1, 0.1, 0.1):                      # remote plateau at 2 (no headroom in placement), then a local worker
         c = decide(store, s, "p", "placement", bt)
-    assert (c.remote, c.local, c.phase) == (3, 1, "add_local")
+    assert (c.remote, c.local, c.phase) == (2, 1, "add_local")
     live = {job: decisive(saved_form(s.jobs[job])) for job in ("a", "p")}
     digest = store.model.digest()
     store.close(snapshot=snapshot)                       # False: as after kill -9, replay the journal
@@ -82,8 +82,8 @@ def test_a_reopened_store_resumes_the_policy_where_it_was(tmp_path, snapshot):
     s2 = scaling(again, settle=0)
     c = decide(again, s2, "a", "autoscale", 0.2, remote=4)   # 4 did not help: settle on 2 + 1
     assert (c.remote, c.phase) == (3, "settling")            # from scratch it would try 5
-    c = decide(again, s2, "p", "placement", 0.1, remote=3, local=1)
-    assert (c.remote, c.local, c.phase) == (2, 1, "trim")     # the local worker kept batch time
+    c = decide(again, s2, "p", "placement", 0.1, remote=2, local=1)
+    assert (c.remote, c.local, c.phase) == (1, 1, "trim")     # the local worker kept batch time
     again.close()
 
 

@@ -160,15 +160,15 @@ def test_controller_places_local_workers_and_falls_back_once():
     place = Placement.start_with(PlacementConfig(settle=0))
     ctl = Controller(pool, place, local.append, every=1, fallback_local=2)
     assert pool.target == 1 and local == [0]
-    for bt in (0.2, 0.1, 0.1, 0.1, 0.1):                       # remote plateau at 2, then a local worker
+    for bt in (0.2, 0.1, 0.1, 0.1):                            # remote plateau at 2, then a local worker
         ctl.observe(Measurement(bt))
-    # the ramp: 1 -> 2 halved batch time (linear): 4; no gain: back to 2 + 1 (headroom),
-    # measured there; a local one
-    assert [(d.change.remote, d.change.local) for d in ctl.decisions] == [(2, 0), (4, 0), (3, 0), (3, 1)]
-    assert ctl.local == 1 and local[-1] == 1 and pool.target == 3
+    # the ramp: 1 -> 2 halved batch time (linear): 4; no gain: back to 2 (no headroom in
+    # placement: TRIM owns the remote count); a local one
+    assert [(d.change.remote, d.change.local) for d in ctl.decisions] == [(2, 0), (4, 0), (2, 0), (2, 1)]
+    assert ctl.local == 1 and local[-1] == 1 and pool.target == 2
     f = Feeder(pool, window=1)
     ctl(f)
-    assert f.local_share == pytest.approx(1 / 4)
+    assert f.local_share == pytest.approx(1 / 3)
     pool.broken = "ConnectionError: gone"
     ctl(f)
     ctl(f)

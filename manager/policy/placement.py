@@ -81,7 +81,8 @@ class PlacementConfig:
     max_remote: int = 64
     slowdown_guard: float | None = 0.05
     climb: str = "ramp"              # phase 1's climb: see AutoscaleConfig.climb
-    headroom: int = 1                # phase 1's ramp settles this many above the plateau's smallest count
+    headroom: int = 0                # phase 1's ramp: see AutoscaleConfig.headroom (0: TRIM owns the remote
+    #                                  count after phase 1 and would take a headroom worker back by cost)
     linear_share: float = 0.9        # phase 1's ramp: see AutoscaleConfig.linear_share
 
     def __post_init__(self) -> None:
