@@ -8,7 +8,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .core import CacheCore, Limits
 from .counters import Counters
@@ -16,6 +16,7 @@ from .dataplane import DataPlaneServer
 from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
+from .healthsvc import HealthServicer
 from .admission import Admission
 from .grpcadmit import ByteAdmission
 from .grpcopts import grpc_max_message, grpc_server_options
@@ -80,7 +81,7 @@ class CacheServer:
         pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id,
                                                          Roles(token, tls=cfg.tls is not None)),
                                             self.grpc)
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
         port = split_hostport(cfg.listen, "--listen")[1]

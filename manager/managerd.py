@@ -16,10 +16,11 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheserver import logs
 from cacheserver.counters import Counters
+from cacheserver.healthsvc import HealthServicer
 from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.runtime import bind_grpc, run_until_signal
@@ -86,7 +87,7 @@ class ManagerDaemon:
                                       decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
                                       roles=Roles(token, tls=cfg.tls is not None), job_timeout_s=cfg.job_timeout_s)
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         try:
             self.host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
