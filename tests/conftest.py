@@ -29,3 +29,12 @@ def logged_server(tmp_path):
     d = cacheserver(str(tmp_path / "srv"), "1GB", 0, "--durability", "process").start()
     yield d
     d.kill()
+
+
+@pytest.fixture
+def roomy_logged_server(tmp_path):
+    """A logged server whose memtables (64 MiB at 8 GB, diskbudget.lsm_sizes) hold a round
+    of a test's writes: its followers replay them, not flushed into table files on the way."""
+    d = cacheserver(str(tmp_path / "srv"), "8GB", 0, "--durability", "process").start()
+    yield d
+    d.kill()

@@ -110,15 +110,6 @@ def test_local_reader_understands_a_server_without_inline_values(server):
         assert writer.stats().counters["local_inline"] == 0
 
 
-@pytest.fixture
-def roomy_logged_server(tmp_path):
-    """A logged server whose memtables (64 MiB at 8 GB, diskbudget.lsm_sizes) hold a round
-    of a test's writes: its followers replay them, not flushed into table files on the way."""
-    d = cacheserver(str(tmp_path / "srv"), "8GB", 0, "--durability", "process").start()
-    yield d
-    d.kill()
-
-
 def test_local_reader_switches_to_the_socket_while_writes_make_catching_up_costly(roomy_logged_server):
     server = roomy_logged_server
     # A follower replays every write made since its last catch-up, read or not

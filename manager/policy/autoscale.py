@@ -256,8 +256,7 @@ class Autoscaler:
         smallest = self.lo_m is not None or self.lo < max(1, self.config.min_workers)
         target = self._with_headroom(self.hi) if smallest else self.hi
         if target == self.hi:
-            self._converge(self.hi_m)
-            self.fresh_bar = True
+            self._converge(self.hi_m, fresh_bar=True)
         else:
             self.phase, self.lo_m, self.hi_m = ScalePhase.SETTLING, None, None
             reason = f"{reason}; {target - self.hi} worker(s) of headroom"
@@ -269,8 +268,7 @@ class Autoscaler:
         reference stays the plateau's (one window after a move is no judged measurement:
         a slow one recorded as the reference would hide a real slowdown from the re-check)."""
         ref = m.batch_time if self.plateau is None else min(m.batch_time, self.plateau)
-        self._converge(replace(m, batch_time=ref))
-        self.fresh_bar = True
+        self._converge(replace(m, batch_time=ref), fresh_bar=True)
 
     def _with_headroom(self, n: int) -> int:
         """n, the smallest count known on the plateau, plus the ramp's headroom, capped at
@@ -328,9 +326,10 @@ class Autoscaler:
             return self._change(-1, "queue still well above its size at convergence")
         return self._converge(replace(conv, queue=m.queue))
 
-    def _converge(self, m: Measurement) -> None:
+    def _converge(self, m: Measurement, fresh_bar: bool = False) -> None:
+        """fresh_bar: m's queue is one window's right after the ramp settled (see fresh_bar)."""
         self.phase, self.conv, self.ref, self.since_check = ScalePhase.CONVERGED, m, None, 0
-        self.fresh_bar = False
+        self.fresh_bar = fresh_bar
         self.check_sum = (0.0, 0.0)
         self.lo_m = self.hi_m = None
         return None

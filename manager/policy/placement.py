@@ -9,8 +9,7 @@ States and transitions (each change sets ``settle_left = settle``; the next
 ``settle`` measurements are dropped because they straddle the change)::
 
     REMOTE (local = 0; Cachew's rule, autoscale.Autoscaler, on remote workers)
-      -- the autoscaler converged -----------> bpt_conv := its batch time (with the
-                                               ramp's headroom: measured at that count);
+      -- the autoscaler converged -----------> bpt_conv := its batch time;
                                                iteration starts       (ADD_LOCAL)
     ADD_LOCAL (good = last measurement at an accepted count, None at the start)
       -- good is None, no remote worker left to replace ------------> end
@@ -46,13 +45,13 @@ cores). Each iteration adds local workers net and removes remote ones net, so th
 loop ends within max_local + max_remote iterations. ``slowdown_guard`` (not in the
 paper, None turns it off) keeps the cost rule from trading much throughput for
 a cheaper worker bill: a removal that slows batches by more than it is undone.
-The ramp's headroom worker (AutoscaleConfig.headroom) is a remote one like the
-others: TRIM removes it when batch cost does not rise without it, which is the
-cost rule doing its job; it only guards phase 1's plateau against jitter.
+Phase 1 keeps no headroom above the plateau by default (``headroom`` 0, unlike
+AutoscaleConfig's 1): the remote count it ends on is only where TRIM starts, and
+TRIM would take a headroom worker back when batch cost does not rise without it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Mapping
 
