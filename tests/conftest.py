@@ -1,11 +1,21 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from procs import cacheserver  # noqa: E402
+
+
+def pytest_report_header(config) -> str:
+    """Free space where the tests' stores go: a run needs a few GB at its peak, and a
+    full disk fails the cacheservers' start-up checks, not one clear test."""
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    low = "  (LOW: cacheserver tests need a few GB)" if free < (4 << 30) else ""
+    return f"free disk under {tempfile.gettempdir()}: {free / (1 << 30):.1f} GiB{low}"
 
 
 @pytest.fixture(autouse=True)
