@@ -13,7 +13,6 @@ replays) or that fails its checksum is left for the server to serve.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ import rocksdict
 
 from ..record import unwrap
 from ..store import hot_read_options, tuned_for_reads
+from .scratch import Scratch
 
 # Catching up replays the primary's log: ~0.1 s under heavy logged writes, ~1 ms
 # when values skip the log (--durability cache). Space catch-ups in proportion to
@@ -68,11 +68,15 @@ def catch_up_interval(cost_s: float) -> float:
 class LocalReader:
     def __init__(self, db_path: str) -> None:
         t = time.monotonic()
-        self._scratch = tempfile.TemporaryDirectory(prefix="mlcache-secondary-")
+        self._scratch = Scratch()
         cf = rocksdict.Options(raw_mode=True)
-        self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
-                                   column_families={"meta": cf, "server": cf},
-                                   access_type=rocksdict.AccessType.secondary(self._scratch.name))
+        try:
+            self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
+                                       column_families={"meta": cf, "server": cf},
+                                       access_type=rocksdict.AccessType.secondary(self._scratch.name))
+        except BaseException:
+            self._scratch.close()
+            raise
         self._db.set_read_options(hot_read_options())
         self._lock = threading.Lock()
         self._last_catch_up = time.monotonic()
@@ -104,4 +108,4 @@ class LocalReader:
 
     def close(self) -> None:
         self._db.close()
-        self._scratch.cleanup()
+        self._scratch.close()
