@@ -10,12 +10,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs import cacheserver  # noqa: E402
 
 
+def _free_disk_line() -> tuple[str, bool]:
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    low = free < (4 << 30)
+    return (f"free disk under {tempfile.gettempdir()}: {free / (1 << 30):.1f} GiB"
+            + ("  (LOW: the cacheserver tests need a few GB)" if low else "")), low
+
+
 def pytest_report_header(config) -> str:
     """Free space where the tests' stores go: a run needs a few GB at its peak, and a
     full disk fails the cacheservers' start-up checks, not one clear test."""
-    free = shutil.disk_usage(tempfile.gettempdir()).free
-    low = "  (LOW: cacheserver tests need a few GB)" if free < (4 << 30) else ""
-    return f"free disk under {tempfile.gettempdir()}: {free / (1 << 30):.1f} GiB{low}"
+    return _free_disk_line()[0]
+
+
+def pytest_sessionstart(session) -> None:
+    line, low = _free_disk_line()
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if low and tr is not None and session.config.option.verbose < 0:  # -q hides the header
+        tr.write_line(line, yellow=True)
 
 
 @pytest.fixture(autouse=True)

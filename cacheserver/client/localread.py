@@ -67,8 +67,8 @@ def catch_up_interval(cost_s: float) -> float:
 
 class LocalReader:
     def __init__(self, db_path: str) -> None:
-        t = time.monotonic()
         self._scratch = Scratch()
+        t = time.monotonic()
         cf = rocksdict.Options(raw_mode=True)
         try:
             self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
@@ -107,5 +107,7 @@ class LocalReader:
             return True
 
     def close(self) -> None:
-        self._db.close()
-        self._scratch.close()
+        try:
+            self._db.close()
+        finally:
+            self._scratch.close()
