@@ -1,5 +1,7 @@
 """Transformed-item keys (clients/derived.py) and their payload format (preprocess/codec.py)."""
 import hashlib
+import os
+import time
 
 import numpy as np
 import pytest
@@ -112,3 +114,33 @@ def test_transformed_items_on_a_real_server(server):
         c = TransformedItems(ring, "job-c", "ds", "fp1")
         assert c.get(Ks[:1]) == [None] and c.counts.poisoned == 1
         assert c.put([Ks[0]], [object()]) == 0 and "cannot be cached" in c.counts.uncacheable[0]
+
+
+def test_the_put_probe_is_not_moved_by_one_stalled_put(server):
+    """clients.automeasure.put_seconds: the sample's outputs go in PUT_GROUPS puts and the
+    median per item counts, so one put held up (as by the server's flush of the others)
+    does not make the estimate; every output is stored, each once."""
+    from cacheserver.client.ring_client import RingClient
+    from clients.automeasure import PUT_GROUPS, put_seconds
+    from clients.transformed import TransformedItems
+
+    class Stalls:  # a real ring whose first put waits, as one held up by a flush
+        def __init__(self, ring, stall_s):
+            self.ring, self.stall_s, self.calls = ring, stall_s, 0
+
+        def put(self, *a, **kw):
+            self.calls += 1
+            if self.calls == 1:
+                time.sleep(self.stall_s)
+            return self.ring.put(*a, **kw)
+
+    Ks = [hashlib.sha256(b"probe%d" % i).digest() for i in range(16)]
+    with RingClient([server.address]) as ring:
+        slow = Stalls(ring, 0.5)
+        t = TransformedItems(slow, "job", "ds", "fp-put")
+        pairs = [(K, t.encode(os.urandom(64 << 10))) for K in Ks]
+        per = put_seconds(t, pairs, 0)
+        assert slow.calls == PUT_GROUPS >= 3
+        assert per < 0.5 / len(Ks), per  # one put in one go would cost at least the stall
+        assert t.counts.inserted == len(Ks)
+        assert all(v is not None for v in TransformedItems(ring, "job2", "ds", "fp-put").get(Ks))
