@@ -49,14 +49,15 @@ PUT_GROUPS = 3  # the probe's puts: the sample's outputs in this many puts, the 
 SHARE_SAMPLE = 256  # items looked up to estimate how much of the dataset is cached
 
 
-def _per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT,
-              pick: Callable[[list[float]], float] = min) -> float:
+def fastest_per_item(fn: Callable[[], Any], n: int, repeat: int = REPEAT) -> float:
+    """Seconds per item of the fastest of `repeat` calls of fn, which handles n items
+    (other work on the host only ever slows a call)."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return pick(times) / max(1, n)
+    return min(times) / max(1, n)
 
 
 def _quiet(v: Any) -> Any:
@@ -111,11 +112,11 @@ def marker_read(ac: Any, kept: list[tuple[bytes, Any]]) -> dict[str, float]:
     Ks = [K for K, _ in pairs]
     out["put_marker_s"] = encode_s / len(kept) + put_seconds(t, pairs, speculative_chunk(ac.ds))
     out["marker_bytes"] = statistics.fmean(len(p) for _, p in pairs)
-    out["cache_read_marker_s"] = _per_item(lambda: t.get(Ks), len(Ks))
+    out["cache_read_marker_s"] = fastest_per_item(lambda: t.get(Ks), len(Ks))
     return out
 
 
-def put_seconds(t: Any, pairs: list[tuple[bytes, bytes]], chunk: Any, groups: int = PUT_GROUPS) -> float:
+def put_seconds(t: Any, pairs: list[tuple[bytes, bytes]], chunk: int, groups: int = PUT_GROUPS) -> float:
     """Seconds per item to seal and put `pairs` (key, encoded payload), put in up to
     `groups` puts: the median of their per-item costs (puts can only be measured once
     each, and one may wait on a flush of the others that a sustained fill spreads)."""
@@ -204,15 +205,15 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
     try:
         data: list[Any] = []
         store.read(idx[:1])  # opens the reader's connections: once per process, not per item
-        store_s = _per_item(lambda: data.__setitem__(slice(None), store.read(idx)), len(idx), STORE_REPEAT)
+        store_s = fastest_per_item(lambda: data.__setitem__(slice(None), store.read(idx)), len(idx), STORE_REPEAT)
         out = {"store_read_s": store_s, "decode_s": 0.0,
                "source_bytes": statistics.fmean(ds.entry(i).length for i in idx) if idx else 0.0}
         if ds.decode is not None:
-            out["decode_s"] = _per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
+            out["decode_s"] = fastest_per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
         missing = [i for i, p in zip(idx, ds.lookup(idx)) if not p]
         if missing:  # not read through the cache yet, evicted since, or outside the manager's plan
             ds.read(missing)
-        out["cache_read_source_s"] = _per_item(lambda: cached.read(idx), len(idx))
+        out["cache_read_source_s"] = fastest_per_item(lambda: cached.read(idx), len(idx))
         out.update(marker_read(ac, kept))
     finally:
         for v in (store, cached):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 import time
 import weakref
@@ -102,7 +103,7 @@ def _remove_if_stale(path: str) -> int:
         st = os.lstat(path)
     except OSError:
         return 0
-    if not os.path.isdir(path) or os.path.islink(path) or time.time() - st.st_mtime <= STALE_S:
+    if not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime <= STALE_S:  # lstat: a link is no dir
         return 0
     shutil.rmtree(path, ignore_errors=True)
     return int(not os.path.exists(path))
