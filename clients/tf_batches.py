@@ -103,8 +103,8 @@ class TicketFeed:
     starts a new epoch, as Feed's) and answers a ticket; a parallel map with
     `deterministic=True` reads the tickets, up to `parallel` at once, in
     TensorFlow's threads, and TensorFlow hands their batches on in ticket order.
-    Reads overlap where they let go of the GIL (AES-GCM decryption, hashing,
-    the store's fetches) and with each other's Python. The epoch ends when the
+    Reads overlap where they let go of the GIL (hashing, the store's fetches;
+    not AES-GCM decryption or RocksDB gets, which hold it). The epoch ends when the
     sampler has none left and every ticket planned has been read. Tickets
     count on across epochs: a read of a ticket from an epoch abandoned
     meanwhile answers an empty batch (that iteration is gone)."""
