@@ -15,9 +15,9 @@ job's own read path at the sizes involved:
   read are the sample's own outputs at the caching point, put first: real items
   under the real key, hits later if transformed is chosen. Also the CPU to encode
   and seal one, and to hand one back from a worker; and the put, in PUT_GROUPS
-  puts whose median per item is taken (one put stalled by the server's flush made
-  the put 5x its cost and a clear, wrong estimate: source at f = 8, s = 0.5 ms in
-  tools/bench/autocache);
+  puts whose median per item is taken (one put may wait on the server's flush of
+  the others, several times its usual cost: alone it would make a clear, wrong
+  estimate);
 - the steps' CPU seconds per item before and after the caching point: first the
   sample's (`estimate`, which sets the mode the measured window runs in), then the
   epoch's own step records in the workers (`measure`, at the decision), plus the
