@@ -48,6 +48,7 @@ from . import capability, itemview
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
+from .readthreads import store_read_threads
 from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .samples import Samples
@@ -82,7 +83,8 @@ class _ProcessState:
         nodes = self.ring.ring.nodes if self.ring is not None else []
         self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
         self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
-        self.pool = ThreadPoolExecutor(ds.fetch_threads, thread_name_prefix="store-fetch")
+        self.read_threads = store_read_threads(self.fs, ds.digest.root, ds.fetch_threads)
+        self.pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="store-fetch")
         # DataLoader workers already check in parallel, one process each: only the
         # main process (num_workers=0) spreads a batch's hashes over threads.
         self.hash_threads = 1 if _worker_row() else HASH_THREADS
@@ -121,7 +123,9 @@ class CachedDataset(_TorchDataset):
         self.job = job or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.verify_hash = verify_hash
         self.insert = insert
-        self.fetch_threads = fetch_threads
+        if fetch_threads < 1:
+            raise ValueError(f"fetch_threads must be >= 1 (concurrent store reads), got {fetch_threads}")
+        self.fetch_threads = fetch_threads  # fewer on a local disk (readthreads.py)
         self.coalesce = coalesce
         self.claims = claims
         self.down_backoff = down_backoff
@@ -500,7 +504,7 @@ class CachedDataset(_TorchDataset):
         names a changed item: stale data never reaches training). verify_hash
         only governs cache reads: on a miss the store read dominates the hash."""
         return read_items(self.digest, indices, st.fs, verify=True,
-                          concurrency=self.fetch_threads, pool=st.pool)
+                          concurrency=st.read_threads, pool=st.pool)
 
     def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
         """Seal and insert (index, item, replace) entries; returns how many were sent."""
