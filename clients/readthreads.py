@@ -34,7 +34,8 @@ def store_read_threads(fs: Any, root: str, wanted: int, *, mounts: str | None = 
         return wanted  # remote stores wait on the network (async ones batch in one cat_ranges call)
     if mounts is None:
         try:
-            with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            # surrogateescape: a mount point that is not UTF-8 compares equal to os.path.realpath's
+            with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
                 mounts = f.read()
         except OSError:  # not Linux: the type is unknown
             return wanted
@@ -47,10 +48,11 @@ def store_read_threads(fs: Any, root: str, wanted: int, *, mounts: str | None = 
 def mount_type(path: str, mounts: str) -> str | None:
     """The filesystem type of the mount holding absolute `path`, from the text of
     /proc/self/mounts (the last mount of the longest matching mount point wins, as
-    the kernel stacks them); None if no line matches."""
+    the kernel stacks them); None if no line matches. A later mount over a parent of
+    an earlier one hides it but is not noticed here (the cost: a pool capped or not)."""
     best, best_len = None, -1
-    for line in mounts.splitlines():
-        fields = line.split()
+    for line in mounts.split("\n"):  # not splitlines(): the kernel leaves \x0b, \x0c, U+2028 ... unescaped
+        fields = line.split(" ")  # single spaces: fields escape their own whitespace, not \x0b or \x0c
         if len(fields) < 3:
             continue
         point = _unescape(fields[1])

@@ -37,6 +37,14 @@ def test_mount_type_takes_the_longest_then_the_latest_mount(path, fstype):
     assert mount_type(path, MOUNTS) == fstype
 
 
+def test_mount_type_splits_lines_only_at_newlines():
+    """A mount point may hold characters that str.splitlines() would split at (the kernel escapes
+    only space, tab, newline and backslash)."""
+    odd = "/mnt/a\x0cb"
+    mounts = f"/dev/vda / ext4 rw 0 0\nserver:/x {odd} nfs rw 0 0\n"
+    assert mount_type(odd + "/train", mounts) == "nfs"
+
+
 def test_mount_type_without_a_matching_line():
     assert mount_type("/anything", "proc /proc proc rw 0 0") is None
     assert mount_type("/anything", "") is None
@@ -106,7 +114,10 @@ def test_cached_dataset_reads_a_local_store_with_the_capped_pool(tmp_path):
         rng.shuffle(order)
         assert ds.__getitems__(order) == [items[i] for i in order]
         st = ds._proc()
-        assert 1 <= st.read_threads <= 64
+        assert st.read_threads == store_read_threads(st.fs, ds.digest.root, 64)
         assert st.pool._max_workers == st.read_threads
+        with open("/proc/self/mounts") as f:
+            if mount_type(os.path.realpath(root), f.read()) in ("ext4", "xfs", "btrfs", "tmpfs", "overlay"):
+                assert st.read_threads == min(64, PER_CORE * len(os.sched_getaffinity(0)))
     finally:
         ds.close()
