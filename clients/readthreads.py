@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from preprocess.workerctl import max_workers
+
 PER_CORE = 2  # reads in flight per core on a local disk: one copying or hashing, one waiting on the disk
 # /proc/self/mounts types of local block devices and memory; anything else may wait on a network
 LOCAL_TYPES = frozenset({
@@ -42,7 +44,7 @@ def store_read_threads(fs: Any, root: str, wanted: int, *, mounts: str | None = 
     fstype = mount_type(os.path.realpath(fs._strip_protocol(root)), mounts)
     if fstype not in LOCAL_TYPES:
         return wanted
-    return min(wanted, PER_CORE * (cores or _cores()))
+    return min(wanted, PER_CORE * (cores or max_workers()))  # max_workers: the cores this process may use
 
 
 def mount_type(path: str, mounts: str) -> str | None:
@@ -69,10 +71,3 @@ def _unescape(field: str) -> str:
     for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
         field = field.replace(code, char)
     return field
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
