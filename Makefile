@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv demo test bench bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache clean proto
+.PHONY: venv demo test bench bench-hitpath bench-hitfloor bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache clean proto
 
 venv: $(STAMP)
 
@@ -24,11 +24,14 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
-bench: bench-hitpath bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache
+bench: bench-hitpath bench-hitfloor bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache
 
 bench-hitpath: venv
 	@command -v memcached >/dev/null || (apt-get update -qq && apt-get install -y -qq memcached)
 	$(PY) tools/bench/hitpath
+
+bench-hitfloor: venv
+	$(PY) tools/bench/hitfloor
 
 bench-digest: venv
 	$(PY) tools/bench/digest

@@ -382,13 +382,13 @@ class CachedDataset(_TorchDataset):
     def _open_many(self, st: _ProcessState, indices: Sequence[int], keys: list[bytes],
                    values: list[memoryview | None], vouched: list[bool] | None = None,
                    read: tuple[list[bytes], inproc.Since] | None = None) -> list[bytes | None]:
-        """_open for a batch: decrypt in this thread (AES-GCM holds the GIL), then
-        check the hashes split over up to HASH_THREADS threads (hashlib and blake3 let
-        go of the GIL): BLAKE3 where the digest carries it (version 3), several times
-        faster than the SHA-256 (K) that older digests are checked against. Values the
-        in-process server vouches for (put or checked by this process, written by
-        nobody else since: cacheserver/trust.py) skip the hash; those checked here
-        are vouched for from now on (`read`: their ids and when they were read)."""
+        """_open for a batch: decrypt in this thread (split over threads it ran slower:
+        tools/bench/hitfloor), then check the hashes split over up to HASH_THREADS
+        threads (hashlib and blake3 let go of the GIL): BLAKE3 where the digest carries
+        it (version 3), several times faster than the SHA-256 (K) that older digests are
+        checked against. Values the in-process server vouches for (put or checked by this
+        process, written by nobody else since: cacheserver/trust.py) skip the hash; those
+        checked here are vouched for from now on (`read`: their ids and when they were read)."""
         ids = read[0] if read is not None else self.ids_for(indices)
         sizes = self.digest.sizes[list(indices)].tolist()
         items = capability.open_values(keys, ids, values, sizes)

@@ -104,7 +104,8 @@ class TicketFeed:
     `deterministic=True` reads the tickets, up to `parallel` at once, in
     TensorFlow's threads, and TensorFlow hands their batches on in ticket order.
     Reads overlap where they let go of the GIL (hashing, the store's fetches;
-    not AES-GCM decryption or RocksDB gets, which hold it). The epoch ends when the
+    not RocksDB gets, which hold it; AES-GCM decryption lets go of it but gains
+    little from a second thread: tools/bench/hitfloor). The epoch ends when the
     sampler has none left and every ticket planned has been read. Tickets
     count on across epochs: a read of a ticket from an epoch abandoned
     meanwhile answers an empty batch (that iteration is gone)."""
