@@ -265,8 +265,11 @@ class Store(Recovery):
         skips the xxh3 check: only for a reader that authenticates every value itself."""
         out: list[memoryview | None] = []
         bad: list[bytes] = []
-        get, large, aged = self._db.get, self._large.get, self._aged
+        get, large, aged, index = self._db.get, self._large.get, self._aged, self._index
         for k in keys:
+            if k not in index:  # not stored (a put's value is indexed once written): a miss, no RocksDB read
+                out.append(None)
+                continue
             try:
                 raw = (large(k) if k in aged else None) or get(k)  # get: a large one from before the family
             except Exception:  # RocksDB reports corruption as an exception
@@ -274,7 +277,7 @@ class Store(Recovery):
             else:
                 bad_read = False
             if raw is None:
-                if bad_read or k in self._index:  # meta without value: drop it
+                if bad_read or k in index:  # meta without value (not one evicted meanwhile): drop it
                     bad.append(k)
                 out.append(None)
                 continue

@@ -220,10 +220,11 @@ class FrontWalk:
         hits = len(batch)
         stats.planned_hits += hits
         if len(batch) < B:
-            self.picker.shuffle(front_misses)
-            self.picker.shuffle(general_misses)
-            self.picker.shuffle(others)
-            take = (front_misses + general_misses + others)[:B - len(batch)]
+            take: list[int] = []
+            for misses in (front_misses, general_misses, others):  # in this order, each at random
+                k = min(B - len(batch) - len(take), len(misses))
+                if k > 0:  # k draws, not a shuffle of the whole window
+                    take += self.picker.sample(misses, k)
             self.left -= len(take)
             batch += take
             stats.planned_misses += len(take)

@@ -191,6 +191,26 @@ def test_corrupt_value_is_dropped_counted_and_never_served(tmp_path):
     s.close()
 
 
+def test_get_answers_from_the_index_an_unindexed_record_is_a_miss(tmp_path):
+    """Ids the index does not hold are misses without a RocksDB read: a record under the
+    store that no put indexed (stray, or a put not finished) is not served, and not
+    counted as corrupt; an indexed record whose value is gone is still dropped."""
+    from cacheserver.record import wrap
+
+    s = Store(str(tmp_path / "u"), 10**7, LRUPolicy(), Counters())
+    ks = ids(4)
+    s.put_many([(k, b"kept" * 50) for k in ks[:2]])
+    s._db.put(ks[2], wrap(b"stray" * 40))  # a well-formed record the store never indexed
+    out = s.get_many(ks, trailer=False)
+    assert [bytes(v) for v in out[:2]] == [b"kept" * 50] * 2 and out[2:] == [None, None]
+    assert s.counters["corrupt_dropped"] == 0 and s.contains(ks) == b"\x01\x01\x00\x00"
+    s._db.delete(ks[1])  # meta without value
+    assert s.get_many(ks[:2])[1] is None
+    assert s.counters["corrupt_dropped"] == 1 and s.contains(ks[:2]) == b"\x01\x00"
+    assert s.used == 200 + OVERHEAD
+    s.close()
+
+
 def test_restart_rebuilds_index_and_lowered_capacity_evicts(tmp_path):
     path = str(tmp_path / "r")
     s = Store(path, 10**7, LRUPolicy(), Counters())
