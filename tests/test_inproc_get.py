@@ -89,3 +89,26 @@ def test_damaged_record_of_a_vouched_value_caught_by_its_tag(tmp_path):
             assert after["vouched"] - before["vouched"] == 1 and after["poisoned"] == before["poisoned"]
     finally:
         ds.close()
+
+
+@pytest.mark.parametrize("claims", [True, False])
+def test_embedded_lookups_go_to_the_core_and_answer_as_the_ring(tmp_path, claims):
+    """The sampler's look-ups in the embedded process ask the core directly: the same
+    codes as through the client (HIT, ABSENT; PENDING for ids another job claimed, only
+    where this dataset claims too), counted as look-ups."""
+    path, items = make(tmp_path / "ds", True)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"), claims=claims)
+    try:
+        core = ds.embedded.server.core
+        assert ds.__getitems__([0, 1]) == items[:2]
+        assert core.claim("other", ds.ids_for([2])) == bytes([1])  # FETCH: another job reads item 2
+        before = core.counters.snapshot()
+        codes = ds.lookup_codes([0, 1, 2, 3])
+        assert codes == ([1, 1, 2, 0] if claims else [1, 1, 0, 0])
+        assert ds.lookup([0, 1, 2, 3]) == [True, True, False, False]
+        after = core.counters.snapshot()
+        assert after["lookups"] - before["lookups"] == 8 and after["lookup_hits"] - before["lookup_hits"] == 4
+        with ServerClient(ds.embedded.address) as c:  # the same answers over the socket
+            assert list(c.lookup(ds.ids_for([0, 1, 2, 3]), ds.job, pending=claims)) == codes
+    finally:
+        ds.close()
