@@ -231,28 +231,23 @@ class CachedDataset(_TorchDataset):
     def lookup(self, indices: Sequence[int], not_spare: bool = False) -> list[bool]:
         """Which items are cached now (with not_spare: other than as spare entries,
         which any insert evicts first; see cacheserver/store.py)."""
-        st = self._proc()
-        if st.ring is None:
+        ring = self._proc().ring
+        if ring is None:
             return [False] * len(indices)
-        if st.core is not None:  # the embedded server in this process: its core, as _read's gets
-            return [p == HIT for p in st.core.lookup(self.job, self.ids_for(indices), not_spare=not_spare)]
-        return st.ring.lookup(self.ids_for(indices), self.job, not_spare)
+        return ring.lookup(self.ids_for(indices), self.job, not_spare)
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:
         """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (vocab.PENDING)
         not yet, but another job is reading it from the store now. Indices are the
         dataset's: WebDataset samples are cached when all their members are."""
-        st = self._proc()
-        if st.ring is None:
+        ring = self._proc().ring
+        if ring is None:
             return [0] * len(indices)
         items = indices if self.samples is None else self.samples.flatten(indices)
-        pending = self.claims and self.insert
-        if st.core is not None:  # the embedded server in this process: its core (no frames to pack and parse)
-            codes = list(st.core.lookup(self.job, self.ids_for(items), pending=pending))
-        elif pending:
-            codes = st.ring.lookup_pending(self.ids_for(items), self.job)
+        if self.claims and self.insert:
+            codes = ring.lookup_pending(self.ids_for(items), self.job)
         else:
-            codes = [int(p) for p in st.ring.lookup(self.ids_for(items), self.job)]
+            codes = [int(p) for p in ring.lookup(self.ids_for(items), self.job)]
         return codes if self.samples is None else self.samples.combine_codes(indices, codes, HIT, PENDING)
 
     def plan_hooks(self) -> tuple[Callable[[int], bool] | None, Callable[[list[int]], None] | None,

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cacheserver import inproc  # noqa: E402
+from cacheserver import inproc, ops, wire  # noqa: E402
 from cacheserver.client.server_client import ServerClient  # noqa: E402
 from clients import capability  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
@@ -93,9 +93,10 @@ def test_damaged_record_of_a_vouched_value_caught_by_its_tag(tmp_path):
 
 @pytest.mark.parametrize("claims", [True, False])
 def test_embedded_lookups_go_to_the_core_and_answer_as_the_ring(tmp_path, claims):
-    """The sampler's look-ups in the embedded process ask the core directly: the same
-    codes as through the client (HIT, ABSENT; PENDING for ids another job claimed, only
-    where this dataset claims too), counted as look-ups."""
+    """Look-ups and claims in the embedded process go straight to the core (inproc.ask):
+    the same codes as over the socket (HIT, ABSENT; PENDING for ids another job claimed,
+    only where this dataset claims too), counted as look-ups; ids of a wrong size are
+    refused by name, as over the wire."""
     path, items = make(tmp_path / "ds", True)
     ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"), claims=claims)
     try:
@@ -110,5 +111,8 @@ def test_embedded_lookups_go_to_the_core_and_answer_as_the_ring(tmp_path, claims
         assert after["lookups"] - before["lookups"] == 8 and after["lookup_hits"] - before["lookup_hits"] == 4
         with ServerClient(ds.embedded.address) as c:  # the same answers over the socket
             assert list(c.lookup(ds.ids_for([0, 1, 2, 3]), ds.job, pending=claims)) == codes
+        assert inproc.ask(core, ops.CLAIM, "third", ds.ids_for([2, 3]), {}) == bytes([2, 1])  # WAIT, FETCH
+        with pytest.raises(wire.RemoteError, match=r"ids\[1\]: expected a 32-byte id"):
+            inproc.ask(core, ops.LOOKUP, ds.job, [ds.ids_for([0])[0], b"short"], {})
     finally:
         ds.close()
