@@ -1,12 +1,20 @@
-"""One store per data dir: an flock held for as long as the store is open."""
+"""One store per data dir (an flock held for as long as the store is open), and
+the dir's record format: sealed (the default) or plain (an embedded cache's own)."""
 from __future__ import annotations
 
 import fcntl
 import os
 
+RECORDS_FILE = "records"  # DATA_DIR/records: "plain" for a dir of plaintext records
+PLAIN = "plain"
+
 
 class DataDirBusy(RuntimeError):
     """Another store, in this process or another, has the data dir open."""
+
+
+class PlaintextDir(ValueError):
+    """A data dir's record format is not the one it was opened for."""
 
 
 def lock_dir(path: str) -> int:
@@ -18,3 +26,37 @@ def lock_dir(path: str) -> int:
         os.close(fd)
         raise DataDirBusy(f"data dir {path} is in use by another cache server") from None
     return fd
+
+
+def records_format(path: str) -> str | None:
+    """"plain" for a dir marked so, "sealed" for one holding a store without the mark,
+    None for a dir with no store yet (either may start there)."""
+    try:
+        with open(os.path.join(path, RECORDS_FILE)) as f:
+            mark = f.read().strip()
+    except FileNotFoundError:
+        return "sealed" if os.path.isdir(os.path.join(path, "db")) else None
+    if mark != PLAIN:
+        raise PlaintextDir(f"data dir {path}: unknown record format {mark!r} in {RECORDS_FILE}")
+    return PLAIN
+
+
+def claim_records(path: str, plain: bool) -> None:
+    """Check the dir holds records of the format asked for (marking a new dir plain
+    before its store is made); PlaintextDir naming both otherwise."""
+    found = records_format(path)
+    if plain and found == "sealed":
+        raise PlaintextDir(f"data dir {path} holds sealed (encrypted) records; plaintext records "
+                           f"need a new dir")
+    if not plain and found == PLAIN:
+        raise PlaintextDir(
+            f"data dir {path} holds an embedded cache's plaintext records ({RECORDS_FILE}: {PLAIN}); a "
+            f"cache server serves only sealed records: give it another --data-dir, or delete this one")
+    if plain and found is None:
+        os.chmod(path, 0o700)  # its owner's items in the clear: nobody else may look
+        tmp = os.path.join(path, RECORDS_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(PLAIN + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, RECORDS_FILE))

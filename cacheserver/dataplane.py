@@ -26,7 +26,7 @@ HANDSHAKE_SECONDS = 10.0
 class DataPlaneServer:
     def __init__(self, core: CacheCore, instance: str, tcp: tuple[str, int] | None,
                  unix_path: str | None, ssl_ctx: ssl.SSLContext | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, unix_mode: int = 0o660) -> None:
         self.core = core
         # Shared with the gRPC server's calls (grpcadmit.py): one budget of request bytes.
         self.admission = admission or Admission(core.limits.max_inflight_bytes, core.limits.max_connections)
@@ -48,8 +48,12 @@ class DataPlaneServer:
             if os.path.exists(unix_path):
                 os.unlink(unix_path)  # stale socket of a previous run
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(unix_path)
-            os.chmod(unix_path, 0o660)
+            old = os.umask(0o777 & ~unix_mode)  # the socket never exists with wider permissions
+            try:
+                s.bind(unix_path)
+            finally:
+                os.umask(old)
+            os.chmod(unix_path, unix_mode)
             s.listen(128)
             self.unix_path = unix_path
             self._listeners.append(s)

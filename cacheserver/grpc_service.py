@@ -43,17 +43,26 @@ def _statuses(fn: Callable) -> Callable:
 def _served(op: ops.Op) -> Callable:
     """The rpc of a data-plane operation, served from its declaration (ops.py)."""
     def rpc(self: "CacheService", request, context):
+        if op is ops.PUT and not self.values:
+            _no_values(context)
         return op.serve_grpc(self.core, request)
 
     rpc.__name__ = op.rpc
     return _statuses(rpc)
 
 
+def _no_values(context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                  "this cache holds plaintext records (an embedded cache): its values go only "
+                  "over its owner's Unix socket, not over gRPC")
+
+
 class CacheService(pb_grpc.CacheServicer):
     """Lookup, Claim, Adopt and Put come from ops.UNARY_RPCS (set below); Get streams."""
     def __init__(self, core: CacheCore, info: Callable[[], pb.InfoResponse], server_id: str,
-                 roles: Roles | None = None) -> None:
+                 roles: Roles | None = None, values: bool = True) -> None:
         self.core = core
+        self.values = values  # False: Get and Put refused (a plain store's values stay off TCP)
         self._info = info
         self.server_id = server_id
         self.roles = roles or Roles(None)
@@ -62,6 +71,8 @@ class CacheService(pb_grpc.CacheServicer):
         # A generator cannot use the decorator's abort path before its first
         # yield, so validate eagerly here.
         self.core.counters.add("grpc_requests")
+        if not self.values:
+            _no_values(context)
         try:
             ids = split_ids(request.ids)
             values = self.core.get(request.job, ids)

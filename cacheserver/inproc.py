@@ -46,6 +46,14 @@ def core_for(address: str) -> Any | None:
     return found[1]
 
 
+def plain_store(spec: str | None) -> bool:
+    """Whether a ring spec names exactly one server, in this process, whose store holds
+    plain records (datadir.py): a dataset reading another one's embedded cache."""
+    addrs = spec.split(",") if spec else []
+    core = core_for(addrs[0]) if len(addrs) == 1 else None
+    return bool(core is not None and core.store.plain)
+
+
 def ask(core: Any, op: ops.Op, job: str, keys: Sequence, opts: dict[str, Any]) -> Any:
     """An operation of ServerClient's on a server in this process: gets, puts,
     look-ups and claims straight to the core (which checks the ids as it does for
@@ -84,7 +92,8 @@ def get_vouched(core: Any, job: str, ids: Sequence[bytes]) -> tuple[list, list[b
     """(values, vouched, since): vouched[i] when the value was put or checked by this
     process and nobody else has written it since; `since` for vouch() afterwards. The
     record checksum (xxh3) is skipped: the caller opens every value with its AES-GCM tag,
-    which any change to the stored bytes fails (it then replaces the value)."""
+    which any change to the stored bytes fails (it then replaces the value); a plain
+    store's values have RocksDB's block checksums checked instead (datadir.py)."""
     since, vouched = core.trust.begin(ids)
     values = core.get(job, ids, trailer=False)
     if not core.trust.still(since):  # someone else wrote meanwhile: check them all, vouch none

@@ -29,7 +29,7 @@ from .runtime import bind_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
 from .ops import FEATURES
-from .vocab import PROTOCOL_VERSION
+from .vocab import PLAIN_RECORDS, PROTOCOL_VERSION
 
 log = logging.getLogger("cacheserver")
 SERVICE_NAME = "mlcache.v1.Cache"
@@ -53,6 +53,9 @@ class ServerConfig:
     claim_ttl: float = DEFAULT_TTL
     cluster_token_file: str | None = None  # the manager's role (roles.py); None: every caller has it
     salvage: bool = False  # open a damaged store by dropping what cannot be read (salvage.py)
+    # plaintext records (datadir.py), the embedded cache's own: values only in this process
+    # and over the owner-only Unix socket; no TCP data plane, no values over gRPC
+    plain: bool = False
 
 
 class CacheServer:
@@ -61,7 +64,7 @@ class CacheServer:
         self.counters = Counters()
         self.instance = uuid.uuid4().hex
         self.store = Store(os.path.join(cfg.data_dir), cfg.capacity, make_policy(cfg.eviction),
-                           self.counters, durability=cfg.durability, salvage=cfg.salvage)
+                           self.counters, durability=cfg.durability, salvage=cfg.salvage, plain=cfg.plain)
         sid = self.store.get_state("server_id")
         if sid is None:
             sid = uuid.uuid4().hex.encode()
@@ -79,7 +82,8 @@ class CacheServer:
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
         pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id,
-                                                         Roles(token, tls=cfg.tls is not None)),
+                                                         Roles(token, tls=cfg.tls is not None),
+                                                         values=not cfg.plain),
                                             self.grpc)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -88,7 +92,9 @@ class CacheServer:
         self.host = host
 
         tcp = None
-        if cfg.data_listen == "auto":
+        if cfg.plain:
+            pass  # values of a plain store never leave over TCP
+        elif cfg.data_listen == "auto":
             tcp = (host, self.port + 1 if port else 0)
         elif cfg.data_listen:
             tcp = split_hostport(cfg.data_listen, "--data-listen")
@@ -98,7 +104,8 @@ class CacheServer:
             unix = None
         ssl_ctx = cfg.tls.server_context() if cfg.tls else None
         try:
-            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission)
+            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission,
+                                             unix_mode=0o600 if cfg.plain else 0o660)
         except OSError as e:
             if cfg.data_listen != "auto" or tcp is None or tcp[1] == 0:
                 raise OSError(f"--data-listen: cannot bind {tcp[0]}:{tcp[1]}: {e}") from e
@@ -116,7 +123,8 @@ class CacheServer:
                                max_batch_bytes=self.cfg.limits.max_batch_bytes,
                                tls=self.cfg.tls is not None, peers=self.cfg.peers,
                                capacity_bytes=self.store.capacity, db_path=self.store.db_path,
-                               protocol_version=PROTOCOL_VERSION, features=sorted(FEATURES))
+                               protocol_version=PROTOCOL_VERSION,
+                               features=sorted(FEATURES | ({PLAIN_RECORDS} if self.cfg.plain else set())))
 
     def _gauges(self) -> dict[str, float]:
         return {"capacity_bytes": self.store.capacity, "used_bytes": self.store.used,

@@ -2,7 +2,9 @@
 
 Layout (column families of one RocksDB under DATA_DIR/db):
   default  id -> record.wrap(value) = value || xxh3_64(value): the trailer
-           lets a read detect corruption without a second lookup.
+           lets a read detect corruption without a second lookup. In a plain
+           dir (datadir.py: an embedded cache's own) the value alone, checked
+           by RocksDB's block checksums on every read instead (plain_read_options).
   meta     id -> size, sequence, chunk, dataset: small, so a restart rebuilds
            the in-memory index and usage without reading values.
   server   server-wide state (server id, chunk table).
@@ -33,13 +35,13 @@ from dataclasses import dataclass
 import rocksdict
 
 from .counters import Counters
-from .datadir import DataDirBusy, lock_dir
+from .datadir import DataDirBusy, PlaintextDir, claim_records, lock_dir
 from .diskadmit import DiskAdmission
 from .diskbudget import BLOB_MIN, large_values_options, size_lsm
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import strip, unwrap, wrap
-from .rocksopts import hot_read_options, tuned_for_reads
+from .rocksopts import hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
 from .storerecovery import _META, DURABLE_MARK_KEY, Recovery
 
@@ -53,7 +55,7 @@ OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
 UNTAGGED: Tag = ("", -1)
-__all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "Store", "Tag", "TagUsage", "hot_read_options",
+__all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "PlaintextDir", "Store", "Tag", "TagUsage", "hot_read_options",
            "is_spare", "tuned_for_reads"]
 
 
@@ -71,7 +73,8 @@ class TagUsage:
 
 class Store(Recovery):
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
-                 counters: Counters, *, durability: str = "cache", salvage: bool = False) -> None:
+                 counters: Counters, *, durability: str = "cache", salvage: bool = False,
+                 plain: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if durability not in DURABILITY:
@@ -88,6 +91,8 @@ class Store(Recovery):
 
         self._dir_lock = lock_dir(path)
         try:
+            claim_records(path, plain)  # a plain dir only as plain, a sealed one only as sealed
+            self.plain = plain
             self._open(path, salvage)
         except BaseException:
             os.close(self._dir_lock)
@@ -109,7 +114,7 @@ class Store(Recovery):
         self.db_path = os.path.abspath(os.path.join(path, "db"))
         cfs = {"meta": cf_opts, "server": cf_opts, "large": large_values_options(self.capacity)}
         self._db, repaired = open_db(self.db_path, tuned_for_reads(opts), cfs, salvage)
-        self._db.set_read_options(hot_read_options())
+        self._db.set_read_options(plain_read_options() if self.plain else hot_read_options())
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
         self._meta_cf = self._db.get_column_family_handle("meta")
@@ -262,7 +267,8 @@ class Store(Recovery):
 
     def get_many(self, keys: Sequence[bytes], trailer: bool = True) -> list[memoryview | None]:
         """Values (trailer stripped, zero-copy views) or None for misses. trailer=False
-        skips the xxh3 check: only for a reader that authenticates every value itself."""
+        skips the xxh3 check: only for a reader that authenticates every value itself.
+        In a plain store the values as stored (bytes), RocksDB's checksums checked."""
         out: list[memoryview | None] = []
         bad: list[bytes] = []
         get, large, aged, index = self._db.get, self._large.get, self._aged, self._index
@@ -281,7 +287,7 @@ class Store(Recovery):
                     bad.append(k)
                 out.append(None)
                 continue
-            value = unwrap(raw) if trailer else strip(raw)
+            value = raw if self.plain else unwrap(raw) if trailer else strip(raw)
             if value is None:
                 bad.append(k)
             out.append(value)
@@ -472,10 +478,11 @@ class Store(Recovery):
                 self._dirty_since = now
 
     def _put_value(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview) -> None:
+        record = (value if isinstance(value, bytes) else bytes(value)) if self.plain else wrap(value)
         if len(value) >= BLOB_MIN:
-            wb.put(key, wrap(value), self._large_cf)
+            wb.put(key, record, self._large_cf)
         else:
-            wb.put(key, wrap(value))
+            wb.put(key, record)
 
     def _raw(self, key: bytes) -> bytes | None:
         """The stored record of ``key`` from either family (recovery)."""

@@ -152,6 +152,19 @@ def open_values(keys: list[bytes], ids: list[bytes], values: list[Buffer | None]
     return out
 
 
+def open_plain(values: list[Buffer | None], sizes: list[int]) -> list[bytes | None]:
+    """open_values for a plain store (the embedded cache's own, cacheserver/datadir.py):
+    values are the items themselves, kept intact by RocksDB's checksums; None for a
+    missing one and one of the wrong size. The hash check (step 4) stays the caller's."""
+    out: list[bytes | None] = []
+    for value, size in zip(values, sizes):
+        if value is None or len(value) != size:
+            out.append(None)
+        else:  # in-process reads hand over the store's bytes; frames from the socket are copied out
+            out.append(value if type(value) is bytes else bytes(value))
+    return out
+
+
 def sha256(item: Buffer) -> bytes:
     return hashlib.sha256(item).digest()
 

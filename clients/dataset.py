@@ -78,7 +78,8 @@ class _ProcessState:
         if ds.keep_freed_memory:  # batches of values would otherwise page-fault afresh (cacheserver/malloc.py)
             keep_freed_memory()
         # resolved once in CachedDataset.__init__: every process routes over the same ring
-        self.ring = RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff) if ds.cache_spec else None
+        self.ring = (RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff, plain=ds.plain_records)
+                     if ds.cache_spec else None)
         # the embedded server, when it runs in this very process: gets that say which values it vouches for
         nodes = self.ring.ring.nodes if self.ring is not None else []
         self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
@@ -156,6 +157,8 @@ class CachedDataset(_TorchDataset):
             cache = self.embedded.address
         # one ring for the main process and every DataLoader worker
         self.cache_spec = ",".join(RingClient.resolve(cache)) if cache else cache
+        # an embedded cache in this process (ours or another's) keeps plain items: docs/security.md
+        self.plain_records = inproc.plain_store(self.cache_spec)
         self.counters = SharedCounters()
         self._state: _ProcessState | None = None
         self._ids: list[bytes | None] | None = None
@@ -391,7 +394,8 @@ class CachedDataset(_TorchDataset):
         checked here are vouched for from now on (`read`: their ids and when they were read)."""
         ids = read[0] if read is not None else self.ids_for(indices)
         sizes = self.digest.sizes[list(indices)].tolist()
-        items = capability.open_values(keys, ids, values, sizes)
+        items = (capability.open_plain(values, sizes) if self.plain_records
+                 else capability.open_values(keys, ids, values, sizes))
         if self.verify_hash:
             todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
             b3 = self.digest.blake3
@@ -516,7 +520,12 @@ class CachedDataset(_TorchDataset):
             if chunk is None:  # the manager gives this part of the dataset no cache space now
                 continue
             # _read_store checked the item against the digest (its BLAKE3 or SHA-256).
-            item_id, _, value = capability.seal(item, self.digest.sha256(i))
+            K = self.digest.sha256(i)
+            if self.plain_records:
+                item_id, value = capability.item_id(K), item
+            else:
+                sealed = capability.seal(item, K)
+                item_id, value = sealed.id, sealed.value
             groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
         for (chunk, replace), items in groups.items():
             if st.core is None:

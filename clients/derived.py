@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from .capability import Buffer, Sealed, open_sealed, seal_under
+from .capability import Buffer, PoisonedValue, Sealed, open_sealed, seal_under
 
 DERIVED_DOMAIN = b"mlcache/derived/v1"
 DERIVED_ID_DOMAIN = b"mlcache/derived-id/v1"
@@ -64,3 +64,16 @@ def open_derived(Kt: bytes, value: Buffer, max_size: int | None = None) -> bytes
     """Decrypt a transformed item fetched from the cache; raises PoisonedValue when it is
     malformed, of another version or size, or fails authentication."""
     return open_sealed(Kt, derived_id(Kt), value, max_size=max_size)
+
+
+def plain_derived(Kt: bytes, payload: Buffer) -> Sealed:
+    """seal_derived for a plain store (cacheserver/datadir.py): the payload as it is."""
+    return Sealed(derived_id(Kt), Kt, bytes(payload))
+
+
+def open_plain_derived(value: Buffer, max_size: int | None = None) -> bytes:
+    """open_derived for a plain store: the payload itself; PoisonedValue if it is
+    larger than max_size (the codec checks the rest as it decodes)."""
+    if max_size is not None and len(value) > max_size:
+        raise PoisonedValue(f"transformed item of {len(value)} bytes, over {max_size}")
+    return value if type(value) is bytes else bytes(value)

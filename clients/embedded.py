@@ -5,6 +5,11 @@ with its RocksDB under a local cache dir and a capacity. DataLoader worker
 processes reach it through the same client as a real ring (Unix socket and
 same-host direct reads), so a new user needs no server and the same code
 scales to a ring by passing `cache="host:port,..."`.
+
+Its records are plain (cacheserver/datadir.py): the items themselves, kept
+intact by RocksDB's checksums, served only in this process and over an
+owner-only Unix socket; a dir made before, of sealed records, stays sealed.
+docs/security.md ("Encryption against oneself") gives the reasons and figures.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import os
 import threading
 
 from cacheserver import inproc
+from cacheserver.datadir import records_format
 from cacheserver.server import CacheServer, ServerConfig
 from cacheserver.store import DataDirBusy
 
@@ -34,8 +40,10 @@ class EmbeddedCache:
     _open: dict[str, "EmbeddedCache"] = {}
 
     def __init__(self, cache_dir: str, capacity: int) -> None:
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        self.plain = records_format(cache_dir) != "sealed"
         cfg = ServerConfig(listen="127.0.0.1:0", data_dir=cache_dir, capacity=capacity,
-                           data_listen="auto", unix_socket="auto", grpc_workers=16)
+                           data_listen="auto", unix_socket="auto", grpc_workers=16, plain=self.plain)
         try:
             self.server = CacheServer(cfg)
         except DataDirBusy as e:

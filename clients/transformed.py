@@ -20,7 +20,7 @@ from preprocess.codec import CodecError, decode, encode
 from preprocess.fingerprint import Uncacheable
 
 from .capability import PoisonedValue
-from .derived import derived_id, derived_key, open_derived, seal_derived
+from .derived import derived_id, derived_key, open_derived, open_plain_derived, plain_derived, seal_derived
 
 MAX_PAYLOAD = 1 << 30  # a value this large is refused on read: no dataset item is
 __all__ = ["MAX_PAYLOAD", "TransformedCounts", "TransformedItems", "transformed_tag"]
@@ -45,6 +45,9 @@ class TransformedItems:
         self.ring, self.job, self.fingerprint, self.seed = ring, job, fingerprint, seed
         self.tag = transformed_tag(dataset_tag, fingerprint)
         self.counts = TransformedCounts()
+        # the ring is a plain embedded cache (cacheserver/datadir.py): payloads stored as they are
+        self._open, self._seal = ((lambda k, v, m: open_plain_derived(v, m)), plain_derived) \
+            if getattr(ring, "plain", False) else (open_derived, seal_derived)
 
     def key(self, K: bytes) -> bytes:
         return derived_key(K, self.fingerprint, self.seed)
@@ -68,7 +71,7 @@ class TransformedItems:
                 c.misses += 1
                 continue
             try:
-                out[j] = decode(open_derived(k, v, MAX_PAYLOAD))
+                out[j] = decode(self._open(k, v, MAX_PAYLOAD))
             except (PoisonedValue, CodecError):
                 c.poisoned += 1
                 c.misses += 1
@@ -100,7 +103,7 @@ class TransformedItems:
         """put() of items encoded already (encode()); returns how many were newly stored."""
         batch = []
         for K, payload in zip(Ks, payloads):
-            sealed = seal_derived(self.key(K), payload)
+            sealed = self._seal(self.key(K), payload)
             batch.append((sealed.id, sealed.value))
             self.counts.bytes_put += len(sealed.value)
         if not batch:

@@ -64,7 +64,7 @@ def test_embedded_operations_reach_the_core_without_a_socket(tmp_path):
         assert after["lookups"] > before["lookups"] and after["get_hits"] - before["get_hits"] == len(items)
         assert after.get("dataplane_requests", 0) == before.get("dataplane_requests", 0)  # no frame served
         # refused as over the wire: a RemoteError that says why (the ring turns it into a ValueError)
-        with ServerClient(ds.embedded.address) as c:
+        with ServerClient(ds.embedded.address, plain=True) as c:
             with pytest.raises(wire.RemoteError, match="exceeds the limit") as err:
                 c.lookup([b"x" * 32] * (core.limits.max_batch_items + 1))
             assert err.value.status == wire.BAD_REQUEST

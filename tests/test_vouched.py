@@ -14,6 +14,7 @@ from cacheserver.client.server_client import ServerClient  # noqa: E402
 from cacheserver.trust import WriteTrust  # noqa: E402
 from clients import capability  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
+from test_inproc_get import sealed_dir  # noqa: E402
 from test_verify_blake3 import forge, make  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,22 +27,29 @@ def read_counts(ds, indices):
     return got, {k: after[k] - before[k] for k in ("hits", "vouched", "poisoned", "store_bytes")}
 
 
-def put_from_another_process(address: str, ident: bytes, value: bytes) -> None:
+def put_from_another_process(address: str, ident: bytes, value: bytes, plain: bool = True) -> None:
     """A put over the embedded server's socket from a separate process, as another local
     holder of the digest would make it."""
     code = ("import sys; from cacheserver.client.server_client import ServerClient\n"
-            "with ServerClient(sys.argv[1]) as c:\n"
+            f"with ServerClient(sys.argv[1], plain={plain}) as c:\n"
             "    assert c.put([(bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3]))], replace=True)[0] == 1\n"
             "    assert c.transport in ('unix', 'local'), c.transport\n")
     subprocess.run([sys.executable, "-c", code, address, ident.hex(), value.hex()], check=True, timeout=60,
                    cwd=REPO)
 
 
+def value(plain: bool, k: bytes, content: bytes) -> bytes:
+    """What a holder of K stores for `content` under K's id: the content itself in a plain
+    dir, else sealed with a valid tag."""
+    return content if plain else forge(k, content)
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "sealed"])
 @pytest.mark.parametrize("with_blake3", [True, False], ids=["blake3", "sha256"])
-def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_blake3):
+def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_blake3, plain):
     path, items = make(tmp_path / "ds", with_blake3)
     n = len(items)
-    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb") if plain else sealed_dir(tmp_path / "emb"))
     try:
         got, c = read_counts(ds, list(range(n)))  # fill: read from the store, sealed, put vouched
         assert got == items and c["hits"] == 0 and c["vouched"] == 0
@@ -49,19 +57,19 @@ def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_bla
         assert got == items and c == dict(hits=n, vouched=n, poisoned=0, store_bytes=0)
         k = hashlib.sha256(items[1]).digest()
         ident = capability.item_id(k)
-        forged = forge(k, bytes(len(items[1])))  # a valid tag, other content
-        put_from_another_process(ds.embedded.address, ident, forged)
+        forged = value(plain, k, bytes(len(items[1])))  # other content (sealed: with a valid tag)
+        put_from_another_process(ds.embedded.address, ident, forged, plain)
         got, c = read_counts(ds, list(range(n)))
         assert got == items and c["poisoned"] == 1 and c["vouched"] == n - 1 and c["store_bytes"] == len(items[1])
         got, c = read_counts(ds, list(range(n)))  # the repair was our own put: vouched again
         assert got == items and c == dict(hits=n, vouched=n, poisoned=0, store_bytes=0)
         # a plain put in this very process is no voucher either
-        with ServerClient(ds.embedded.address) as cl:
+        with ServerClient(ds.embedded.address, plain=plain) as cl:
             cl.put([(ident, forged)], replace=True)
         got, c = read_counts(ds, [0, 1, 2])
         assert got == items[:3] and c["poisoned"] == 1 and c["vouched"] == 2
         # the genuine value written by someone else: checked once, then vouched for
-        put_from_another_process(ds.embedded.address, ident, forge(k, items[1]))
+        put_from_another_process(ds.embedded.address, ident, value(plain, k, items[1]), plain)
         got, c = read_counts(ds, [1])
         assert got == items[1:2] and c == dict(hits=1, vouched=0, poisoned=0, store_bytes=0)
         got, c = read_counts(ds, [1])
@@ -70,11 +78,12 @@ def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_bla
         ds.close()
 
 
-def test_a_new_process_checks_each_value_once(tmp_path):
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "sealed"])
+def test_a_new_process_checks_each_value_once(tmp_path, plain):
     """Vouching is not kept on disk: a cache dir opened again is checked value by value once."""
     path, items = make(tmp_path / "ds", True)
     n = len(items)
-    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb") if plain else sealed_dir(tmp_path / "emb"))
     try:
         ds.__getitems__(list(range(n)))
     finally:
@@ -83,7 +92,8 @@ def test_a_new_process_checks_each_value_once(tmp_path):
     ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
     try:
         # written while no vouching process held the dir: a forged value from before
-        put_from_another_process(ds.embedded.address, capability.item_id(k), forge(k, bytes(len(items[2]))))
+        put_from_another_process(ds.embedded.address, capability.item_id(k), value(plain, k, bytes(len(items[2]))),
+                                 plain)
         got, c = read_counts(ds, list(range(n)))
         assert got == items and c == dict(hits=n - 1, vouched=0, poisoned=1, store_bytes=len(items[2]))
         got, c = read_counts(ds, list(range(n)))

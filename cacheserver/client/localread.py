@@ -4,7 +4,8 @@ The client opens the store as a RocksDB *secondary* (read-only follower) and
 asks the server, over the Unix socket, only which ids are present (GET_LOCAL):
 the server still applies bypass mode, counts hits and orders eviction, while
 the bytes never cross a socket. Safe under the security model: the files hold
-only ciphertext under derived ids (docs/security.md), and the reader needs
+only ciphertext under derived ids (docs/security.md), or in an embedded cache's
+plain dir (datadir.py) its owner's own items, and the reader needs
 file access to the data dir, i.e. the same machine and the server's group.
 A value the follower cannot see yet (written after its last catch-up, or not
 yet flushed: with --durability cache values skip the log the follower
@@ -19,7 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import rocksdict
 
+from ..datadir import PLAIN, records_format
 from ..record import unwrap
+from ..rocksopts import plain_read_options
 from ..store import hot_read_options, tuned_for_reads
 from .scratch import Scratch
 
@@ -77,7 +80,9 @@ class LocalReader:
         except BaseException:
             self._scratch.close()
             raise
-        self._db.set_read_options(hot_read_options())
+        # a plain store's values carry no trailer: RocksDB checks their blocks instead
+        self._plain = records_format(os.path.dirname(db_path)) == PLAIN
+        self._db.set_read_options(plain_read_options() if self._plain else hot_read_options())
         self._lock = threading.Lock()
         self._last_catch_up = time.monotonic()
         # opening replays the log as a catch-up does, and more: a conservative first cost
@@ -89,9 +94,9 @@ class LocalReader:
         for k in ids:
             try:
                 raw = get(k)
-            except Exception:  # a file compacted away since the last catch-up
+            except Exception:  # a file compacted away since the last catch-up, or a corrupt block
                 raw = None
-            out.append(None if raw is None else unwrap(raw))
+            out.append(None if raw is None else memoryview(raw) if self._plain else unwrap(raw))
         return out
 
     def catch_up(self) -> bool:

@@ -70,18 +70,21 @@ def _among(addr: str, peers: Sequence[str]) -> bool:
 
 class RingClient:
     def __init__(self, addresses: Sequence[str], *, vnodes: int = DEFAULT_VNODES,
-                 down_backoff: float = 2.0, **client_kw) -> None:
+                 down_backoff: float = 2.0, plain: bool = False, **client_kw) -> None:
         if not addresses:
             raise ValueError("a ring needs at least one cache server address")
         for a in addresses:
             check_address(a)
         self.ring = HashRing(addresses, vnodes)
         self._client_kw = client_kw
-        self.clients = {a: ServerClient(a, **client_kw) for a in self.ring.nodes}
+        self.clients = {a: ServerClient(a, plain=plain, **client_kw) for a in self.ring.nodes}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
         self.down_backoff = down_backoff
+        # values are the items themselves (an embedded cache's plain store, datadir.py), not
+        # sealed: set only by the owner of that cache, never from what a server says
+        self.plain = plain
         self.errors = 0
 
     @staticmethod
@@ -122,7 +125,7 @@ class RingClient:
             log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, _why(err))
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
         old = self.clients[node]
-        self.clients[node] = ServerClient(node, **self._client_kw)
+        self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw)
         old.close()
 
     # ---- fan-out --------------------------------------------------------

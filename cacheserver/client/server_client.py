@@ -20,7 +20,7 @@ from .. import inproc, ops, wire
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
-from ..vocab import FEATURE_INLINE, check_ids
+from ..vocab import FEATURE_INLINE, PLAIN_RECORDS, check_ids
 from .localread import LocalReader, written_files
 from .readpath import LOCAL, ReadPaths
 from ..roles import metadata
@@ -28,11 +28,16 @@ from ..roles import metadata
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
 
+class RecordsMismatch(ValueError):
+    """A client and a server disagree on the record format (cacheserver/datadir.py)."""
+
+
 class ServerClient:
     def __init__(self, address: str, *, tls: TlsFiles | None = None, prefer_unix: bool = True,
                  timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True,
-                 control_token: bytes | None = None) -> None:
+                 control_token: bytes | None = None, plain: bool = False) -> None:
         self.address = address
+        self.plain = plain  # records of an embedded cache's plain store expected (datadir.py)
         self._md = metadata(control_token)  # the manager's role for control calls (roles.py)
         self.timeout = timeout
         self._tls = tls
@@ -67,7 +72,15 @@ class ServerClient:
     # ---- data-plane connections ----------------------------------------
     def _resolve(self) -> None:
         info = self.info()
-        self._features = frozenset(info.features)
+        features = frozenset(info.features)
+        if (PLAIN_RECORDS in features) != self.plain:  # never plaintext to a sealed store, nor back
+            raise RecordsMismatch(
+                f"cache server {self.address} holds an embedded cache's plaintext records: only the process "
+                f"that runs it and its DataLoader workers may use it; run a cacheserver to share a cache"
+                if not self.plain else
+                f"cache server {self.address} holds sealed records, not the plain ones of the embedded "
+                f"cache this client was made for")
+        self._features = features
         self.transport = "grpc"
         if not self._use_dataplane:
             return
