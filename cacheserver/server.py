@@ -92,26 +92,28 @@ class CacheServer:
         self.host = host
 
         tcp = None
-        if cfg.plain:
-            pass  # values of a plain store never leave over TCP
-        elif cfg.data_listen == "auto":
+        data_listen = None if cfg.plain else cfg.data_listen  # a plain store's values never leave over TCP
+        if data_listen == "auto":
             tcp = (host, self.port + 1 if port else 0)
-        elif cfg.data_listen:
-            tcp = split_hostport(cfg.data_listen, "--data-listen")
+        elif data_listen:
+            tcp = split_hostport(data_listen, "--data-listen")
         unix = os.path.join(cfg.data_dir, "data.sock") if cfg.unix_socket == "auto" else cfg.unix_socket
         if unix and len(unix.encode()) > 100:  # AF_UNIX path limit is 108 bytes
             log.warning("unix socket path too long, same-host fast path off: %s", unix)
             unix = None
         ssl_ctx = cfg.tls.server_context() if cfg.tls else None
+        unix_mode = 0o600 if cfg.plain else 0o660  # a plain store's socket: its owner's only
         try:
-            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission,
-                                             unix_mode=0o600 if cfg.plain else 0o660)
+            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission, unix_mode)
         except OSError as e:
-            if cfg.data_listen != "auto" or tcp is None or tcp[1] == 0:
+            if tcp is None:  # no TCP listener: the Unix socket failed
+                raise OSError(f"unix socket {unix}: cannot bind: {e}") from e
+            if data_listen != "auto" or tcp[1] == 0:
                 raise OSError(f"--data-listen: cannot bind {tcp[0]}:{tcp[1]}: {e}") from e
             # gRPC port + 1 is taken: any port will do, clients learn it from Info.
             log.warning("data plane port %d in use (%s); binding a free port instead", tcp[1], e)
-            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx, self.admission)
+            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx, self.admission,
+                                             unix_mode)
         self.metrics_server = None
         self.manager_link = None
 

@@ -271,7 +271,7 @@ class Store(Recovery):
         In a plain store the values as stored (bytes), RocksDB's checksums checked."""
         out: list[memoryview | None] = []
         bad: list[bytes] = []
-        get, large, aged, index = self._db.get, self._large.get, self._aged, self._index
+        get, large, aged, index, plain = self._db.get, self._large.get, self._aged, self._index, self.plain
         for k in keys:
             if k not in index:  # not stored (a put's value is indexed once written): a miss, no RocksDB read
                 out.append(None)
@@ -287,7 +287,7 @@ class Store(Recovery):
                     bad.append(k)
                 out.append(None)
                 continue
-            value = raw if self.plain else unwrap(raw) if trailer else strip(raw)
+            value = raw if plain else unwrap(raw) if trailer else strip(raw)
             if value is None:
                 bad.append(k)
             out.append(value)

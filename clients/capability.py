@@ -81,6 +81,15 @@ def seal(item: Buffer, K: bytes | None = None) -> Sealed:
     return Sealed(ident, K, seal_under(K, ident, item))
 
 
+def stored(item: Buffer, K: bytes, plain: bool) -> tuple[bytes, Buffer]:
+    """(id, value) to put for a checked item: sealed, or in a plain store (the embedded
+    cache's own, cacheserver/datadir.py) the item itself."""
+    if plain:
+        return item_id(K), item
+    sealed = seal(item, K)
+    return sealed.id, sealed.value
+
+
 def seal_under(K: bytes, ident: bytes, item: Buffer) -> bytes:
     """The stored value of `item` encrypted under value_key(K) and bound to the id it
     is stored at (source items: item_id(K); transformed items: derived.py)."""

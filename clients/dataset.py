@@ -520,13 +520,8 @@ class CachedDataset(_TorchDataset):
             if chunk is None:  # the manager gives this part of the dataset no cache space now
                 continue
             # _read_store checked the item against the digest (its BLAKE3 or SHA-256).
-            K = self.digest.sha256(i)
-            if self.plain_records:
-                item_id, value = capability.item_id(K), item
-            else:
-                sealed = capability.seal(item, K)
-                item_id, value = sealed.id, sealed.value
-            groups.setdefault((chunk, was_poisoned), []).append((item_id, value))
+            groups.setdefault((chunk, was_poisoned), []).append(
+                capability.stored(item, self.digest.sha256(i), self.plain_records))
         for (chunk, replace), items in groups.items():
             if st.core is None:
                 st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)

@@ -71,9 +71,9 @@ def plain_derived(Kt: bytes, payload: Buffer) -> Sealed:
     return Sealed(derived_id(Kt), Kt, bytes(payload))
 
 
-def open_plain_derived(value: Buffer, max_size: int | None = None) -> bytes:
-    """open_derived for a plain store: the payload itself; PoisonedValue if it is
-    larger than max_size (the codec checks the rest as it decodes)."""
+def open_plain_derived(Kt: bytes, value: Buffer, max_size: int | None = None) -> bytes:
+    """open_derived for a plain store: the payload itself (Kt unused); PoisonedValue if
+    it is larger than max_size (the codec checks the rest as it decodes)."""
     if max_size is not None and len(value) > max_size:
         raise PoisonedValue(f"transformed item of {len(value)} bytes, over {max_size}")
     return value if type(value) is bytes else bytes(value)

@@ -46,8 +46,8 @@ class TransformedItems:
         self.tag = transformed_tag(dataset_tag, fingerprint)
         self.counts = TransformedCounts()
         # the ring is a plain embedded cache (cacheserver/datadir.py): payloads stored as they are
-        self._open, self._seal = ((lambda k, v, m: open_plain_derived(v, m)), plain_derived) \
-            if getattr(ring, "plain", False) else (open_derived, seal_derived)
+        plain = getattr(ring, "plain", False)
+        self._open, self._seal = (open_plain_derived, plain_derived) if plain else (open_derived, seal_derived)
 
     def key(self, K: bytes) -> bytes:
         return derived_key(K, self.fingerprint, self.seed)

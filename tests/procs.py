@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +76,22 @@ def cacheserver(data_dir: str, capacity: str = "1GB", port: int = 0, *extra: str
     return Daemon(["cacheserver.serverd", "--listen", listen, "--data-dir", data_dir,
                    "--capacity", capacity, "--log-format", "text", *extra],
                   log_path=os.path.join(data_dir, "server.log"))
+
+
+def settle(cpu: Callable[[], float], idle_cores: float = 0.05, window: float = 0.5, limit: float = 60.0
+           ) -> float:
+    """Wait (at most `limit` s) until `cpu` (CPU seconds of the processes a benchmark measures)
+    grows by under `idle_cores` over a `window`: RocksDB's flush and compactions after a filling
+    epoch are the fill's cost, not the hits' (on 2 cores they ran through the next 3 epochs of
+    tools/bench/epoch at twice the hits' CPU). Returns the CPU seconds spent meanwhile."""
+    start = cpu()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        c = cpu()
+        time.sleep(window)
+        if cpu() - c < idle_cores * window:
+            break
+    return cpu() - start
 
 
 def rss_bytes(pid: int) -> int:

@@ -133,6 +133,10 @@ def test_sealed_or_plain_clients_refuse_the_other_records(tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Get(pb.GetRequest(ids=ds.ids_for([0])[0], job="x")))
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as err:
+                ops.PUT.grpc(stub, [(b"z" * 32, b"over tcp")], "x", 10.0)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert list(c.lookup([b"z" * 32])) == [0]  # nothing stored
         assert stat.S_IMODE(os.stat(info.unix_socket).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(tmp_path / "emb").st_mode) == 0o700
         ds.close()

@@ -54,3 +54,15 @@ def test_each_kind_of_store_refuses_the_other_dir(tmp_path):
     (tmp_path / "plain" / "records").write_text("rot13\n")
     with pytest.raises(PlaintextDir, match="unknown record format 'rot13'"):
         store(tmp_path / "plain", plain=True)
+
+
+def test_a_socket_that_cannot_be_bound_is_named(tmp_path):
+    """A plain server has no TCP data plane: a Unix socket it cannot bind is the error,
+    by its path (not a TypeError about a TCP address it never had)."""
+    from cacheserver.server import CacheServer, ServerConfig
+
+    sock = tmp_path / "missing" / "data.sock"
+    with pytest.raises(OSError) as err:
+        CacheServer(ServerConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "d"), capacity=1 << 26,
+                                 unix_socket=str(sock), plain=True))
+    assert not isinstance(err.value, TypeError) and str(sock) in str(err.value)

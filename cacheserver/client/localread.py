@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 
 import rocksdict
 
-from ..datadir import PLAIN, records_format
 from ..record import unwrap
 from ..rocksopts import plain_read_options
 from ..store import hot_read_options, tuned_for_reads
@@ -69,7 +68,7 @@ def catch_up_interval(cost_s: float) -> float:
 
 
 class LocalReader:
-    def __init__(self, db_path: str) -> None:
+    def __init__(self, db_path: str, plain: bool = False) -> None:
         self._scratch = Scratch()
         t = time.monotonic()
         cf = rocksdict.Options(raw_mode=True)
@@ -80,8 +79,8 @@ class LocalReader:
         except BaseException:
             self._scratch.close()
             raise
-        # a plain store's values carry no trailer: RocksDB checks their blocks instead
-        self._plain = records_format(os.path.dirname(db_path)) == PLAIN
+        # a plain store's values (datadir.py) carry no trailer: RocksDB checks their blocks instead
+        self._plain = plain
         self._db.set_read_options(plain_read_options() if self._plain else hot_read_options())
         self._lock = threading.Lock()
         self._last_catch_up = time.monotonic()

@@ -116,7 +116,7 @@ class ServerClient:
         """Open a follower; the time it takes counts as follower cost (readpath.py)."""
         t = time.perf_counter()
         self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
-        local = LocalReader(db_path)
+        local = LocalReader(db_path, self.plain)
         self.paths.follower(time.perf_counter() - t)
         return local
 
