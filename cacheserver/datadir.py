@@ -60,3 +60,18 @@ def claim_records(path: str, plain: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, RECORDS_FILE))
+    if plain:
+        check_private(path)
+
+
+def check_private(path: str) -> None:
+    """A plain dir's values are trusted as its writers checked them (docs/security.md):
+    it must be this user's and shut to everyone else; PlaintextDir saying how otherwise."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise PlaintextDir(f"data dir {path} holds plaintext records but belongs to uid {st.st_uid}, not "
+                           f"this user (uid {os.geteuid()}): use a cache dir of your own")
+    if st.st_mode & 0o077:
+        raise PlaintextDir(f"data dir {path} holds plaintext records but is open to others (mode "
+                           f"{st.st_mode & 0o777:o}): its items are trusted as this user's own; "
+                           f"run `chmod 700 {path}`")

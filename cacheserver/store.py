@@ -41,7 +41,7 @@ from .diskbudget import BLOB_MIN, large_values_options, size_lsm
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .record import strip, unwrap, wrap
-from .rocksopts import hot_read_options, plain_read_options, tuned_for_reads
+from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
 from .storerecovery import _META, DURABLE_MARK_KEY, Recovery
 
@@ -110,9 +110,9 @@ class Store(Recovery):
         opts.set_atomic_flush(True)
         opts.set_keep_log_file_num(2)  # RocksDB's own info log: a few files of at most 1 MiB, not one per start
         opts.set_max_log_file_size(1 << 20)
-        cf_opts = rocksdict.Options(raw_mode=True)
+        cf_opts = filtered(rocksdict.Options(raw_mode=True))
         self.db_path = os.path.abspath(os.path.join(path, "db"))
-        cfs = {"meta": cf_opts, "server": cf_opts, "large": large_values_options(self.capacity)}
+        cfs = {"meta": cf_opts, "server": cf_opts, "large": filtered(large_values_options(self.capacity))}
         self._db, repaired = open_db(self.db_path, tuned_for_reads(opts), cfs, salvage)
         self._db.set_read_options(plain_read_options() if self.plain else hot_read_options())
         self._meta = self._db.get_column_family("meta")

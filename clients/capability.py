@@ -164,7 +164,8 @@ def open_values(keys: list[bytes], ids: list[bytes], values: list[Buffer | None]
 def open_plain(values: list[Buffer | None], sizes: list[int]) -> list[bytes | None]:
     """open_values for a plain store (the embedded cache's own, cacheserver/datadir.py):
     values are the items themselves, kept intact by RocksDB's checksums; None for a
-    missing one and one of the wrong size. The hash check (step 4) stays the caller's."""
+    missing one and one of the wrong size. No hash check (step 4): the dir's writers,
+    its owner's processes, checked each item against its digest before putting it."""
     out: list[bytes | None] = []
     for value, size in zip(values, sizes):
         if value is None or len(value) != size:

@@ -338,7 +338,9 @@ class CachedDataset(_TorchDataset):
         keys = [self.digest.hashes[i].tobytes() for i in indices]
         ids = self.ids_for(indices)
         out: list[Any] = [None] * n
-        if st.core is not None:
+        if st.core is not None and self.plain_records:
+            values, vouched, since = inproc.get_plain(st.core, self.job, ids), None, None
+        elif st.core is not None:
             values, vouched, since = inproc.get_vouched(st.core, self.job, ids)
         else:
             values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
@@ -391,11 +393,14 @@ class CachedDataset(_TorchDataset):
         it (version 3), several times faster than the SHA-256 (K) that older digests are
         checked against. Values the in-process server vouches for (put or checked by this
         process, written by nobody else since: cacheserver/trust.py) skip the hash; those
-        checked here are vouched for from now on (`read`: their ids and when they were read)."""
-        ids = read[0] if read is not None else self.ids_for(indices)
+        checked here are vouched for from now on (`read`: their ids and when they were read).
+        A plain store's values are checked by their size only: its writers, this user's
+        processes, checked them before putting them (docs/security.md)."""
         sizes = self.digest.sizes[list(indices)].tolist()
-        items = (capability.open_plain(values, sizes) if self.plain_records
-                 else capability.open_values(keys, ids, values, sizes))
+        if self.plain_records:
+            return capability.open_plain(values, sizes)
+        ids = read[0] if read is not None else self.ids_for(indices)
+        items = capability.open_values(keys, ids, values, sizes)
         if self.verify_hash:
             todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
             b3 = self.digest.blake3

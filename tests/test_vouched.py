@@ -1,6 +1,8 @@
-"""Values the embedded server's own process put or checked skip the hash check there
-(cacheserver/trust.py), and only those: a write from anyone else, over the socket from
-another process or through a plain put in this one, is checked again (issue 13)."""
+"""In an embedded dir of sealed records (one made before plain records), values the
+server's own process put or checked skip the hash check there (cacheserver/trust.py), and
+only those: a write from anyone else, over the socket from another process or through a
+plain put in this one, is checked again (issue 13). A plain dir's values are not hashed
+at all: tests/test_plain_trust.py."""
 import hashlib
 import os
 import subprocess
@@ -27,7 +29,7 @@ def read_counts(ds, indices):
     return got, {k: after[k] - before[k] for k in ("hits", "vouched", "poisoned", "store_bytes")}
 
 
-def put_from_another_process(address: str, ident: bytes, value: bytes, plain: bool = True) -> None:
+def put_from_another_process(address: str, ident: bytes, value: bytes, plain: bool = False) -> None:
     """A put over the embedded server's socket from a separate process, as another local
     holder of the digest would make it."""
     code = ("import sys; from cacheserver.client.server_client import ServerClient\n"
@@ -38,18 +40,11 @@ def put_from_another_process(address: str, ident: bytes, value: bytes, plain: bo
                    cwd=REPO)
 
 
-def value(plain: bool, k: bytes, content: bytes) -> bytes:
-    """What a holder of K stores for `content` under K's id: the content itself in a plain
-    dir, else sealed with a valid tag."""
-    return content if plain else forge(k, content)
-
-
-@pytest.mark.parametrize("plain", [True, False], ids=["plain", "sealed"])
 @pytest.mark.parametrize("with_blake3", [True, False], ids=["blake3", "sha256"])
-def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_blake3, plain):
+def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_blake3):
     path, items = make(tmp_path / "ds", with_blake3)
     n = len(items)
-    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb") if plain else sealed_dir(tmp_path / "emb"))
+    ds = CachedDataset(path, cache_dir=sealed_dir(tmp_path / "emb"))
     try:
         got, c = read_counts(ds, list(range(n)))  # fill: read from the store, sealed, put vouched
         assert got == items and c["hits"] == 0 and c["vouched"] == 0
@@ -57,19 +52,19 @@ def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_bla
         assert got == items and c == dict(hits=n, vouched=n, poisoned=0, store_bytes=0)
         k = hashlib.sha256(items[1]).digest()
         ident = capability.item_id(k)
-        forged = value(plain, k, bytes(len(items[1])))  # other content (sealed: with a valid tag)
-        put_from_another_process(ds.embedded.address, ident, forged, plain)
+        forged = forge(k, bytes(len(items[1])))  # other content (sealed: with a valid tag)
+        put_from_another_process(ds.embedded.address, ident, forged)
         got, c = read_counts(ds, list(range(n)))
         assert got == items and c["poisoned"] == 1 and c["vouched"] == n - 1 and c["store_bytes"] == len(items[1])
         got, c = read_counts(ds, list(range(n)))  # the repair was our own put: vouched again
         assert got == items and c == dict(hits=n, vouched=n, poisoned=0, store_bytes=0)
         # a plain put in this very process is no voucher either
-        with ServerClient(ds.embedded.address, plain=plain) as cl:
+        with ServerClient(ds.embedded.address) as cl:
             cl.put([(ident, forged)], replace=True)
         got, c = read_counts(ds, [0, 1, 2])
         assert got == items[:3] and c["poisoned"] == 1 and c["vouched"] == 2
         # the genuine value written by someone else: checked once, then vouched for
-        put_from_another_process(ds.embedded.address, ident, value(plain, k, items[1]), plain)
+        put_from_another_process(ds.embedded.address, ident, forge(k, items[1]))
         got, c = read_counts(ds, [1])
         assert got == items[1:2] and c == dict(hits=1, vouched=0, poisoned=0, store_bytes=0)
         got, c = read_counts(ds, [1])
@@ -78,12 +73,11 @@ def test_own_inserts_are_vouched_foreign_writes_checked_again(tmp_path, with_bla
         ds.close()
 
 
-@pytest.mark.parametrize("plain", [True, False], ids=["plain", "sealed"])
-def test_a_new_process_checks_each_value_once(tmp_path, plain):
+def test_a_new_process_checks_each_value_once(tmp_path):
     """Vouching is not kept on disk: a cache dir opened again is checked value by value once."""
     path, items = make(tmp_path / "ds", True)
     n = len(items)
-    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb") if plain else sealed_dir(tmp_path / "emb"))
+    ds = CachedDataset(path, cache_dir=sealed_dir(tmp_path / "emb"))
     try:
         ds.__getitems__(list(range(n)))
     finally:
@@ -92,8 +86,7 @@ def test_a_new_process_checks_each_value_once(tmp_path, plain):
     ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
     try:
         # written while no vouching process held the dir: a forged value from before
-        put_from_another_process(ds.embedded.address, capability.item_id(k), value(plain, k, bytes(len(items[2]))),
-                                 plain)
+        put_from_another_process(ds.embedded.address, capability.item_id(k), forge(k, bytes(len(items[2]))))
         got, c = read_counts(ds, list(range(n)))
         assert got == items and c == dict(hits=n - 1, vouched=0, poisoned=1, store_bytes=len(items[2]))
         got, c = read_counts(ds, list(range(n)))
@@ -105,7 +98,7 @@ def test_a_new_process_checks_each_value_once(tmp_path, plain):
 def test_workers_check_what_they_read(tmp_path):
     """DataLoader workers read through the socket: nothing vouches for their values."""
     path, items = make(tmp_path / "ds", True)
-    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    ds = CachedDataset(path, cache_dir=sealed_dir(tmp_path / "emb"))
     try:
         ds.__getitems__(list(range(len(items))))
         before = ds.counters.totals()

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import rocksdict
 
 from ..record import unwrap
-from ..rocksopts import plain_read_options
+from ..rocksopts import filtered, plain_read_options
 from ..store import hot_read_options, tuned_for_reads
 from .scratch import Scratch
 
@@ -71,7 +71,7 @@ class LocalReader:
     def __init__(self, db_path: str, plain: bool = False) -> None:
         self._scratch = Scratch()
         t = time.monotonic()
-        cf = rocksdict.Options(raw_mode=True)
+        cf = filtered(rocksdict.Options(raw_mode=True))
         try:
             self._db = rocksdict.Rdict(db_path, tuned_for_reads(rocksdict.Options(raw_mode=True)),
                                        column_families={"meta": cf, "server": cf},
@@ -87,15 +87,17 @@ class LocalReader:
         # opening replays the log as a catch-up does, and more: a conservative first cost
         self._interval = catch_up_interval(self._last_catch_up - t)
 
-    def read(self, ids: Sequence[bytes]) -> list[memoryview | None]:
+    def read(self, ids: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        """The values under these ids (None: absent or unreadable): a plain store's as
+        RocksDB's bytes (no copy: the caller keeps them), a sealed one's past the trailer."""
         get = self._db.get
-        out: list[memoryview | None] = []
+        out: list[bytes | memoryview | None] = []
         for k in ids:
             try:
                 raw = get(k)
             except Exception:  # a file compacted away since the last catch-up, or a corrupt block
                 raw = None
-            out.append(None if raw is None else memoryview(raw) if self._plain else unwrap(raw))
+            out.append(None if raw is None else raw if self._plain else unwrap(raw))
         return out
 
     def catch_up(self) -> bool:

@@ -1,0 +1,69 @@
+"""A plain embedded dir (cacheserver/datadir.py) is written only by its owner's processes,
+each of which checked an item against its digest before putting it: reads there check the
+value's size (RocksDB its bits: tests/test_plain_records.py), not its hash, in the owning
+process and in its DataLoader workers alike; a plain dir not private to its owner is
+refused (docs/security.md)."""
+import hashlib
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cacheserver.datadir import PlaintextDir  # noqa: E402
+from clients import capability  # noqa: E402
+from clients.dataset import CachedDataset  # noqa: E402
+from test_verify_blake3 import make  # noqa: E402
+from test_vouched import put_from_another_process, read_counts  # noqa: E402
+
+
+def test_plain_values_are_trusted_as_their_owner_put_them(tmp_path):
+    path, items = make(tmp_path / "ds", True)
+    n = len(items)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
+    try:
+        assert ds.plain_records
+        ds.__getitems__(list(range(n)))  # fill
+        # a same-size rewrite by another process of this user (the only one who can reach
+        # the 0600 socket): served as it stands, unhashed, here and in the workers
+        ident = capability.item_id(hashlib.sha256(items[1]).digest())
+        other = bytes(len(items[1]))
+        put_from_another_process(ds.embedded.address, ident, other, plain=True)
+        got, c = read_counts(ds, list(range(n)))
+        assert got == items[:1] + [other] + items[2:]
+        assert c == dict(hits=n, vouched=0, poisoned=0, store_bytes=0)
+        loader = ds.loader(batch_size=8, num_workers=2, seed=0, multiprocessing_context="fork",
+                           persistent_workers=False)
+        assert sorted(x for b in loader for x in b) == sorted(items[:1] + [other] + items[2:])
+        # a value of another length than the digest's: dropped, read from the store again
+        put_from_another_process(ds.embedded.address, ident, items[1] + b"!", plain=True)
+        got, c = read_counts(ds, list(range(n)))
+        assert got == items and c == dict(hits=n - 1, vouched=0, poisoned=1, store_bytes=len(items[1]))
+    finally:
+        ds.close()
+
+
+def test_a_plain_dir_open_to_others_is_refused(tmp_path):
+    path, items = make(tmp_path / "ds", True, n=4)
+    emb = tmp_path / "emb"
+    CachedDataset(path, cache_dir=str(emb)).close()
+    assert os.stat(emb).st_mode & 0o777 == 0o700
+    os.chmod(emb, 0o750)
+    with pytest.raises(PlaintextDir, match=r"open to others \(mode 750\).*chmod 700"):
+        CachedDataset(path, cache_dir=str(emb))
+    os.chmod(emb, 0o700)
+    ds = CachedDataset(path, cache_dir=str(emb))
+    try:
+        assert ds.__getitems__([0, 3]) == [items[0], items[3]]
+    finally:
+        ds.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a dir away takes root")
+def test_a_plain_dir_of_another_user_is_refused(tmp_path):
+    path, _ = make(tmp_path / "ds", True, n=4)
+    emb = tmp_path / "emb"
+    CachedDataset(path, cache_dir=str(emb)).close()
+    os.chown(emb, 65534, -1)
+    with pytest.raises(PlaintextDir, match="belongs to uid 65534, not this user"):
+        CachedDataset(path, cache_dir=str(emb))
