@@ -53,6 +53,7 @@ def claim_records(path: str, plain: bool) -> None:
             f"data dir {path} holds an embedded cache's plaintext records ({RECORDS_FILE}: {PLAIN}); a "
             f"cache server serves only sealed records: give it another --data-dir, or delete this one")
     if plain and found is None:
+        check_owner(path)
         os.chmod(path, 0o700)  # its owner's items in the clear: nobody else may look
         tmp = os.path.join(path, RECORDS_FILE + ".tmp")
         with open(tmp, "w") as f:
@@ -64,14 +65,22 @@ def claim_records(path: str, plain: bool) -> None:
         check_private(path)
 
 
+def check_owner(path: str) -> None:
+    """PlaintextDir unless the dir belongs to this user."""
+    uid = os.stat(path).st_uid
+    if uid != os.geteuid():
+        raise PlaintextDir(f"data dir {path} is for plaintext records but belongs to uid {uid}, not "
+                           f"this user (uid {os.geteuid()}): use a cache dir of your own")
+
+
 def check_private(path: str) -> None:
     """A plain dir's values are trusted as its writers checked them (docs/security.md):
-    it must be this user's and shut to everyone else; PlaintextDir saying how otherwise."""
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise PlaintextDir(f"data dir {path} holds plaintext records but belongs to uid {st.st_uid}, not "
-                           f"this user (uid {os.geteuid()}): use a cache dir of your own")
-    if st.st_mode & 0o077:
+    it must be this user's and shut to everyone else; PlaintextDir saying how otherwise.
+    Once open to others, anything in it may have been planted: it is a cache, so the
+    remedy is a new one (a parent dir that others can write is the user's to avoid)."""
+    check_owner(path)
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
         raise PlaintextDir(f"data dir {path} holds plaintext records but is open to others (mode "
-                           f"{st.st_mode & 0o777:o}): its items are trusted as this user's own; "
-                           f"run `chmod 700 {path}`")
+                           f"{mode:o}): what is in it may not be this user's; delete it (it is a cache, "
+                           f"made again on first use, private) or give another cache dir")

@@ -92,8 +92,8 @@ def get_vouched(core: Any, job: str, ids: Sequence[bytes]) -> tuple[list, list[b
     """(values, vouched, since): vouched[i] when the value was put or checked by this
     process and nobody else has written it since; `since` for vouch() afterwards. The
     record checksum (xxh3) is skipped: the caller opens every value with its AES-GCM tag,
-    which any change to the stored bytes fails (it then replaces the value); a plain
-    store's values have RocksDB's block checksums checked instead (datadir.py)."""
+    which any change to the stored bytes fails (it then replaces the value). For a
+    sealed store: a plain one's values need no vouching (get_plain)."""
     since, vouched = core.trust.begin(ids)
     values = core.get(job, ids, trailer=False)
     if not core.trust.still(since):  # someone else wrote meanwhile: check them all, vouch none

@@ -394,8 +394,7 @@ class CachedDataset(_TorchDataset):
         checked against. Values the in-process server vouches for (put or checked by this
         process, written by nobody else since: cacheserver/trust.py) skip the hash; those
         checked here are vouched for from now on (`read`: their ids and when they were read).
-        A plain store's values are checked by their size only: its writers, this user's
-        processes, checked them before putting them (docs/security.md)."""
+        A plain store's values get a size check only (docs/security.md)."""
         sizes = self.digest.sizes[list(indices)].tolist()
         if self.plain_records:
             return capability.open_plain(values, sizes)
@@ -511,8 +510,8 @@ class CachedDataset(_TorchDataset):
     def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, always checked against the digest (ItemMismatch
         names a changed item: stale data never reaches training). verify_hash
-        only governs cache reads: on a miss the store read dominates the hash."""
-        return read_items(self.digest, indices, st.fs, verify=True,
+        only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids."""
+        return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records,
                           concurrency=st.read_threads, pool=st.pool)
 
     def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
@@ -531,8 +530,8 @@ class CachedDataset(_TorchDataset):
             if st.core is None:
                 st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
                 continue
-            try:  # sealed from checked items: the in-process server vouches for them
-                inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=True)
+            try:  # sealed from checked items: the in-process server vouches for them (a plain one needs not)
+                inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=not self.plain_records)
             except ValueError:  # a malformed put: ours to fix, not the store's
                 raise
             except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss

@@ -26,37 +26,44 @@ def _item_range(digest: Digest, i: int, base: str) -> tuple[str, int | None, int
     return full, offset, offset + length
 
 
-def item_matches(digest: Digest, i: int, data: bytes) -> bool:
+def item_matches(digest: Digest, i: int, data: bytes, by_key: bool = False) -> bool:
     """Whether data is item i: by its BLAKE3 where the digest carries it (version 3;
     several times faster), else by its SHA-256. The digest is the user's own trusted
-    record, so either hash ties the data to the SHA-256 that is its key."""
+    record, so either hash ties the data to the SHA-256 that is its key. With by_key,
+    by the SHA-256 itself: for items bound for a plain cache dir, which other digests
+    read unhashed (docs/security.md), so one digest's columns must not vouch for it."""
     b3 = digest.blake3
-    if b3 is not None:
+    if b3 is not None and not by_key:
         import blake3  # lazy: loading digests must not need it
 
         return blake3.blake3(data).digest() == b3[digest.index(i)].tobytes()
     return hashlib.sha256(data).digest() == digest.sha256(i)
 
 
-def _check_item(digest: Digest, i: int, data: bytes, verify: bool) -> bytes:
+def _check_item(digest: Digest, i: int, data: bytes, verify: bool, by_key: bool = False) -> bytes:
     length = int(digest.size(i))
-    if verify and (len(data) != length or not item_matches(digest, i, data)):
+    if verify and (len(data) != length or not item_matches(digest, i, data, by_key)):
         path, offset, _ = digest.location(i)
         if digest.kind is not Kind.FILES and len(data) > length:
             raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}): the store returned {len(data)} "
                                f"bytes for a {length}-byte range; does it ignore range requests?")
+        if by_key and len(data) == length and digest.blake3 is not None and item_matches(digest, i, data):
+            raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}) matches the digest's BLAKE3 but not "
+                               f"its SHA-256: the digest is inconsistent (check it with tools/digest verify)")
         raise ItemMismatch(f"item {i} ({path} @ {offset}+{length}) does not match the digest")
     return data
 
 
 def read_item(
-    digest: Digest, i: int, fs: Any = None, *, verify: bool = False, **storage_options: Any
+    digest: Digest, i: int, fs: Any = None, *, verify: bool = False, by_key: bool = False,
+    **storage_options: Any
 ) -> bytes:
     """Read item ``i`` from the store under ``digest.root`` through fsspec.
 
     ``fs`` is an fsspec filesystem for the root's protocol; when omitted it
     comes from ``fsspec.core.url_to_fs(root, **storage_options)``.  Records use
-    one range read.  With ``verify``, a content mismatch raises ItemMismatch.
+    one range read.  With ``verify``, a content mismatch raises ItemMismatch
+    (``by_key``: checked by the SHA-256, item_matches).
     """
     import fsspec  # lazy: loading digests must not need the storage stack
 
@@ -71,7 +78,7 @@ def read_item(
         data = cat_local(full, start, end)
     else:
         data = fs.cat_file(full, start=start, end=end)
-    return _check_item(digest, i, data, verify)
+    return _check_item(digest, i, data, verify, by_key)
 
 
 @functools.cache
@@ -105,7 +112,7 @@ def cat_local(path: str, start: int | None = None, end: int | None = None) -> by
 
 
 def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool = False,
-               concurrency: int = 16, pool: Executor | None = None) -> list[bytes]:
+               concurrency: int = 16, pool: Executor | None = None, by_key: bool = False) -> list[bytes]:
     """Read several items, at most ``concurrency`` at a time; the first failure raises.
 
     An async filesystem (http, gcs, s3) reads the whole batch in one call on its
@@ -119,9 +126,9 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
         if len(indices) > 1 and pool is not None:
             n = min(len(indices), max(1, concurrency))
             shares = [indices[len(indices) * k // n:len(indices) * (k + 1) // n] for k in range(n)]
-            return [data for part in pool.map(lambda share: [read_item(digest, i, fs, verify=verify)
+            return [data for part in pool.map(lambda share: [read_item(digest, i, fs, verify=verify, by_key=by_key)
                                                               for i in share], shares) for data in part]
-        return [read_item(digest, i, fs, verify=verify) for i in indices]
+        return [read_item(digest, i, fs, verify=verify, by_key=by_key) for i in indices]
     base = fs._strip_protocol(digest.root)
     ranges = [_item_range(digest, i, base) for i in indices]
     want = [p for p, (_, s, e) in enumerate(ranges) if s is None or s != e]
@@ -132,4 +139,4 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
         if isinstance(data, BaseException):
             raise data
         out[p] = data
-    return [_check_item(digest, i, data, verify) for i, data in zip(indices, out)]
+    return [_check_item(digest, i, data, verify, by_key) for i, data in zip(indices, out)]

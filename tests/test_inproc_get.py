@@ -77,7 +77,7 @@ def test_embedded_forked_workers_read_through_the_socket(tmp_path):
 
 
 def test_damaged_plain_record_of_a_vouched_value_caught_by_rocksdb(tmp_path):
-    """A plain store's vouched values skip every check of ours: a bit flipped in a table
+    """A plain store's values skip every check of ours but their size: a bit flipped in a table
     file on disk is caught by RocksDB's block checksum, dropped, and the item read from
     the store again; nothing wrong reaches the reader."""
     path, items = make(tmp_path / "ds", True)

@@ -5,14 +5,19 @@ process and in its DataLoader workers alike; a plain dir not private to its owne
 refused (docs/security.md)."""
 import hashlib
 import os
+import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import blake3  # noqa: E402
+
+from cacheserver.client.server_client import peer_uid  # noqa: E402
 from cacheserver.datadir import PlaintextDir  # noqa: E402
 from clients import capability  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
+from clients.digest import DigestBuilder, ItemMismatch  # noqa: E402
 from test_verify_blake3 import make  # noqa: E402
 from test_vouched import put_from_another_process, read_counts  # noqa: E402
 
@@ -43,13 +48,35 @@ def test_plain_values_are_trusted_as_their_owner_put_them(tmp_path):
         ds.close()
 
 
+def test_items_for_a_plain_dir_are_checked_by_the_sha256_of_their_ids(tmp_path):
+    """A digest whose BLAKE3 vouches for other content than its SHA-256 names must not
+    file that content under the SHA-256's id, where other digests read it unhashed."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    x, y = b"x" * 5000, b"y" * 5000
+    (root / "a.bin").write_bytes(y)
+    (root / "b.bin").write_bytes(x)
+    b = DigestBuilder(str(root), "files")
+    b.add(hashlib.sha256(x).digest(), len(y), "a.bin", blake3=blake3.blake3(y).digest())  # inconsistent
+    b.add(hashlib.sha256(x).digest(), len(x), "b.bin", blake3=blake3.blake3(x).digest())
+    b.build().save(str(tmp_path / "bad.digest"))
+    ds = CachedDataset(str(tmp_path / "bad.digest"), cache_dir=str(tmp_path / "emb"))
+    try:
+        with pytest.raises(ItemMismatch, match="item 0 .*BLAKE3 but not its SHA-256.*tools/digest verify"):
+            ds.__getitems__([0])
+        assert ds.__getitems__([1]) == [x]  # the genuine item under that id
+        assert ds.__getitems__([1]) == [x]
+    finally:
+        ds.close()
+
+
 def test_a_plain_dir_open_to_others_is_refused(tmp_path):
     path, items = make(tmp_path / "ds", True, n=4)
     emb = tmp_path / "emb"
     CachedDataset(path, cache_dir=str(emb)).close()
     assert os.stat(emb).st_mode & 0o777 == 0o700
     os.chmod(emb, 0o750)
-    with pytest.raises(PlaintextDir, match=r"open to others \(mode 750\).*chmod 700"):
+    with pytest.raises(PlaintextDir, match=r"open to others \(mode 750\).*delete it"):
         CachedDataset(path, cache_dir=str(emb))
     os.chmod(emb, 0o700)
     ds = CachedDataset(path, cache_dir=str(emb))
@@ -67,3 +94,24 @@ def test_a_plain_dir_of_another_user_is_refused(tmp_path):
     os.chown(emb, 65534, -1)
     with pytest.raises(PlaintextDir, match="belongs to uid 65534, not this user"):
         CachedDataset(path, cache_dir=str(emb))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    os.chown(fresh, 65534, -1)
+    with pytest.raises(PlaintextDir, match="belongs to uid 65534, not this user"):
+        CachedDataset(path, cache_dir=str(fresh))  # refused by name, not a bare chmod error
+    assert not (fresh / "records").exists()
+
+
+def test_the_peer_of_a_unix_socket_is_known(tmp_path):
+    """A plain client takes values unhashed only over a socket of this user's (server_client.py)."""
+    path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    cl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        cl.connect(path)
+        assert peer_uid(cl, path) == os.geteuid()
+    finally:
+        cl.close()
+        srv.close()

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cacheserver import inproc  # noqa: E402
 from cacheserver.client.server_client import ServerClient  # noqa: E402
 from cacheserver.trust import WriteTrust  # noqa: E402
 from clients import capability  # noqa: E402
@@ -101,6 +102,10 @@ def test_workers_check_what_they_read(tmp_path):
     ds = CachedDataset(path, cache_dir=sealed_dir(tmp_path / "emb"))
     try:
         ds.__getitems__(list(range(len(items))))
+        # a forged value the in-process server is told to vouch for: the workers still hash it
+        k = hashlib.sha256(items[1]).digest()
+        inproc.put(ds.embedded.server.core, ds.job, [(capability.item_id(k), forge(k, bytes(len(items[1]))))],
+                   replace=True, vouch=True)
         before = ds.counters.totals()
         # Forked workers inherit the server's gRPC threads' state: kept alive past the epoch
         # (persistent, the loader's default) they crashed (SIGSEGV) when ds.close() stopped the
@@ -109,7 +114,8 @@ def test_workers_check_what_they_read(tmp_path):
                            persistent_workers=False)
         assert sorted(x for b in loader for x in b) == sorted(items)
         after = ds.counters.totals()
-        assert after["hits"] - before["hits"] == len(items) and after["vouched"] == before["vouched"]
+        assert after["hits"] - before["hits"] == len(items) - 1 and after["vouched"] == before["vouched"]
+        assert after["poisoned"] - before["poisoned"] == 1
     finally:
         ds.close()
 

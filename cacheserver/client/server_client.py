@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
 from .. import inproc, ops, wire
+from ..datadir import PlaintextDir, check_private
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
@@ -29,7 +31,17 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_mess
 
 
 class RecordsMismatch(ValueError):
-    """A client and a server disagree on the record format (cacheserver/datadir.py)."""
+    """A client and a server disagree on the record format (cacheserver/datadir.py), or a
+    plain one is not this user's own."""
+
+
+def peer_uid(s: socket.socket, path: str) -> int:
+    """The uid of the process at the other end of a Unix socket (where the OS says;
+    else the socket file's owner, who bound it)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return uid
+    return os.stat(path).st_uid
 
 
 class ServerClient:
@@ -87,6 +99,10 @@ class ServerClient:
         if self._prefer_unix and info.unix_socket and os.path.exists(info.unix_socket):
             try:
                 s = self._connect(("unix", info.unix_socket))
+                if self.plain and peer_uid(s, info.unix_socket) != os.geteuid():
+                    s.close()  # values read unhashed come only from this user's own processes
+                    raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
+                                          f"is another user's, not this user's embedded cache")
                 if self._ping(s) == info.instance:  # same server, not a namesake path
                     self._target, self.transport = ("unix", info.unix_socket), "unix"
                     self._pool.put(s)
@@ -105,6 +121,11 @@ class ServerClient:
             return
         if inproc.core_for(self.address) is not None:  # served in this process: no follower needed
             return
+        if self.plain:  # read unhashed: only from a data dir of this user's own (datadir.py)
+            try:
+                check_private(os.path.dirname(db_path))
+            except (PlaintextDir, OSError):
+                return
         try:
             self._local = self._new_follower(db_path)
         except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
