@@ -44,7 +44,7 @@ from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
 
-from . import capability, itemview
+from . import capability, checked, itemview
 from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
@@ -92,6 +92,8 @@ class _ProcessState:
         self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
                           if self.hash_threads > 1 else None)
         self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
+        # values from a server this process checked once: known again by a MAC (checked.py)
+        self.checked = checked.CheckedValues() if self.core is None and not ds.plain_records else None
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -394,7 +396,8 @@ class CachedDataset(_TorchDataset):
         checked against. Values the in-process server vouches for (put or checked by this
         process, written by nobody else since: cacheserver/trust.py) skip the hash; those
         checked here are vouched for from now on (`read`: their ids and when they were read).
-        A plain store's values get a size check only (docs/security.md)."""
+        Values from a server that this process checked before as the same bytes skip the
+        hash too (checked.py). A plain store's values get a size check only (docs/security.md)."""
         sizes = self.digest.sizes[list(indices)].tolist()
         if self.plain_records:
             return capability.open_plain(values, sizes)
@@ -405,11 +408,17 @@ class CachedDataset(_TorchDataset):
             b3 = self.digest.blake3
             pairs = ([(b3[indices[j]].tobytes(), items[j]) for j in todo] if b3 is not None
                      else [(keys[j], items[j]) for j in todo])
+            todo, pairs, memo, known = checked.unknown(st.checked, ids, values, todo, pairs)
+            if known:  # checked before as these very bytes: as good as vouched
+                self.counters.add(_worker_row(), vouched=known)
             hash_fn = capability.sha256 if b3 is None else capability.blake3
             for j, ok in zip(todo, capability.hashes_match(pairs, st.hash_pool, st.hash_threads,
                                                            hash_fn=hash_fn)):
                 if not ok:
                     items[j] = None  # forged by a holder of the key: poisoned
+            if memo:
+                ok = [p for p, j in enumerate(todo) if items[j] is not None]
+                st.checked.remember([memo[p] for p in ok], [values[todo[p]] for p in ok])
             if st.core is not None and read is not None and read[1] is not None:
                 inproc.vouch(st.core, [read[0][j] for j in todo if items[j] is not None], read[1])
         return items
