@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import threading
 from collections.abc import Sequence
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -31,7 +30,6 @@ class CheckedValues:
         self._nonces = itertools.count()
         self._seen: dict[bytes, tuple[bytes, bytes]] = {}  # id + expected hash -> (nonce, tag)
         self._limit = limit
-        self._lock = threading.Lock()
 
     def _tag(self, nonce: bytes, value: Buffer) -> bytes:
         return self._aead.encrypt(nonce, b"", value)
@@ -49,8 +47,7 @@ class CheckedValues:
         for k, v in zip(keys, values):
             if len(self._seen) >= self._limit and k not in self._seen:
                 continue
-            with self._lock:
-                nonce = next(self._nonces).to_bytes(12, "little")
+            nonce = next(self._nonces).to_bytes(12, "little")  # count's next is atomic: unique per call
             self._seen[k] = (nonce, self._tag(nonce, v))
 
     def __len__(self) -> int:
@@ -60,7 +57,6 @@ class CheckedValues:
 def key(ident: bytes, expected: bytes) -> bytes:
     """The entry of a value stored under `ident` and checked against hash `expected`."""
     return ident + expected
-
 
 
 def unknown(memo: CheckedValues | None, ids: Sequence[bytes], values: Sequence[Buffer], todo: list[int],

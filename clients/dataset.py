@@ -93,7 +93,8 @@ class _ProcessState:
                           if self.hash_threads > 1 else None)
         self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
         # values from a server this process checked once: known again by a MAC (checked.py)
-        self.checked = checked.CheckedValues() if self.core is None and not ds.plain_records else None
+        self.checked = (checked.CheckedValues() if self.core is None and ds.verify_hash and not ds.plain_records
+                        else None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -520,7 +521,7 @@ class CachedDataset(_TorchDataset):
         """Items from the store, always checked against the digest (ItemMismatch
         names a changed item: stale data never reaches training). verify_hash
         only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids."""
-        return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records,
+        return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
                           concurrency=st.read_threads, pool=st.pool)
 
     def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
