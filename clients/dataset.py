@@ -92,9 +92,10 @@ class _ProcessState:
         self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
                           if self.hash_threads > 1 else None)
         self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
-        # values from a server this process checked once: known again by a MAC (checked.py)
-        self.checked = (checked.CheckedValues() if self.core is None and ds.verify_hash and not ds.plain_records
-                        else None)
+        # values from a server that this process or another of the loader's checked once:
+        # known again by a MAC (checked.py)
+        self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
+                        if self.core is None and ds.verify_hash and not ds.plain_records else None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -153,6 +154,14 @@ class CachedDataset(_TorchDataset):
                     why = ("knows no cache servers yet" if self.coordinator.reached
                            else "cannot be reached and no ring of it is saved")
                     raise ValueError(f"cache manager {manager} {why}, and no cache= addresses were given")
+        self._set_cache(cache, cache_dir, capacity)
+        self.counters = SharedCounters()
+        self._state: _ProcessState | None = None
+        self._ids: list[bytes | None] | None = None
+
+    def _set_cache(self, cache: str | None | bool, cache_dir: str | None, capacity: int | str) -> None:
+        """The ring every process reads (cache_spec: resolved addresses, or None for no
+        cache), the embedded cache when `cache` is None, and how hits are checked."""
         if cache is False:  # no cache at all: every read goes to the store (a baseline)
             cache = None
         elif cache is None:
@@ -162,9 +171,9 @@ class CachedDataset(_TorchDataset):
         self.cache_spec = ",".join(RingClient.resolve(cache)) if cache else cache
         # an embedded cache in this process (ours or another's) keeps plain items: docs/security.md
         self.plain_records = inproc.plain_store(self.cache_spec)
-        self.counters = SharedCounters()
-        self._state: _ProcessState | None = None
-        self._ids: list[bytes | None] | None = None
+        # the values this dataset's processes checked (checked.py): shared with spawned workers
+        self.checked_table = (checked.new_table(len(self.digest), shared=True)
+                              if self.verify_hash and self.cache_spec and not self.plain_records else None)
 
     def _set_view(self, decode: Callable[..., Any] | None, target: Any, samples: bool | None,
                   source: str) -> None:
@@ -208,7 +217,7 @@ class CachedDataset(_TorchDataset):
         manager plans the cache budget the copy inserts no source items it reads."""
         clone = CachedDataset.__new__(CachedDataset)
         clone.__dict__.update(self.__dict__)
-        clone.__dict__.update(_digest_path=None, counters=None, plan=None, manager=None,
+        clone.__dict__.update(_digest_path=None, counters=None, plan=None, manager=None, checked_table=None,
                               insert=self.insert and self.manager is None,
                               transform=self.transform if transform is None else transform)
         return pickle.dumps(clone)  # __getstate__: the digest as bytes (no path), no process state

@@ -2,6 +2,7 @@
 own (clients/checked.py): a cache server's hits skip step 4 the second time, and a value
 changed since, even one sealed with a valid tag by a holder of K, is hashed and caught."""
 import hashlib
+import os
 
 import pytest
 
@@ -9,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from cacheserver.client.server_client import ServerClient  # noqa: E402
 from clients import capability  # noqa: E402
-from clients.checked import CheckedValues, key, unknown  # noqa: E402
+from clients.checked import HEADER, SLOT, CheckedValues, key, new_table, table_slots, unknown  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from procs import cacheserver  # noqa: E402
 from test_verify_blake3 import forge, make  # noqa: E402
@@ -33,12 +34,40 @@ def test_known_only_as_the_same_bytes_under_the_same_entry():
     flipped[1000] ^= 1
     assert m.known([key(a, b), key(a, b), key(b, b), key(a, a)],
                    [memoryview(v), bytes(flipped), v, v]) == [True, False, False, False]
-    assert CheckedValues().known([key(a, b)], [v]) == [False]  # another process: another key
-    small = CheckedValues(limit=1)
-    small.remember([key(a, b), key(b, b)], [v, v])
-    assert len(small) == 1 and small.known([key(b, b)], [v]) == [False]
+    assert CheckedValues().known([key(a, b)], [v]) == [False]  # another table: another key
     todo, pairs, entries, n = unknown(m, [a, b], [v, v], [0, 1], [(b, v), (b, v)])
     assert (todo, n, entries) == ([1], 1, [key(b, b)])
+
+
+def test_a_full_table_keeps_the_newest_and_knows_only_what_it_holds():
+    full = CheckedValues()  # the smallest table: 1024 slots
+    v = b"x" * 5000
+    entries = [key(os.urandom(32), b"h" * 32) for _ in range(3000)]
+    full.remember(entries, [v] * len(entries))
+    held = len(full)
+    assert 900 < held <= table_slots(0) == 1024
+    assert full.known(entries[-1:], [v]) == [True]
+    assert sum(full.known(entries, [v] * len(entries))) == held  # the rest are hashed again
+
+
+def test_a_shared_table_is_one_memo_and_binds_entry_and_value():
+    table = new_table(10, shared=True)
+    one, other = CheckedValues(table), CheckedValues(table)  # as in two processes of a loader
+    a, b, h = b"a" * 32, b"b" * 32, b"h" * 32
+    v = bytes(range(256)) * 20
+    one.remember([key(a, h)], [v])
+    assert other.known([key(a, h), key(b, h)], [v, v]) == [True, False]
+    mem = memoryview(table).cast("B")
+    filled = [s for s in range(HEADER, len(mem), SLOT) if mem[s:s + 12] != bytes(12)]
+    assert len(filled) == 1
+    s = filled[0]
+    # a's nonce and tag moved to b's entry (as a torn or stale slot would show them): not b's
+    other.remember([key(b, h)], [v])
+    t = [x for x in range(HEADER, len(mem), SLOT) if mem[x:x + 12] != bytes(12) and x != s][0]
+    mem[t:t + 28] = mem[s:s + 28]
+    assert one.known([key(a, h), key(b, h)], [v, v]) == [True, False]
+    mem[s + 3] ^= 1  # a nonce half written
+    assert one.known([key(a, h)], [v]) == [False]
 
 
 @pytest.mark.parametrize("with_blake3", [True, False], ids=["blake3", "sha256"])
@@ -63,3 +92,60 @@ def test_server_hits_checked_once_then_known_and_changes_caught(tmp_path, server
         assert got == items[1:2] and c == dict(hits=1, vouched=1, poisoned=0, store_bytes=0)
     finally:
         ds.close()
+
+
+def test_spawned_workers_share_what_each_checked(tmp_path, server):
+    """A loader's workers meet different items each epoch: what one checked, all know."""
+    path, items = make(tmp_path / "ds", True)
+    n = len(items)
+    ds = CachedDataset(path, cache=server.address)
+    try:
+        loader = ds.loader(batch_size=4, num_workers=2, seed=0)  # spawned, persistent
+        counts = []
+        for _ in range(3):  # fill; first hits, each hashed once by one worker; all known
+            before = ds.counters.totals()
+            assert sorted(x for b in loader for x in b) == sorted(items)
+            after = ds.counters.totals()
+            counts.append({k: after[k] - before[k] for k in ("hits", "vouched", "poisoned")})
+        assert counts[1] == dict(hits=n, vouched=0, poisoned=0)
+        # with a memo of its own, a worker would know about half of its items (2^-40 all)
+        assert counts[2] == dict(hits=n, vouched=n, poisoned=0)
+        del loader
+    finally:
+        ds.close()
+
+
+def test_a_damaged_record_read_by_the_follower_is_caught_by_its_tag_and_replaced(tmp_path):
+    """A same-host reader leaves the records' xxh3 trailers to the values' AES-GCM tags
+    (cacheserver/client/localread.py): a record damaged on disk is poisoned, read from the
+    store and put again."""
+    from cacheserver.counters import Counters
+    from cacheserver.eviction import make_policy
+    from cacheserver.store import Store
+
+    path, items = make(tmp_path / "ds", True)
+    data_dir = str(tmp_path / "srv")
+    srv = cacheserver(data_dir).start()
+    ds = CachedDataset(path, cache=srv.address)
+    try:
+        read_counts(ds, list(range(len(items))))  # fill
+        srv.stop()
+        store = Store(data_dir, 1 << 30, make_policy("lru"), Counters())
+        try:
+            ident = ds.ids_for([3])[0]
+            raw = bytearray(store._db.get(ident))
+            raw[len(raw) // 2] ^= 1  # the trailer no longer matches; nothing else looks
+            store._db.put(ident, bytes(raw))
+        finally:
+            store.close()
+        srv = cacheserver(data_dir).start()
+        ds.close()
+        ds = CachedDataset(path, cache=srv.address)
+        got, c = read_counts(ds, list(range(len(items))))
+        assert got == items and c["poisoned"] == 1 and c["hits"] == len(items) - 1
+        assert [c.transport for c in ds._proc().ring.clients.values()] == ["local"]
+        got, c = read_counts(ds, list(range(len(items))))
+        assert got == items and c["poisoned"] == 0 and c["hits"] == len(items)
+    finally:
+        ds.close()
+        srv.kill()
