@@ -25,6 +25,5 @@ def unwrap(raw: bytes) -> memoryview | None:
 
 def strip(raw: bytes) -> memoryview | None:
     """The value without checking its trailer, for a reader that authenticates it itself
-    (the embedded server's own process, a same-host follower's reader: every value's
-    AES-GCM tag); None if too short."""
+    (the embedded server's own process: every value's AES-GCM tag); None if too short."""
     return memoryview(raw)[:-TRAILER] if len(raw) >= TRAILER else None

@@ -28,8 +28,7 @@ def hot_read_options() -> rocksdict.ReadOptions:
     """Read options of the hit path (2.0 -> 5+ GB/s with mmap, measured in-process).
 
     Block checksums are skipped because every value carries its own xxh3
-    trailer (record.py) that the server checks on every read (a same-host
-    follower leaves that to the values' AES-GCM tags); the block cache is not
+    trailer (record.py) that is checked on every read; the block cache is not
     filled because ~100 KB values only churn it, the OS page cache holds them."""
     ro = rocksdict.ReadOptions()
     ro.set_verify_checksums(False)

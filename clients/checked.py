@@ -8,15 +8,15 @@ a table keeps, per value checked, a GMAC of the value's stored bytes under a key
 (random, written in the table's header): AES-GCM of the entry (the value's id and the hash it
 was checked against) with the value as associated data, ~6 µs per 110 KB, each under a fresh
 random nonce. A server that does not hold the key can make another value with the same tag
-only by chance (GMAC's bound, about 2^-128 per try for values this size), whoever holds K.
+only by chance (GMAC's bound, about 2^-115 per try for 110 KB values), whoever holds K.
 
-The table is shared memory that a dataset hands its spawned DataLoader workers as they start
-(shared_table; like its counters it cannot be pickled for anything else), so a value one
-worker checked is known to all of them: workers meet different items each epoch. The table
+The table is shared memory that a dataset hands the workers its loader spawns as they start
+(new_table(shared=True); like its counters it cannot be pickled for anything else), so a value
+one worker checked is known to all of them: workers meet different items each epoch. The table
 never leaves the machine and, like the processes' memory, is the user's alone. Slots are
 written without a lock: a reader that meets a slot half written finds a tag that does not
-match and hashes the value, never the other way round. Buckets of four slots, the newest
-entries kept; an entry that lost its slot is hashed again.
+match and hashes the value, never the other way round. Buckets of four slots; a full one
+gives up a slot at random, and an entry that lost its slot is hashed again.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ HEADER = 64  # the table's key (32 bytes), then reserved
 SLOT = 32  # nonce 12 | tag 16 | the entry's fingerprint 4
 NONCE, TAG, FP = 12, 16, 4
 WAYS = 4
-MIN_SLOTS, MAX_SLOTS = 1 << 10, 1 << 20  # 32 KB .. 32 MB: past ~250,000 values (28 GB of 110 KB ones) some are lost
+MIN_SLOTS, MAX_SLOTS = 1 << 10, 1 << 18  # 32 KB .. 8 MB: past ~65,000 values (7 GB of 110 KB ones) some are lost
 EMPTY = bytes(NONCE)
 
 

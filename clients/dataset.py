@@ -95,7 +95,8 @@ class _ProcessState:
         # values from a server that this process or another of the loader's checked once:
         # known again by a MAC (checked.py)
         self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
-                        if self.core is None and ds.verify_hash and not ds.plain_records else None)
+                        if self.ring is not None and self.core is None and ds.verify_hash and not ds.plain_records
+                        else None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -171,9 +172,13 @@ class CachedDataset(_TorchDataset):
         self.cache_spec = ",".join(RingClient.resolve(cache)) if cache else cache
         # an embedded cache in this process (ours or another's) keeps plain items: docs/security.md
         self.plain_records = inproc.plain_store(self.cache_spec)
-        # the values this dataset's processes checked (checked.py): shared with spawned workers
-        self.checked_table = (checked.new_table(len(self.digest), shared=True)
-                              if self.verify_hash and self.cache_spec and not self.plain_records else None)
+        self.checked_table = None  # shared by the processes a loader spawns (_share_checked)
+
+    def _share_checked(self) -> None:
+        """The table of values checked against the digest (checked.py) in shared memory, for
+        the processes a loader spawns: made once, and only then (up to 8 MB of /dev/shm)."""
+        if self.checked_table is None and self.verify_hash and self.cache_spec and not self.plain_records:
+            self.checked_table = checked.new_table(len(self.digest), shared=True)
 
     def _set_view(self, decode: Callable[..., Any] | None, target: Any, samples: bool | None,
                   source: str) -> None:
@@ -597,6 +602,8 @@ class CachedDataset(_TorchDataset):
         cost_dir; scheduler="torch" runs it in DataLoader workers instead)."""
         from .loader import make_loader
 
+        if num_workers != 0:  # workers (or preprocess workers, None) share what each checked
+            self._share_checked()
         return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,
                            substitute=substitute, miss_seed=miss_seed, drop_last=drop_last,
                            rank=rank, world_size=world_size, **dataloader_kwargs)

@@ -25,7 +25,8 @@ def server(tmp_path):
 
 
 def test_known_only_as_the_same_bytes_under_the_same_entry():
-    m = CheckedValues()
+    table = new_table(1)
+    m = CheckedValues(table)
     a, b = b"a" * 32, b"b" * 32
     v = bytes(range(256)) * 40
     assert m.known([key(a, b)], [v]) == [False]
@@ -34,12 +35,14 @@ def test_known_only_as_the_same_bytes_under_the_same_entry():
     flipped[1000] ^= 1
     assert m.known([key(a, b), key(a, b), key(b, b), key(a, a)],
                    [memoryview(v), bytes(flipped), v, v]) == [True, False, False, False]
-    assert CheckedValues().known([key(a, b)], [v]) == [False]  # another table: another key
+    other = new_table(1)  # the same slots under another key: known to nobody
+    other[HEADER:] = table[HEADER:]
+    assert CheckedValues(other).known([key(a, b)], [v]) == [False]
     todo, pairs, entries, n = unknown(m, [a, b], [v, v], [0, 1], [(b, v), (b, v)])
     assert (todo, n, entries) == ([1], 1, [key(b, b)])
 
 
-def test_a_full_table_keeps_the_newest_and_knows_only_what_it_holds():
+def test_a_full_table_keeps_the_last_written_and_knows_only_what_it_holds():
     full = CheckedValues()  # the smallest table: 1024 slots
     v = b"x" * 5000
     entries = [key(os.urandom(32), b"h" * 32) for _ in range(3000)]
@@ -68,6 +71,40 @@ def test_a_shared_table_is_one_memo_and_binds_entry_and_value():
     assert one.known([key(a, h), key(b, h)], [v, v]) == [True, False]
     mem[s + 3] ^= 1  # a nonce half written
     assert one.known([key(a, h)], [v]) == [False]
+
+
+def _entries(seed: int, n: int) -> list[bytes]:
+    return [key(hashlib.sha256(bytes([seed]) + i.to_bytes(4, "little")).digest(), b"h" * 32) for i in range(n)]
+
+
+def _remember_many(table, seed: int, n: int) -> None:
+    m = CheckedValues(table)
+    for e in _entries(seed, n):
+        m.remember([e], [bytes([seed]) * 3000])
+
+
+def test_two_processes_writing_one_table_at_once_never_vouch_for_other_bytes():
+    """Two spawned writers fill one small table without a lock (racing for its slots while
+    they overlap): an entry is known only with the very bytes it was remembered with, or not
+    at all."""
+    import multiprocessing
+
+    N = 20000
+    table = new_table(0, shared=True)  # 1024 slots for 2 x 20000 entries: every bucket contested
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_remember_many, args=(table, seed, N)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    m = CheckedValues(table)
+    entries = _entries(1, N) + _entries(2, N)
+    right = [bytes([1 + i // N]) * 3000 for i in range(len(entries))]
+    known = m.known(entries, right)
+    assert 900 < sum(known) <= len(m) <= 1024
+    assert not any(m.known(entries, [bytes([2 - i // N]) * 3000 for i in range(len(entries))]))
+    assert not any(m.known(entries, [r[:-1] for r in right]))
 
 
 @pytest.mark.parametrize("with_blake3", [True, False], ids=["blake3", "sha256"])
@@ -115,10 +152,10 @@ def test_spawned_workers_share_what_each_checked(tmp_path, server):
         ds.close()
 
 
-def test_a_damaged_record_read_by_the_follower_is_caught_by_its_tag_and_replaced(tmp_path):
-    """A same-host reader leaves the records' xxh3 trailers to the values' AES-GCM tags
-    (cacheserver/client/localread.py): a record damaged on disk is poisoned, read from the
-    store and put again."""
+def test_a_damaged_record_read_by_the_follower_goes_to_the_server_which_drops_it(tmp_path):
+    """A same-host reader checks each record's xxh3 trailer (cacheserver/client/localread.py):
+    a record damaged on disk is left to the server, which drops it; the item is read from the
+    store and put again, whether or not its hash was known before."""
     from cacheserver.counters import Counters
     from cacheserver.eviction import make_policy
     from cacheserver.store import Store
@@ -129,21 +166,24 @@ def test_a_damaged_record_read_by_the_follower_is_caught_by_its_tag_and_replaced
     ds = CachedDataset(path, cache=srv.address)
     try:
         read_counts(ds, list(range(len(items))))  # fill
+        read_counts(ds, list(range(len(items))))  # checked once: known to the table
         srv.stop()
         store = Store(data_dir, 1 << 30, make_policy("lru"), Counters())
         try:
             ident = ds.ids_for([3])[0]
             raw = bytearray(store._db.get(ident))
-            raw[len(raw) // 2] ^= 1  # the trailer no longer matches; nothing else looks
+            raw[len(raw) // 2] ^= 1  # the value and its trailer no longer agree
             store._db.put(ident, bytes(raw))
         finally:
             store.close()
         srv = cacheserver(data_dir).start()
         ds.close()
         ds = CachedDataset(path, cache=srv.address)
-        got, c = read_counts(ds, list(range(len(items))))
-        assert got == items and c["poisoned"] == 1 and c["hits"] == len(items) - 1
+        read_counts(ds, [0])
         assert [c.transport for c in ds._proc().ring.clients.values()] == ["local"]
+        got, c = read_counts(ds, list(range(len(items))))
+        assert got == items and c["hits"] == len(items) - 1 and c["poisoned"] == 0
+        assert c["store_bytes"] == len(items[3])
         got, c = read_counts(ds, list(range(len(items))))
         assert got == items and c["poisoned"] == 0 and c["hits"] == len(items)
     finally:

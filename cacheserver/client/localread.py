@@ -9,9 +9,7 @@ plain dir (datadir.py) its owner's own items, and the reader needs
 file access to the data dir, i.e. the same machine and the server's group.
 A value the follower cannot see yet (written after its last catch-up, or not
 yet flushed: with --durability cache values skip the log the follower
-replays) is left for the server to serve. A sealed value's xxh3 trailer is not
-checked here: every reader of sealed values checks their AES-GCM tags, which catch
-a damaged one as well (the dataset then reads the item from the store and replaces it).
+replays) or that fails its checksum is left for the server to serve.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import rocksdict
 
-from ..record import strip
+from ..record import unwrap
 from ..rocksopts import filtered, plain_read_options
 from ..store import hot_read_options, tuned_for_reads
 from .scratch import Scratch
@@ -91,8 +89,7 @@ class LocalReader:
 
     def read(self, ids: Sequence[bytes]) -> list[bytes | memoryview | None]:
         """The values under these ids (None: absent or unreadable): a plain store's as
-        RocksDB's bytes (no copy: the caller keeps them), a sealed one's as a view without
-        its trailer, unchecked (its AES-GCM tag is)."""
+        RocksDB's bytes (no copy: the caller keeps them), a sealed one's past the trailer."""
         get = self._db.get
         out: list[bytes | memoryview | None] = []
         for k in ids:
@@ -100,7 +97,7 @@ class LocalReader:
                 raw = get(k)
             except Exception:  # a file compacted away since the last catch-up, or a corrupt block
                 raw = None
-            out.append(None if raw is None else raw if self._plain else strip(raw))
+            out.append(None if raw is None else raw if self._plain else unwrap(raw))
         return out
 
     def catch_up(self) -> bool:
