@@ -34,23 +34,20 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cacheserver import inproc
-from cacheserver.malloc import keep_freed_memory
 from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
 
 from . import capability, checked, itemview
-from .coalesce import HostCoalescer
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
-from .readthreads import store_read_threads
 from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
+from .procstate import ProcessState
 from .samples import Samples
 from .stats import SharedCounters
 from .stats import worker_row as _worker_row
@@ -59,51 +56,11 @@ log = logging.getLogger("clients.dataset")
 # Longest wait for another job's insert of an item it claimed; a claim expires
 # sooner (claims.DEFAULT_TTL), after which the item is read here.
 CLAIM_WAIT_LIMIT = 30.0
-# Threads that check a batch's SHA-256s together (this one included).
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 try:  # torch is an extra: the rest of the package works without it
     from torch.utils.data import Dataset as _TorchDataset
 except ImportError:  # pragma: no cover - exercised only without the torch extra
     _TorchDataset = object
-
-
-class _ProcessState:
-    """What one process opens for the dataset; never pickled."""
-
-    def __init__(self, ds: "CachedDataset") -> None:
-        import fsspec
-
-        self.pid = os.getpid()
-        if ds.keep_freed_memory:  # batches of values would otherwise page-fault afresh (cacheserver/malloc.py)
-            keep_freed_memory()
-        # resolved once in CachedDataset.__init__: every process routes over the same ring
-        self.ring = (RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff, plain=ds.plain_records)
-                     if ds.cache_spec else None)
-        # the embedded server, when it runs in this very process: gets that say which values it vouches for
-        nodes = self.ring.ring.nodes if self.ring is not None else []
-        self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
-        self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
-        self.read_threads = store_read_threads(self.fs, ds.digest.root, ds.fetch_threads)
-        self.pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="store-fetch")
-        # DataLoader workers already check in parallel, one process each: only the
-        # main process (num_workers=0) spreads a batch's hashes over threads.
-        self.hash_threads = 1 if _worker_row() else HASH_THREADS
-        self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
-                          if self.hash_threads > 1 else None)
-        self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
-        # values from a server that this process or another of the loader's checked once:
-        # known again by a MAC (checked.py)
-        self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
-                        if self.ring is not None and self.core is None and ds.verify_hash and not ds.plain_records
-                        else None)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.hash_pool is not None:
-            self.hash_pool.shutdown(wait=False, cancel_futures=True)
-        if self.ring is not None:
-            self.ring.close()
 
 
 class CachedDataset(_TorchDataset):
@@ -157,7 +114,7 @@ class CachedDataset(_TorchDataset):
                     raise ValueError(f"cache manager {manager} {why}, and no cache= addresses were given")
         self._set_cache(cache, cache_dir, capacity)
         self.counters = SharedCounters()
-        self._state: _ProcessState | None = None
+        self._state: ProcessState | None = None
         self._ids: list[bytes | None] | None = None
 
     def _set_cache(self, cache: str | None | bool, cache_dir: str | None, capacity: int | str) -> None:
@@ -174,10 +131,15 @@ class CachedDataset(_TorchDataset):
         self.plain_records = inproc.plain_store(self.cache_spec)
         self.checked_table = None  # shared by the processes a loader spawns (_share_checked)
 
+    def hashes_hits(self) -> bool:
+        """Whether values from the cache are hashed against the digest (step 4): with
+        verify_hash, from any cache but a plain store. checked.py then spares a value read again."""
+        return self.verify_hash and bool(self.cache_spec) and not self.plain_records
+
     def _share_checked(self) -> None:
         """The table of values checked against the digest (checked.py) in shared memory, for
         the processes a loader spawns: made once, and only then (up to 8 MB of /dev/shm)."""
-        if self.checked_table is None and self.verify_hash and self.cache_spec and not self.plain_records:
+        if self.checked_table is None and self.hashes_hits():
             self.checked_table = checked.new_table(len(self.digest), shared=True)
 
     def _set_view(self, decode: Callable[..., Any] | None, target: Any, samples: bool | None,
@@ -227,10 +189,10 @@ class CachedDataset(_TorchDataset):
                               transform=self.transform if transform is None else transform)
         return pickle.dumps(clone)  # __getstate__: the digest as bytes (no path), no process state
 
-    def _proc(self) -> _ProcessState:
+    def _proc(self) -> ProcessState:
         st = self._state
         if st is None or st.pid != os.getpid():
-            st = self._state = _ProcessState(self)
+            st = self._state = ProcessState(self)
         return st
 
     # ---- ids ------------------------------------------------------------
@@ -401,11 +363,11 @@ class CachedDataset(_TorchDataset):
                          f"({e.path} @ {e.offset}+{e.length})")
             raise
 
-    def _open_many(self, st: _ProcessState, indices: Sequence[int], keys: list[bytes],
+    def _open_many(self, st: ProcessState, indices: Sequence[int], keys: list[bytes],
                    values: list[memoryview | None], vouched: list[bool] | None = None,
                    read: tuple[list[bytes], inproc.Since] | None = None) -> list[bytes | None]:
         """_open for a batch: decrypt in this thread (split over threads it ran slower:
-        tools/bench/hitfloor), then check the hashes split over up to HASH_THREADS
+        tools/bench/hitfloor), then check the hashes split over up to procstate.HASH_THREADS
         threads (hashlib and blake3 let go of the GIL): BLAKE3 where the digest carries
         it (version 3), several times faster than the SHA-256 (K) that older digests are
         checked against. Values the in-process server vouches for (put or checked by this
@@ -442,7 +404,7 @@ class CachedDataset(_TorchDataset):
         """Decrypt and verify a cached value; None if it is poisoned."""
         return self._open_many(self._proc(), [i], [key], [value])[0]
 
-    def _fill(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
+    def _fill(self, st: ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
               ) -> tuple[list[bytes], dict[str, int]]:
         """Fetch misses from the store in parallel and insert them; items that
         another job is reading meanwhile are taken from the cache instead."""
@@ -479,7 +441,7 @@ class CachedDataset(_TorchDataset):
             inserted += late_inserted
         return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted, poisoned=len(bad))
 
-    def _fill_claimed(self, st: _ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
+    def _fill_claimed(self, st: ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
                       ) -> tuple[list[bytes], dict[str, int]]:
         """_fill across hosts: claim the misses on their servers (cacheserver/claims.py),
         read and insert those this job won, and wait for the others' inserts."""
@@ -500,7 +462,7 @@ class CachedDataset(_TorchDataset):
         return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late),
                            inserted=inserted + late_inserted, poisoned=len(bad))
 
-    def _read_insert(self, st: _ProcessState, indices: list[int], items: list[bytes | None],
+    def _read_insert(self, st: ProcessState, indices: list[int], items: list[bytes | None],
                      positions: list[int], replace: list[bool]) -> tuple[int, int]:
         """Read items[p] for these positions from the store and insert them (replacing
         where replace[p]: a poisoned value). Returns (store bytes, inserted)."""
@@ -509,7 +471,7 @@ class CachedDataset(_TorchDataset):
         inserted = self._insert(st, [(indices[p], items[p], replace[p]) for p in positions])
         return sum(len(items[p]) for p in positions), inserted
 
-    def _await_inserts(self, st: _ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
+    def _await_inserts(self, st: ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
                        items: list[bytes | None]) -> set[int]:
         """Take items from the cache as their claimants insert them; gives up on an
         item once nobody holds its claim (claims expire). Returns poisoned positions."""
@@ -531,14 +493,14 @@ class CachedDataset(_TorchDataset):
             delay = min(delay * 2, 0.05)
         return bad
 
-    def _read_store(self, st: _ProcessState, indices: list[int]) -> list[bytes]:
+    def _read_store(self, st: ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, always checked against the digest (ItemMismatch
         names a changed item: stale data never reaches training). verify_hash
         only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids."""
         return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
                           concurrency=st.read_threads, pool=st.pool)
 
-    def _insert(self, st: _ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
+    def _insert(self, st: ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
         """Seal and insert (index, item, replace) entries; returns how many were sent."""
         if not self.insert or st.ring is None or not entries:
             return 0

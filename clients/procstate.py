@@ -1,0 +1,56 @@
+"""What one process opens for a CachedDataset (clients/dataset.py): its ring client, store
+reads, hash threads and table of checked values; made afresh in each process, never pickled."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cacheserver import inproc
+from cacheserver.client.ring_client import RingClient, parse_spec
+from cacheserver.malloc import keep_freed_memory
+
+from . import checked
+from .coalesce import HostCoalescer
+from .readthreads import store_read_threads
+from .stats import worker_row
+
+# Threads that check a batch's SHA-256s together (this one included).
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+class ProcessState:
+    """What one process opens for the dataset; never pickled."""
+
+    def __init__(self, ds: Any) -> None:  # a CachedDataset (typed loosely: dataset.py imports this)
+        import fsspec
+
+        self.pid = os.getpid()
+        if ds.keep_freed_memory:  # batches of values would otherwise page-fault afresh (cacheserver/malloc.py)
+            keep_freed_memory()
+        # resolved once in CachedDataset.__init__: every process routes over the same ring
+        self.ring = (RingClient(parse_spec(ds.cache_spec), down_backoff=ds.down_backoff, plain=ds.plain_records)
+                     if ds.cache_spec else None)
+        # the embedded server, when it runs in this very process: gets that say which values it vouches for
+        nodes = self.ring.ring.nodes if self.ring is not None else []
+        self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
+        self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
+        self.read_threads = store_read_threads(self.fs, ds.digest.root, ds.fetch_threads)
+        self.pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="store-fetch")
+        # DataLoader workers already check in parallel, one process each: only the
+        # main process (num_workers=0) spreads a batch's hashes over threads.
+        self.hash_threads = 1 if worker_row() else HASH_THREADS
+        self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
+                          if self.hash_threads > 1 else None)
+        self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
+        # values from a server that this process or another of the loader's checked once:
+        # known again by a MAC (checked.py)
+        self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
+                        if ds.hashes_hits() and self.core is None else None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.hash_pool is not None:
+            self.hash_pool.shutdown(wait=False, cancel_futures=True)
+        if self.ring is not None:
+            self.ring.close()
