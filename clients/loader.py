@@ -20,6 +20,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from cacheserver.malloc import keep_freed_memory
+
+from .batchring import BatchRing, batch_ring
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
 
@@ -44,6 +47,7 @@ class CachedLoader(DataLoader, EpochLog):
         self.preprocess: Any = None  # a preprocess.Scheduler when the dataset has a transform
         self.autocache: Any = None  # a clients.autocache.Autocache with autocache= other than "source"
         self.remote: Any = None  # a preprocess.remote.RemoteWorkers with remote=
+        self.ring: BatchRing | None = None  # how workers hand batches of bytes over (batchring.py)
 
     def __iter__(self) -> Iterator:
         if self.autocache is not None:
@@ -66,8 +70,9 @@ class CachedLoader(DataLoader, EpochLog):
     def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
         """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
         if self.preprocess is None:
+            ring = self.ring
             for batch in super().__iter__():
-                yield batch, None
+                yield (batch if ring is None else ring.take(batch)), None
             return
         sampler = self.batch_sampler
         # with remote workers, the feeder takes the sampler's batches ahead and hands them on
@@ -182,13 +187,28 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         # embedded server's threads, which must not be forked mid-flight.
         kwargs.setdefault("multiprocessing_context", "spawn")
         kwargs.setdefault("persistent_workers", True)
-    kwargs.setdefault("collate_fn", _as_list)
+    ring = _ring(ds, batch_size, num_workers, kwargs)
+    kwargs.setdefault("collate_fn", ring or _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
-    loader.preprocess, loader.autocache = engine, ac
+    loader.preprocess, loader.autocache, loader.ring = engine, ac, ring
     if remote is not None:
         loader.remote = _remote(ds, engine, ac, remote, remote_options or {})
     loader.attach_coordinator(ds, sampler)
     return loader
+
+
+def _ring(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> BatchRing | None:
+    """Shared slots through which the workers hand batches of bytes over, unless the
+    caller collates batches itself (batchring.py). Items are bytes only where nothing
+    decodes them, adds a target or groups them into samples."""
+    if num_workers <= 0 or kwargs.get("collate_fn") is not None:
+        return None
+    if ds.decode is not None or ds.target is not None or ds.samples is not None:
+        return None
+    ring = batch_ring(ds.digest.sizes, batch_size, num_workers, kwargs.get("prefetch_factor"))
+    if ring is not None and ds.keep_freed_memory:  # the items copied out reuse the heap (cacheserver/malloc.py)
+        keep_freed_memory()
+    return ring
 
 
 def _remote_mode(ds, scheduler: str, autocache: str, remote: str) -> str:

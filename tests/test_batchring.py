@@ -1,0 +1,118 @@
+"""Batches of bytes from DataLoader workers through reused shared memory (clients/batchring.py):
+real spawned workers, the embedded cache and a plain torch Dataset."""
+import os
+import random
+
+import pytest
+from torch.utils.data import DataLoader
+
+from clients.batchring import (MIN_SLOT, PAGE, SLOT_CAP, TOTAL_CAP, BatchRing, RingBatch, batch_ring, shm_room,
+                               slot_bytes)
+from clients.dataset import CachedDataset
+from filedigest import write_files_digest
+
+
+def blobs(n: int, lo: int, hi: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(rng.randint(lo, hi)) for _ in range(n)]
+
+
+class Blobs:
+    """A map-style Dataset of given items: bytes of several sizes, or not bytes."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+def test_slots_hold_the_largest_batch_within_the_caps():
+    sizes = [100_000] * 1000 + [200_000] * 10
+    assert slot_bytes(sizes, 64, 2, 3) == -(-(10 * 200_000 + 54 * 100_000) // PAGE) * PAGE
+    # outliers: twice an average batch, not the 64 largest together
+    huge = [100_000] * 1000 + [50_000_000] * 64
+    mean = sum(huge) // len(huge)
+    assert slot_bytes(huge, 64, 2, 3) == min(SLOT_CAP, -(-(2 * 64 * mean) // PAGE) * PAGE)
+    assert slot_bytes([10 << 20] * 100, 64, 8, 3) == -(-(TOTAL_CAP // 24) // PAGE) * PAGE  # the region's cap
+    assert slot_bytes([1000] * 100, 64, 2, 3) == 0  # 64 KB batches: not worth a ring
+    assert slot_bytes([1000] * 100, 64, 2, 3) < MIN_SLOT
+    assert slot_bytes([], 64, 2, 3) == 0
+    ring = batch_ring([200_000] * 100, 16, 2, prefetch_factor=4)
+    assert (ring.workers, ring.slots, ring.slot % PAGE) == (2, 5, 0) and ring.slot >= 16 * 200_000
+    assert ring.free_slots() == 10
+
+
+def test_no_ring_without_room_in_shared_memory(tmp_path):
+    assert not shm_room(1 << 20, str(tmp_path / "absent"))
+    assert shm_room(1 << 20, str(tmp_path))  # the test machine's tmp has a MB to spare
+    free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
+    assert not shm_room(free, str(tmp_path))  # room for it once, not twice over
+
+
+def test_loader_workers_hand_batches_over_as_bytes(tmp_path):
+    items = blobs(120, 20_000, 300_000)
+    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache_dir=str(tmp_path / "cache"))
+    try:
+        loader = ds.loader(batch_size=8, num_workers=2, seed=0)  # spawned, persistent
+        ring = loader.ring
+        assert ring is not None and ring.workers == 2
+        for epoch in range(3):  # a filling epoch, then hits
+            got = [x for batch in loader for x in batch]
+            assert sorted(got) == sorted(items) and all(type(x) is bytes for x in got), epoch
+        assert (ring.handed, ring.piped) == (3 * 15, 0)
+        assert ring.free_slots() == ring.workers * ring.slots
+        next(iter(loader))  # an epoch left early: the batches prefetched for it are dropped unread
+        got = [x for batch in loader for x in batch]
+        assert sorted(got) == sorted(items)
+        assert ring.free_slots() == ring.workers * ring.slots  # the dropped ones freed their slots
+        assert ring.piped == 0
+    finally:
+        ds.close()
+
+
+def test_no_ring_where_items_are_not_bytes_or_batches_are_the_callers(tmp_path):
+    items = blobs(40, 150_000, 160_000)  # batches of 8 over 1 MB: worth a ring
+    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache_dir=str(tmp_path / "cache"), decode=len)
+    plain = CachedDataset(str(tmp_path / "ds.digest"), cache_dir=str(tmp_path / "cache2"))
+    try:
+        assert ds.loader(batch_size=8, num_workers=2).ring is None
+        assert plain.loader(batch_size=8, num_workers=2, collate_fn=list).ring is None
+        assert plain.loader(batch_size=8, num_workers=0).ring is None
+        assert plain.loader(batch_size=8, num_workers=2).ring is not None
+    finally:
+        ds.close()
+        plain.close()
+
+
+def test_what_a_slot_cannot_take_goes_down_the_pipe():
+    ring = BatchRing(workers=2, slots=3, slot=MIN_SLOT)
+    small = blobs(32, 1000, 100_000, seed=1)
+    big = blobs(8, 300_000, 400_000, seed=2)  # 4 of them outgrow a slot
+    mixed = [(b, i) for i, b in enumerate(blobs(8, 1000, 2000, seed=3))]  # not bytes
+    expect = small + big + mixed
+    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=ring,
+                        multiprocessing_context="spawn")
+    got, kinds = [], []
+    for batch in loader:
+        kinds.append(type(batch) is RingBatch)
+        got.extend(ring.take(batch))
+    assert got == expect
+    assert kinds == [True] * 8 + [False] * 4  # the small batches came through slots, the rest piped
+    assert (ring.handed, ring.piped) == (8, 4)
+    assert ring.free_slots() == 6
+    assert ring(small[:4]) == small[:4]  # the main process collates nothing into slots
+
+
+def test_a_ring_travels_only_to_spawned_workers():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    ring = BatchRing(workers=1, slots=1, slot=MIN_SLOT)
+    with pytest.raises(RuntimeError, match="inheritance"):  # shared memory travels only to a spawned process
+        ForkingPickler.dumps(ring)
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(ring)
