@@ -111,10 +111,13 @@ def test_two_processes_writing_one_table_at_once_never_vouch_for_other_bytes():
 def test_server_hits_checked_once_then_known_and_changes_caught(tmp_path, server, with_blake3):
     path, items = make(tmp_path / "ds", with_blake3)
     n = len(items)
-    ds = CachedDataset(path, cache=server.address)
+    filler = CachedDataset(path, cache=server.address)
+    ds = CachedDataset(path, cache=server.address)  # another job: a table of its own
     try:
-        got, c = read_counts(ds, list(range(n)))  # fill: store reads, sealed, put
+        got, c = read_counts(filler, list(range(n)))  # fill: store reads, sealed, put
         assert got == items and c["hits"] == 0
+        got, c = read_counts(filler, list(range(n)))  # what it sealed itself it knows already
+        assert got == items and c == dict(hits=n, vouched=n, poisoned=0, store_bytes=0)
         got, c = read_counts(ds, list(range(n)))  # first hits: each hashed once
         assert got == items and c == dict(hits=n, vouched=0, poisoned=0, store_bytes=0)
         got, c = read_counts(ds, list(range(n)))
@@ -129,24 +132,34 @@ def test_server_hits_checked_once_then_known_and_changes_caught(tmp_path, server
         assert got == items[1:2] and c == dict(hits=1, vouched=1, poisoned=0, store_bytes=0)
     finally:
         ds.close()
+        filler.close()
 
 
-def test_spawned_workers_share_what_each_checked(tmp_path, server):
-    """A loader's workers meet different items each epoch: what one checked, all know."""
+@pytest.mark.parametrize("fill", ["other job", "itself"])
+def test_spawned_workers_share_what_each_checked(tmp_path, server, fill):
+    """A loader's workers meet different items each epoch: what one checked or sealed, all know."""
     path, items = make(tmp_path / "ds", True)
     n = len(items)
+    if fill == "other job":
+        filler = CachedDataset(path, cache=server.address)
+        read_counts(filler, list(range(n)))
+        filler.close()
     ds = CachedDataset(path, cache=server.address)
     try:
         loader = ds.loader(batch_size=4, num_workers=2, seed=0)  # spawned, persistent
         counts = []
-        for _ in range(3):  # fill; first hits, each hashed once by one worker; all known
+        for _ in range(3):  # hits, each hashed once by one worker (or fill); all known
             before = ds.counters.totals()
             assert sorted(x for b in loader for x in b) == sorted(items)
             after = ds.counters.totals()
             counts.append({k: after[k] - before[k] for k in ("hits", "vouched", "poisoned")})
-        assert counts[1] == dict(hits=n, vouched=0, poisoned=0)
         # with a memo of its own, a worker would know about half of its items (2^-40 all)
-        assert counts[2] == dict(hits=n, vouched=n, poisoned=0)
+        if fill == "other job":
+            assert counts[0] == dict(hits=n, vouched=0, poisoned=0)
+            assert counts[1] == counts[2] == dict(hits=n, vouched=n, poisoned=0)
+        else:  # the worker that sealed an item told the others
+            assert counts[0] == dict(hits=0, vouched=0, poisoned=0)
+            assert counts[1] == counts[2] == dict(hits=n, vouched=n, poisoned=0)
         del loader
     finally:
         ds.close()
