@@ -5,20 +5,24 @@ A DataLoader worker pickles each batch and sends it down a pipe: the worker copi
 into the pickle, the kernel copies it in and out, and the main process unpickles it into
 fresh objects. For batches of raw items (bytes, no decode) the main process spent as
 much CPU on that as each worker on its reads (0.6-0.9 core-s per GB; docs/benchmarks.md).
-Here each worker owns a few slots of one shared region made before the workers start:
-it copies a batch into a free slot and sends only the slot's number and the items' ends;
-the main process copies each item out as `bytes` and frees the slot. Every page of the
-region is touched once, when it is made, so no batch pays page faults: torch's own
-shared tensors make a new segment per batch, which measured slower than the pipe.
+Here each worker owns a few slots of one shared region (shmregion.py) made before the
+workers start: it copies a batch into a free slot and sends only the slot's number and
+the items' ends; the main process copies each item out as `bytes` and frees the slot.
+The region is reserved whole when made, and each page is faulted in once per process,
+so no batch pays page faults: torch's own shared tensors make a new segment per batch,
+which measured slower than the pipe.
 
-Slot states (one byte each, in shared memory): FREE -> FILLED when a worker takes it for
-a batch (under the ring's lock, before writing); FILLED -> FREE when the main process
-has copied the batch out, or drops it unread (an epoch left early: RingBatch.__del__).
-The lock's acquire and release order each side's copies against the other's. A worker
-has at most prefetch_factor batches ahead and the main process takes one at a time, so
-prefetch_factor + 1 slots each suffice (more batches ahead than that go down the pipe). A batch
-that is not all bytes, does not fit a slot, or finds its worker's slots all filled goes
-down the pipe as before: the ring changes how batches travel, never what arrives.
+Slot states (one byte each, at the head of the region): FREE -> FILLED when a worker
+takes one for a batch (under the ring's lock, before writing it); FILLED -> FREE when
+the process that received the batch has copied it out, or drops it unread (an epoch
+left early: RingBatch.__del__). The lock's acquire and release order each side's copies
+against the other's. In torch's DataLoader a worker has at most prefetch_factor batches
+ahead and the main process takes one at a time, so prefetch_factor + 1 slots each
+suffice. Nothing waits on the lock for long (a process killed holding it never lets go):
+a worker that cannot claim a slot in time, and any batch that is not all bytes or does
+not fit a slot, goes down the pipe as before; a slot that cannot be freed in time stays
+FILLED, and its worker uses the pipe for that share. The ring changes how batches travel,
+never what arrives.
 """
 from __future__ import annotations
 
@@ -29,18 +33,21 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from .shmregion import SHM, SharedRegion
+
 FREE, FILLED = 0, 1
 SLOT_CAP = 64 << 20  # a batch bigger than this goes down the pipe
 TOTAL_CAP = 512 << 20  # the whole region, all workers' slots
 MIN_SLOT = 1 << 20  # smaller slots are not worth a ring: the pipe is cheap at that size
 PAGE = 4096
-SHM = "/dev/shm"  # where multiprocessing puts shared memory on Linux, if it has room
+CLAIM_WAIT_S = 0.2  # a worker that waits longer for the lock sends its batch down the pipe
+FREE_WAIT_S = 2.0  # a slot not freed in this long is left FILLED (logged)
 
 log = logging.getLogger(__name__)
 
-# Rings made in this process, by token: a RingBatch unpickled here finds the ring whose slot
-# it names. Workers only unpickle rings, never make them, so their batches free nothing.
-_OWNED: "weakref.WeakValueDictionary[bytes, BatchRing]" = weakref.WeakValueDictionary()
+# Rings by token in this process: a RingBatch unpickled here finds the ring whose slot it
+# names (workers never unpickle batches, so theirs free nothing).
+_RINGS: "weakref.WeakValueDictionary[bytes, BatchRing]" = weakref.WeakValueDictionary()
 
 
 def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) -> int:
@@ -60,13 +67,13 @@ def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) 
 
 
 class RingBatch:
-    """A batch in a slot, as sent from a worker: the slot and each item's end offset."""
+    """A batch in a slot, as sent from a worker: the ring, the slot and each item's end."""
 
     __slots__ = ("token", "slot", "ends", "_ring")
 
     def __init__(self, token: bytes, slot: int, ends: list[int]) -> None:
         self.token, self.slot, self.ends = token, slot, ends
-        self._ring: BatchRing | None = None  # set only where unpickled in the ring's own process
+        self._ring: BatchRing | None = None  # set where unpickled: the receiving process frees it
 
     def __reduce__(self) -> tuple:
         return _rebuild, (self.token, self.slot, self.ends)
@@ -82,41 +89,35 @@ class RingBatch:
 
 def _rebuild(token: bytes, slot: int, ends: list[int]) -> RingBatch:
     batch = RingBatch(token, slot, ends)
-    batch._ring = _OWNED.get(token)
+    batch._ring = _RINGS.get(token)
     return batch
 
 
 class BatchRing:
-    """The shared region, `workers` x `slots` slots of `slot` bytes, and their states. As a
-    collate_fn it packs a worker's batch into a slot; take() unpacks it in the main process."""
+    """`workers` x `slots` slots of `slot` bytes in one shared region, and their states. As a
+    collate_fn it packs a worker's batch into a slot; take() unpacks it where it arrives."""
 
-    def __init__(self, workers: int, slots: int, slot: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, workers: int, slots: int, slot: int, directory: str = SHM) -> None:
         self.workers, self.slots, self.slot = workers, slots, slot
         self.token = os.urandom(16)
-        self._mem = ctx.RawArray("B", workers * slots * slot)
-        self._states = ctx.RawArray("B", workers * slots)
-        self._lock = ctx.RLock()  # re-entrant: a dropped batch may free its slot from a GC pass run under it
-        self._view: memoryview | None = None
-        self._next = 0  # a worker's next slot to try (its slots are used in turn)
-        self.handed = self.piped = 0  # batches through the ring, down the pipe (main process)
-        view = self._memory()
-        for off in range(0, len(view), PAGE):  # commit every page now: none faults in a batch,
-            view[off] = 0  # and a full /dev/shm fails here, not as SIGBUS in a worker
-        _OWNED[self.token] = self
+        self._base = -(-workers * slots // PAGE) * PAGE  # the states' page(s), then the slots
+        self._region = SharedRegion(self._base + workers * slots * slot, directory)
+        self._lock = multiprocessing.get_context("spawn").RLock()  # re-entrant: GC may free a slot under it
+        self._attach()
 
-    def __getstate__(self) -> dict[str, Any]:  # to the workers, as they are spawned
-        return {"workers": self.workers, "slots": self.slots, "slot": self.slot, "token": self.token,
-                "_mem": self._mem, "_states": self._states, "_lock": self._lock}
+    def __getstate__(self) -> dict[str, Any]:  # to the workers as they start (or a process given the loader)
+        return {k: self.__dict__[k] for k in ("workers", "slots", "slot", "token", "_base", "_region", "_lock")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._view, self._next, self.handed, self.piped = None, 0, 0, 0
+        self._attach()
 
-    def _memory(self) -> memoryview:
-        if self._view is None:
-            self._view = memoryview(self._mem).cast("B")
-        return self._view
+    def _attach(self) -> None:
+        self._pid = os.getpid()  # frees only here: a forked child's copies of batches free nothing
+        self._mem = self._region.view
+        self._next = 0  # a worker's next slot to try (its slots are used in turn)
+        self.handed = self.piped = 0  # batches through the ring, down the pipe (as taken here)
+        _RINGS[self.token] = self
 
     def __call__(self, batch: list) -> list | RingBatch:
         """collate_fn in a worker: the batch in one of this worker's free slots, or as it is."""
@@ -130,39 +131,57 @@ class BatchRing:
         slot = self._claim(info.id)
         if slot is None:
             return batch
-        mem, off, ends = self._memory(), slot * self.slot, []
-        for item in batch:
-            mem[off:off + len(item)] = item
-            off += len(item)
-            ends.append(off)
+        mem, base, pos, ends = self._mem, self._base + slot * self.slot, 0, []
+        try:
+            for item in batch:
+                mem[base + pos:base + pos + len(item)] = item
+                pos += len(item)
+                ends.append(pos)
+        except BaseException:
+            self.free(slot)
+            raise
         return RingBatch(self.token, slot, ends)
 
     def _claim(self, worker: int) -> int | None:
-        """One of this worker's FREE slots, now FILLED; None if all are filled."""
-        with self._lock:
+        """One of this worker's FREE slots, now FILLED; None if all are filled (or the lock
+        is not to be had)."""
+        if not self._lock.acquire(timeout=CLAIM_WAIT_S):
+            return None
+        try:
             for k in range(self.slots):
                 slot = worker * self.slots + (self._next + k) % self.slots
-                if self._states[slot] == FREE:
-                    self._states[slot] = FILLED
+                if self._mem[slot] == FREE:
+                    self._mem[slot] = FILLED
                     self._next = (self._next + k + 1) % self.slots
                     return slot
+        finally:
+            self._lock.release()
         return None
 
     def free(self, slot: int) -> None:
-        with self._lock:
-            self._states[slot] = FREE
+        if os.getpid() != self._pid:
+            return
+        if not self._lock.acquire(timeout=FREE_WAIT_S):
+            log.warning("batch ring: slot %d left filled (its lock is held by a process that died?); "
+                        "its worker's batches go down the pipe instead", slot)
+            return
+        try:
+            self._mem[slot] = FREE
+        finally:
+            self._lock.release()
 
     def take(self, batch: Any) -> Any:
-        """In the main process: a RingBatch's items as bytes (its slot freed); any other
-        batch as it came."""
-        if type(batch) is not RingBatch or batch._ring is not self:
+        """A RingBatch's items as bytes (its slot freed); any other batch as it came."""
+        if type(batch) is not RingBatch:
             self.piped += 1
             return batch
+        if batch.token != self.token or batch._ring is None:
+            raise ValueError("a batch from another loader's ring (or taken twice) reached this loader")
         batch._ring = None  # freed here, not again when it is dropped
-        mem, start, items = self._memory(), batch.slot * self.slot, []
+        mem, base, start, items = self._mem, self._base + batch.slot * self.slot, 0, []
         try:
             for end in batch.ends:
-                items.append(bytes(mem[start:end]))
+                items.append(bytes(mem[base + start:base + end]))
                 start = end
         finally:
             self.free(batch.slot)
@@ -171,14 +190,12 @@ class BatchRing:
 
     def free_slots(self) -> int:
         """Slots FREE now (all of them once every batch handed over was taken or dropped)."""
-        with self._lock:
-            return sum(1 for s in self._states if s == FREE)
+        return sum(1 for s in range(self.workers * self.slots) if self._mem[s] == FREE)
 
 
 def shm_room(size: int, path: str = SHM) -> bool:
     """Whether `path` (a memory filesystem) has room for `size` bytes twice over: torch's own
-    shared tensors need /dev/shm too. Where it has not (a container's 64 MB default, or no
-    /dev/shm at all), multiprocessing would back the region with a file on disk instead."""
+    shared tensors need /dev/shm too (a container's default is 64 MB)."""
     try:
         st = os.statvfs(path)
     except OSError:
@@ -186,16 +203,20 @@ def shm_room(size: int, path: str = SHM) -> bool:
     return st.f_bavail * st.f_frsize >= 2 * size
 
 
-def batch_ring(sizes: Sequence[int], batch_size: int, workers: int, prefetch_factor: int | None) -> BatchRing | None:
+def batch_ring(sizes: Sequence[int], batch_size: int, workers: int, prefetch_factor: int | None,
+               directory: str = SHM) -> BatchRing | None:
     """A ring for a loader's workers: each keeps as many slots as batches it may have
-    ahead (prefetch_factor) plus the one the main process is copying out. None where
-    batches would not fit a worthwhile slot, or /dev/shm has no room for them."""
+    ahead (prefetch_factor) plus the one being copied out. None where batches would not
+    fit a worthwhile slot, or the memory filesystem has no room for the slots."""
     slots = (2 if prefetch_factor is None else prefetch_factor) + 1
     slot = slot_bytes(sizes, batch_size, workers, slots)
     if not slot:
         return None
-    if not shm_room(workers * slots * slot):
-        log.info("batches from DataLoader workers go down a pipe: %s has no room for %d MB of slots",
-                 SHM, workers * slots * slot >> 20)
+    size = workers * slots * slot
+    try:
+        if not shm_room(size, directory):
+            raise OSError(f"{directory} has less than twice {size >> 20} MB free")
+        return BatchRing(workers, slots, slot, directory)
+    except OSError as e:
+        log.info("batches from DataLoader workers go down a pipe: no shared memory for their slots (%s)", e)
         return None
-    return BatchRing(workers, slots, slot)

@@ -199,11 +199,13 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
 
 def _ring(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> BatchRing | None:
     """Shared slots through which the workers hand batches of bytes over, unless the
-    caller collates batches itself (batchring.py). Items are bytes only where nothing
-    decodes them, adds a target or groups them into samples."""
+    caller collates batches itself (batchring.py), or workers are not persistent. Items are
+    bytes only where nothing decodes or transforms them, adds a target or groups them into samples."""
     if num_workers <= 0 or kwargs.get("collate_fn") is not None:
         return None
-    if ds.decode is not None or ds.target is not None or ds.samples is not None:
+    if ds.decode is not None or ds.target is not None or ds.samples is not None or ds.transform is not None:
+        return None
+    if not kwargs.get("persistent_workers"):  # workers stopped mid-epoch would leave their slots filled
         return None
     ring = batch_ring(ds.digest.sizes, batch_size, num_workers, kwargs.get("prefetch_factor"))
     if ring is not None and ds.keep_freed_memory:  # the items copied out reuse the heap (cacheserver/malloc.py)

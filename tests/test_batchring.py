@@ -2,6 +2,7 @@
 real spawned workers, the embedded cache and a plain torch Dataset."""
 import os
 import random
+import time
 
 import pytest
 from torch.utils.data import DataLoader
@@ -34,15 +35,15 @@ def test_slots_hold_the_largest_batch_within_the_caps():
     sizes = [100_000] * 1000 + [200_000] * 10
     assert slot_bytes(sizes, 64, 2, 3) == -(-(10 * 200_000 + 54 * 100_000) // PAGE) * PAGE
     # outliers: twice an average batch, not the 64 largest together
-    huge = [100_000] * 1000 + [50_000_000] * 64
+    huge = [100_000] * 1000 + [5_000_000] * 64
     mean = sum(huge) // len(huge)
-    assert slot_bytes(huge, 64, 2, 3) == min(SLOT_CAP, -(-(2 * 64 * mean) // PAGE) * PAGE)
+    assert slot_bytes(huge, 64, 2, 3) == -(-(2 * 64 * mean) // PAGE) * PAGE < 64 * 5_000_000
+    assert slot_bytes([100_000_000] * 100, 64, 2, 3) == SLOT_CAP  # one slot's cap
     assert slot_bytes([10 << 20] * 100, 64, 8, 3) == -(-(TOTAL_CAP // 24) // PAGE) * PAGE  # the region's cap
     assert slot_bytes([1000] * 100, 64, 2, 3) == 0  # 64 KB batches: not worth a ring
-    assert slot_bytes([1000] * 100, 64, 2, 3) < MIN_SLOT
     assert slot_bytes([], 64, 2, 3) == 0
-    ring = batch_ring([200_000] * 100, 16, 2, prefetch_factor=4)
-    assert (ring.workers, ring.slots, ring.slot % PAGE) == (2, 5, 0) and ring.slot >= 16 * 200_000
+    ring = batch_ring([200_000] * 100, 8, 2, prefetch_factor=4)
+    assert (ring.workers, ring.slots, ring.slot % PAGE) == (2, 5, 0) and ring.slot >= 8 * 200_000
     assert ring.free_slots() == 10
 
 
@@ -51,6 +52,8 @@ def test_no_ring_without_room_in_shared_memory(tmp_path):
     assert shm_room(1 << 20, str(tmp_path))  # the test machine's tmp has a MB to spare
     free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
     assert not shm_room(free, str(tmp_path))  # room for it once, not twice over
+    assert batch_ring([200_000] * 100, 8, 2, None, directory=str(tmp_path / "absent")) is None
+    assert batch_ring([200_000] * 100, 8, 2, None, directory=str(tmp_path)) is not None
 
 
 def test_loader_workers_hand_batches_over_as_bytes(tmp_path):
@@ -76,16 +79,87 @@ def test_loader_workers_hand_batches_over_as_bytes(tmp_path):
 
 def test_no_ring_where_items_are_not_bytes_or_batches_are_the_callers(tmp_path):
     items = blobs(40, 150_000, 160_000)  # batches of 8 over 1 MB: worth a ring
-    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache_dir=str(tmp_path / "cache"), decode=len)
-    plain = CachedDataset(str(tmp_path / "ds.digest"), cache_dir=str(tmp_path / "cache2"))
-    try:
-        assert ds.loader(batch_size=8, num_workers=2).ring is None
-        assert plain.loader(batch_size=8, num_workers=2, collate_fn=list).ring is None
-        assert plain.loader(batch_size=8, num_workers=0).ring is None
-        assert plain.loader(batch_size=8, num_workers=2).ring is not None
-    finally:
-        ds.close()
-        plain.close()
+    path = write_files_digest(tmp_path / "ds", items)
+    decoded = CachedDataset(path, cache=False, decode=len)
+    transformed = CachedDataset(path, cache=False, transform=[len])
+    plain = CachedDataset(path, cache=False)
+    assert decoded.loader(batch_size=8, num_workers=2).ring is None
+    assert transformed.loader(batch_size=8, num_workers=2, scheduler="torch").ring is None
+    assert plain.loader(batch_size=8, num_workers=2, collate_fn=list).ring is None
+    assert plain.loader(batch_size=8, num_workers=2, persistent_workers=False).ring is None
+    assert plain.loader(batch_size=8, num_workers=0).ring is None
+    assert plain.loader(batch_size=8, num_workers=2).ring is not None
+
+
+def train(loader, out) -> None:
+    """What torch.multiprocessing.spawn(train, args=(loader,)) runs: the loader's own process."""
+    batches = [b for b in loader]
+    out.put(([type(b).__name__ for b in batches], sorted(x for b in batches for x in b),
+             loader.ring.handed, loader.ring.piped))
+
+
+def test_a_loader_handed_to_a_spawned_process_yields_bytes_there(tmp_path):
+    import multiprocessing
+
+    items = blobs(64, 150_000, 160_000)
+    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache=False)
+    loader = ds.loader(batch_size=8, num_workers=2)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=train, args=(loader, out))
+    p.start()
+    kinds, got, handed, piped = out.get(timeout=120)
+    p.join(30)
+    assert kinds == ["list"] * 8 and got == sorted(items) and (handed, piped) == (8, 0)
+    assert loader.ring.free_slots() == loader.ring.workers * loader.ring.slots
+
+
+def hold_lock(ring, ready) -> None:
+    ring._lock.acquire()
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_lock_left_held_by_a_killed_process_costs_the_pipe_not_a_hang(caplog, monkeypatch):
+    import multiprocessing
+
+    from clients import batchring
+
+    ring = BatchRing(workers=2, slots=3, slot=MIN_SLOT)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    holder = ctx.Process(target=hold_lock, args=(ring, ready))
+    holder.start()
+    assert ready.wait(60)
+    holder.kill()
+    holder.join(30)
+    expect = blobs(16, 1000, 100_000, seed=4)
+    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=ring, multiprocessing_context="spawn")
+    got = [x for batch in loader for x in ring.take(batch)]
+    assert got == expect and (ring.handed, ring.piped) == (0, 4)  # each worker gave up on the lock
+    monkeypatch.setattr(batchring, "FREE_WAIT_S", 0.1)
+    ring._mem[0] = batchring.FILLED
+    ring.free(0)  # returns, and says why the slot stays filled
+    assert ring._mem[0] == batchring.FILLED and "left filled" in caplog.text
+
+
+def free_slot(ring, slot) -> None:
+    ring.free(slot)
+
+
+def test_a_forked_child_frees_none_of_the_parents_slots():
+    import multiprocessing
+
+    from clients import batchring
+
+    ring = BatchRing(workers=1, slots=2, slot=MIN_SLOT)
+    ring._mem[1] = batchring.FILLED  # a batch the parent has yet to copy out
+    child = multiprocessing.get_context("fork").Process(target=free_slot, args=(ring, 1))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0 and ring._mem[1] == batchring.FILLED
+    ring.free(1)
+    assert ring.free_slots() == 2
 
 
 def test_what_a_slot_cannot_take_goes_down_the_pipe():
@@ -107,12 +181,9 @@ def test_what_a_slot_cannot_take_goes_down_the_pipe():
     assert ring(small[:4]) == small[:4]  # the main process collates nothing into slots
 
 
-def test_a_ring_travels_only_to_spawned_workers():
+def test_a_ring_is_not_for_plain_pickles():
     import pickle
-    from multiprocessing.reduction import ForkingPickler
 
     ring = BatchRing(workers=1, slots=1, slot=MIN_SLOT)
-    with pytest.raises(RuntimeError, match="inheritance"):  # shared memory travels only to a spawned process
-        ForkingPickler.dumps(ring)
-    with pytest.raises(pickle.PicklingError):
+    with pytest.raises(RuntimeError, match="inheritance"):  # its lock goes only to processes it starts
         pickle.dumps(ring)
