@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from cacheserver.malloc import keep_freed_memory
 
-from .batchring import BatchRing, batch_ring
+from .handoff import Handoff, make_handoff
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
 
@@ -47,7 +47,7 @@ class CachedLoader(DataLoader, EpochLog):
         self.preprocess: Any = None  # a preprocess.Scheduler when the dataset has a transform
         self.autocache: Any = None  # a clients.autocache.Autocache with autocache= other than "source"
         self.remote: Any = None  # a preprocess.remote.RemoteWorkers with remote=
-        self.ring: BatchRing | None = None  # how workers hand batches of bytes over (batchring.py)
+        self.handoff: Handoff | None = None  # how workers hand batches of bytes over (handoff.py)
 
     def __iter__(self) -> Iterator:
         if self.autocache is not None:
@@ -70,9 +70,9 @@ class CachedLoader(DataLoader, EpochLog):
     def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
         """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
         if self.preprocess is None:
-            ring = self.ring
+            handoff = self.handoff
             for batch in super().__iter__():
-                yield (batch if ring is None else ring.take(batch)), None
+                yield (batch if handoff is None else handoff.take(batch)), None
             return
         sampler = self.batch_sampler
         # with remote workers, the feeder takes the sampler's batches ahead and hands them on
@@ -187,19 +187,19 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         # embedded server's threads, which must not be forked mid-flight.
         kwargs.setdefault("multiprocessing_context", "spawn")
         kwargs.setdefault("persistent_workers", True)
-    ring = _ring(ds, batch_size, num_workers, kwargs)
-    kwargs.setdefault("collate_fn", ring or _as_list)
+    handoff = _handoff(ds, batch_size, num_workers, kwargs)
+    kwargs.setdefault("collate_fn", handoff or _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
-    loader.preprocess, loader.autocache, loader.ring = engine, ac, ring
+    loader.preprocess, loader.autocache, loader.handoff = engine, ac, handoff
     if remote is not None:
         loader.remote = _remote(ds, engine, ac, remote, remote_options or {})
     loader.attach_coordinator(ds, sampler)
     return loader
 
 
-def _ring(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> BatchRing | None:
+def _handoff(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> Handoff | None:
     """Shared slots through which the workers hand batches of bytes over, unless the
-    caller collates batches itself (batchring.py), or workers are not persistent. Items are
+    caller collates batches itself (handoff.py), or workers are not persistent. Items are
     bytes only where nothing decodes or transforms them, adds a target or groups them into samples."""
     if num_workers <= 0 or kwargs.get("collate_fn") is not None:
         return None
@@ -207,10 +207,10 @@ def _ring(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> Batc
         return None
     if not kwargs.get("persistent_workers"):  # workers stopped mid-epoch would leave their slots filled
         return None
-    ring = batch_ring(ds.digest.sizes, batch_size, num_workers, kwargs.get("prefetch_factor"))
-    if ring is not None and ds.keep_freed_memory:  # the items copied out reuse the heap (cacheserver/malloc.py)
+    handoff = make_handoff(ds.digest.sizes, batch_size, num_workers, kwargs.get("prefetch_factor"))
+    if handoff is not None and ds.keep_freed_memory:  # the items copied out reuse the heap (cacheserver/malloc.py)
         keep_freed_memory()
-    return ring
+    return handoff
 
 
 def _remote_mode(ds, scheduler: str, autocache: str, remote: str) -> str:

@@ -1,4 +1,4 @@
-"""Batches of bytes from DataLoader workers through reused shared memory (clients/batchring.py):
+"""Batches of bytes from DataLoader workers through reused shared memory (clients/handoff.py):
 real spawned workers, the embedded cache and a plain torch Dataset."""
 import os
 import random
@@ -7,7 +7,7 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from clients.batchring import (MIN_SLOT, PAGE, SLOT_CAP, TOTAL_CAP, BatchRing, RingBatch, batch_ring, shm_room,
+from clients.handoff import (MIN_SLOT, PAGE, SLOT_CAP, TOTAL_CAP, Handoff, SlotBatch, make_handoff, shm_room,
                                slot_bytes)
 from clients.dataset import CachedDataset
 from filedigest import write_files_digest
@@ -40,20 +40,20 @@ def test_slots_hold_the_largest_batch_within_the_caps():
     assert slot_bytes(huge, 64, 2, 3) == -(-(2 * 64 * mean) // PAGE) * PAGE < 64 * 5_000_000
     assert slot_bytes([100_000_000] * 100, 64, 2, 3) == SLOT_CAP  # one slot's cap
     assert slot_bytes([10 << 20] * 100, 64, 8, 3) == -(-(TOTAL_CAP // 24) // PAGE) * PAGE  # the region's cap
-    assert slot_bytes([1000] * 100, 64, 2, 3) == 0  # 64 KB batches: not worth a ring
+    assert slot_bytes([1000] * 100, 64, 2, 3) == 0  # 64 KB batches: not worth the slots
     assert slot_bytes([], 64, 2, 3) == 0
-    ring = batch_ring([200_000] * 100, 8, 2, prefetch_factor=4)
-    assert (ring.workers, ring.slots, ring.slot % PAGE) == (2, 5, 0) and ring.slot >= 8 * 200_000
-    assert ring.free_slots() == 10
+    handoff = make_handoff([200_000] * 100, 8, 2, prefetch_factor=4)
+    assert (handoff.workers, handoff.slots, handoff.slot % PAGE) == (2, 5, 0) and handoff.slot >= 8 * 200_000
+    assert handoff.free_slots() == 10
 
 
-def test_no_ring_without_room_in_shared_memory(tmp_path):
+def test_no_handoff_without_room_in_shared_memory(tmp_path):
     assert not shm_room(1 << 20, str(tmp_path / "absent"))
     assert shm_room(1 << 20, str(tmp_path))  # the test machine's tmp has a MB to spare
     free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
     assert not shm_room(free, str(tmp_path))  # room for it once, not twice over
-    assert batch_ring([200_000] * 100, 8, 2, None, directory=str(tmp_path / "absent")) is None
-    assert batch_ring([200_000] * 100, 8, 2, None, directory=str(tmp_path)) is not None
+    assert make_handoff([200_000] * 100, 8, 2, None, directory=str(tmp_path / "absent")) is None
+    assert make_handoff([200_000] * 100, 8, 2, None, directory=str(tmp_path)) is not None
 
 
 def test_loader_workers_hand_batches_over_as_bytes(tmp_path):
@@ -61,41 +61,41 @@ def test_loader_workers_hand_batches_over_as_bytes(tmp_path):
     ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache_dir=str(tmp_path / "cache"))
     try:
         loader = ds.loader(batch_size=8, num_workers=2, seed=0)  # spawned, persistent
-        ring = loader.ring
-        assert ring is not None and ring.workers == 2
+        handoff = loader.handoff
+        assert handoff is not None and handoff.workers == 2
         for epoch in range(3):  # a filling epoch, then hits
             got = [x for batch in loader for x in batch]
             assert sorted(got) == sorted(items) and all(type(x) is bytes for x in got), epoch
-        assert (ring.handed, ring.piped) == (3 * 15, 0)
-        assert ring.free_slots() == ring.workers * ring.slots
+        assert (handoff.handed, handoff.piped) == (3 * 15, 0)
+        assert handoff.free_slots() == handoff.workers * handoff.slots
         next(iter(loader))  # an epoch left early: the batches prefetched for it are dropped unread
         got = [x for batch in loader for x in batch]
         assert sorted(got) == sorted(items)
-        assert ring.free_slots() == ring.workers * ring.slots  # the dropped ones freed their slots
-        assert ring.piped == 0
+        assert handoff.free_slots() == handoff.workers * handoff.slots  # the dropped ones freed their slots
+        assert handoff.piped == 0
     finally:
         ds.close()
 
 
-def test_no_ring_where_items_are_not_bytes_or_batches_are_the_callers(tmp_path):
-    items = blobs(40, 150_000, 160_000)  # batches of 8 over 1 MB: worth a ring
+def test_no_handoff_where_items_are_not_bytes_or_batches_are_the_callers(tmp_path):
+    items = blobs(40, 150_000, 160_000)  # batches of 8 over 1 MB: worth a handoff
     path = write_files_digest(tmp_path / "ds", items)
     decoded = CachedDataset(path, cache=False, decode=len)
     transformed = CachedDataset(path, cache=False, transform=[len])
     plain = CachedDataset(path, cache=False)
-    assert decoded.loader(batch_size=8, num_workers=2).ring is None
-    assert transformed.loader(batch_size=8, num_workers=2, scheduler="torch").ring is None
-    assert plain.loader(batch_size=8, num_workers=2, collate_fn=list).ring is None
-    assert plain.loader(batch_size=8, num_workers=2, persistent_workers=False).ring is None
-    assert plain.loader(batch_size=8, num_workers=0).ring is None
-    assert plain.loader(batch_size=8, num_workers=2).ring is not None
+    assert decoded.loader(batch_size=8, num_workers=2).handoff is None
+    assert transformed.loader(batch_size=8, num_workers=2, scheduler="torch").handoff is None
+    assert plain.loader(batch_size=8, num_workers=2, collate_fn=list).handoff is None
+    assert plain.loader(batch_size=8, num_workers=2, persistent_workers=False).handoff is None
+    assert plain.loader(batch_size=8, num_workers=0).handoff is None
+    assert plain.loader(batch_size=8, num_workers=2).handoff is not None
 
 
 def train(loader, out) -> None:
     """What torch.multiprocessing.spawn(train, args=(loader,)) runs: the loader's own process."""
     batches = [b for b in loader]
     out.put(([type(b).__name__ for b in batches], sorted(x for b in batches for x in b),
-             loader.ring.handed, loader.ring.piped))
+             loader.handoff.handed, loader.handoff.piped))
 
 
 def test_a_loader_handed_to_a_spawned_process_yields_bytes_there(tmp_path):
@@ -111,11 +111,11 @@ def test_a_loader_handed_to_a_spawned_process_yields_bytes_there(tmp_path):
     kinds, got, handed, piped = out.get(timeout=120)
     p.join(30)
     assert kinds == ["list"] * 8 and got == sorted(items) and (handed, piped) == (8, 0)
-    assert loader.ring.free_slots() == loader.ring.workers * loader.ring.slots
+    assert loader.handoff.free_slots() == loader.handoff.workers * loader.handoff.slots
 
 
-def hold_lock(ring, ready) -> None:
-    ring._lock.acquire()
+def hold_lock(handoff, ready) -> None:
+    handoff._lock.acquire()
     ready.set()
     time.sleep(600)
 
@@ -123,67 +123,67 @@ def hold_lock(ring, ready) -> None:
 def test_a_lock_left_held_by_a_killed_process_costs_the_pipe_not_a_hang(caplog, monkeypatch):
     import multiprocessing
 
-    from clients import batchring
+    from clients import handoff as module
 
-    ring = BatchRing(workers=2, slots=3, slot=MIN_SLOT)
+    handoff = Handoff(workers=2, slots=3, slot=MIN_SLOT)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    holder = ctx.Process(target=hold_lock, args=(ring, ready))
+    holder = ctx.Process(target=hold_lock, args=(handoff, ready))
     holder.start()
     assert ready.wait(60)
     holder.kill()
     holder.join(30)
     expect = blobs(16, 1000, 100_000, seed=4)
-    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=ring, multiprocessing_context="spawn")
-    got = [x for batch in loader for x in ring.take(batch)]
-    assert got == expect and (ring.handed, ring.piped) == (0, 4)  # each worker gave up on the lock
-    monkeypatch.setattr(batchring, "FREE_WAIT_S", 0.1)
-    ring._mem[0] = batchring.FILLED
-    ring.free(0)  # returns, and says why the slot stays filled
-    assert ring._mem[0] == batchring.FILLED and "left filled" in caplog.text
+    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=handoff, multiprocessing_context="spawn")
+    got = [x for batch in loader for x in handoff.take(batch)]
+    assert got == expect and (handoff.handed, handoff.piped) == (0, 4)  # each worker gave up on the lock
+    monkeypatch.setattr(module, "FREE_WAIT_S", 0.1)
+    handoff._mem[0] = module.FILLED
+    handoff.free(0)  # returns, and says why the slot stays filled
+    assert handoff._mem[0] == module.FILLED and "left filled" in caplog.text
 
 
-def free_slot(ring, slot) -> None:
-    ring.free(slot)
+def free_slot(handoff, slot) -> None:
+    handoff.free(slot)
 
 
 def test_a_forked_child_frees_none_of_the_parents_slots():
     import multiprocessing
 
-    from clients import batchring
+    from clients.handoff import FILLED
 
-    ring = BatchRing(workers=1, slots=2, slot=MIN_SLOT)
-    ring._mem[1] = batchring.FILLED  # a batch the parent has yet to copy out
-    child = multiprocessing.get_context("fork").Process(target=free_slot, args=(ring, 1))
+    handoff = Handoff(workers=1, slots=2, slot=MIN_SLOT)
+    handoff._mem[1] = FILLED  # a batch the parent has yet to copy out
+    child = multiprocessing.get_context("fork").Process(target=free_slot, args=(handoff, 1))
     child.start()
     child.join(30)
-    assert child.exitcode == 0 and ring._mem[1] == batchring.FILLED
-    ring.free(1)
-    assert ring.free_slots() == 2
+    assert child.exitcode == 0 and handoff._mem[1] == FILLED
+    handoff.free(1)
+    assert handoff.free_slots() == 2
 
 
 def test_what_a_slot_cannot_take_goes_down_the_pipe():
-    ring = BatchRing(workers=2, slots=3, slot=MIN_SLOT)
+    handoff = Handoff(workers=2, slots=3, slot=MIN_SLOT)
     small = blobs(32, 1000, 100_000, seed=1)
     big = blobs(8, 300_000, 400_000, seed=2)  # 4 of them outgrow a slot
     mixed = [(b, i) for i, b in enumerate(blobs(8, 1000, 2000, seed=3))]  # not bytes
     expect = small + big + mixed
-    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=ring,
+    loader = DataLoader(Blobs(expect), batch_size=4, num_workers=2, collate_fn=handoff,
                         multiprocessing_context="spawn")
     got, kinds = [], []
     for batch in loader:
-        kinds.append(type(batch) is RingBatch)
-        got.extend(ring.take(batch))
+        kinds.append(type(batch) is SlotBatch)
+        got.extend(handoff.take(batch))
     assert got == expect
     assert kinds == [True] * 8 + [False] * 4  # the small batches came through slots, the rest piped
-    assert (ring.handed, ring.piped) == (8, 4)
-    assert ring.free_slots() == 6
-    assert ring(small[:4]) == small[:4]  # the main process collates nothing into slots
+    assert (handoff.handed, handoff.piped) == (8, 4)
+    assert handoff.free_slots() == 6
+    assert handoff(small[:4]) == small[:4]  # the main process collates nothing into slots
 
 
-def test_a_ring_is_not_for_plain_pickles():
+def test_a_handoff_is_not_for_plain_pickles():
     import pickle
 
-    ring = BatchRing(workers=1, slots=1, slot=MIN_SLOT)
+    handoff = Handoff(workers=1, slots=1, slot=MIN_SLOT)
     with pytest.raises(RuntimeError, match="inheritance"):  # its lock goes only to processes it starts
-        pickle.dumps(ring)
+        pickle.dumps(handoff)

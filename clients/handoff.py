@@ -13,15 +13,15 @@ so no batch pays page faults: torch's own shared tensors make a new segment per 
 which measured slower than the pipe.
 
 Slot states (one byte each, at the head of the region): FREE -> FILLED when a worker
-takes one for a batch (under the ring's lock, before writing it); FILLED -> FREE when
+takes one for a batch (under the handoff's lock, before writing it); FILLED -> FREE when
 the process that received the batch has copied it out, or drops it unread (an epoch
-left early: RingBatch.__del__). The lock's acquire and release order each side's copies
+left early: SlotBatch.__del__). The lock's acquire and release order each side's copies
 against the other's. In torch's DataLoader a worker has at most prefetch_factor batches
 ahead and the main process takes one at a time, so prefetch_factor + 1 slots each
 suffice. Nothing waits on the lock for long (a process killed holding it never lets go):
 a worker that cannot claim a slot in time, and any batch that is not all bytes or does
 not fit a slot, goes down the pipe as before; a slot that cannot be freed in time stays
-FILLED, and its worker uses the pipe for that share. The ring changes how batches travel,
+FILLED, and its worker uses the pipe for that share. The handoff changes how batches travel,
 never what arrives.
 """
 from __future__ import annotations
@@ -38,22 +38,22 @@ from .shmregion import SHM, SharedRegion
 FREE, FILLED = 0, 1
 SLOT_CAP = 64 << 20  # a batch bigger than this goes down the pipe
 TOTAL_CAP = 512 << 20  # the whole region, all workers' slots
-MIN_SLOT = 1 << 20  # smaller slots are not worth a ring: the pipe is cheap at that size
+MIN_SLOT = 1 << 20  # smaller slots are not worth the handoff: the pipe is cheap at that size
 PAGE = 4096
 CLAIM_WAIT_S = 0.2  # a worker that waits longer for the lock sends its batch down the pipe
 FREE_WAIT_S = 2.0  # a slot not freed in this long is left FILLED (logged)
 
 log = logging.getLogger(__name__)
 
-# Rings by token in this process: a RingBatch unpickled here finds the ring whose slot it
+# Handoffs by token in this process: a SlotBatch unpickled here finds the one whose slot it
 # names (workers never unpickle batches, so theirs free nothing).
-_RINGS: "weakref.WeakValueDictionary[bytes, BatchRing]" = weakref.WeakValueDictionary()
+_HANDOFFS: "weakref.WeakValueDictionary[bytes, Handoff]" = weakref.WeakValueDictionary()
 
 
 def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) -> int:
     """Bytes per slot for items of these sizes: enough for the batch_size largest together,
     or for twice an average batch where outliers make that far more, within the caps;
-    0 where that leaves less than MIN_SLOT (no ring)."""
+    0 where that leaves less than MIN_SLOT (no handoff)."""
     import numpy as np
 
     sizes = np.asarray(sizes, dtype=np.int64)
@@ -66,34 +66,34 @@ def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) 
     return 0 if want < MIN_SLOT else -(-want // PAGE) * PAGE
 
 
-class RingBatch:
-    """A batch in a slot, as sent from a worker: the ring, the slot and each item's end."""
+class SlotBatch:
+    """A batch in a slot, as sent from a worker: the handoff's token, the slot and each item's end."""
 
-    __slots__ = ("token", "slot", "ends", "_ring")
+    __slots__ = ("token", "slot", "ends", "_handoff")
 
     def __init__(self, token: bytes, slot: int, ends: list[int]) -> None:
         self.token, self.slot, self.ends = token, slot, ends
-        self._ring: BatchRing | None = None  # set where unpickled: the receiving process frees it
+        self._handoff: Handoff | None = None  # set where unpickled: the receiving process frees it
 
     def __reduce__(self) -> tuple:
         return _rebuild, (self.token, self.slot, self.ends)
 
     def __del__(self) -> None:
-        ring, self._ring = self._ring, None
-        if ring is not None:  # dropped unread: free the slot
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:  # dropped unread: free the slot
             try:
-                ring.free(self.slot)
+                handoff.free(self.slot)
             except Exception:  # at interpreter exit the lock may be gone already
                 pass
 
 
-def _rebuild(token: bytes, slot: int, ends: list[int]) -> RingBatch:
-    batch = RingBatch(token, slot, ends)
-    batch._ring = _RINGS.get(token)
+def _rebuild(token: bytes, slot: int, ends: list[int]) -> SlotBatch:
+    batch = SlotBatch(token, slot, ends)
+    batch._handoff = _HANDOFFS.get(token)
     return batch
 
 
-class BatchRing:
+class Handoff:
     """`workers` x `slots` slots of `slot` bytes in one shared region, and their states. As a
     collate_fn it packs a worker's batch into a slot; take() unpacks it where it arrives."""
 
@@ -116,10 +116,10 @@ class BatchRing:
         self._pid = os.getpid()  # frees only here: a forked child's copies of batches free nothing
         self._mem = self._region.view
         self._next = 0  # a worker's next slot to try (its slots are used in turn)
-        self.handed = self.piped = 0  # batches through the ring, down the pipe (as taken here)
-        _RINGS[self.token] = self
+        self.handed = self.piped = 0  # batches through the slots, down the pipe (as taken here)
+        _HANDOFFS[self.token] = self
 
-    def __call__(self, batch: list) -> list | RingBatch:
+    def __call__(self, batch: list) -> list | SlotBatch:
         """collate_fn in a worker: the batch in one of this worker's free slots, or as it is."""
         from torch.utils.data import get_worker_info
 
@@ -140,7 +140,7 @@ class BatchRing:
         except BaseException:
             self.free(slot)
             raise
-        return RingBatch(self.token, slot, ends)
+        return SlotBatch(self.token, slot, ends)
 
     def _claim(self, worker: int) -> int | None:
         """One of this worker's FREE slots, now FILLED; None if all are filled (or the lock
@@ -162,7 +162,7 @@ class BatchRing:
         if os.getpid() != self._pid:
             return
         if not self._lock.acquire(timeout=FREE_WAIT_S):
-            log.warning("batch ring: slot %d left filled (its lock is held by a process that died?); "
+            log.warning("batch handoff: slot %d left filled (its lock is held by a process that died?); "
                         "its worker's batches go down the pipe instead", slot)
             return
         try:
@@ -171,13 +171,13 @@ class BatchRing:
             self._lock.release()
 
     def take(self, batch: Any) -> Any:
-        """A RingBatch's items as bytes (its slot freed); any other batch as it came."""
-        if type(batch) is not RingBatch:
+        """A SlotBatch's items as bytes (its slot freed); any other batch as it came."""
+        if type(batch) is not SlotBatch:
             self.piped += 1
             return batch
-        if batch.token != self.token or batch._ring is None:
-            raise ValueError("a batch from another loader's ring (or taken twice) reached this loader")
-        batch._ring = None  # freed here, not again when it is dropped
+        if batch.token != self.token or batch._handoff is None:
+            raise ValueError("a batch from another loader's handoff (or taken twice) reached this loader")
+        batch._handoff = None  # freed here, not again when it is dropped
         mem, base, start, items = self._mem, self._base + batch.slot * self.slot, 0, []
         try:
             for end in batch.ends:
@@ -203,9 +203,9 @@ def shm_room(size: int, path: str = SHM) -> bool:
     return st.f_bavail * st.f_frsize >= 2 * size
 
 
-def batch_ring(sizes: Sequence[int], batch_size: int, workers: int, prefetch_factor: int | None,
-               directory: str = SHM) -> BatchRing | None:
-    """A ring for a loader's workers: each keeps as many slots as batches it may have
+def make_handoff(sizes: Sequence[int], batch_size: int, workers: int, prefetch_factor: int | None,
+               directory: str = SHM) -> Handoff | None:
+    """A handoff for a loader's workers: each keeps as many slots as batches it may have
     ahead (prefetch_factor) plus the one being copied out. None where batches would not
     fit a worthwhile slot, or the memory filesystem has no room for the slots."""
     slots = (2 if prefetch_factor is None else prefetch_factor) + 1
@@ -216,7 +216,7 @@ def batch_ring(sizes: Sequence[int], batch_size: int, workers: int, prefetch_fac
     try:
         if not shm_room(size, directory):
             raise OSError(f"{directory} has less than twice {size >> 20} MB free")
-        return BatchRing(workers, slots, slot, directory)
+        return Handoff(workers, slots, slot, directory)
     except OSError as e:
         log.info("batches from DataLoader workers go down a pipe: no shared memory for their slots (%s)", e)
         return None
