@@ -37,7 +37,7 @@ from .shmregion import SHM, SharedRegion
 
 FREE, FILLED = 0, 1
 SLOT_CAP = 64 << 20  # a batch bigger than this goes down the pipe
-TOTAL_CAP = 512 << 20  # the whole region, all workers' slots
+TOTAL_CAP = 1 << 30  # the whole region, all workers' slots
 MIN_SLOT = 1 << 20  # smaller slots are not worth the handoff: the pipe is cheap at that size
 PAGE = 4096
 CLAIM_WAIT_S = 0.2  # a worker that waits longer for the lock sends its batch down the pipe
@@ -53,7 +53,8 @@ _HANDOFFS: "weakref.WeakValueDictionary[bytes, Handoff]" = weakref.WeakValueDict
 def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) -> int:
     """Bytes per slot for items of these sizes: enough for the batch_size largest together,
     or for twice an average batch where outliers make that far more, within the caps;
-    0 where that leaves less than MIN_SLOT (no handoff)."""
+    0 (no handoff) where that leaves less than MIN_SLOT, or the caps leave too little for
+    most batches (memory reserved for nothing)."""
     import numpy as np
 
     sizes = np.asarray(sizes, dtype=np.int64)
@@ -61,9 +62,12 @@ def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) 
         return 0
     k = min(batch_size, len(sizes))
     largest = int(np.partition(sizes, len(sizes) - k)[len(sizes) - k:].sum())
-    want = min(largest, max(2 * batch_size * int(sizes.mean()), MIN_SLOT))
+    average = batch_size * int(sizes.mean())
+    want = min(largest, max(2 * average, MIN_SLOT))
     want = min(want, SLOT_CAP, TOTAL_CAP // (workers * slots))
-    return 0 if want < MIN_SLOT else -(-want // PAGE) * PAGE
+    if want < MIN_SLOT or want < min(largest, average * 5 // 4):  # most batches would not fit
+        return 0
+    return -(-want // PAGE) * PAGE
 
 
 class SlotBatch:

@@ -38,8 +38,11 @@ def test_slots_hold_the_largest_batch_within_the_caps():
     huge = [100_000] * 1000 + [5_000_000] * 64
     mean = sum(huge) // len(huge)
     assert slot_bytes(huge, 64, 2, 3) == -(-(2 * 64 * mean) // PAGE) * PAGE < 64 * 5_000_000
-    assert slot_bytes([100_000_000] * 100, 64, 2, 3) == SLOT_CAP  # one slot's cap
-    assert slot_bytes([10 << 20] * 100, 64, 8, 3) == -(-(TOTAL_CAP // 24) // PAGE) * PAGE  # the region's cap
+    assert slot_bytes([500_000] * 1000 + [20_000_000] * 3, 64, 2, 3) == SLOT_CAP  # one slot's cap
+    outliers = [1_000_000] * 1000 + [10_000_000] * 40
+    assert slot_bytes(outliers, 32, 6, 3) == -(-(TOTAL_CAP // 18) // PAGE) * PAGE  # the region's cap
+    assert slot_bytes(outliers, 32, 8, 3) == 0  # capped below what most batches need: no slots at all
+    assert slot_bytes([10 << 20] * 100, 64, 8, 3) == 0
     assert slot_bytes([1000] * 100, 64, 2, 3) == 0  # 64 KB batches: not worth the slots
     assert slot_bytes([], 64, 2, 3) == 0
     handoff = make_handoff([200_000] * 100, 8, 2, prefetch_factor=4)
