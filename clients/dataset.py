@@ -400,12 +400,14 @@ class CachedDataset(_TorchDataset):
                 inproc.vouch(st.core, [read[0][j] for j in todo if items[j] is not None], read[1])
         return items
 
-    def _remember(self, st: ProcessState, indices: list[int], values: list[capability.Buffer]) -> None:
-        """Tell the table of checked values that these sealed values are good (checked.py)."""
+    def _remember(self, st: ProcessState, indices: list[int], ids: list[bytes], values: list[capability.Buffer]
+                  ) -> None:
+        """Tell the table of checked values that these values, sealed under these ids, are good
+        (checked.py)."""
         b3 = self.digest.blake3
         expected = ([b3[i].tobytes() for i in indices] if b3 is not None
                     else [self.digest.sha256(i) for i in indices])
-        st.checked.remember([checked.key(d, e) for d, e in zip(self.ids_for(indices), expected)], values)
+        st.checked.remember([checked.key(d, e) for d, e in zip(ids, expected)], values)
 
     def _open(self, i: int, key: bytes, value: memoryview) -> bytes | None:
         """Decrypt and verify a cached value; None if it is poisoned."""
@@ -513,6 +515,7 @@ class CachedDataset(_TorchDataset):
             return 0
         groups: dict[tuple[int, bool], list] = {}
         put: list[int] = []
+        idents: list[bytes] = []
         sealed: list[capability.Buffer] = []
         for i, item, was_poisoned in entries:
             chunk = self.plan.insert_chunk(i)
@@ -522,9 +525,10 @@ class CachedDataset(_TorchDataset):
             ident, value = capability.stored(item, self.digest.sha256(i), self.plain_records)
             groups.setdefault((chunk, was_poisoned), []).append((ident, value))
             put.append(i)
+            idents.append(ident)
             sealed.append(value)
         if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
-            self._remember(st, put, sealed)
+            self._remember(st, put, idents, sealed)
         for (chunk, replace), items in groups.items():
             if st.core is None:
                 st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)

@@ -14,14 +14,15 @@ which measured slower than the pipe.
 
 Slot states (one byte each, at the head of the region): FREE -> FILLED when a worker
 takes one for a batch (under the handoff's lock, before writing it); FILLED -> FREE when
-the process that received the batch has copied it out, or drops it unread (an epoch
-left early: SlotBatch.__del__). The lock's acquire and release order each side's copies
-against the other's. In torch's DataLoader a worker has at most prefetch_factor batches
-ahead and the main process takes one at a time, so prefetch_factor + 1 slots each
-suffice. Nothing waits on the lock for long (a process killed holding it never lets go):
-a worker that cannot claim a slot in time, and any batch that is not all bytes or does
-not fit a slot, goes down the pipe as before; a slot that cannot be freed in time stays
-FILLED, and its worker uses the pipe for that share. The handoff changes how batches travel,
+the receiving process reads the worker's message: unpickling it copies the items out and
+frees the slot (SlotBatch), whether the batch is used or dropped (an epoch left early).
+The lock's acquire and release order each side's copies against the other's. In torch's
+DataLoader a worker has at most prefetch_factor batches ahead and the main process reads
+one message at a time, so prefetch_factor + 1 slots each suffice. Nothing waits on the
+lock for long (a process killed holding it never lets go): a worker that cannot claim a
+slot in time keeps to the pipe from then on; any batch that is not all bytes or does not
+fit a slot goes down the pipe as before; a slot that cannot be freed in time stays FILLED,
+and its worker uses the pipe for that share. The handoff changes how batches travel,
 never what arrives.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import multiprocessing
 import os
 import weakref
 from collections.abc import Sequence
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from .shmregion import SHM, SharedRegion
@@ -63,43 +65,42 @@ def slot_bytes(sizes: Sequence[int], batch_size: int, workers: int, slots: int) 
     k = min(batch_size, len(sizes))
     largest = int(np.partition(sizes, len(sizes) - k)[len(sizes) - k:].sum())
     average = batch_size * int(sizes.mean())
-    want = min(largest, max(2 * average, MIN_SLOT))
+    want = min(largest, 2 * average)
+    if want < MIN_SLOT:  # batches this small cost the pipe little
+        return 0
     want = min(want, SLOT_CAP, TOTAL_CAP // (workers * slots))
-    if want < MIN_SLOT or want < min(largest, average * 5 // 4):  # most batches would not fit
+    if want < min(largest, average * 5 // 4):  # capped below what most batches need
         return 0
     return -(-want // PAGE) * PAGE
 
 
 class SlotBatch:
-    """A batch in a slot, as sent from a worker: the handoff's token, the slot and each item's end."""
+    """A batch in a slot, as a worker sends it: the handoff's token, the slot and each item's
+    end. It unpickles as the list of items itself: the receiving process copies them out and
+    frees the slot as it reads the message, so no slot outlives it and no caller (torch's
+    reordering of early batches, a pin-memory thread, a wrapper that rebuilds the
+    DataLoader) ever meets a SlotBatch."""
 
-    __slots__ = ("token", "slot", "ends", "_handoff")
+    __slots__ = ("token", "slot", "ends")
 
     def __init__(self, token: bytes, slot: int, ends: list[int]) -> None:
         self.token, self.slot, self.ends = token, slot, ends
-        self._handoff: Handoff | None = None  # set where unpickled: the receiving process frees it
 
     def __reduce__(self) -> tuple:
-        return _rebuild, (self.token, self.slot, self.ends)
-
-    def __del__(self) -> None:
-        handoff, self._handoff = self._handoff, None
-        if handoff is not None:  # dropped unread: free the slot
-            try:
-                handoff.free(self.slot)
-            except Exception:  # at interpreter exit the lock may be gone already
-                pass
+        return _unpack, (self.token, self.slot, self.ends)
 
 
-def _rebuild(token: bytes, slot: int, ends: list[int]) -> SlotBatch:
-    batch = SlotBatch(token, slot, ends)
-    batch._handoff = _HANDOFFS.get(token)
-    return batch
+def _unpack(token: bytes, slot: int, ends: list[int]) -> list[bytes]:
+    handoff = _HANDOFFS.get(token)
+    if handoff is None:
+        raise RuntimeError("a batch in a DataLoader worker's shared-memory slot reached a process that does "
+                           "not hold the loader (clients/handoff.py)")
+    return handoff.unpack(slot, ends)
 
 
 class Handoff:
     """`workers` x `slots` slots of `slot` bytes in one shared region, and their states. As a
-    collate_fn it packs a worker's batch into a slot; take() unpacks it where it arrives."""
+    collate_fn it packs a worker's batch into a slot; the batch unpacks itself where it arrives."""
 
     def __init__(self, workers: int, slots: int, slot: int, directory: str = SHM) -> None:
         self.workers, self.slots, self.slot = workers, slots, slot
@@ -109,7 +110,12 @@ class Handoff:
         self._lock = multiprocessing.get_context("spawn").RLock()  # re-entrant: GC may free a slot under it
         self._attach()
 
-    def __getstate__(self) -> dict[str, Any]:  # to the workers as they start (or a process given the loader)
+    def __getstate__(self) -> dict[str, Any]:
+        """To the workers as they start (or a process started with the loader); nowhere else,
+        checked before the region's file descriptor is duplicated for the trip."""
+        if get_spawning_popen() is None:
+            raise RuntimeError("a loader's batch handoff (shared memory) goes only to processes as they "
+                               "start; make a new loader in the other process instead")
         return {k: self.__dict__[k] for k in ("workers", "slots", "slot", "token", "_base", "_region", "_lock")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -117,10 +123,10 @@ class Handoff:
         self._attach()
 
     def _attach(self) -> None:
-        self._pid = os.getpid()  # frees only here: a forked child's copies of batches free nothing
         self._mem = self._region.view
         self._next = 0  # a worker's next slot to try (its slots are used in turn)
-        self.handed = self.piped = 0  # batches through the slots, down the pipe (as taken here)
+        self._stuck = False  # a worker that once waited too long for the lock keeps to the pipe
+        self.handed = 0  # batches received here through the slots
         _HANDOFFS[self.token] = self
 
     def __call__(self, batch: list) -> list | SlotBatch:
@@ -149,7 +155,11 @@ class Handoff:
     def _claim(self, worker: int) -> int | None:
         """One of this worker's FREE slots, now FILLED; None if all are filled (or the lock
         is not to be had)."""
-        if not self._lock.acquire(timeout=CLAIM_WAIT_S):
+        if self._stuck or not self._lock.acquire(timeout=CLAIM_WAIT_S):
+            if not self._stuck:
+                log.warning("batch handoff: worker %d found its lock held too long (by a process that died?); "
+                            "its batches go down the pipe from now on", worker)
+            self._stuck = True
             return None
         try:
             for k in range(self.slots):
@@ -163,8 +173,6 @@ class Handoff:
         return None
 
     def free(self, slot: int) -> None:
-        if os.getpid() != self._pid:
-            return
         if not self._lock.acquire(timeout=FREE_WAIT_S):
             log.warning("batch handoff: slot %d left filled (its lock is held by a process that died?); "
                         "its worker's batches go down the pipe instead", slot)
@@ -174,26 +182,20 @@ class Handoff:
         finally:
             self._lock.release()
 
-    def take(self, batch: Any) -> Any:
-        """A SlotBatch's items as bytes (its slot freed); any other batch as it came."""
-        if type(batch) is not SlotBatch:
-            self.piped += 1
-            return batch
-        if batch.token != self.token or batch._handoff is None:
-            raise ValueError("a batch from another loader's handoff (or taken twice) reached this loader")
-        batch._handoff = None  # freed here, not again when it is dropped
-        mem, base, start, items = self._mem, self._base + batch.slot * self.slot, 0, []
+    def unpack(self, slot: int, ends: list[int]) -> list[bytes]:
+        """The items of a batch in `slot`, as bytes; the slot freed."""
+        mem, base, start, items = self._mem, self._base + slot * self.slot, 0, []
         try:
-            for end in batch.ends:
+            for end in ends:
                 items.append(bytes(mem[base + start:base + end]))
                 start = end
         finally:
-            self.free(batch.slot)
+            self.free(slot)
         self.handed += 1
         return items
 
     def free_slots(self) -> int:
-        """Slots FREE now (all of them once every batch handed over was taken or dropped)."""
+        """Slots FREE now (all of them once every batch sent was received)."""
         return sum(1 for s in range(self.workers * self.slots) if self._mem[s] == FREE)
 
 

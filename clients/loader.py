@@ -70,9 +70,8 @@ class CachedLoader(DataLoader, EpochLog):
     def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
         """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
         if self.preprocess is None:
-            handoff = self.handoff
             for batch in super().__iter__():
-                yield (batch if handoff is None else handoff.take(batch)), None
+                yield batch, None
             return
         sampler = self.batch_sampler
         # with remote workers, the feeder takes the sampler's batches ahead and hands them on

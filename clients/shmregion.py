@@ -12,6 +12,7 @@ import os
 import tempfile
 import weakref
 from multiprocessing import reduction
+from multiprocessing.context import get_spawning_popen
 
 SHM = "/dev/shm"  # Linux's memory filesystem for shared memory
 
@@ -40,6 +41,8 @@ class SharedRegion:
         weakref.finalize(self, _close, self.view, self._map, fd)
 
     def __reduce__(self) -> tuple:
+        if get_spawning_popen() is None:  # elsewhere DupFd would park a duplicate that nothing closes
+            raise RuntimeError("shared memory goes only to processes as they start")
         return _rebuild, (self.size, reduction.DupFd(self.fd))
 
 
@@ -50,9 +53,10 @@ def _rebuild(size: int, dupfd) -> SharedRegion:
 
 
 def _close(view: memoryview, mapping: mmap.mmap, fd: int) -> None:
-    view.release()
     try:
+        view.release()
         mapping.close()
     except BufferError:  # a slice of it is still in use somewhere: the mapping goes with it
         pass
-    os.close(fd)
+    finally:
+        os.close(fd)
