@@ -114,11 +114,20 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
 
 @contextlib.contextmanager
 def manager_with_server(root: str, *manager_args: str) -> Iterator[tuple[Daemon, Daemon]]:
-    """A cachemanager and one cacheserver in its ring, stopped on the way out."""
+    """A cachemanager and one cacheserver in its ring (registered: the manager's ring lists it),
+    stopped on the way out."""
+    from manager.manager_client import ManagerClient
+
     m = cachemanager(os.path.join(root, "mgr"), 0, *manager_args).start()
     try:
         srv = cacheserver(os.path.join(root, "srv"), "256MB", 0, "--manager", m.address).start()
         try:
+            with ManagerClient(m.address, timeout=2) as mc:
+                deadline = time.monotonic() + 30
+                while not mc.get_ring().addresses:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"cache server {srv.address} did not join manager {m.address} in 30 s")
+                    time.sleep(0.05)
             yield m, srv
         finally:
             srv.stop()
