@@ -382,13 +382,11 @@ class CachedDataset(_TorchDataset):
         items = capability.open_values(keys, ids, values, sizes)
         if self.verify_hash:
             todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
-            b3 = self.digest.blake3
-            pairs = ([(b3[indices[j]].tobytes(), items[j]) for j in todo] if b3 is not None
-                     else [(keys[j], items[j]) for j in todo])
+            pairs = list(zip(self._expected([indices[j] for j in todo]), [items[j] for j in todo]))
             todo, pairs, memo, known = checked.unknown(st.checked, ids, values, todo, pairs)
             if known:  # checked before as these very bytes: as good as vouched
                 self.counters.add(_worker_row(), vouched=known)
-            hash_fn = capability.sha256 if b3 is None else capability.blake3
+            hash_fn = capability.sha256 if self.digest.blake3 is None else capability.blake3
             for j, ok in zip(todo, capability.hashes_match(pairs, st.hash_pool, st.hash_threads,
                                                            hash_fn=hash_fn)):
                 if not ok:
@@ -400,14 +398,12 @@ class CachedDataset(_TorchDataset):
                 inproc.vouch(st.core, [read[0][j] for j in todo if items[j] is not None], read[1])
         return items
 
-    def _remember(self, st: ProcessState, indices: list[int], ids: list[bytes], values: list[capability.Buffer]
-                  ) -> None:
-        """Tell the table of checked values that these values, sealed under these ids, are good
-        (checked.py)."""
+    def _expected(self, indices: Sequence[int]) -> list[bytes]:
+        """The hash each item is checked against (step 4): its BLAKE3 where the digest
+        carries it, else its SHA-256 (K)."""
         b3 = self.digest.blake3
-        expected = ([b3[i].tobytes() for i in indices] if b3 is not None
-                    else [self.digest.sha256(i) for i in indices])
-        st.checked.remember([checked.key(d, e) for d, e in zip(ids, expected)], values)
+        return ([b3[i].tobytes() for i in indices] if b3 is not None
+                else [self.digest.sha256(i) for i in indices])
 
     def _open(self, i: int, key: bytes, value: memoryview) -> bytes | None:
         """Decrypt and verify a cached value; None if it is poisoned."""
@@ -514,21 +510,20 @@ class CachedDataset(_TorchDataset):
         if not self.insert or st.ring is None or not entries:
             return 0
         groups: dict[tuple[int, bool], list] = {}
-        put: list[int] = []
-        idents: list[bytes] = []
-        sealed: list[capability.Buffer] = []
+        put: list[int] = []  # the indices of what goes into `groups`, in the order of `sealed`
+        sealed: list[tuple[bytes, capability.Buffer]] = []
         for i, item, was_poisoned in entries:
             chunk = self.plan.insert_chunk(i)
             if chunk is None:  # the manager gives this part of the dataset no cache space now
                 continue
             # _read_store checked the item against the digest (its BLAKE3 or SHA-256).
-            ident, value = capability.stored(item, self.digest.sha256(i), self.plain_records)
-            groups.setdefault((chunk, was_poisoned), []).append((ident, value))
+            stored = capability.stored(item, self.digest.sha256(i), self.plain_records)
+            groups.setdefault((chunk, was_poisoned), []).append(stored)
             put.append(i)
-            idents.append(ident)
-            sealed.append(value)
+            sealed.append(stored)
         if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
-            self._remember(st, put, idents, sealed)
+            st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed, self._expected(put))],
+                                [value for _, value in sealed])
         for (chunk, replace), items in groups.items():
             if st.core is None:
                 st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)

@@ -47,8 +47,7 @@ FREE_WAIT_S = 2.0  # a slot not freed in this long is left FILLED (logged)
 
 log = logging.getLogger(__name__)
 
-# Handoffs by token in this process: a SlotBatch unpickled here finds the one whose slot it
-# names (workers never unpickle batches, so theirs free nothing).
+# Handoffs by token in this process: a SlotBatch unpickled here finds the one whose slot it names.
 _HANDOFFS: "weakref.WeakValueDictionary[bytes, Handoff]" = weakref.WeakValueDictionary()
 
 
@@ -107,7 +106,7 @@ class Handoff:
         self.token = os.urandom(16)
         self._base = -(-workers * slots // PAGE) * PAGE  # the states' page(s), then the slots
         self._region = SharedRegion(self._base + workers * slots * slot, directory)
-        self._lock = multiprocessing.get_context("spawn").RLock()  # re-entrant: GC may free a slot under it
+        self._lock = multiprocessing.get_context("spawn").Lock()
         self._attach()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -210,7 +209,7 @@ def shm_room(size: int, path: str = SHM) -> bool:
 
 
 def make_handoff(sizes: Sequence[int], batch_size: int, workers: int, prefetch_factor: int | None,
-               directory: str = SHM) -> Handoff | None:
+                 directory: str = SHM) -> Handoff | None:
     """A handoff for a loader's workers: each keeps as many slots as batches it may have
     ahead (prefetch_factor) plus the one being copied out. None where batches would not
     fit a worthwhile slot, or the memory filesystem has no room for the slots."""

@@ -112,22 +112,28 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
                   log_path=os.path.join(state_dir, "manager.log"))
 
 
+def wait_ring(address: str, n: int, timeout: float = 30.0) -> None:
+    """Wait until the manager at `address` lists `n` cache servers in its ring (they register
+    after they start); fails the test if it does not within `timeout` seconds."""
+    from manager.manager_client import ManagerClient
+
+    deadline = time.monotonic() + timeout
+    with ManagerClient(address, timeout=2) as mc:
+        while len(mc.get_ring().addresses) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = len(mc.get_ring().addresses)
+    assert got == n, f"manager {address} lists {got} cache servers after {timeout} s, not {n}"
+
+
 @contextlib.contextmanager
 def manager_with_server(root: str, *manager_args: str) -> Iterator[tuple[Daemon, Daemon]]:
     """A cachemanager and one cacheserver in its ring (registered: the manager's ring lists it),
     stopped on the way out."""
-    from manager.manager_client import ManagerClient
-
     m = cachemanager(os.path.join(root, "mgr"), 0, *manager_args).start()
     try:
         srv = cacheserver(os.path.join(root, "srv"), "256MB", 0, "--manager", m.address).start()
         try:
-            with ManagerClient(m.address, timeout=2) as mc:
-                deadline = time.monotonic() + 30
-                while not mc.get_ring().addresses:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"cache server {srv.address} did not join manager {m.address} in 30 s")
-                    time.sleep(0.05)
+            wait_ring(m.address, 1)
             yield m, srv
         finally:
             srv.stop()

@@ -442,7 +442,7 @@ def test_a_random_step_seeded_alike_every_epoch_is_kept_under_the_seed(tmp_path,
 
 def test_auto_with_a_manager_takes_its_decision(tmp_path):
     from manager.manager_client import ManagerClient
-    from procs import cachemanager, cacheserver
+    from procs import cachemanager, cacheserver, wait_ring
 
     m = cachemanager(str(tmp_path / "mgr")).start()
     srv = cacheserver(str(tmp_path / "s0"), "1GB", 0, "--manager", m.address).start()
@@ -450,10 +450,7 @@ def test_auto_with_a_manager_takes_its_decision(tmp_path):
     p = Pipeline([as_array, Slow(0.01), shrink, autocache, step(noise, random=True), total])
     ds = loader = None
     try:
-        with ManagerClient(m.address, timeout=2) as mc:
-            deadline = time.monotonic() + 15
-            while not mc.get_ring().addresses and time.monotonic() < deadline:
-                time.sleep(0.1)
+        wait_ring(m.address, 1)
         ds = CachedDataset(path, manager=m.address, job="job-m", transform=p)
         loader = ds.loader(B, num_workers=1, seed=3, autocache="auto", epochs=5, cost_dir=False)
         ac = loader.autocache

@@ -14,19 +14,11 @@ from cacheserver.vocab import transformed_tag  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from manager.manager_client import ManagerClient  # noqa: E402
 from manager.policy.autocache import decide  # noqa: E402
-from procs import ROOT, cachemanager, cacheserver  # noqa: E402
+from procs import ROOT, cachemanager, cacheserver, wait_ring  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 from test_policy_autocache import costs  # noqa: E402
 
 FP = "5e" * 32
-
-
-def wait_ring(address, n, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    with ManagerClient(address, timeout=2) as mc:
-        while len(mc.get_ring().addresses) < n and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(mc.get_ring().addresses) == n
 
 
 def test_jobs_share_the_managers_decision_and_it_survives_a_restart(tmp_path):

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 from cacheserver.client.server_client import ServerClient  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from manager.manager_client import ManagerClient  # noqa: E402
-from procs import cachemanager, cacheserver  # noqa: E402
+from procs import cachemanager, cacheserver, wait_ring  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 
 
@@ -18,11 +18,7 @@ from test_dataset import make_dataset  # noqa: E402
 def cluster(tmp_path):
     m = cachemanager(str(tmp_path / "mgr")).start()
     servers = [cacheserver(str(tmp_path / f"s{i}"), "256MB", 0, "--manager", m.address).start() for i in range(2)]
-    deadline = time.monotonic() + 15
-    with ManagerClient(m.address, timeout=2) as mc:
-        while len(mc.get_ring().addresses) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(mc.get_ring().addresses) == 2
+    wait_ring(m.address, 2)
     yield m, servers
     for s in servers:
         s.kill()

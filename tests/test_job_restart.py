@@ -4,14 +4,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from clients.jobtokenfile import DIR_ENV, JobTokenFile, token_dir
 from manager import jobtokens
 from manager.manager_client import ManagerClient
-from procs import cachemanager, cacheserver
+from procs import cachemanager, cacheserver, wait_ring
 from test_dataset import make_dataset
 
 pytest.importorskip("torch")
@@ -53,10 +52,7 @@ def _train(digest, manager, job, token_root, mode="exit", client="torch"):
 def cluster(tmp_path):
     m = cachemanager(str(tmp_path / "m")).start()
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address).start()
-    deadline = time.monotonic() + 15
-    with ManagerClient(m.address, timeout=2) as mc:
-        while not mc.get_ring().addresses and time.monotonic() < deadline:
-            time.sleep(0.1)
+    wait_ring(m.address, 1)
     yield m
     s.kill()
     m.kill()

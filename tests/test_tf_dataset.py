@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 
 from clients import tf_dataset  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest_tool import main as digest_main  # noqa: E402
-from procs import cachemanager, cacheserver  # noqa: E402
+from procs import cachemanager, cacheserver, wait_ring  # noqa: E402
 from tfexamples import digested_shards, parse, write_shards  # noqa: E402
 
 N = 240
@@ -228,10 +228,7 @@ def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
     servers = [cacheserver(str(tmp_path / f"s{i}"), "256MB", 0, "--manager", m.address).start() for i in range(2)]
     ds = None
     try:
-        with ManagerClient(m.address, timeout=2) as mc:
-            deadline = time.monotonic() + 15
-            while len(mc.get_ring().addresses) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
+        wait_ring(m.address, 2)
         ds = tf_dataset(digest, manager=m.address, job="tf-job", n_gpus=2, read_batch=16, seed=6)
         assert sorted(ds.mlcache.cached.cache_spec.split(",")) == sorted(s.address for s in servers)
         assert ds.mlcache.cached.coordinator._sampler is ds.mlcache.sampler  # hit fractions go with batch times
