@@ -4,7 +4,7 @@ that they reuse, not down a pipe.
 A DataLoader worker pickles each batch and sends it down a pipe: the worker copies it
 into the pickle, the kernel copies it in and out, and the main process unpickles it into
 fresh objects. For batches of raw items (bytes, no decode) the main process spent as
-much CPU on that as each worker on its reads (0.6-0.9 core-s per GB; docs/benchmarks.md).
+much CPU on that as each worker on its reads (0.64-0.75 core-s per GB; docs/benchmarks.md).
 Here each worker owns a few slots of one shared region (shmregion.py) made before the
 workers start: it copies a batch into a free slot and sends only the slot's number and
 the items' ends; the main process copies each item out as `bytes` and frees the slot.

@@ -2,8 +2,8 @@
 
 Reads from a local disk cost CPU rather than waiting: from the page cache a read
 is a copy, and every open, read and hash hands the GIL back and forth, so threads
-beyond the cores only contend for it. Measured on 2 cores (tools/bench/epoch's
-miss rows, docs/benchmarks.md): a filling epoch cost 1.6-2.0 core-s per GB with
+beyond the cores only contend for it. Measured on 2 cores (calls made
+directly, docs/benchmarks.md): a filling epoch cost 1.6-2.0 core-s per GB with
 16 threads and 1.3-1.55 with 4, and 4 were also the fastest from a cold disk.
 Network and FUSE mounts (NFS, gcsfuse, s3fs, ...) wait on the network for each
 read, as fsspec's remote stores do, so they keep every thread asked for; so does
