@@ -283,8 +283,8 @@ def handoff_seen(probed: float, pool: Any) -> float:
     spent reading and decoding the workers' outputs so far (MIN_HANDOFFS of them at
     least). Both undercount (the probe's reads vary with how they interleave with its
     writer: 0.35-0.99 ms per 1 MiB output from run to run; the scheduler's leave out the
-    items' way to the workers), and a source epoch projected too cheap was the grid's
-    one wrong choice (docs/benchmarks.md, Autocache)."""
+    items' way to the workers), and a source epoch projected too cheap would choose
+    source where transformed wins."""
     if pool is None or pool.handoff_items < MIN_HANDOFFS:
         return probed
     return max(probed, pool.handoff_cpu_s / pool.handoff_items)

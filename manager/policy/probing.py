@@ -99,8 +99,8 @@ class Batch:
 @dataclass(frozen=True)
 class ProbeConfig:
     warmup_batches: int = 5          # dropped after every mode switch
-    # Every bypass batch runs at the store's speed: a steady job may stop after 10
-    # (20 before; tools/bench/allocation, docs/benchmarks.md). Noisy jobs still run
+    # Every bypass batch runs at the store's speed, so a steady job may stop after
+    # 10 (tools/bench/allocation). Noisy jobs still run
     # until rel_precision holds; 2% there misjudged noisy jobs by 9% in
     # tests/test_policy_trace.py, so it stays 1%.
     min_batches: int = 10            # steady samples before a phase may end early
