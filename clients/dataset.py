@@ -277,7 +277,7 @@ class CachedDataset(_TorchDataset):
         """Items (or sample dicts), decoded, as (sample, target) pairs when target= is set;
         before any transform."""
         if self.samples is None:
-            indices = [self._index(i) for i in indices]
+            indices = self._indices(indices)
             out = self._read(indices)
         else:
             indices = [self._sample_index(i) for i in indices]
@@ -314,7 +314,6 @@ class CachedDataset(_TorchDataset):
         """Digest items' bytes: from the cache, else the store (inserted), verified."""
         st = self._proc()
         n = len(indices)
-        keys = [self.digest.hashes[i].tobytes() for i in indices]
         ids = self.ids_for(indices)
         out: list[Any] = [None] * n
         if st.core is not None and self.plain_records:
@@ -324,7 +323,7 @@ class CachedDataset(_TorchDataset):
         else:
             values = st.ring.get(ids, self.job) if st.ring is not None else [None] * n
             vouched, since = None, None
-        opened = self._open_many(st, indices, keys, values, vouched, (ids, since))
+        opened = self._open_many(st, indices, values, vouched, (ids, since))
         todo, poisoned, cache_bytes = [], set(), 0
         for j, v in enumerate(values):
             item = opened[j]
@@ -347,6 +346,14 @@ class CachedDataset(_TorchDataset):
         self.counters.add(_worker_row(), **counts)
         return out
 
+    def _indices(self, indices: Sequence[int]) -> list[int]:
+        """Item indices checked and made non-negative: a batch of plain ints in range (what
+        samplers give) in one pass, others one by one (their errors name the index)."""
+        n = len(self.digest)
+        if all(type(i) is int and 0 <= i < n for i in indices):
+            return list(indices)
+        return [self._index(i) for i in indices]
+
     def _index(self, i: Any) -> int:
         try:
             return self.digest.index(operator.index(i))
@@ -363,7 +370,7 @@ class CachedDataset(_TorchDataset):
                          f"({e.path} @ {e.offset}+{e.length})")
             raise
 
-    def _open_many(self, st: ProcessState, indices: Sequence[int], keys: list[bytes],
+    def _open_many(self, st: ProcessState, indices: Sequence[int],
                    values: list[memoryview | None], vouched: list[bool] | None = None,
                    read: tuple[list[bytes], inproc.Since] | None = None) -> list[bytes | None]:
         """_open for a batch: decrypt in this thread (split over threads it ran slower:
@@ -379,6 +386,7 @@ class CachedDataset(_TorchDataset):
         if self.plain_records:
             return capability.open_plain(values, sizes)
         ids = read[0] if read is not None else self.ids_for(indices)
+        keys = [self.digest.hashes[i].tobytes() for i in indices]
         items = capability.open_values(keys, ids, values, sizes)
         if self.verify_hash:
             todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
@@ -405,9 +413,9 @@ class CachedDataset(_TorchDataset):
         return ([b3[i].tobytes() for i in indices] if b3 is not None
                 else [self.digest.sha256(i) for i in indices])
 
-    def _open(self, i: int, key: bytes, value: memoryview) -> bytes | None:
+    def _open(self, i: int, value: memoryview) -> bytes | None:
         """Decrypt and verify a cached value; None if it is poisoned."""
-        return self._open_many(self._proc(), [i], [key], [value])[0]
+        return self._open_many(self._proc(), [i], [value])[0]
 
     def _fill(self, st: ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
               ) -> tuple[list[bytes], dict[str, int]]:
@@ -435,7 +443,7 @@ class CachedDataset(_TorchDataset):
             got = st.ring.get([ids[p] for p in waited], self.job) if st.ring is not None else [None] * len(waited)
             for p, v in zip(waited, got):
                 if v is not None:
-                    items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v)
+                    items[p] = self._open(indices[p], v)
                     if items[p] is None and not poisoned[p]:  # poisoned[p]: counted already
                         bad.add(p)
             coalesced = sum(items[p] is not None for p in waited)
@@ -488,7 +496,7 @@ class CachedDataset(_TorchDataset):
             if ready:
                 for p, v in zip(ready, st.ring.get([ids[p] for p in ready], self.job)):
                     if v is not None:
-                        items[p] = self._open(indices[p], self.digest.sha256(indices[p]), v)
+                        items[p] = self._open(indices[p], v)
                         if items[p] is None:
                             bad.add(p)
             todo = [p for p, c in zip(todo, codes) if c == PENDING and items[p] is None]
