@@ -349,10 +349,10 @@ class CachedDataset(_TorchDataset):
     def _indices(self, indices: Sequence[int]) -> list[int]:
         """Item indices checked and made non-negative: a batch of plain ints in range (what
         samplers give) in one pass, others one by one (their errors name the index)."""
-        n = len(self.digest)
-        if all(type(i) is int and 0 <= i < n for i in indices):
-            return list(indices)
-        return [self._index(i) for i in indices]
+        n, out = len(self.digest), list(indices)
+        if all(type(i) is int and 0 <= i < n for i in out):
+            return out
+        return [self._index(i) for i in out]
 
     def _index(self, i: Any) -> int:
         try:

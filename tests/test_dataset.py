@@ -304,6 +304,7 @@ def test_bad_index_and_failing_decode_name_the_item(tmp_path, data):
         # a batch of plain ints in range takes one check; others (negative, numpy) one by one
         assert ds.__getitems__([0, 2]) == [items[0], items[2]]
         assert ds.__getitems__([0, -1, np.int64(2)]) == [items[0], items[len(items) - 1], items[2]]
+        assert ds.read(i for i in (1, -2)) == [items[1], items[len(items) - 2]]
         with pytest.raises(IndexError, match=f"item {len(items)} out of range for digest of {len(items)} items"):
             ds[len(items)]
         with pytest.raises(TypeError, match="item index must be an integer, got str 'a'"):
