@@ -148,7 +148,7 @@ class DataPlaneServer:
             return self._refuse(conn, str(e))
         limits = self.core.limits
         # Put bodies hold values; other bodies hold ids and the job name.
-        max_body = limits.max_batch_bytes + limits.max_batch_items * 48 + 70_000
+        max_body = limits.max_batch_items * 48 + 70_000 + (limits.max_batch_bytes if code == ops.PUT.code else 0)
         if body_len > max_body:
             return self._refuse(conn, f"frame body of {body_len} bytes exceeds the limit of {max_body}")
         why = self.admission.admit(body_len)
@@ -194,6 +194,8 @@ class DataPlaneServer:
         """The answer (count, body parts) of the operation `code` (ops.TABLE)."""
         if aux_len > len(body):
             raise BadRequest(f"job name length {aux_len} exceeds the body ({len(body)} bytes)")
+        if count > self.core.limits.max_batch_items:  # before parsing makes objects per declared item
+            raise BadRequest(f"batch of {count} items exceeds the limit of {self.core.limits.max_batch_items}")
         job = bytes(body[:aux_len]).decode()
         op = ops.TABLE.get(code)
         if op is None:

@@ -296,8 +296,9 @@ class Store(Recovery):
             self._accessed(hits)
             for k in bad:
                 self._index_remove(k)
+            if bad:  # under the lock: a put of the same id in between would be deleted too
+                self._delete_keys(bad)
         if bad:
-            self._delete_keys(bad)
             self.counters.add("corrupt_dropped", len(bad))
         return out
 
@@ -308,27 +309,18 @@ class Store(Recovery):
         refused = self.admit.refused(items, self._new_bytes(items, replace), is_spare(tag))
         if refused is not None:
             return refused
-        already = 0
-        todo: list[tuple[bytes, bytes | memoryview, int]] = []
         with self._lock:
             tid = self._tag_id(tag)
-            seen: set[bytes] = set()
-            if replace:
-                for key, _ in items:
-                    if key not in self._pending:
-                        self._index_remove(key)  # the write below overwrites the record
+            replaced = self._unindex(items) if replace else {}  # the write below overwrites their records
             # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
             retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
             if retag:  # spare entries whose chunk now has room: they take the put's tag
                 self._retag(retag, tag, tid)
-            for key, value in items:
-                if key in self._index or key in self._pending or key in seen:
-                    already += 1
-                    continue
-                seen.add(key)
-                todo.append((key, value, len(value) + OVERHEAD))
+            todo, already = self._new_items(items)
             accepted = self._within_room(todo, tag)
             rejected = len(todo) - len(accepted)
+            if replaced:
+                self._drop_replaced(replaced, accepted)
             reserve = sum(c for _, _, c in accepted)
             self._reserved += reserve
             self._pending.update(k for k, _, _ in accepted)
@@ -339,7 +331,7 @@ class Store(Recovery):
         written = False
         try:
             if accepted:
-                self._write_values(accepted, seq0, tag)
+                self._write_values(accepted, seq0, tag, replaced)
             written = True
         except Exception as e:
             self.room.write_failed(e)
@@ -362,12 +354,32 @@ class Store(Recovery):
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
 
+    def _unindex(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> dict[bytes, int]:
+        """Drop held ids (not ones being written) from the index for a replace (lock held):
+        id -> the charge of the record the new value replaces."""
+        return {key: self._index_remove(key) for key, _ in items
+                if key not in self._pending and key in self._index}
+
+    def _new_items(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> tuple[list, int]:
+        """(id, value, charge) of each id neither held nor being written, once; and how
+        many of the items were (lock held)."""
+        todo, seen, already = [], set(), 0
+        for key, value in items:
+            if key in self._index or key in self._pending or key in seen:
+                already += 1
+                continue
+            seen.add(key)
+            todo.append((key, value, len(value) + OVERHEAD))
+        return todo, already
+
     def _new_bytes(self, items: Sequence[tuple[bytes, bytes | memoryview]], replace: bool) -> int:
         index = self._index  # ids already held take no room (unless overwritten)
         return sum(len(v) + OVERHEAD for k, v in items if replace or k not in index)
 
     def _within_room(self, todo: list[tuple[bytes, bytes | memoryview, int]], tag: Tag) -> list:
-        """The items (id, value, charge) that fit, evicting for them first (lock held)."""
+        """The items (id, value, charge) that fit, evicting for them first (lock held); one
+        larger than the whole capacity is refused without evicting anything for it."""
+        todo = [t for t in todo if t[2] <= self.capacity]
         need = sum(c for _, _, c in todo)
         free = self.capacity - self.used - self._reserved
         if need > free:
@@ -447,12 +459,23 @@ class Store(Recovery):
         self._db.write(mb, self._wopts)
         self.counters.add(counter, len(keys))
 
-    def _write_values(self, accepted: list, seq0: int, tag: Tag) -> None:
+    def _drop_replaced(self, replaced: dict[bytes, int], accepted: list) -> None:
+        """Delete the records of replaced ids that found no room (lock held): poisoned, and
+        no longer indexed, they would lie on disk unaccounted until a restart."""
+        kept = {k for k, _, _ in accepted}
+        dropped = [k for k in replaced if k not in kept]
+        if dropped:
+            self._delete_keys(dropped, [k for k in dropped if replaced[k] >= BLOB_MIN + OVERHEAD])
+
+    def _write_values(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, int] | None = None) -> None:
+        """Write accepted (id, value, charge) items; a replaced record (its charge in
+        `replaced`) in the other family than its new value's is deleted in the logged batch."""
         ds = tag[0].encode()
         metas = [(key, _META.pack(len(value), seq0 + i, tag[1]) + ds) for i, (key, value, _) in enumerate(accepted)]
         if self._vopts is self._wopts:  # one logged batch: both or neither survive a crash
             wb = rocksdict.WriteBatch(raw_mode=True)
             for (key, value, _), (_, meta) in zip(accepted, metas):
+                self._delete_other(wb, key, value, replaced)
                 self._put_value(wb, key, value)
                 wb.put(key, meta, self._meta_cf)
             self._db.write(wb, self._wopts)
@@ -462,7 +485,8 @@ class Store(Recovery):
         # unlogged: the log is RocksDB's costliest part of a write (a CRC-32C of every
         # byte: about 2x the server CPU of an insert; tools/bench/misspath).
         mb = rocksdict.WriteBatch(raw_mode=True)
-        for key, meta in metas:
+        for (key, value, _), (_, meta) in zip(accepted, metas):
+            self._delete_other(mb, key, value, replaced)
             mb.put(key, meta, self._meta_cf)
         self._db.write(mb, self._wopts)
         vb = rocksdict.WriteBatch(raw_mode=True)
@@ -476,6 +500,14 @@ class Store(Recovery):
             self._last_write = now
             if self._dirty_since is None:
                 self._dirty_since = now
+
+    def _delete_other(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview,
+                      replaced: dict[bytes, int] | None) -> None:
+        """A replaced record in the family the new value does not go to: deleted (a large one
+        left in the blob files would stay on disk, counted, for as long as the id is held)."""
+        old = replaced.get(key) if replaced else None
+        if old is not None and (old >= BLOB_MIN + OVERHEAD) != (len(value) >= BLOB_MIN):
+            wb.delete(key, self._large_cf) if old >= BLOB_MIN + OVERHEAD else wb.delete(key)
 
     def _put_value(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview) -> None:
         record = (value if isinstance(value, bytes) else bytes(value)) if self.plain else wrap(value)
@@ -549,8 +581,9 @@ class Store(Recovery):
             tids = {tid for tid, tag in enumerate(self._tags) if match(tag)}
             keys = [k for k, (_, tid) in self._index.items() if tid in tids]
             freed = sum(self._remove_victim(k, victims, large) for k in keys)
+            if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
+                self._delete_keys(keys, large)
         if keys:
-            self._delete_keys(keys, large)
             self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
         return len(keys), freed
 

@@ -70,3 +70,29 @@ def test_embedded_operations_reach_the_core_without_a_socket(tmp_path):
             assert err.value.status == wire.BAD_REQUEST
     finally:
         ds.close()
+
+
+def test_a_failure_in_another_thread_does_not_break_a_same_host_get_under_way(server):
+    """The ring replaces a failed server's client while another thread (a prefetch beside
+    the loader) may be reading its follower: that get still finishes, values intact."""
+    from cacheserver.client import localread
+    from cacheserver.client.ring_client import RingClient
+
+    ids = list(VALUES)[:8]
+    with RingClient([server.address]) as ring:
+        assert ring.put([(k, VALUES[k]) for k in ids]) == 8
+        deadline = time.monotonic() + 30
+        while [None if v is None else bytes(v) for v in ring.get(ids)] != [VALUES[k] for k in ids]:
+            assert time.monotonic() < deadline  # the follower catches up
+        client = ring.clients[server.address]
+        assert client.transport == "local"
+        read = client._local.read
+
+        def fail_meanwhile(keys):
+            ring._failed(server.address, ConnectionError("another thread's call failed"))
+            return read(keys)
+
+        client._local.read = fail_meanwhile
+        time.sleep(localread.MAX_CATCH_UP_INTERVAL)  # the get may catch its follower up
+        assert [bytes(v) for v in ring.get(ids)] == [VALUES[k] for k in ids]
+        assert ring.clients[server.address] is not client

@@ -448,6 +448,8 @@ def test_malformed_data_plane_frames(server):
     with _raw(server.address) as s:  # id count mismatch: refused, connection stays usable
         s.sendall(wire.pack_header(ops.GET.code, 0, 3, 64) + b"i" * 64)
         assert _reply(s) == (wire.BAD_REQUEST, "3 ids need 96 bytes, frame has 64")
+        s.sendall(wire.pack_header(ops.PUT.code, 0, 10**6, 64) + b"i" * 64)  # refused before parsing
+        assert _reply(s) == (wire.BAD_REQUEST, "batch of 1000000 items exceeds the limit of 100000")
         body = b"\0\0" + struct.pack("<i", -1) + ops.PUT_ENTRY.pack(b"k" * 32, 10) + b"short"
         s.sendall(wire.pack_header(ops.PUT.code, 0, 1, len(body)) + body)
         status, msg = _reply(s)

@@ -178,6 +178,40 @@ def test_full_with_no_eviction_rejects_without_partial_state(tmp_path):
     s.close()
 
 
+def test_an_item_larger_than_the_capacity_evicts_nothing(tmp_path):
+    s = Store(str(tmp_path / "big"), 4 * (1000 + OVERHEAD), LRUPolicy(), Counters())
+    ks = ids(4)
+    assert s.put_many([(k, b"v" * 1000) for k in ks]) == (4, 0, 0)
+    big, small = ids(2, seed=5)
+    assert s.put_many([(big, b"b" * 5000), (small, b"s" * 1000)]) == (1, 0, 1)  # room made for the one that fits
+    assert s.contains(ks + [big, small]) == b"\x00\x01\x01\x01\x00\x01"
+    assert s.counters["evicted_items"] == 1
+    s.close()
+
+
+def test_an_eviction_never_deletes_a_put_made_while_it_runs(tmp_path):
+    """Ids are content digests, so another dataset may put an id that a manager-directed
+    eviction is removing: the put waits for the delete, and then stores it."""
+    s = Store(str(tmp_path / "ev"), 10**7, LRUPolicy(), Counters())
+    k, value, puts, threads = ids(1)[0], os.urandom(1000), [], []
+    s.put_many([(k, value)], ("A", 0))
+    delete = s._delete_keys
+
+    def put_meanwhile(keys, large=None):
+        t = threading.Thread(target=lambda: puts.append(s.put_many([(k, value)], ("B", 0))))
+        t.start()
+        t.join(0.3)  # it cannot finish while the eviction holds the lock
+        delete(keys, large)
+        threads.append(t)
+
+    s._delete_keys = put_meanwhile
+    assert s.evict_tags(lambda tag: tag[0] == "A") == (1, 1000 + OVERHEAD)
+    threads[0].join(10)
+    assert puts == [(1, 0, 0)] and bytes(s.get_many([k])[0]) == value
+    assert s.counters["corrupt_dropped"] == 0
+    s.close()
+
+
 def test_corrupt_value_is_dropped_counted_and_never_served(tmp_path):
     s = Store(str(tmp_path / "x"), 10**7, LRUPolicy(), Counters())
     ks = ids(3)
@@ -296,6 +330,31 @@ def test_replace_overwrites_and_reaccounts(tmp_path):
     assert s.put_many([(k, b"new" * 20)], replace=True) == (1, 0, 0)
     assert bytes(s.get_many([k])[0]) == b"new" * 20
     assert s.items == 1 and s.used == 60 + OVERHEAD
+    s.close()
+
+
+@pytest.mark.parametrize("durability", ["cache", "process"])
+def test_a_replaced_record_leaves_nothing_behind(tmp_path, durability):
+    """A replace whose new value goes to the other family than the old one deletes the old
+    record; one that finds no room deletes the (poisoned) record it would have replaced:
+    neither lies on disk unindexed or survives the id's eviction."""
+    from cacheserver.diskbudget import BLOB_MIN
+
+    path = str(tmp_path / "rl")
+    s = Store(path, 4 * BLOB_MIN, LRUPolicy(), Counters(), durability=durability)
+    a, b, c = ids(3, seed=7)
+    s.put_many([(a, os.urandom(BLOB_MIN)), (b, os.urandom(1000))], ("ds", 0))
+    assert s.put_many([(a, b"small" * 200), (b, os.urandom(BLOB_MIN))], ("ds", 0), replace=True) == (2, 0, 0)
+    assert [len(bytes(v)) for v in s.get_many([a, b])] == [1000, BLOB_MIN]
+    s.put_many([(c, os.urandom(BLOB_MIN))], ("ds", 0))
+    assert s.put_many([(c, os.urandom(5 * BLOB_MIN))], ("ds", 0), replace=True) == (0, 0, 1)  # no room
+    assert s.contains([c]) == b"\x00"
+    s.flush()
+    assert list(s._large.keys()) == [b] and list(s._db.keys()) == [a]  # one record per held id
+    assert s.evict_tags(lambda t: t[0] == "ds")[0] == 2
+    s.close()
+    s = Store(path, 4 * BLOB_MIN, LRUPolicy(), Counters(), durability=durability)
+    assert s.items == 0 and not list(s._large.keys()) and not list(s._db.keys())
     s.close()
 
 

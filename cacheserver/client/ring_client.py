@@ -124,9 +124,10 @@ class RingClient:
         if first:
             log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, _why(err))
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
+        # Retired, not closed: another thread may be in a call on it (a prefetch beside the loader).
         old = self.clients[node]
         self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw)
-        old.close()
+        old.retire()
 
     # ---- fan-out --------------------------------------------------------
     def _guarded(self, node: str, fn: Callable[[], None]) -> None:

@@ -381,6 +381,18 @@ class ServerClient:
                                    metadata=self._md)
         return r.items, r.bytes
 
+    def retire(self) -> None:
+        """Let go of this client while other threads may still be in a call on it (the
+        ring replaces a failed server's client): idle connections are closed; the follower
+        and the channel are dropped, not closed, so a call under way ends as any failure
+        does, and the last reference closes them."""
+        self._local, self._db_path = None, None
+        while True:
+            try:
+                self._pool.get_nowait().close()
+            except queue.Empty:
+                break
+
     def close(self) -> None:
         if self._local is not None:
             self._local.close()
