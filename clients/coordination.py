@@ -43,6 +43,8 @@ log = logging.getLogger("mlcache.client")
 _CODES = {Option.NONE: 0, Option.FULL: 1, Option.CHUNKED: 2}
 _SPARE = 3
 MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
+RELEASE_BACKOFF_S = 2.0  # after a failed chunk release, the first wait before the next try
+MAX_RELEASE_BACKOFF_S = 60.0
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 
 
@@ -128,6 +130,8 @@ class JobCoordinator:
         self._seen = (0, 0)
         self._consumed: Counter = Counter()
         self._released: set[int] = set()
+        self._release_after = 0.0  # no release is tried before this (monotonic) while the manager fails
+        self._release_backoff = RELEASE_BACKOFF_S
         self._expected: np.ndarray | None = None  # items this epoch reads (None: all)
         self._chunk_reads: dict[tuple[int, int, int], int] = {}  # (n, k, chunk) -> of them in it
         self._stop = threading.Event()
@@ -226,11 +230,24 @@ class JobCoordinator:
             self._consumed[plan.chunk_of(i)] += 1
         for c in plan.chunks:
             if c not in self._released and self._consumed[c] >= self._to_read(plan, c):
-                self._released.add(c)
-                try:
-                    self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
-                except self._unavailable:
-                    self._released.discard(c)  # try again after the next batch
+                self._release(c)
+
+    def _release(self, c: int) -> None:
+        """Release a chunk read to the end. The call runs in the training loop's thread, so
+        once the manager fails (each try may wait out the call's deadline) it is tried again
+        only after a back-off that doubles, not after every batch."""
+        now = time.monotonic()
+        if now < self._release_after:
+            return
+        self._released.add(c)
+        try:
+            self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
+        except self._unavailable:
+            self._released.discard(c)
+            self._release_after = now + self._release_backoff
+            self._release_backoff = min(2 * self._release_backoff, MAX_RELEASE_BACKOFF_S)
+        else:
+            self._release_backoff = RELEASE_BACKOFF_S
 
     def epoch_start(self) -> None:
         self._hit_ratios.clear()  # batches sampled ahead but never handed over

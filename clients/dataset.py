@@ -75,7 +75,8 @@ class CachedDataset(_TorchDataset):
                  coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
                  n_gpus: int = 1, keep_freed_memory: bool = True, transform: Any = None) -> None:
         _not_while_spawning()
-        self._digest_path = None if isinstance(digest, Digest) else os.fspath(digest)
+        # absolute: workers reload it from there, whatever their working directory
+        self._digest_path = None if isinstance(digest, Digest) else os.path.abspath(os.fspath(digest))
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
         if len(self.digest) == 0:
             raise ValueError(f"digest {digest} holds no items")
@@ -94,6 +95,7 @@ class CachedDataset(_TorchDataset):
         self.down_backoff = down_backoff
         self.keep_freed_memory = keep_freed_memory
         self.dataset_tag = self.digest.fingerprint.hex()  # the name the manager evicts by
+        self._stale_digest: str | None = None  # set in a worker whose reload of the digest file differs
         self.manager = manager
         self.plan = SharedPlan()  # without a manager: insert everything as chunk 0
         self.coordinator: JobCoordinator | None = None
@@ -175,6 +177,11 @@ class CachedDataset(_TorchDataset):
             self.counters, self.plan = SharedCounters(), SharedPlan()
         raw = state["digest"]
         self.digest = Digest.load(self._digest_path) if raw is None else Digest.from_bytes(raw)
+        # Raised at the first read, not here: a worker that fails to unpickle dies without saying why
+        self._stale_digest = None if self.digest.fingerprint.hex() == self.dataset_tag else (
+            f"digest file {self._digest_path} changed since this dataset was made: a DataLoader worker "
+            f"would read other items than the main process samples; write a new digest to a new path "
+            f"(or make the dataset again after replacing it)")
         if self.samples is not None:
             self.samples.rebind(self.digest)
 
@@ -276,6 +283,8 @@ class CachedDataset(_TorchDataset):
     def read(self, indices: Sequence[int]) -> list[Any]:
         """Items (or sample dicts), decoded, as (sample, target) pairs when target= is set;
         before any transform."""
+        if self._stale_digest:
+            raise ValueError(self._stale_digest)
         if self.samples is None:
             indices = self._indices(indices)
             out = self._read(indices)
@@ -598,7 +607,7 @@ class CachedDataset(_TorchDataset):
             self._state.close()
             self._state = None
         if self.embedded is not None:
-            self.embedded.close()
+            self.embedded.release()  # closed when no other dataset of this process shares it
             self.embedded = None
 
 

@@ -52,19 +52,34 @@ class EmbeddedCache:
                 f"cache_dir= to use another, or run a cacheserver and pass cache='host:port'") from e
         self.server.start()
         self.cache_dir = cache_dir
+        self.capacity = capacity
+        self.users = 0  # datasets holding it (shared): the last one to let go closes it
         self.address = self.server.address
         inproc.register(self.address, self.server.core)
         atexit.register(self.close)
 
     @classmethod
     def shared(cls, cache_dir: str | None = None, capacity: int = DEFAULT_CAPACITY) -> "EmbeddedCache":
-        """One embedded server per cache dir and process."""
+        """One embedded server per cache dir and process, held until release()."""
         cache_dir = os.path.abspath(cache_dir or default_cache_dir())
         with cls._lock:
             cache = cls._open.get(cache_dir)
             if cache is None:
                 cache = cls._open[cache_dir] = cls(cache_dir, capacity)
+            elif cache.capacity != capacity:
+                raise ValueError(f"embedded cache dir {cache_dir} is open in this process with a capacity of "
+                                 f"{cache.capacity} bytes, and this dataset asks for {capacity}: pass the same "
+                                 f"capacity, or another cache_dir")
+            cache.users += 1
             return cache
+
+    def release(self) -> None:
+        """A dataset is done with it: the last of those that shared() it closes it."""
+        with self._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+        self.close()
 
     def close(self) -> None:
         with self._lock:

@@ -22,6 +22,8 @@ class Source(Protocol):
     users, so it is named by its shape here, not imported)."""
     counters: SharedCounters
     coordinator: Any
+    cache_spec: str | None  # None: no cache
+    dataset_tag: str  # the digest's fingerprint (hex)
 
     def __len__(self) -> int: ...
 
@@ -33,12 +35,15 @@ class Source(Protocol):
 def make_sampler(ds: Source, batch_size: int, *, seed: int = 0, lookahead: int = 10,
                  substitute: bool = True, miss_seed: int | None = None, drop_last: bool = False,
                  rank: int = 0, world_size: int = 1) -> SubstitutableBatchSampler:
-    """The substitutable-hit sampler over ds, steered by the manager's plan (if any)."""
+    """The substitutable-hit sampler over ds, steered by the manager's plan (if any); with
+    no cache (cache=False) the plain seeded permutation: nothing to substitute, and misses
+    drawn per loader would only make `seed` not repeat the order."""
     prefer, on_batch, on_epoch = ds.plan_hooks()
-    return SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute else None,
+    return SubstitutableBatchSampler(len(ds), batch_size, ds.lookup_codes if substitute and ds.cache_spec else None,
                                      seed=seed, lookahead=lookahead, drop_last=drop_last,
                                      prefer=prefer, on_batch=on_batch, on_epoch=on_epoch,
-                                     miss_seed=miss_seed, rank=rank, world_size=world_size)
+                                     miss_seed=miss_seed, rank=rank, world_size=world_size,
+                                     dataset=ds.dataset_tag)
 
 
 class EpochLog:

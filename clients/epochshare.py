@@ -29,7 +29,8 @@ STATE_VERSION = 1
 class Share:
     """One rank's part of each epoch."""
 
-    def __init__(self, n_items: int, seed: int, rank: int, world_size: int, drop_last: bool) -> None:
+    def __init__(self, n_items: int, seed: int, rank: int, world_size: int, drop_last: bool,
+                 dataset: str = "") -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size; got rank={rank}, "
                              f"world_size={world_size}")
@@ -37,6 +38,7 @@ class Share:
             raise ValueError(f"the dataset has {n_items} items, fewer than world_size={world_size}: "
                              "every rank needs at least one")
         self.n, self.seed, self.rank, self.world, self.drop_last = n_items, seed, rank, world_size, drop_last
+        self.dataset = dataset  # the digest's fingerprint (hex), where the sampler is told it
 
     @property
     def size(self) -> int:
@@ -58,8 +60,9 @@ class Share:
         return perm[self.rank:total:self.world].tolist()
 
     def describe(self) -> dict:
-        return {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world,
-                "drop_last": self.drop_last}
+        out = {"n_items": self.n, "seed": self.seed, "rank": self.rank, "world_size": self.world,
+               "drop_last": self.drop_last}
+        return {**out, "dataset": self.dataset} if self.dataset else out
 
     def check(self, state: dict) -> None:
         """A state saved by another run must describe the same dataset and split."""
@@ -70,6 +73,8 @@ class Share:
         if self.world == 1:  # the order may change; the items left do not
             mine.pop("seed")
             mine.pop("drop_last")
+        if "dataset" not in state:  # saved by a sampler that was not told its dataset
+            mine.pop("dataset", None)
         wrong = [f"{k} {state.get(k)!r} (this loader: {v!r})" for k, v in mine.items() if state.get(k) != v]
         if wrong:
             raise ValueError("the loader state was saved with " + ", ".join(wrong))

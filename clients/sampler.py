@@ -122,11 +122,11 @@ class SubstitutableBatchSampler:
                  on_batch: Callable[[list[int]], None] | None = None,
                  miss_seed: int | None = None, walk: bool = False,
                  on_epoch: Callable[[Sequence[int] | None], None] | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, dataset: str = "") -> None:
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
-        self.share = Share(n_items, seed, rank, world_size, drop_last)
+        self.share = Share(n_items, seed, rank, world_size, drop_last, dataset)
         self.progress = Progress(n_items)
         self.n_items = n_items
         self.batch_size = batch_size

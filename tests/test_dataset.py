@@ -327,3 +327,34 @@ def test_cached_dataset_is_exported_by_the_package_lazily():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_datasets_sharing_the_embedded_cache_close_it_with_the_last(tmp_path):
+    (p1, it1), (p2, _) = make_dataset(tmp_path / "train", n=20, seed=1), make_dataset(tmp_path / "val", n=20, seed=2)
+    cache_dir = str(tmp_path / "cache")
+    train, val = CachedDataset(p1, cache_dir=cache_dir), CachedDataset(p2, cache_dir=cache_dir)
+    shared = train.embedded
+    try:
+        assert val.embedded is shared
+        with pytest.raises(ValueError, match="with a capacity of 10737418240 bytes, and this dataset asks for 1000000"):
+            CachedDataset(p1, cache_dir=cache_dir, capacity="1MB")
+        assert sorted(x for b in train.loader(batch_size=5) for x in b) == sorted(it1.values())
+        val.close()
+        assert sorted(x for b in train.loader(batch_size=5) for x in b) == sorted(it1.values())
+        assert train.counters.totals()["hits"] == 20  # the second epoch's, from the cache still open
+    finally:
+        train.close()
+    from cacheserver import inproc
+    assert inproc.core_for(shared.address) is None and cache_dir not in type(shared)._open  # closed by the last
+
+
+def test_a_worker_refuses_a_digest_file_replaced_under_it(tmp_path):
+    import shutil
+
+    (pa, _), (pb, _) = make_dataset(tmp_path / "a", n=20, seed=1), make_dataset(tmp_path / "b", n=20, seed=2)
+    path = str(tmp_path / "train.digest")
+    shutil.copy(pa, path)
+    ds = CachedDataset(os.path.relpath(path), cache=False)
+    shutil.copy(pb, path)  # refreshed while the job runs
+    with pytest.raises(ValueError, match=f"digest file {path} changed since this dataset was made"):
+        list(ds.loader(batch_size=5, num_workers=1))

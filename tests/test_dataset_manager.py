@@ -74,6 +74,31 @@ def test_training_continues_while_the_manager_is_down(tmp_path, cluster):
         ds.close()
 
 
+def test_a_failed_chunk_release_is_not_retried_after_every_batch(tmp_path):
+    """Releases run in the training loop's thread: with the manager gone, a chunk read to
+    its end is released again only after a back-off, not at every batch (each try can
+    wait out the call's deadline)."""
+    from manager.manager_client import Plan
+
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    path, _ = make_dataset(tmp_path / "ds3", n=40, seed=7)
+    ds = CachedDataset(path, cache=False, manager=m.address, job="job-r")
+    try:
+        m.kill()
+        coord, tries = ds.coordinator, []
+        release = coord.client.release_chunk
+        coord.client.release_chunk = lambda *a: tries.append(a) or release(*a)
+        coord._set_plan(Plan(ds.dataset_tag, "chunked", 2, 40, 20, 0, None, (0,), 99))
+        for b in range(8):  # chunk 0 (half the items) is read after the second batch
+            coord.consumed(list(range(5 * b, 5 * b + 5)))
+        assert len(tries) == 1 and 0 not in coord._released
+        coord._release_after = 0.0  # the back-off is over: the next batch tries again
+        coord.consumed([39])
+        assert len(tries) == 2
+    finally:
+        ds.close()
+
+
 def test_shared_plan_decides_what_to_insert():
     from clients.coordination import SPARE, SharedPlan
     from manager.manager_client import Plan

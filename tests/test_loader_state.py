@@ -98,6 +98,16 @@ def test_resume_state_checked(data):
         other.loader(batch_size=8).load_state_dict(state)
     with pytest.raises(ValueError, match="world_size 1 \\(this loader: 2\\)"):
         ds.loader(batch_size=8, rank=0, world_size=2).load_state_dict(state)
+    same_size = CachedDataset(make_dataset(os.path.dirname(data[0]) + "/same", n=103, seed=3)[0], cache=False)
+    with pytest.raises(ValueError, match=f"saved with dataset '{ds.dataset_tag}' \\(this loader: "):
+        same_size.loader(batch_size=8).load_state_dict(state)
+    legacy = {k: v for k, v in state["sampler"].items() if k != "dataset"}  # saved before states named it
+    same_size.loader(batch_size=8).load_state_dict({**state, "sampler": legacy})
+
+
+def test_seed_repeats_the_order_without_a_cache(data):
+    ds = CachedDataset(data[0], cache=False)
+    assert [list(ds.loader(batch_size=8, seed=4)) for _ in range(2)] == [list(ds.loader(batch_size=8, seed=4))] * 2
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
