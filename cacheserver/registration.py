@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from .proto import manager_pb2 as mpb
+from .roles import metadata
 from .proto import manager_pb2_grpc as mpb_grpc
 from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 
@@ -34,8 +35,9 @@ def advertised(address: str) -> str:
 class ManagerLink:
     def __init__(self, manager: str, address: str, server_id: str, stats: Callable[[], tuple[int, int, int]], *,
                  tls: TlsFiles | None = None, interval: float = 5.0, timeout: float = 2.0,
-                 on_ring: Callable[[list[str]], None] | None = None) -> None:
-        """``stats()`` -> (capacity, used, items)."""
+                 on_ring: Callable[[list[str]], None] | None = None, token: bytes | None = None) -> None:
+        """``stats()`` -> (capacity, used, items); ``token``: the cluster token, which the
+        manager asks of a server joining its ring (without TLS)."""
         self.manager = manager
         self.address = advertised(address)
         self.server_id = server_id
@@ -48,6 +50,7 @@ class ManagerLink:
         self.failures = 0
         self.channel = grpc_channel(manager, tls, FAST_RECONNECT)
         self.stub = mpb_grpc.ManagerStub(self.channel)
+        self._md = metadata(token)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="manager-link", daemon=True)
 
@@ -63,7 +66,7 @@ class ManagerLink:
         if not self.registered:
             r = self.stub.RegisterServer(mpb.RegisterServerRequest(
                 address=self.address, server_id=self.server_id, capacity=capacity, used=used),
-                timeout=self.timeout)
+                timeout=self.timeout, metadata=self._md)
             self.registered = True
             if r.heartbeat_seconds > 0:
                 self.interval = r.heartbeat_seconds
@@ -71,7 +74,8 @@ class ManagerLink:
             self._ring(r.ring_version, r.addresses)
             return
         r = self.stub.Heartbeat(mpb.HeartbeatRequest(server_id=self.server_id, address=self.address, used=used,
-                                                     items=items, capacity=capacity), timeout=self.timeout)
+                                                     items=items, capacity=capacity), timeout=self.timeout,
+                                   metadata=self._md)
         if not r.registered:
             log.info("manager %s does not know this server: registering again", self.manager)
             self.registered = False

@@ -78,7 +78,7 @@ class CacheServer:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
                                 interceptors=[gate], options=grpc_server_options(lim),
                                 maximum_concurrent_rpcs=lim.max_grpc_calls)
-        token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
+        token = self._token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
         pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id,
@@ -155,7 +155,7 @@ class CacheServer:
             self.manager_link = ManagerLink(
                 self.cfg.manager, self.address, self.server_id,
                 lambda: (self.store.capacity, self.store.used, self.store.items), tls=self.cfg.tls,
-                on_ring=lambda peers: setattr(self.cfg, "peers", peers))  # Info.peers follows the manager's ring
+                token=self._token, on_ring=lambda peers: setattr(self.cfg, "peers", peers))  # Info.peers follows the manager's ring
             self.manager_link.start()
 
     def stop(self, grace: float = 6.0) -> None:

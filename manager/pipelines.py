@@ -91,12 +91,21 @@ def check_costs(d: Mapping[str, Any]) -> dict[str, Any]:
 
 def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float, now: float) -> bool:
     """Record ``job``'s costs; decide if not decided yet, or decide again where the
-    measurements say the decision in force is clearly wrong. True when it decided now."""
+    measurements say the decision in force is clearly wrong. True when it decided now.
+    Costs refused (ValueError: here, or merged with the other jobs') leave rec as it was."""
+    before = rec.measured.get(job)
     rec.measured[job] = check_costs(costs)
-    c = rec.combined()
-    if math.isfinite(room):
-        c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
-    d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
+    try:
+        c = rec.combined()
+        if math.isfinite(room):
+            c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
+        d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
+    except ValueError:
+        if before is None:
+            del rec.measured[job]
+        else:
+            rec.measured[job] = before
+        raise
     if d is None:
         return False
     rec.decision = decision_to_dict(d)

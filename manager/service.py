@@ -17,7 +17,7 @@ from cacheserver.counters import Counters
 from cacheserver.identity import grpc_identity
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.roles import Roles
+from cacheserver.roles import Roles, grpc_cert_role
 from cacheserver.vocab import source_tag
 
 from . import jobtokens, statusview
@@ -53,6 +53,17 @@ def plan_message(p: dict[str, Any]) -> mpb.Plan:
     return mpb.Plan(dataset=p["dataset"], option=Option(p["option"]).code, k=p["k"], n_items=p["n_items"],
                     chunk_size=p["chunk_size"], active=p["active"], loading=p["loading"],
                     chunks=p["chunks"], version=p["version"], waiting=p["waiting"], spare=p["spare"])
+
+
+def _check_batches(batches: list[list]) -> None:
+    """Batch reports decide bypass probes and, through hit ratios, other datasets' admission:
+    a NaN or out-of-range value is refused, naming it, before it reaches the state."""
+    for i, (end, duration, hit) in enumerate(batches):
+        if not (math.isfinite(end) and math.isfinite(duration) and duration >= 0):
+            raise Rejected("INVALID_ARGUMENT", f"batches[{i}]: end and duration must be finite and the "
+                                               f"duration >= 0, got end {end!r}, duration {duration!r}")
+        if hit is not None and not 0.0 <= hit <= 1.0:
+            raise Rejected("INVALID_ARGUMENT", f"batches[{i}].hit_ratio must be in [0, 1], got {hit!r}")
 
 
 def _mode(m: ManagerModel, job: str) -> int:
@@ -114,8 +125,20 @@ class ManagerService(mpb_grpc.ManagerServicer):
             self.store.submit({"type": "server_join", "server_id": sid, "address": address,
                                "capacity": int(capacity), "now": now})
 
+    def _may_join(self, context, op: str) -> None:
+        """Joining the ring (and staying in it) is for cache servers: the manager sends the
+        cluster token to every server it reconciles, and a server's capacity sets the budget.
+        A server proves it with that token or, under mutual TLS, its server certificate."""
+        if self.roles.is_manager(context) or (self.roles.tls and grpc_cert_role(context) == "server"):
+            return
+        self.counters.add("server_refused")
+        raise Rejected("PERMISSION_DENIED",
+                       f"{op} is for cache servers: it needs the cluster token (--cluster-token-file, the "
+                       f"same file as the manager's) or, under mutual TLS, a server certificate")
+
     @_rpc
     def RegisterServer(self, request: mpb.RegisterServerRequest, context) -> mpb.RegisterServerResponse:
+        self._may_join(context, "RegisterServer")
         if not request.server_id or not request.address:
             raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
         now = self._now()
@@ -128,6 +151,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
 
     @_rpc
     def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
+        self._may_join(context, "Heartbeat")
         now = self._now()
         with self.store.lock:
             reg = self.store.model.registry
@@ -176,6 +200,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         shift = now - request.sent_at if request.sent_at > 0 else 0.0
         batches = [[b.end + shift, b.duration, b.hit_ratio if b.HasField("hit_ratio") else None]
                    for b in request.batches]
+        _check_batches(batches)
         with self.store.lock:
             self._act_as(request.job, context)
             if batches:

@@ -162,8 +162,13 @@ class StateStore:
             self.replayed += 1
         if keep != data:
             log.warning("journal: dropping a torn tail of %d bytes", len(data) - len(keep.rstrip(b"\n")))
-            with open(self.journal_path, "wb") as f:
-                f.write(keep)
+            # In place: cut to the last good record, then add its newline if it lost it. Never
+            # open(..., "wb"): a crash between its truncation to 0 and the rewrite lost every event.
+            good = keep if data.startswith(keep) else keep[:-1]
+            with open(self.journal_path, "r+b") as f:
+                f.truncate(len(good))
+                f.seek(len(good))
+                f.write(keep[len(good):])
                 f.flush()
                 os.fsync(f.fileno())
         log.info("state loaded: snapshot seq %d, %d journal events replayed", snap_seq, self.replayed)
@@ -203,8 +208,17 @@ class StateStore:
             if self.on_effects is not None and effects:
                 self.on_effects(effects)
             if self.since_snapshot >= self.snapshot_every:
-                self.snapshot()
+                self._try_snapshot()
             return effects
+
+    def _try_snapshot(self) -> None:
+        """A snapshot after a durable event: one that fails (a full disk) is logged and tried
+        again at the next event; the event stands, so its caller is answered as usual."""
+        try:
+            self.snapshot()
+        except OSError:
+            log.error("state snapshot failed; the journal keeps every event, retrying at the next one",
+                      exc_info=True)
 
     def _fingerprint(self) -> bytes:
         d = self.model.to_dict()

@@ -97,6 +97,38 @@ def test_only_the_job_with_its_token_acts_as_it(cluster):
         assert intruder.register_job("victim", DS, 50_000, 10).token not in ("", info.token)
 
 
+def test_only_servers_with_the_cluster_token_join_the_ring(cluster, token_file):
+    """The manager sends the cluster token to every server of its ring: a caller without it
+    cannot add an address (to be sent the token) or re-register a server's (to void its
+    capacity and so the budget)."""
+    m, s = cluster
+    with ManagerClient(m.address, timeout=5) as plain:
+        assert list(plain.get_ring().addresses) == [s.address]  # the real server, with the token, joined
+        stub = plain.stub
+        join = mpb.RegisterServerRequest(server_id="intruder", address="127.0.0.1:1", capacity=10**12)
+        why = _refused(lambda: stub.RegisterServer(join, timeout=5))
+        assert why.startswith("RegisterServer is for cache servers: it needs the cluster token")
+        _refused(lambda: stub.Heartbeat(mpb.HeartbeatRequest(server_id="intruder", address="127.0.0.1:1"), timeout=5))
+        assert list(plain.get_ring().addresses) == [s.address]
+    with ManagerClient(m.address, timeout=5, cluster_token=token_file.read_bytes().strip()) as manager:
+        assert manager.stub.RegisterServer(join, timeout=5, metadata=manager._role_md).addresses
+
+
+def test_batch_reports_with_values_out_of_range_are_refused(cluster):
+    m, _ = cluster
+    with ManagerClient(m.address, timeout=5) as c:
+        c.register_job("nan", DS_CH, 1_000_000, 100)
+        now = time.time()
+        for bad, says in (((now, 0.05, float("nan")), "batches\\[0\\].hit_ratio must be in \\[0, 1\\], got nan"),
+                          ((now, 0.05, 1.5), "hit_ratio must be in \\[0, 1\\], got 1.5"),
+                          ((now, float("inf")), "end and duration must be finite"),
+                          ((now, -1.0), "the duration >= 0")):
+            with pytest.raises(ManagerError, match=says) as e:
+                c.report_batches("nan", [bad])
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        c.report_batches("nan", [(now, 0.05, 0.5)])
+
+
 def test_ranks_of_one_job_share_the_launchers_secret(cluster, lone_process):
     m, _ = cluster
     lone_process.setenv(jobtokens.SECRET_ENV, "the launcher's secret")

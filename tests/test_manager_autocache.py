@@ -133,6 +133,20 @@ def test_refusals_are_not_applied():
     assert not m.pipelines
 
 
+def test_costs_refused_with_the_other_jobs_leave_the_state_as_it_was():
+    """Each report may be valid alone and overflow merged: the refusal changes nothing
+    (no journal entry is written for it, so replay would not have it either)."""
+    m, _, ev = model()
+    register(ev, "j1", 1.0)
+    register(ev, "j2", 1.5)
+    pipeline(ev, "j1", costs(source_bytes=1e307), 2.0)
+    before = m.digest()
+    with pytest.raises(Rejected, match="source_bytes must be a finite number"):
+        pipeline(ev, "j2", costs(source_bytes=1.7e308), 3.0)
+    assert m.digest() == before and sorted(m.pipelines[f"{DS}/{FP}"].measured) == ["j1"]
+    pipeline(ev, "j1", costs(source_bytes=1e307), 4.0)  # the job's next report is taken as before
+
+
 def test_transformed_set_forgotten_after_its_jobs_left():
     m, _, ev = model()
     register(ev, "j1", 1.0)

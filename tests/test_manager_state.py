@@ -137,6 +137,46 @@ def test_torn_tail_is_dropped_and_damage_elsewhere_refused(tmp_path):
         StateStore(str(tmp_path), CFG, fsync=False).open()
 
 
+def test_a_torn_tail_is_cut_in_place_and_a_lost_newline_restored(tmp_path, monkeypatch):
+    """The cut keeps the good records where they are (the file is never emptied first, so a
+    crash during the cut loses nothing acknowledged)."""
+    store = StateStore(str(tmp_path), CFG, fsync=False).open()
+    run(store, list(random_events(2, 30)))
+    live, seq = store.model.to_dict(), store.seq
+    store.close(snapshot=False)
+    path = os.path.join(tmp_path, "journal.jsonl")
+    good = open(path, "rb").read()
+    open(path, "wb").write(good.rstrip(b"\n"))  # the last record lost its newline
+    with open(path, "ab") as f:
+        f.write(b'\n{"seq": 99999, "ev": {"ty')
+    real_open = open
+
+    def no_rewrite(file, mode="r", *a, **kw):
+        assert not (file == path and "w" in mode), "the journal was opened to be rewritten"
+        return real_open(file, mode, *a, **kw)
+
+    monkeypatch.setattr("builtins.open", no_rewrite)
+    again = StateStore(str(tmp_path), CFG, fsync=False).open()
+    assert again.model.to_dict() == live and again.seq == seq
+    again.close(snapshot=False)
+
+
+def test_a_failed_snapshot_does_not_undo_the_event(tmp_path):
+    """Events are durable once journaled: a snapshot that cannot be written (here its temp
+    file's name is taken by a directory) is logged and tried again, never the caller's error."""
+    store = StateStore(str(tmp_path), CFG, fsync=False, snapshot_every=1).open()
+    os.mkdir(os.path.join(tmp_path, "snapshot.json.tmp"))
+    taken = store.snapshots
+    assert run(store, list(random_events(3, 10))) > 0
+    live, seq = store.model.to_dict(), store.seq
+    assert store.snapshots == taken
+    os.rmdir(os.path.join(tmp_path, "snapshot.json.tmp"))
+    store.close(snapshot=False)
+    again = StateStore(str(tmp_path), CFG, fsync=False).open()
+    assert again.model.to_dict() == live and again.seq == seq
+    again.close()
+
+
 def test_one_manager_per_state_dir_and_damaged_snapshot(tmp_path):
     a = StateStore(str(tmp_path), CFG, fsync=False).open()
     with pytest.raises(StateError, match="in use"):

@@ -169,6 +169,15 @@ def test_manager_refuses_a_malformed_ray_address(tmp_path):
     assert r.returncode == 2 and "--ray '10.0.0.1:10001'" in r.stderr and "ray://HOST:PORT" in r.stderr
 
 
+@pytest.mark.parametrize("flag", ["--decision-seconds", "--job-timeout-seconds"])
+def test_manager_refuses_a_nan_interval(tmp_path, flag):
+    from manager.managerd import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), flag, "nan"])
+    with pytest.raises(ValueError, match=f"{flag} must be"):
+        config_from_args(args)
+
+
 def test_remote_auto_without_a_cluster_runs_local_workers_with_one_warning(tmp_path, monkeypatch):
     from clients.dataset import CachedDataset
     from preprocess import Pipeline

@@ -77,6 +77,24 @@ def test_fill_is_amortised_over_the_remaining_epochs():
                         epochs_left=20)).mode == "transformed"
 
 
+def test_projection_of_many_epochs_is_one_term_per_kind_of_epoch():
+    """epochs_left is a uint32 from a client: its projection must not loop over it. Every
+    epoch after the next costs the same, so the total is affine in epochs_left."""
+    import dataclasses
+
+    c = costs(prefix_s=0.006, transformed_cached=0.3, put_marker_s=0.002, epoch_done=0.5)
+
+    def total(n: int) -> dict:
+        span = n + 1.0 - c.epoch_done
+        return {m: v * span for m, v in project(dataclasses.replace(c, epochs_left=n)).items()}
+
+    t1, t2, t3, big = total(1), total(2), total(3), total(2**32 - 1)
+    for m in t1:
+        step = t3[m] - t2[m]
+        assert t2[m] - t1[m] == pytest.approx(step)
+        assert big[m] == pytest.approx(t1[m] + (2**32 - 2) * step)
+
+
 def test_room_smaller_than_the_transformed_set():
     # 2000 x 1 MiB transformed does not fit 500 MiB: half the items are computed every epoch,
     # the 256 MiB source fits whole

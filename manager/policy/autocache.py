@@ -159,10 +159,12 @@ def _run(c: PipelineCosts, per_item, cached: float, fit: float, overlap: float) 
         src_hit = min(1.0, max(0.0, src - c.epoch_done) / rest)
         total += rest * c.items * per_item(c, hit, max(0.0, fit - hit), src_hit, overlap)
         h = min(fit, cached + rest * (1.0 - hit))
-    for _ in range(c.epochs_left):
+    def epoch(h: float) -> float:
         src_hit = min(1.0, src / (1.0 - h)) if h < 1 else 0.0
-        total += c.items * per_item(c, h, fit - h, src_hit, overlap)
-        h = fit
+        return c.items * per_item(c, h, fit - h, src_hit, overlap)
+
+    if c.epochs_left > 0:  # every epoch after the next starts where the last left off, at `fit`:
+        total += epoch(h) + (c.epochs_left - 1) * epoch(fit)  # one term, not a loop of epochs_left
     return total
 
 
