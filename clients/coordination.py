@@ -141,6 +141,7 @@ class JobCoordinator:
         # A lone process (no launcher secret) keeps its token of a named job for its next run.
         self._token_file = (JobTokenFile(manager, ds.job) if keep_token and jobtokens.launcher_secret() is None
                             else None)
+        self._n_gpus = n_gpus
         try:
             self._register(n_gpus)
         except BaseException:
@@ -314,8 +315,21 @@ class JobCoordinator:
                     self._prefetch(plan, plan.loading)
             except self._unavailable:
                 continue  # the last plan holds
+            except ManagerError as e:
+                if e.code == grpc.StatusCode.NOT_FOUND:
+                    self._register_again()
+                else:
+                    log.exception("cache coordination step failed")
             except Exception:  # never let coordination break training
                 log.exception("cache coordination step failed")
+
+    def _register_again(self) -> None:
+        """The manager forgot the job (it expired, or restarted on an empty state dir)."""
+        log.warning("cache manager %s no longer knows job %s: registering it again", self.client.address, self.ds.job)
+        try:
+            self._register(self._n_gpus)
+        except Exception:  # never let coordination break training: the next report tries again
+            log.exception("registering job %s again failed", self.ds.job)
 
     def _report(self) -> None:
         batch = []

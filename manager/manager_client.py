@@ -212,8 +212,10 @@ class ManagerClient:
     def register_job(self, job: str, dataset: str, dataset_bytes: int, n_items: int, n_gpus: int = 1) -> JobInfo:
         r = self._call("RegisterJob", mpb.RegisterJobRequest(job=job, dataset=dataset, dataset_bytes=dataset_bytes,
                                                              n_items=n_items, n_gpus=n_gpus), job=job)
-        plan = self._remember(Plan.from_message(r.plan), job)
-        with self._lock:
+        plan = Plan.from_message(r.plan)
+        with self._lock:  # the registration's plan stands, whatever version was seen before (a
+            # manager restarted on an empty state dir, or one that forgot the dataset, counts afresh)
+            self._cache.plans[(plan.dataset, job)] = plan
             self._jobs[dataset] = job
             if r.token:
                 self._tokens[job] = r.token

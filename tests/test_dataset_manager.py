@@ -99,6 +99,44 @@ def test_a_failed_chunk_release_is_not_retried_after_every_batch(tmp_path):
         ds.close()
 
 
+def test_a_job_registers_again_with_a_manager_restarted_on_an_empty_state_dir(tmp_path):
+    from procs import free_port
+
+    port = free_port()
+    m = cachemanager(str(tmp_path / "m1"), port).start()
+    path, _ = make_dataset(tmp_path / "ds4", n=20, seed=9)
+    ds = CachedDataset(path, cache=False, manager=m.address, job="job-again")
+    try:
+        coord = ds.coordinator
+        coord.report_seconds = coord.quiet_report_seconds = 0.2
+        coord.start()
+        m.kill()
+        m = cachemanager(str(tmp_path / "m2"), port).start()  # it knows no job
+        deadline = time.monotonic() + 30
+        with ManagerClient(m.address, timeout=2) as mc:
+            while not any(j["job"] == "job-again" for j in mc.status_dict()["jobs"]):  # told NOT_FOUND: registers
+                assert time.monotonic() < deadline
+                coord.batch_time(time.time(), 0.1)
+                time.sleep(0.2)
+    finally:
+        ds.close()
+        m.kill()
+
+
+def test_a_registration_replaces_a_plan_of_a_higher_version(cluster):
+    """Versions restart where the manager forgot the dataset (or its state): the plan a
+    registration answers stands, though the client saw a higher version before."""
+    import dataclasses
+
+    m, _ = cluster
+    ds = "ab" * 32
+    with ManagerClient(m.address, timeout=5) as mc:
+        mc.register_job("job-v", ds, 1000, 10)
+        mc._cache.plans[(ds, "job-v")] = dataclasses.replace(mc.get_plan(ds, "job-v"), version=10**6, option="full")
+        info = mc.register_job("job-v", ds, 1000, 10)
+        assert info.plan.version < 10**6 and mc.get_plan(ds, "job-v") == info.plan
+
+
 def test_shared_plan_decides_what_to_insert():
     from clients.coordination import SPARE, SharedPlan
     from manager.manager_client import Plan
