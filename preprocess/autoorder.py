@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from .measure import agree
 from .pipeline import Pipeline
-from .profile import Trace, trace
+from .profile import Trace, private, trace
 
 EPS = 0.05
 DEFLATE, NEUTRAL, INFLATE, LAST = 0, 1, 2, 3
@@ -84,15 +84,17 @@ def sample_commutes(pipeline: Pipeline, tr: Trace) -> Commutes:
         if prefix not in inputs:
             xs = list(tr.inputs[0])
             for j in prefix:
-                xs = [pipeline.call_step(j, x, c) for x, c in zip(xs, tr.ctxs)]
+                xs = [pipeline.call_step(j, private(x), c) for x, c in zip(xs, tr.ctxs)]
             inputs[prefix] = xs
         return inputs[prefix]
 
     def commutes(prefix: tuple[int, ...], a: int, b: int) -> bool:
         try:
             for x, c in zip(at(prefix), tr.ctxs):
-                ab = pipeline.call_step(b, pipeline.call_step(a, x, c), c)
-                ba = pipeline.call_step(a, pipeline.call_step(b, x, c), c)
+                # each order on its own copy: steps that change their input in place would
+                # otherwise both return the same object, which always "agrees" with itself
+                ab = pipeline.call_step(b, pipeline.call_step(a, private(x), c), c)
+                ba = pipeline.call_step(a, pipeline.call_step(b, private(x), c), c)
                 if not agree(ab, ba):
                     return False
         except Exception:  # b cannot even take a's input: they do not commute

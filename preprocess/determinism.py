@@ -8,7 +8,7 @@ import warnings
 
 from .measure import same
 from .pipeline import Pipeline
-from .profile import Trace
+from .profile import Trace, private
 from .seeding import seed_globals
 
 SEEDS = (0x5EED_0001, 0x5EED_0002)
@@ -31,7 +31,7 @@ def check_declared(pipeline: Pipeline, tr: Trace) -> dict[int, str]:
             for seed in seeds:
                 seed_globals(seed)
                 try:
-                    outs.append(fn(x))
+                    outs.append(fn(private(x)))  # each run on its own copy: a step may change it
                 except Exception:
                     outs = []
                     break

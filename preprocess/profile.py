@@ -3,6 +3,7 @@ AutoOrder reads each step's inflation and whether it changes type or rank, the
 determinism check reruns steps on their real inputs."""
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,17 @@ def _half(x: Any) -> bool:
     return dt is not None and str(dt).rsplit(".", 1)[-1] in ("float16", "bfloat16")
 
 
+def private(x: Any) -> Any:
+    """A copy of x for a step to run on: a step may change its input in place (`x *= 2`),
+    and a trace keeps every intermediate (the kept items of autocache's probe, the inputs
+    AutoOrder and the determinism check run steps on again). What cannot be copied is
+    passed as it is."""
+    try:
+        return copy.deepcopy(x)
+    except Exception:
+        return x
+
+
 def trace(pipeline: Pipeline, items: Sequence[Any], ctxs: Sequence[ItemContext]) -> Trace:
     """Trace items through the current order; an item a step fails on is left out
     (the loader's on_error deals with it in the epoch). Raises the first StepError
@@ -61,8 +73,9 @@ def trace(pipeline: Pipeline, items: Sequence[Any], ctxs: Sequence[ItemContext])
         t_item = time.perf_counter()
         try:
             for j in pipeline.order:
+                x_in = private(row[-1])  # not timed: the loader's steps run on their own items
                 t0 = time.perf_counter()
-                row.append(pipeline.call_step(j, row[-1], c))
+                row.append(pipeline.call_step(j, x_in, c))
                 seconds[j] += time.perf_counter() - t0
         except StepError as e:
             first_error = first_error or e
