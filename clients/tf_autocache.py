@@ -19,7 +19,8 @@ Python generator, one sampler batch at a time:
 Every item still comes exactly once per epoch (the sampler's batches, in its
 order); the element_spec is the chain's. The chain must keep one element per item
 (no filter, batch, repeat): a ValueError says so otherwise. A chain that cannot be
-keyed (tf.py_function, tf.Variables) or that draws random numbers is never cached:
+keyed (tf.py_function, tf.Variables, lookup tables), that draws random numbers or that
+may yield elements out of order (deterministic=False) is never cached:
 autocache="transformed" refuses it, "auto" chooses between compute and source."""
 from __future__ import annotations
 
@@ -49,8 +50,13 @@ def chain_key(transform: Callable[[Any], Any]) -> tuple[str, str]:
         ck = chain_fingerprint(transform)
     except UnfingerprintableChain as e:
         return "", str(e)
+    if not ck.ordered:
+        # outputs are matched to items by position: out of order they would be kept under other items' keys
+        return "", ("the chain may yield its elements out of order (deterministic=False, a sloppy interleave "
+                    "or Options.deterministic=False): its outputs cannot be matched to their items")
     if ck.random:
-        return "", "the chain draws random numbers (stateful random ops): its outputs differ per call"
+        return "", ("the chain draws random numbers (stateful random ops, shuffle): its outputs differ "
+                    "per call")
     # hex, as the manager keys pipelines
     return hashlib.sha256(f"mlcache-tfchain/1/{ck.key}".encode()).hexdigest(), ""
 
