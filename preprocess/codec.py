@@ -5,8 +5,10 @@ decoded with no pickle: only these types round-trip, anything else raises
 Uncacheable (the pipeline is then computed, never cached):
 
     None, bool, int (64-bit), float, str, bytes, numpy arrays (no object dtype) and
-    scalars, torch tensors (CPU, by their numpy form), PIL images, and lists, tuples
-    and dicts (str/int keys) of these, nested at most MAX_DEPTH deep.
+    scalars, torch tensors (CPU, by their numpy form; a dtype numpy lacks, such as
+    bfloat16, by its bits and its name), PIL images (palette images with their
+    palette and transparency), and lists, tuples and dicts (str/int keys) of these,
+    nested at most MAX_DEPTH deep.
 
 Layout: MAGIC, then one tagged value; lengths are little-endian. Arrays are stored
 as dtype string, shape and raw C-order bytes; decoding copies them into writable
@@ -25,6 +27,7 @@ from .fingerprint import Uncacheable
 MAGIC = b"MLT1"
 MAX_DEPTH = 16
 _U32, _U64, _I64, _F64 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<q"), struct.Struct("<d")
+_PALETTE_MODES = ("P", "PA")  # pixels are indices into the image's palette
 
 
 class CodecError(ValueError):
@@ -71,14 +74,52 @@ def _put(x: Any, parts: list[bytes], depth: int, path: str) -> None:
     elif isinstance(x, np.generic):
         _put_array(np.asarray(x), parts, b"g", path)
     elif type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
-        _put_array(x.detach().cpu().numpy(), parts, b"t", path)
+        _put_tensor(x, parts, path)
     elif type(x).__module__.startswith("PIL.") and hasattr(x, "tobytes") and hasattr(x, "mode"):
-        mode = x.mode.encode()
-        parts += [b"p", bytes([len(mode)]), mode, _U32.pack(x.size[0]), _U32.pack(x.size[1])]
-        raw = x.tobytes()
-        parts += [_U64.pack(len(raw)), raw]
+        _put_image(x, parts, depth, path)
     else:
         _put_compound(x, parts, depth, path)
+
+
+def _put_tensor(x: Any, parts: list[bytes], path: str) -> None:
+    t = x.detach().cpu().resolve_conj().resolve_neg()
+    try:
+        a = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): below
+        pass
+    else:
+        _put_array(a, parts, b"t", path)
+        return
+    import torch  # loaded: x is one of its tensors
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    try:
+        if bits is None:
+            raise TypeError(f"no integer type of {t.element_size()} bytes")
+        a = t.contiguous().view(bits).numpy()
+    except (TypeError, RuntimeError) as e:
+        raise Uncacheable(f"{path}: a {t.dtype} tensor cannot be cached ({e})") from None
+    name = str(t.dtype).removeprefix("torch.").encode()
+    parts += [b"q", bytes([len(name)]), name]  # then its bits as an integer array, viewed back on decoding
+    _put_array(a, parts, b"", path)
+
+
+def _put_image(x: Any, parts: list[bytes], depth: int, path: str) -> None:
+    mode = x.mode.encode()
+    palette = x.mode in _PALETTE_MODES
+    parts += [b"P" if palette else b"p", bytes([len(mode)]), mode, _U32.pack(x.size[0]), _U32.pack(x.size[1])]
+    raw = x.tobytes()
+    parts += [_U64.pack(len(raw)), raw]
+    if not palette:
+        return
+    # without the palette (and the transparent index or alphas, which convert() applies) the
+    # indices mean nothing
+    pmode = x.palette.mode if x.palette is not None else "RGB"
+    colours = bytes(x.getpalette(pmode) or [])
+    parts += [bytes([len(pmode)]), pmode.encode(), _U64.pack(len(colours)), colours]
+    t = x.info.get("transparency")
+    if not (t is None or isinstance(t, (int, bytes))) or isinstance(t, bool):
+        raise Uncacheable(f"{path}: a palette image's transparency {t!r} cannot be cached")
+    _put(t, parts, depth + 1, f"{path}.info['transparency']")
 
 
 def _put_compound(x: Any, parts: list[bytes], depth: int, path: str) -> None:
@@ -158,8 +199,10 @@ def _get(r: _Reader, depth: int) -> Any:
     if tag in (b"a", b"g", b"t"):
         a = _get_array(r)
         return a if tag == b"a" else a[()] if tag == b"g" else _tensor(a)
-    if tag == b"p":
-        return _image(r)
+    if tag in (b"p", b"P"):
+        return _image(r, depth, tag == b"P")
+    if tag == b"q":
+        return _raw_tensor(r)
     if tag in (b"l", b"u"):
         items = [_get(r, depth + 1) for _ in range(r.unpack(_U32))]
         return items if tag == b"l" else tuple(items)
@@ -174,19 +217,48 @@ def _get(r: _Reader, depth: int) -> Any:
     raise CodecError(f"unknown tag {tag!r} at offset {r.pos - 1}")
 
 
-def _tensor(a: np.ndarray) -> Any:
+def _torch() -> Any:
     torch = sys.modules.get("torch")
     if torch is None:
         import torch  # noqa: F811 - a tensor was stored, so torch is installed where it is read
-    return torch.from_numpy(a)
+    return torch
 
 
-def _image(r: _Reader) -> Any:
+def _tensor(a: np.ndarray) -> Any:
+    return _torch().from_numpy(a)
+
+
+def _raw_tensor(r: _Reader) -> Any:
+    """A tensor of a dtype numpy lacks: its name, then its bits as integers."""
+    name = bytes(r.take(r.take(1)[0])).decode("ascii", "replace")
+    a = _get_array(r)
+    torch = _torch()
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or a.dtype.kind not in "iu" or dtype.itemsize != a.dtype.itemsize:
+        raise CodecError(f"bad raw tensor: dtype {name!r} over {a.dtype}")
+    return torch.from_numpy(a).view(dtype)
+
+
+def _image(r: _Reader, depth: int, palette: bool) -> Any:
     from PIL import Image
     mode = bytes(r.take(r.take(1)[0])).decode("ascii", "replace")
     size = (r.unpack(_U32), r.unpack(_U32))
     raw = bytes(r.take(r.unpack(_U64)))
+    if palette != (mode in _PALETTE_MODES):
+        # also a palette image stored by the encoder before palettes were kept: recomputed, not served blank
+        raise CodecError(f"{mode} image {'with' if palette else 'without'} a palette")
     try:
-        return Image.frombytes(mode, size, raw)
+        img = Image.frombytes(mode, size, raw)
+        if palette:
+            pmode = bytes(r.take(r.take(1)[0])).decode("ascii", "replace")
+            colours = bytes(r.take(r.unpack(_U64)))
+            if colours:
+                img.putpalette(colours, pmode)
+            t = _get(r, depth + 1)
+            if not (t is None or isinstance(t, (int, bytes))):
+                raise ValueError(f"transparency {t!r}")
+            if t is not None:
+                img.info["transparency"] = t
+        return img
     except ValueError as e:
         raise CodecError(f"bad image ({mode} {size}): {e}") from None

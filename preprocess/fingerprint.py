@@ -1,18 +1,22 @@
 """Structural fingerprints of transform steps: the key of transformed items.
 
-A step's fingerprint covers its class (module, name, library version) and its
-parameters (the instance's attributes; an object with a `__fingerprint__()`
-method is keyed by what that returns), and for functions their bytecode,
-constants, defaults, closures and the globals they reference, recursively. Two
-steps with equal fingerprints compute the same function of their input (given
-equal library versions). What cannot be fingerprinted (an open file, a lock, a
+A step's fingerprint covers its class (module, name, library version; for a
+class of no installed library also its methods and plain class attributes) and
+its parameters (the instance's attributes; an object with a `__fingerprint__()`
+method is keyed by what that returns; a bound method's object; a tensor's or an
+array's data), and for functions their bytecode, constants, defaults, closures
+and the globals they reference, recursively (a user's own module by its source
+file and the attributes the code names). Two steps with equal fingerprints
+compute the same function of their input (given equal library versions). What cannot be fingerprinted (an open file, a lock, a
 C object without state we can read) raises Uncacheable with the path to it:
 fail closed, never a random or partial key."""
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import importlib.metadata
+import re
 import struct
 import sys
 import types
@@ -22,6 +26,13 @@ import numpy as np
 
 MAX_DEPTH = 40
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+             types.MethodDescriptorType, types.MethodWrapperType, np.ufunc)
+# Class attributes that are bookkeeping, not parameters: ABCs' registry cache (a C
+# object), slot descriptors and namedtuple field getters (the fields are in _fields).
+_CLASS_BOOKKEEPING = frozenset({"_abc_impl"})
+_FIELD_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType) + tuple(
+    t for t in (getattr(collections, "_tuplegetter", None),) if t is not None)
 
 
 class Uncacheable(Exception):
@@ -53,6 +64,14 @@ class _Hasher:
         self.h.update(tag.encode() + struct.pack("<Q", len(data)) + data)
 
     def value(self, x: Any, path: str, depth: int = 0) -> None:
+        try:
+            self._value(x, path, depth)
+        except (Uncacheable, RecursionError):
+            raise
+        except Exception as e:  # a value whose own methods fail (an odd tensor, a C object): refuse, never crash
+            raise Uncacheable(f"{path}: cannot be fingerprinted ({type(e).__name__}: {e})") from e
+
+    def _value(self, x: Any, path: str, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise Uncacheable(f"{path}: nested deeper than {MAX_DEPTH} levels")
         if isinstance(x, _SCALARS):
@@ -79,28 +98,43 @@ class _Hasher:
                 self.value(v, f"{path}[{k!r}]", d)
         elif isinstance(x, (set, frozenset)):
             self.put("set", "\0".join(sorted(sub_fingerprint(v, path, d) for v in x)).encode())
+        elif isinstance(x, np.ndarray) and x.dtype.hasobject:
+            # tobytes() of an object array is its elements' addresses (different in every process)
+            self.put("ndarray-objects", f"{_dtype_tag(x.dtype)}{x.shape}".encode())
+            self.value(x.ravel().tolist(), f"{path}.flat", d)
         elif isinstance(x, np.ndarray):
-            self.put("ndarray", f"{x.dtype.str}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
+            self.put("ndarray", f"{_dtype_tag(x.dtype)}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
         elif isinstance(x, np.generic):
-            self.put("npscalar", x.dtype.str.encode() + x.tobytes())
-        elif type(x).__module__ == "torch" and hasattr(x, "numel"):
-            self.value(x.detach().cpu().numpy(), path, d)
+            self.put("npscalar", _dtype_tag(x.dtype).encode() + x.tobytes())
+        elif isinstance(x, np.dtype):
+            self.put("npdtype", _dtype_tag(x).encode())
+        elif isinstance(x, re.Pattern):  # a C object without __dict__: its pattern and flags are all its state
+            self.put("regex")
+            self.value((x.pattern, x.flags), path, d)
+        elif _torch_kind(x) == "tensor":
+            self.tensor(x, path, d)
+        elif _torch_kind(x) == "descriptor":  # torch.float32, torch.device("cpu"): named by their str
+            self.put(f"torch.{type(x).__name__}", str(x).encode())
         else:
             self._code_like(x, path, d)
 
     def _code_like(self, x: Any, path: str, d: int) -> None:
         if isinstance(x, types.ModuleType):
-            self.put("module", f"{x.__name__}/{library_version(x.__name__)}".encode())
+            self.module(x, path)
         elif isinstance(x, types.FunctionType):
             self.function(x, path, d)
         elif isinstance(x, types.MethodType):
             self.put("method")
             self.value(x.__func__, f"{path}.__func__", d)
             self.value(x.__self__, f"{path}.__self__", d)
-        elif isinstance(x, (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
-                            types.MethodDescriptorType, np.ufunc)):
-            mod = getattr(x, "__module__", None) or type(getattr(x, "__self__", None)).__module__
+        elif isinstance(x, _BUILTINS):
+            owner = getattr(x, "__self__", None)
+            mod = getattr(x, "__module__", None) or type(owner).__module__
             self.put("builtin", f"{mod}.{getattr(x, '__qualname__', x.__name__)}/{library_version(mod)}".encode())
+            # a method bound to an object ({...}.get, a compiled regex's .sub): the object is a parameter.
+            # A library module's function (len, math.sqrt) is named by the module's version above.
+            if owner is not None and not (isinstance(owner, types.ModuleType) and library_version(owner.__name__)):
+                self.value(owner, f"{path}.__self__", d)
         elif isinstance(x, functools.partial):
             self.put("partial")
             self.value(x.func, f"{path}.func", d)
@@ -125,10 +159,63 @@ class _Hasher:
                 content = None
             self.value(content, f"{path}.__closure__[{k}]", d)
         g = f.__globals__
-        for name in sorted(_global_names(f.__code__)):
+        names = _global_names(f.__code__)
+        for name in sorted(names):
             if name in g:
                 self.put("global", name.encode())
                 self.value(g[name], f"{path} global {name}", d)
+                if isinstance(g[name], types.ModuleType):
+                    self.module_attributes(g[name], names, f"{path} global {name}", d, set())
+
+    def module(self, m: types.ModuleType, path: str) -> None:
+        version = library_version(m.__name__)
+        self.put("module", f"{m.__name__}/{version}".encode())
+        if version:  # the standard library or an installed distribution: name and version stand for its code
+            return
+        # A user's own module (no distribution provides it): it can be edited under the same name
+        # and version, so its file's bytes are in the key (a comment edit costs a miss, never a
+        # stale hit). Its submodules and re-exports are reached by module_attributes.
+        spec = getattr(m, "__spec__", None)
+        file = getattr(m, "__file__", None)
+        if file is None and spec is not None and spec.submodule_search_locations is not None:
+            return  # a namespace package: no code of its own
+        try:
+            if file is None:
+                raise OSError("it has no file")
+            with open(file, "rb") as fh:
+                self.put("module-source", hashlib.sha256(fh.read()).digest())
+        except OSError as e:
+            raise Uncacheable(f"{path}: module {m.__name__} is no installed library's and its source "
+                              f"cannot be read ({e})") from None
+
+    def module_attributes(self, m: types.ModuleType, names: set[str], path: str, d: int, seen: set[int]) -> None:
+        """The attributes of a user's module that a function may use (myhelpers.scale,
+        pkg.sub.fn): every name the code mentions that the module defines, followed
+        into submodules; libraries are keyed by version instead."""
+        if id(m) in seen or library_version(m.__name__):
+            return
+        seen.add(id(m))
+        attrs = vars(m)
+        for name in sorted(names & attrs.keys()):
+            self.put("attribute", f"{m.__name__}.{name}".encode())
+            self.value(attrs[name], f"{path}.{name}", d)
+            if isinstance(attrs[name], types.ModuleType):
+                self.module_attributes(attrs[name], names, f"{path}.{name}", d, seen)
+
+    def tensor(self, x: Any, path: str, d: int) -> None:
+        """A torch tensor (nn.Parameter and other subclasses too) by its type, dtype,
+        shape and bytes: a byte view, as numpy has no bfloat16 (nor float8)."""
+        import torch  # loaded: x is one of its tensors
+        self.value(type(x), f"{path} class", d)
+        if x.is_quantized or x.layout != torch.strided:  # their bytes are not all their state
+            kind = "quantized" if x.is_quantized else str(x.layout)
+            raise Uncacheable(f"{path}: a {kind} tensor cannot be fingerprinted")
+        t = x.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.put("tensor", f"{t.dtype}{tuple(t.shape)}".encode() + raw)
+        extra = getattr(x, "__dict__", None)  # attributes set on the tensor or a subclass's state
+        if extra:
+            self.value(dict(extra), f"{path}.__dict__", d)
 
     def code(self, c: types.CodeType, path: str, d: int) -> None:
         self.put("code", c.co_code + repr((c.co_names, c.co_argcount, c.co_kwonlyargcount, c.co_flags)).encode())
@@ -149,6 +236,12 @@ class _Hasher:
                 if fn is not None:
                     self.put("member", name.encode())
                     self.value(fn, f"{path}.{name}", d)
+            elif isinstance(member, functools.cached_property):
+                self.put("member", name.encode())
+                self.value(member.func, f"{path}.{name}", d)
+            elif _is_class_parameter(name, member):  # FACTOR = 2: read by the methods, so part of the behaviour
+                self.put("class-attribute", name.encode())
+                self.value(member, f"{path}.{name}", d)
 
     def instance(self, x: Any, path: str, d: int) -> None:
         cls = type(x)
@@ -157,7 +250,7 @@ class _Hasher:
             self.put("self-keyed", f"{cls.__module__}.{cls.__qualname__}".encode())
             self.value(keyed(x), f"{path}.__fingerprint__()", d)
             return
-        self.klass(cls, f"{path} class", d)
+        self.value(cls, f"{path} class", d)  # through value(): a class attribute holding an instance is a cycle
         state = getattr(x, "__dict__", None)
         slots = [s for c in cls.__mro__ for s in getattr(c, "__slots__", ())]
         if state is None and not slots:
@@ -178,6 +271,27 @@ def _global_names(c: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
     return names
+
+
+def _dtype_tag(dt: np.dtype) -> str:
+    # .str of a structured dtype is only its width ('|V16'): the fields tell how the bytes are read
+    return dt.str if dt.names is None else f"{dt.str}{dt.descr}"
+
+
+def _torch_kind(x: Any) -> str:
+    torch = sys.modules.get("torch")  # never imported here: a torch object means torch is loaded
+    if torch is None:
+        return ""
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    return "descriptor" if isinstance(x, (torch.dtype, torch.device)) else ""
+
+
+def _is_class_parameter(name: str, member: Any) -> bool:
+    """A plain class attribute: not a dunder (__module__, __doc__, dataclass and typing
+    bookkeeping), not a slot descriptor, not a namedtuple field getter."""
+    dunder = name.startswith("__") and name.endswith("__")
+    return not dunder and name not in _CLASS_BOOKKEEPING and not isinstance(member, _FIELD_DESCRIPTORS)
 
 
 def _is_resource(x: Any) -> bool:

@@ -10,7 +10,10 @@ import sys
 
 
 def item_seed(job_seed: int, epoch: int, digest: bytes, step: int) -> int:
-    h = hashlib.blake2b(digest, digest_size=8, key=f"{job_seed}/{epoch}/{step}".encode()[:64])
+    key = f"{job_seed}/{epoch}/{step}".encode()
+    if len(key) > 64:  # blake2b keys stop at 64 bytes: hash a longer one whole (cutting it dropped epoch and step)
+        key = hashlib.blake2b(key, digest_size=64, person=b"mlcache-seedkey").digest()
+    h = hashlib.blake2b(digest, digest_size=8, key=key)
     return int.from_bytes(h.digest(), "little")
 
 

@@ -12,7 +12,7 @@ from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.vocab import CacheMode
 from manager import jobtokens
 from manager.manager_client import ManagerClient, ManagerError
-from procs import cachemanager, cacheserver
+from procs import cachemanager, cacheserver, wait_ring
 
 DS = "e5" * 32
 DS_CH = "f6" * 32
@@ -102,8 +102,9 @@ def test_only_servers_with_the_cluster_token_join_the_ring(cluster, token_file):
     cannot add an address (to be sent the token) or re-register a server's (to void its
     capacity and so the budget)."""
     m, s = cluster
+    wait_ring(m.address, 1)  # the real server, with the token, joins
     with ManagerClient(m.address, timeout=5) as plain:
-        assert list(plain.get_ring().addresses) == [s.address]  # the real server, with the token, joined
+        assert list(plain.get_ring().addresses) == [s.address]
         stub = plain.stub
         join = mpb.RegisterServerRequest(server_id="intruder", address="127.0.0.1:1", capacity=10**12)
         why = _refused(lambda: stub.RegisterServer(join, timeout=5))
