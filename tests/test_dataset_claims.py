@@ -69,8 +69,9 @@ def test_concurrent_misses_of_two_jobs_are_read_from_the_store_once(slow_store, 
         for got in read_together(jobs, idx):
             assert got == [items[i] for i in idx]
         assert store.stats()["requests"] == reads
-        if reads == 20:
-            assert sum(ds.counters.totals()["coalesced"] for ds in jobs) == 20
+        if reads == 20:  # the other job's 20: waited for the reader's inserts, or (on a loaded
+            # machine, where it started late) found them inserted already
+            assert sum(ds.counters.totals()["coalesced"] + ds.counters.totals()["hits"] for ds in jobs) == 20
     finally:
         for ds in jobs:
             ds.close()
