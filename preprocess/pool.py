@@ -20,6 +20,9 @@ from .worker import worker_main
 
 JOIN_SECONDS = 5.0
 DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
+# an exit with status 0 but no exit message is a death once all it sent is read (its channel's
+# end of file), or after this long if that never comes (a child of the worker holds the pipe)
+SILENT_EXIT_SECONDS = 5.0
 MAX_IDS = 128  # the shared counters' rows
 
 
@@ -44,6 +47,8 @@ class WorkerPool:
         self.results: dict[int, ChannelReader] = {}
         self.stopping: set[int] = set()  # sent a stop message, not yet exited
         self.retired: set[int] = set()   # died: ids not given out again
+        self.lost: set[int] = set()      # exited, a message of theirs dropped (_decode): dead whatever it said
+        self.exited_at: dict[int, float] = {}  # first seen exited with status 0, no exit message yet
         # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
         # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
         self.handoff_cpu_s, self.handoff_items = 0.0, 0
@@ -99,11 +104,15 @@ class WorkerPool:
         except Exception:
             p = self.procs[wid]
             p.join(DEATH_SECONDS)  # its shared memory is gone: it is dead or dying
-            if p.exitcode in (0, None):
+            if p.exitcode is None:
                 raise
+            # status 0 too: a clean exit waits until all it sent is read, so this one died (dead())
+            self.lost.add(wid)
             return None
 
     def exited(self, wid: int) -> None:
+        if wid in self.lost:
+            return  # its exit message came, but a message before it was dropped: dead() re-runs its items
         p = self.procs.pop(wid, None)
         if p is not None:
             self._forget(wid)  # closing its channel lets it go (ChannelWriter.finish)
@@ -111,17 +120,38 @@ class WorkerPool:
         self.stopping.discard(wid)
 
     def dead(self) -> list[int]:
-        """Workers that died without being asked to stop (killed, crashed); forgotten.
-        What they sent but the scheduler has not taken is dropped with them."""
+        """Workers gone without the exit handshake (killed, crashed, exited with any status
+        without their exit message, their channel closed without it); forgotten. What
+        they sent but the scheduler has not taken is dropped with them."""
         out = []
         for wid, p in list(self.procs.items()):
-            if not p.is_alive() and p.exitcode not in (0, None):
-                self.procs.pop(wid)
-                self._forget(wid)
-                self.stopping.discard(wid)
-                self.retired.add(wid)
-                out.append(wid)
+            if not self._gone(wid, p):
+                continue
+            if p.is_alive():  # its channel closed while it runs: it can report nothing more
+                p.kill()
+                p.join(JOIN_SECONDS)
+            self.procs.pop(wid)
+            self._forget(wid)
+            self.stopping.discard(wid)
+            self.retired.add(wid)
+            out.append(wid)
         return out
+
+    def _gone(self, wid: int, p: Any) -> bool:
+        """Is worker wid dead without having said goodbye? An exit message read marks
+        the end of its channel (ChannelWriter.finish) and the scheduler calls exited()."""
+        alive, r = p.is_alive(), self.results.get(wid)
+        if not alive and (p.exitcode != 0 or wid in self.lost):
+            return True
+        if r is None or r.ended:
+            return False
+        if r.closed:  # end of file, no end mark: its last messages never came
+            return True
+        if alive:
+            return False
+        # status 0 (sys.exit, os._exit(0) in a step) with its channel still open: read on
+        first = self.exited_at.setdefault(wid, time.monotonic())
+        return time.monotonic() - first > SILENT_EXIT_SECONDS
 
     def _forget(self, wid: int) -> None:
         q = self.queues.pop(wid)
@@ -130,6 +160,8 @@ class WorkerPool:
         r = self.results.pop(wid, None)
         if r is not None:
             r.close()
+        self.lost.discard(wid)
+        self.exited_at.pop(wid, None)
 
     def drain_tasks(self) -> None:
         """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""

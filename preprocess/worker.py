@@ -10,11 +10,13 @@ go to the background thread at once. Every finished item is sent back alone;
 the scheduler builds batches from whatever finishes.
 
 Messages to the scheduler: ("done", run, wid, index, item, records, moved),
-("error", run, wid, index, step, step name, text, records), ("fatal", run, wid,
+("error", run, wid, index, step, step name, text, records) when a step raised or the
+item failed otherwise (its output cannot be pickled, ...), ("fatal", run, wid,
 indices, text) when reading the items failed, ("moved", run, wid, index) when an
 item goes to the background, ("exit", wid, None) on a clean stop."""
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -56,14 +58,14 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         _, run, epoch, order, t_out, items = task
         if tuple(order) != pipeline.order:
             pipeline.order = tuple(order)
-        try:
+        try:  # reading the items, and taking them apart: a failure is the task's, named (never a crash)
             fed = feed.fetch([i for i, _ in items], epoch)
+            parts = [(i, to_bg, f, *_unpack(ds, epoch, job_seed, i, f, with_target))
+                     for (i, to_bg), f in zip(items, fed)]
         except Exception:
             out.send(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
             continue
-        for (i, to_bg), f in zip(items, fed):
-            x, tgt = f.item if with_target else (f.item, NO_TARGET)
-            ctx = ItemContext(job_seed, epoch, item_digest(ds, i))
+        for i, to_bg, f, x, tgt, ctx in parts:
             job = (run, i, x, tgt, ctx, f.start, [], time.perf_counter(), f.keep, f.token)
             if to_bg:
                 bgq.put(job)
@@ -76,24 +78,51 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     out.finish(EXIT_WAIT_S)  # the scheduler may still be unpickling our tensors: stay until it has read
 
 
+def _unpack(ds: Any, epoch: int, job_seed: int, i: int, f: Any, with_target: bool) -> tuple:
+    """(sample, target or NO_TARGET, context) of a fed item."""
+    x, tgt = f.item if with_target else (f.item, NO_TARGET)
+    return x, tgt, ItemContext(job_seed, epoch, item_digest(ds, i))
+
+
 def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, out: Any,
              bgq: queue.Queue | None, feed: Any) -> None:
     """Run an item's remaining steps; job = (run, index, data, target, context, next
     step, records, start time, caching point to hand it to the feed at or None, the
-    feed's token). With a background queue, stop once over t_out."""
+    feed's token). With a background queue, stop once over t_out. Whatever fails on
+    the item is sent as its error: an item never answered holds up its epoch for ever."""
     run, i, x, tgt, ctx, pos, records, started, keep, token = job
     deadline = None if t_out is None or bgq is None else started + t_out
+    ran = len(records)
     try:
         x, pos = run_item(pipeline, feed, keep, token, x, ctx, pos, deadline, records)
     except StepError as e:
-        text = "".join(traceback.format_exception(e.error))
-        out.send(("error", run, wid, i, e.position, e.name, text, records))
+        _send_error(out, run, wid, i, e.position, e.name, e.error, records)
+        return
+    except BaseException as e:  # not a step's Exception: SystemExit in a step, feed.passed, nbytes
+        at = pipeline.order[min(pos + len(records) - ran, len(pipeline.order) - 1)]  # the step it was at
+        _send_error(out, run, wid, i, at, pipeline.steps[at].name, e, records)
+        if isinstance(e, KeyboardInterrupt) and bgq is not None:
+            raise  # Ctrl-C stops the worker (main thread only: the background thread gets no signals)
         return
     if pos < len(pipeline.order):  # over its time: the rest runs in the background
         out.send(("moved", run, wid, i))
         bgq.put((run, i, x, tgt, ctx, pos, records, started, keep, token))
         return
-    out.send(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
+    try:
+        out.send(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
+    except OSError:
+        raise  # the channel itself failed (pickling raises no OSError): this worker cannot report
+    except Exception as e:  # pickling the output: the item's error; a crash would only repeat on retry
+        last = pipeline.order[-1]
+        _send_error(out, run, wid, i, last, pipeline.steps[last].name, e, records,
+                    f"{type(e).__name__}: its output cannot be pickled (to send it to the loader): {e}\n")
+
+
+def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: BaseException,
+                records: list, last_line: str = "") -> None:
+    """The item's error message; the scheduler names the item, step j and the text's last line."""
+    text = "".join(traceback.format_exception(error)) + last_line
+    out.send(("error", run, wid, i, j, name, text, records))
 
 
 def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any) -> None:
@@ -101,7 +130,10 @@ def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: 
         job = bgq.get()
         if job is None:
             return
-        _advance(wid, pipeline, job, None, out, None, feed)
+        try:
+            _advance(wid, pipeline, job, None, out, None, feed)
+        except BaseException:  # only the channel failing gets here (_advance sends every item's error)
+            os._exit(1)  # this worker can no longer report: dying has the scheduler re-run its items
 
 
 def _set_worker_info(wid: int, n_workers: int, seed: int, ds: Any) -> None:
