@@ -14,6 +14,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.pool import WorkerPool  # noqa: E402
 from preprocess_steps import KillOn, as_tensor, index_of  # noqa: E402
+from test_preprocess_worker_failures import Misbehave  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,17 +42,20 @@ def test_a_shrunk_workers_tensors_are_taken_after_it_was_told_to_stop(tmp_path):
         ds.close()
 
 
-def test_a_killed_workers_message_whose_tensor_went_with_it_is_dropped(tmp_path):
-    """Its item is held by the dead worker and so re-run (dead()), never an error."""
+@pytest.mark.parametrize("exit_status", [-signal.SIGKILL, 0])
+def test_a_killed_workers_message_whose_tensor_went_with_it_is_dropped(tmp_path, exit_status):
+    """Its item is held by the dead worker and so re-run (dead()), never an error; a worker
+    that exits with status 0 without saying so (os._exit(0) in a step) is as dead."""
     ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False)
-    pipeline = Pipeline([index_of, KillOn({5}), as_tensor])
+    stop = KillOn({5}) if exit_status else Misbehave("exit0", {5})
+    pipeline = Pipeline([index_of, stop, as_tensor])
     pool = WorkerPool(ds, pipeline, job_seed=0)
     try:
         pool.resize(1)
         victim = pool.procs[0]
-        pool.send(0, ("task", 7, 0, pipeline.order, None, [(3, False), (5, False)]))  # 3 sent, then killed on 5
+        pool.send(0, ("task", 7, 0, pipeline.order, None, [(3, False), (5, False)]))  # 3 sent, then gone on 5
         victim.join(30)
-        assert victim.exitcode == -signal.SIGKILL
+        assert victim.exitcode == exit_status
         got = []
         for _ in range(5):
             got += pool.receive(0.1)
