@@ -17,8 +17,8 @@ from collections.abc import Callable
 import grpc
 
 from .proto import manager_pb2 as mpb
-from .roles import metadata
 from .proto import manager_pb2_grpc as mpb_grpc
+from .roles import metadata
 from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 
 log = logging.getLogger("cacheserver.registration")

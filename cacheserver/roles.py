@@ -94,6 +94,11 @@ class Roles:
         given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER)
         return given is not None and hmac.compare_digest(given.encode(), self.token)
 
+    def is_cache_server(self, context: Any) -> bool:
+        """A cache server joining the manager's ring: it sends the cluster token (the
+        manager's role) or, under mutual TLS, shows a server certificate."""
+        return self.is_manager(context) or (self.tls and grpc_cert_role(context) == "server")
+
     def require_manager(self, context: Any, op: str) -> None:
         if not self.is_manager(context):
             how = "a manager certificate (manager.pem from `cachectl certs`)" if self.tls else ""

@@ -506,8 +506,13 @@ class Store(Recovery):
         """A replaced record in the family the new value does not go to: deleted (a large one
         left in the blob files would stay on disk, counted, for as long as the id is held)."""
         old = replaced.get(key) if replaced else None
-        if old is not None and (old >= BLOB_MIN + OVERHEAD) != (len(value) >= BLOB_MIN):
-            wb.delete(key, self._large_cf) if old >= BLOB_MIN + OVERHEAD else wb.delete(key)
+        if old is None:
+            return
+        was_large = old >= BLOB_MIN + OVERHEAD
+        if was_large and len(value) < BLOB_MIN:
+            wb.delete(key, self._large_cf)
+        elif not was_large and len(value) >= BLOB_MIN:
+            wb.delete(key)
 
     def _put_value(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview) -> None:
         record = (value if isinstance(value, bytes) else bytes(value)) if self.plain else wrap(value)

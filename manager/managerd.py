@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
+import math
 import sys
 import time
 from concurrent import futures
@@ -198,12 +198,12 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s", "autoscale", "placement"}
         if unknown:
             raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
-    for name in ("heartbeat_seconds", "decision_seconds"):
-        if not getattr(args, name) > 0:  # `not >`: NaN too (a decision loop with no pause)
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    for name, value in vars(args).items():
+    for name, value in vars(args).items():  # NaN passes every comparison: a decision loop with no pause
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("heartbeat_seconds", "decision_seconds"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     buffer = dict(straggler_timeout_s=args.straggler_seconds, min_straggler_s=args.straggler_min_seconds,
                   max_marked_s=args.max_marked_seconds)
     model = ManagerConfig(

@@ -55,8 +55,10 @@ class PipelineRecord:
     def mode(self) -> str:
         return self.decision["mode"] if self.decision else ""
 
-    def combined(self) -> PipelineCosts:
-        return merge_costs([costs_from_dict(self.measured[j]) for j in sorted(self.measured)])
+    def combined(self, measured: Mapping[str, Any] | None = None) -> PipelineCosts:
+        """Its jobs' costs merged (or those of `measured`, a candidate for them)."""
+        measured = self.measured if measured is None else measured
+        return merge_costs([costs_from_dict(measured[j]) for j in sorted(measured)])
 
     def transformed_bytes(self) -> tuple[int, int]:
         """(bytes, items) of its transformed set."""
@@ -93,19 +95,12 @@ def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float,
     """Record ``job``'s costs; decide if not decided yet, or decide again where the
     measurements say the decision in force is clearly wrong. True when it decided now.
     Costs refused (ValueError: here, or merged with the other jobs') leave rec as it was."""
-    before = rec.measured.get(job)
-    rec.measured[job] = check_costs(costs)
-    try:
-        c = rec.combined()
-        if math.isfinite(room):
-            c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
-        d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
-    except ValueError:
-        if before is None:
-            del rec.measured[job]
-        else:
-            rec.measured[job] = before
-        raise
+    measured = {**rec.measured, job: check_costs(costs)}  # taken only once everything below holds
+    c = rec.combined(measured)
+    if math.isfinite(room):
+        c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
+    d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
+    rec.measured = measured
     if d is None:
         return False
     rec.decision = decision_to_dict(d)

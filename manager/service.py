@@ -17,7 +17,7 @@ from cacheserver.counters import Counters
 from cacheserver.identity import grpc_identity
 from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.roles import Roles, grpc_cert_role
+from cacheserver.roles import Roles
 from cacheserver.vocab import source_tag
 
 from . import jobtokens, statusview
@@ -129,7 +129,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         """Joining the ring (and staying in it) is for cache servers: the manager sends the
         cluster token to every server it reconciles, and a server's capacity sets the budget.
         A server proves it with that token or, under mutual TLS, its server certificate."""
-        if self.roles.is_manager(context) or (self.roles.tls and grpc_cert_role(context) == "server"):
+        if self.roles.is_cache_server(context):
             return
         self.counters.add("server_refused")
         raise Rejected("PERMISSION_DENIED",

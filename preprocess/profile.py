@@ -70,19 +70,21 @@ def trace(pipeline: Pipeline, items: Sequence[Any], ctxs: Sequence[ItemContext])
     first_error: StepError | None = None
     for x, c in zip(items, ctxs):
         row = [x]
-        t_item = time.perf_counter()
+        t_item, copying = time.perf_counter(), 0.0
         try:
             for j in pipeline.order:
-                x_in = private(row[-1])  # not timed: the loader's steps run on their own items
                 t0 = time.perf_counter()
+                x_in = private(row[-1])  # not timed: the loader's steps run on their own items
+                t1 = time.perf_counter()
+                copying += t1 - t0
                 row.append(pipeline.call_step(j, x_in, c))
-                seconds[j] += time.perf_counter() - t0
+                seconds[j] += time.perf_counter() - t1
         except StepError as e:
             first_error = first_error or e
             continue
         rows.append(row)
         kept.append(c)
-        item_seconds.append(time.perf_counter() - t_item)
+        item_seconds.append(time.perf_counter() - t_item - copying)
     if not rows and first_error is not None:
         raise first_error
     inputs = [[row[pos] for row in rows] for pos in range(len(pipeline.order) + 1)]
