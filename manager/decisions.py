@@ -50,13 +50,10 @@ class DecisionLoop:
         now = self.clock()
         dead = self.store.read(lambda m: self.liveness.dead_servers(m.registry, now, self.server_timeout))
         for sid in dead:
-            self.store.submit({"type": "server_leave", "server_id": sid, "now": now,
-                               "reason": f"no heartbeat for {self.server_timeout:.1f}s"})
+            self._leave_if_dead(sid, now)
         jobs = self.store.read(lambda m: sorted(m.jobs))
         for job in self.liveness.idle_jobs(jobs, now, self.job_timeout_s):
-            self.store.submit({"type": "job_unregister", "job": job, "now": now,
-                               "reason": f"no contact for {self.job_timeout_s:.0f}s"})
-            self.liveness.forget_job(job)
+            self._unregister_if_idle(job, now)
         # Journaled only when it changed something (most ticks do not).
         self.store.submit({"type": "tick", "now": now}, only_if_changed=True)
         self.runs += 1
@@ -64,6 +61,29 @@ class DecisionLoop:
         if self._reconciled_at is None or mono - self._reconciled_at >= self.reconcile_s:
             self._reconciled_at = mono
             self.actuator.reconcile()
+
+    def _leave_if_dead(self, sid: str, now: float) -> None:
+        """Check again and remove in one hold of the store's lock, which Heartbeat and
+        RegisterServer hold while they beat: a heartbeat that came after the scan keeps
+        its server in the ring (instead of a leave, a rejoin and two re-plans)."""
+        with self.store.lock:
+            s = self.store.model.registry.servers.get(sid)
+            if s is None or not s.alive or not self.liveness.is_dead(sid, now, self.server_timeout):
+                return
+            self.store.submit({"type": "server_leave", "server_id": sid, "now": now,
+                               "reason": f"no heartbeat for {self.server_timeout:.1f}s"})
+
+    def _unregister_if_idle(self, job: str, now: float) -> None:
+        """Check again, unregister and forget the job's last contact in one hold of the
+        store's lock, which every call that touches a job holds: a report that came after
+        the scan keeps the job, and a registration right after the removal keeps its contact."""
+        with self.store.lock:
+            if job not in self.store.model.jobs or not self.liveness.is_idle(job, now, self.job_timeout_s):
+                return
+            self.store.submit({"type": "job_unregister", "job": job, "now": now,
+                               "reason": f"no contact for {self.job_timeout_s:.0f}s"})
+            if job not in self.store.model.jobs:  # still gone (not registered again meanwhile)
+                self.liveness.forget_job(job)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

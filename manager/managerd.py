@@ -37,6 +37,7 @@ from .model import ManagerConfig
 from .policy import AllocConfig, BufferConfig, ProbeConfig
 from .policy.admission import AdmissionConfig
 from .policy.autoscale import AutoscaleConfig
+from .policy.double_buffer import ConfigFieldError
 from .policy.placement import PlacementConfig
 from .service import ManagerService
 from .state import StateError, StateStore
@@ -204,14 +205,12 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     for name in ("heartbeat_seconds", "decision_seconds"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    buffer = dict(straggler_timeout_s=args.straggler_seconds, min_straggler_s=args.straggler_min_seconds,
-                  max_marked_s=args.max_marked_seconds)
     model = ManagerConfig(
         budget=args.budget, dataset_grace_s=float(over.get("dataset_grace_s", args.dataset_grace_seconds)),
         probe=ProbeConfig(**{"passive": not args.bypass_probes, **over.get("probe", {})}),
         alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks,
                              **({"mechanism": "chunks"} if args.chunks or args.no_chunks else {}), **over.get("alloc", {})}),
-        buffer=BufferConfig(**{**buffer, **over.get("buffer", {})}),
+        buffer=_buffer_config(args, over.get("buffer", {})),
         admission=AdmissionConfig(**over.get("admission", {})))
     return DaemonConfig(
         listen=args.listen, state_dir=args.state_dir, model=model, metrics_port=args.metrics_port,
@@ -221,6 +220,27 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
         cluster_token_file=args.cluster_token_file,
         scaling=_scaling(args.ray, over))
+
+
+# BufferConfig fields set by flags (the "buffer" section of --policy-config overrides them)
+_BUFFER_FLAGS = {"straggler_timeout_s": ("--straggler-seconds", "straggler_seconds"),
+                 "min_straggler_s": ("--straggler-min-seconds", "straggler_min_seconds"),
+                 "max_marked_s": ("--max-marked-seconds", "max_marked_seconds")}
+
+
+def _buffer_config(args: argparse.Namespace, given: dict) -> BufferConfig:
+    """The double buffer's configuration from the flags and --policy-config; a value out
+    of range is refused naming where it came from, the field and its range."""
+    if not isinstance(given, dict):
+        raise ValueError(f'--policy-config "buffer" must be an object, got {given!r}')
+    flags = {k: getattr(args, attr) for k, (_, attr) in _BUFFER_FLAGS.items()}
+    try:
+        return BufferConfig(**{**flags, **given})
+    except ConfigFieldError as e:
+        src = _BUFFER_FLAGS[e.field][0] if e.field in flags and e.field not in given else '--policy-config "buffer"'
+        raise ValueError(f"{src}: {e}") from None
+    except TypeError as e:  # a field BufferConfig does not have
+        raise ValueError(f'--policy-config "buffer": {e}') from None
 
 
 def _scaling(ray: str | None, over: dict) -> WorkerScaling:

@@ -13,6 +13,12 @@ Two halves, kept apart on purpose:
   at least ``restart_grace``) before it is declared dead; its decision to
   leave the ring is journaled as an explicit event, so replay does not depend
   on heartbeat timing.
+
+Removals are checked twice: a scan (``dead_servers``, ``idle_jobs``) names the
+candidates, and each is re-checked (``is_dead``, ``is_idle``) and removed under
+the state store's lock, which every RPC that beats or touches holds while it
+does: a heartbeat or a job's call that lands after the scan keeps its server or
+job (decisions.py, service.UnregisterJob).
 """
 from __future__ import annotations
 
@@ -125,16 +131,18 @@ class Liveness:
     def dead_servers(self, registry: Registry, now: float, timeout: float) -> list[str]:
         """Alive servers whose last heartbeat (or the restart) is older than ``timeout``."""
         with self._lock:
-            out = []
-            for s in registry.alive():
-                last = self._servers.get(s.server_id)
-                if last is not None:
-                    late = now - last.at > timeout
-                else:
-                    late = now - self.started > max(timeout, self.restart_grace)
-                if late:
-                    out.append(s.server_id)
-            return out
+            return [s.server_id for s in registry.alive() if self._late(s.server_id, now, timeout)]
+
+    def is_dead(self, server_id: str, now: float, timeout: float) -> bool:
+        """Whether ``server_id``'s last heartbeat (or the restart) is older than ``timeout``."""
+        with self._lock:
+            return self._late(server_id, now, timeout)
+
+    def _late(self, server_id: str, now: float, timeout: float) -> bool:
+        last = self._servers.get(server_id)
+        if last is not None:
+            return now - last.at > timeout
+        return now - self.started > max(timeout, self.restart_grace)
 
     def touch_job(self, job: str, now: float) -> None:
         with self._lock:
@@ -152,3 +160,7 @@ class Liveness:
     def idle_jobs(self, jobs: list[str], now: float, timeout: float) -> list[str]:
         with self._lock:
             return [j for j in jobs if now - self._jobs.get(j, self.started) > timeout]
+
+    def is_idle(self, job: str, now: float, timeout: float) -> bool:
+        with self._lock:
+            return now - self._jobs.get(job, self.started) > timeout

@@ -123,6 +123,10 @@ class ManagerModel:
     pipelines: dict[str, PipelineRecord] = field(default_factory=dict)  # autocache, by pipeline_key
     admission: AdmissionBoard = field(default_factory=AdmissionBoard)   # who inserts into the shared LRU
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)   # job -> its journaled scaling policy
+    # Plan versions of a dataset created now start here: above every version a forgotten
+    # dataset handed out, so a name forgotten and registered again never goes back (a
+    # client keeps the newer of two plans it holds).
+    plan_floor: int = 0
 
     def __post_init__(self) -> None:
         if self.board.config != self.config.probe:
@@ -144,7 +148,10 @@ class ManagerModel:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def _on_configure(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
-        self.config = ManagerConfig.from_dict(ev["config"])
+        try:  # every policy config checks its values at construction
+            self.config = ManagerConfig.from_dict(ev["config"])
+        except (ValueError, TypeError) as e:
+            raise Rejected("INVALID_ARGUMENT", f"bad configuration: {e}") from None
         self.board.config = self.config.probe
         for buf in self.buffers.values():  # new straggler / load thresholds apply at once
             buf.config = self.config.buffer
@@ -154,20 +161,27 @@ class ManagerModel:
         sid, addr, cap = str(ev["server_id"]), str(ev["address"]), int(ev["capacity"])
         if not sid or not addr:
             raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
+        budget = self.budget()
         changed = self.registry.join(sid, addr, cap, now)
         out: list[Effect] = [note("server joined", server_id=sid, address=addr, capacity=cap)]
         if changed:
             self._count("ring_changes")
             out.append(RingChanged(self.registry.version, tuple(self.registry.addresses())))
-        return out
+        return out + self._budget_changed(budget, now)
 
     def _on_server_leave(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
         sid = str(ev["server_id"])
+        budget = self.budget()
         if not self.registry.leave(sid, now):
             return []
         self._count("ring_changes")
         return [note("server left the ring", server_id=sid, reason=ev.get("reason", "")),
-                RingChanged(self.registry.version, tuple(self.registry.addresses()))]
+                RingChanged(self.registry.version, tuple(self.registry.addresses()))] + self._budget_changed(budget, now)
+
+    def _budget_changed(self, before: int, now: float) -> list[Effect]:
+        """A budget taken from the servers' capacity follows them at once: allocations
+        made for a larger one must not outlive the server that left until the next tick."""
+        return self.reallocate(now) if self.budget() != before else []
 
     def _on_job_register(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
         job, ds = str(ev["job"]), str(ev["dataset"])
@@ -189,7 +203,7 @@ class ManagerModel:
                 self.jobs[job] = replace(old, token_hash=journaled_hash(ev["token_hash"]))  # the first binds it
             return []  # a client retrying, or re-attaching after a manager restart
         if rec is None:
-            rec = self.datasets[ds] = DatasetRecord(ds, size, n)
+            rec = self._new_dataset(ds, size, n)
         rec.idle_since = None
         self.jobs[job] = JobRecord(job, ds, gpus, now, token_hash=journaled_hash(ev.get("token_hash")))
         out: list[Effect] = [note("job registered", job=job, dataset=ds, n_gpus=gpus)]
@@ -267,7 +281,7 @@ class ManagerModel:
                             reason=rec.decision["reason"] if rec.decision else ""))
         if rec.mode == "transformed" and rec.tag not in self.datasets:
             size, n = rec.transformed_bytes()
-            self.datasets[rec.tag] = DatasetRecord(rec.tag, size, n)
+            self._new_dataset(rec.tag, size, n)
         return out + self.reallocate(now)
 
     def _on_workers(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
@@ -279,6 +293,10 @@ class ManagerModel:
         except ValueError as e:
             raise Rejected("INVALID_ARGUMENT", str(e)) from None
         return []
+
+    def _new_dataset(self, name: str, size: int, n_items: int) -> DatasetRecord:
+        rec = self.datasets[name] = DatasetRecord(name, size, n_items, plan_base=self.plan_floor)
+        return rec
 
     def _room(self, ds: str, tag: str) -> float:
         """Cache bytes a dataset's pipeline may count on: the budget less what the
@@ -307,28 +325,18 @@ class ManagerModel:
     def reallocate(self, now: float) -> list[Effect]:
         """The allocation step: the probe board's measured gains go to ``allocate()``
         under the budget (``--budget`` or the alive servers' total capacity); a
-        dataset whose option or chunk size changes gets a new ``DoubleBuffer``."""
-        cfg = self.config
+        dataset whose option or chunk size changes gets a new ``DoubleBuffer``.
+        The allocations never sum to more than the budget (``_grace``)."""
         gains = self.job_gains()
         self._mark_idle_sets(gains, now)
-        sizes: dict[str, int] = {}
-        kept: dict[str, Allocation] = {}
-        reserved = 0
-        for ds, rec in sorted(self.datasets.items()):
-            a = self.allocs.get(ds)
-            # A dataset whose jobs all left keeps its space (or its spare entries) for a
-            # grace period: a job restarting (or the next one of a pipeline) would
-            # otherwise find its cached dataset evicted and reload it from the store.
-            if (ds not in gains and a is not None and (a.option is not Option.NONE or a.spare)
-                    and rec.idle_since is not None and now - rec.idle_since < cfg.dataset_grace_s):
-                why = "idle: kept during the grace period after its last job left; "
-                kept[ds] = a if a.reason.startswith(why) else Allocation(
-                    a.dataset, a.option, a.bytes, a.chunk_size, a.value, why + a.reason, a.spare)
-                reserved += a.bytes
-            else:
-                sizes[ds] = rec.bytes
-        new = self._allocate(demands(gains, sizes), max(0, self.budget() - reserved))
+        kept, sizes = self._grace(gains, now)
+        budget = self.budget()
+        given_up = self._give_up_grace(kept, sizes, gains, budget)
+        new = self._allocate(demands(gains, sizes), max(0, budget - sum(a.bytes for a in kept.values())))
         self._admit(new, gains, now)
+        for ds in given_up:
+            new[ds] = replace(new[ds], reason=f"idle: gave up its space before its grace period ended: the budget "
+                                              f"({budget} bytes) no longer holds it beside the running datasets")
         new.update(kept)
         out: list[Effect] = []
         for ds in sorted(new):
@@ -340,11 +348,52 @@ class ManagerModel:
                 self.datasets[ds].plan_base += 1
                 out += self._decided(ds, old, a, now)
         self.allocs = new
-        # Forget datasets nobody used for a whole grace period (their space is already
-        # freed; spare entries they left go too, as nobody will read them).
+        return out + self._forget_idle(gains, now)
+
+    def _grace(self, gains: Mapping[str, list], now: float) -> tuple[dict[str, Allocation], dict[str, int]]:
+        """(idle datasets that keep their allocation, sizes of the datasets to allocate).
+        A dataset whose jobs all left keeps its space (or its spare entries) for a grace
+        period: a job restarting (or the next one of a pipeline) would otherwise find its
+        cached dataset evicted and reload it from the store."""
+        kept: dict[str, Allocation] = {}
+        sizes: dict[str, int] = {}
+        why = "idle: kept during the grace period after its last job left; "
         for ds, rec in sorted(self.datasets.items()):
-            if (rec.idle_since is not None and now - rec.idle_since >= cfg.dataset_grace_s
+            a = self.allocs.get(ds)
+            if (ds not in gains and a is not None and (a.option is not Option.NONE or a.spare)
+                    and rec.idle_since is not None and now - rec.idle_since < self.config.dataset_grace_s):
+                kept[ds] = a if a.reason.startswith(why) else replace(a, reason=why + a.reason)
+            else:
+                sizes[ds] = rec.bytes
+        return kept, sizes
+
+    def _give_up_grace(self, kept: dict[str, Allocation], sizes: dict[str, int], gains: Mapping[str, list],
+                       budget: int) -> list[str]:
+        """Idle datasets in their grace period give up their space, longest idle first,
+        until what they keep and what the running datasets hold now fit the budget
+        (it shrank: a server left). Running jobs lose nothing to an idle dataset, and the
+        allocations never sum to more than the budget. Moves them from ``kept`` to
+        ``sizes`` (allocated as datasets without jobs: NONE); returns their names."""
+        running = sum(a.bytes for ds, a in self.allocs.items() if ds in gains)
+        reserved = sum(a.bytes for a in kept.values())
+        out: list[str] = []
+        for ds in sorted(kept, key=lambda d: (self.datasets[d].idle_since, d)):
+            if reserved + running <= budget:
+                break
+            if kept[ds].bytes > 0:
+                reserved -= kept.pop(ds).bytes
+                sizes[ds] = self.datasets[ds].bytes
+                out.append(ds)
+        return out
+
+    def _forget_idle(self, gains: Mapping[str, list], now: float) -> list[Effect]:
+        """Forget datasets nobody used for a whole grace period (their space is already
+        freed; spare entries they left go too, as nobody will read them)."""
+        out: list[Effect] = []
+        for ds, rec in sorted(self.datasets.items()):
+            if (rec.idle_since is not None and now - rec.idle_since >= self.config.dataset_grace_s
                     and self.option(ds) is Option.NONE and ds not in gains):
+                self.plan_floor = max(self.plan_floor, self.plan_version(ds) + 1)
                 del self.datasets[ds]
                 out.append(EvictDataset(ds, "forgotten: no job for a whole grace period"))
                 self.allocs.pop(ds, None)
@@ -503,6 +552,8 @@ class ManagerModel:
             out["pipelines"] = {k: v.to_dict() for k, v in sorted(self.pipelines.items())}
         if self.workers:
             out["workers"] = {k: dict(v) for k, v in sorted(self.workers.items())}
+        if self.plan_floor:
+            out["plan_floor"] = self.plan_floor
         return out
 
     @classmethod
@@ -520,6 +571,7 @@ class ManagerModel:
             pipelines={k: PipelineRecord.from_dict(v) for k, v in d.get("pipelines", {}).items()},
             admission=AdmissionBoard.from_dict(d.get("admission", {})),
             workers={k: dict(v) for k, v in d.get("workers", {}).items()},
+            plan_floor=int(d.get("plan_floor", 0)),
         )
 
     def digest(self) -> str:

@@ -241,10 +241,11 @@ class ManagerService(mpb_grpc.ManagerServicer):
 
     @_rpc
     def UnregisterJob(self, request: mpb.UnregisterJobRequest, context) -> mpb.UnregisterJobResponse:
-        with self.store.lock:
+        with self.store.lock:  # RegisterJob touches under it: a registration right after keeps its contact
             self._act_as(request.job, context)
             self.store.submit({"type": "job_unregister", "job": request.job, "reason": "unregistered by client"})
-        self.liveness.forget_job(request.job)
+            if request.job not in self.store.model.jobs:
+                self.liveness.forget_job(request.job)
         return mpb.UnregisterJobResponse()
 
     @_rpc

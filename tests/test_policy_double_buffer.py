@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -288,3 +289,45 @@ def test_random_event_sequences_keep_invariants_and_restore_exactly(seed):
             restored = DoubleBuffer.from_dict(json.loads(json.dumps(buf.to_dict())))
             assert restored == buf
             buf = restored
+
+
+# ---------------------------------------------------------------- configuration checks
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("pass_history", 0, "[1, 1000]"), ("pass_history", -1, "[1, 1000]"), ("pass_history", 1001, "[1, 1000]"),
+    ("pass_history", 2.0, "[1, 1000]"), ("pass_history", True, "[1, 1000]"),
+    ("load_threshold", 0.0, "(0, 1]"), ("load_threshold", 1.01, "(0, 1]"), ("load_threshold", float("nan"), "(0, 1]"),
+    ("straggler_timeout_s", 0.0, "> 0"), ("straggler_timeout_s", float("inf"), "> 0"),
+    ("straggler_factor", -1.5, "> 0"), ("straggler_factor", "1.5", "> 0"),
+    ("min_straggler_s", -1.0, ">= 0"), ("max_straggler_s", 0.0, "> 0"),
+    ("max_marked_s", 0.0, "> 0"), ("max_marked_s", float("nan"), "> 0"),
+    ("evict_on_starvation", "yes", "true or false"),
+])
+def test_buffer_config_refuses_values_out_of_range_naming_the_field(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"{field} must be .*{re.escape(allowed)}") as e:
+        BufferConfig(**{field: value})
+    assert e.value.field == field
+
+
+def test_buffer_config_refuses_a_max_below_the_min_and_takes_the_edges():
+    with pytest.raises(ValueError, match=r"max_straggler_s must be >= min_straggler_s"):
+        BufferConfig(min_straggler_s=100.0, max_straggler_s=10.0)
+    BufferConfig(load_threshold=1.0, min_straggler_s=0.0, max_straggler_s=0.5, pass_history=1, max_marked_s=0.1)
+    BufferConfig(pass_history=1000, min_straggler_s=60, max_straggler_s=60)
+
+
+def test_a_pass_history_of_one_keeps_one_pass():
+    """(pass_history 0 was taken before the check: ``del passes[:-0]`` deletes nothing, and
+    the journaled list grew with every release.)"""
+    buf = warm(cfg=BufferConfig(pass_history=1))
+    buf.release("A", 0, 20.0)
+    buf.release("B", 0, 30.0)
+    assert len(buf.passes) == 1
+
+
+def test_a_journaled_buffer_with_a_bad_config_is_refused():
+    buf = warm()
+    d = json.loads(json.dumps(buf.to_dict()))
+    d["config"]["pass_history"] = 0
+    with pytest.raises(ValueError, match="pass_history"):
+        DoubleBuffer.from_dict(d)

@@ -323,3 +323,75 @@ def test_inconclusive_probe_keeps_earlier_conclusive_benefit():
     assert j.inconclusive and j.benefit == pytest.approx(1.0)
     assert j.effective_benefit() == pytest.approx(1.02)      # not reset to the prior
     assert board.job_gains()["d"][0].lower_bound is False
+
+
+# ---------------------------------------------------------------- back-off of inconclusive probes
+
+def _passive_flat_run(board, until, rng):
+    """A passive job whose dataset is never cached: flat batch times at 0-75% misses
+    (regression: b < 1.05, a lower bound), and every probe's normal phase has few hits
+    (inconclusive). Returns the times probes started."""
+    starts, t = [], 0.0
+    while t < until:
+        j = board.jobs["j"]
+        if j.phase is Phase.PROBE_BYPASS:
+            d, h = 1.0, 0.0
+        elif j.phase is Phase.MEASURE_NORMAL:
+            d, h = 1.0, 0.05
+        else:
+            d, h = rng.uniform(0.98, 1.02), 1.0 - rng.choice([0.0, 0.25, 0.5, 0.75])
+        t += d
+        for tr in board.report("j", [Batch(t, d, h)], t):
+            if tr.new is Phase.PROBE_BYPASS and tr.old is not Phase.PROBE_BYPASS:
+                starts.append(t)
+    return starts
+
+
+def test_a_flat_passive_job_whose_probes_are_inconclusive_backs_off():
+    cfg = ProbeConfig(passive=True, warmup_batches=0, min_batches=5, max_batches=10,
+                      inconclusive_reprobe_s=100.0, reprobe_interval_s=500.0)
+    board = ProbeBoard(cfg)
+    board.add_job("j", "d", 1, 0.0)
+    starts = _passive_flat_run(board, 2000.0, random.Random(1))
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # each probe takes ~10 batches (10 s); the waits after it: 100, 200, 400, then 500 (the cap)
+    assert len(starts) == 6, starts
+    for gap, wait in zip(gaps, (100, 200, 400, 500, 500)):
+        assert wait <= gap <= wait + 15, (gaps, starts)
+    assert board.jobs["j"].inconclusive_probes == 6  # all of them
+
+
+def test_inconclusive_backoff_is_a_pure_function_of_the_count():
+    from manager.policy.probing import inconclusive_backoff
+    cfg = ProbeConfig(inconclusive_reprobe_s=300.0, reprobe_interval_s=1800.0)
+    assert [inconclusive_backoff(cfg, n) for n in (1, 2, 3, 4, 5, 1000)] == [300, 600, 1200, 1800, 1800, 1800]
+    # an interval below the first wait never shortens it
+    assert inconclusive_backoff(ProbeConfig(inconclusive_reprobe_s=300.0, reprobe_interval_s=10.0), 3) == 300
+
+
+def test_a_conclusive_probe_resets_the_backoff_and_the_count_survives_a_roundtrip():
+    cfg = ProbeConfig(reprobe_jitter=0, inconclusive_reprobe_s=100.0, reprobe_interval_s=1000.0)
+    board = ProbeBoard(cfg)
+    board.add_job("j", "d", 1, 0.0)
+    t = run_probe(board, "j", 0.0, 0.3, 0.3, hit=0.05)   # not cached: inconclusive
+    j = board.jobs["j"]
+    assert j.inconclusive_probes == 1 and j.next_probe_at == pytest.approx(t + 100.0)
+    board.tick(t + 100.0)
+    t = run_probe(board, "j", t + 100.0, 0.3, 0.3, hit=0.05)
+    assert j.inconclusive_probes == 2 and j.next_probe_at == pytest.approx(t + 200.0)
+    again = ProbeBoard.from_dict(json.loads(json.dumps(board.to_dict())))
+    assert again.jobs["j"].inconclusive_probes == 2 and again.to_dict() == board.to_dict()
+    board.tick(t + 200.0)
+    run_probe(board, "j", t + 200.0, 0.3, 0.1, hit=0.97)  # cached now: conclusive
+    assert j.inconclusive_probes == 0 and not j.inconclusive
+
+
+def test_a_passive_probe_that_aborts_waits_before_the_next():
+    cfg = ProbeConfig(passive=True, max_phase_s=100, retry_after_abort_s=50)
+    job = JobProbe("j", "d", 1)
+    job.benefit, job.inconclusive, job.phase = 1.0, True, Phase.DECIDED   # flat lower bound: due
+    assert job.due(0.0, cfg)
+    job.start_probe(0.0, cfg)
+    job.tick(100.0, cfg)                      # stalled: aborted
+    assert job.phase is Phase.DECIDED and job.aborts == 1
+    assert not job.due(149.0, cfg) and job.due(150.0, cfg)

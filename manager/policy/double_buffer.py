@@ -58,6 +58,7 @@ idempotent so replays after a crash are harmless.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Union
@@ -72,16 +73,62 @@ class ChunkState(str, Enum):
     MARKED = "marked"
 
 
+class ConfigFieldError(ValueError):
+    """A configuration value out of its range; ``field`` names it (for the flag or file
+    it came from, managerd.py)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+MAX_PASS_HISTORY = 1000  # pass times kept per dataset are journaled: keep the state small
+
+
+def _number(name: str, v: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """``v`` a finite number in [low, high] (``low_open``: (low, high]); else a ConfigFieldError."""
+    if (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and (v > low if low_open else v >= low) and v <= high):
+        return
+    if math.isfinite(high):
+        allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    else:
+        allowed = f"{'>' if low_open else '>='} {low:g}"
+    raise ConfigFieldError(name, f"buffer config: {name} must be a finite number {allowed}, got {v!r}")
+
+
 @dataclass(frozen=True)
 class BufferConfig:
-    load_threshold: float = 0.98        # fraction resident that counts as loaded
-    straggler_timeout_s: float = 600.0  # used until pass times have been observed
-    straggler_factor: float = 1.5       # x median pass time, see tick()
-    min_straggler_s: float = 60.0
-    max_straggler_s: float = 3600.0
+    """Thresholds of the double buffer; every field is checked at construction
+    (a ConfigFieldError, a ValueError, names the field and its range), also where
+    it comes from flags, ``--policy-config`` or a journaled state."""
+    load_threshold: float = 0.98        # fraction resident that counts as loaded, in (0, 1]
+    straggler_timeout_s: float = 600.0  # used until pass times have been observed; > 0
+    straggler_factor: float = 1.5       # x median pass time, see tick(); > 0
+    min_straggler_s: float = 60.0       # >= 0
+    max_straggler_s: float = 3600.0     # >= min_straggler_s
     evict_on_starvation: bool = True
-    max_marked_s: float | None = None   # hard cap on MARKED lifetime (dead jobs); None: off
-    pass_history: int = 16
+    max_marked_s: float | None = None   # hard cap on MARKED lifetime (dead jobs); None: off, else > 0
+    pass_history: int = 16              # pass times kept for the median, 1..MAX_PASS_HISTORY
+
+    def __post_init__(self) -> None:
+        _number("load_threshold", self.load_threshold, 0.0, 1.0, low_open=True)
+        _number("straggler_timeout_s", self.straggler_timeout_s, 0.0, low_open=True)
+        _number("straggler_factor", self.straggler_factor, 0.0, low_open=True)
+        _number("min_straggler_s", self.min_straggler_s, 0.0)
+        _number("max_straggler_s", self.max_straggler_s, 0.0, low_open=True)
+        if self.max_straggler_s < self.min_straggler_s:
+            raise ConfigFieldError("max_straggler_s", f"buffer config: max_straggler_s must be >= min_straggler_s "
+                                                      f"({self.min_straggler_s!r}), got {self.max_straggler_s!r}")
+        if not isinstance(self.evict_on_starvation, bool):
+            raise ConfigFieldError("evict_on_starvation", f"buffer config: evict_on_starvation must be true or "
+                                                          f"false, got {self.evict_on_starvation!r}")
+        if self.max_marked_s is not None:
+            _number("max_marked_s", self.max_marked_s, 0.0, low_open=True)
+        if not isinstance(self.pass_history, int) or isinstance(self.pass_history, bool) \
+                or not 1 <= self.pass_history <= MAX_PASS_HISTORY:
+            raise ConfigFieldError("pass_history", f"buffer config: pass_history must be an integer in "
+                                                   f"[1, {MAX_PASS_HISTORY}], got {self.pass_history!r}")
 
 
 # ---------------------------------------------------------------- actions

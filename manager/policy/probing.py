@@ -59,6 +59,14 @@ with the pipelined-loader model ``t = max(compute, (1 - h) * io_miss)``:
   offered exploration space); the job re-probes sooner
   (``inconclusive_reprobe_s``), or as soon as its hit ratio reaches
   ``min_hit_ratio``.
+
+Back-off. Each further inconclusive probe in a row doubles the wait before the
+next one (``inconclusive_backoff``: ``inconclusive_reprobe_s`` x 2^(n-1), at most
+``reprobe_interval_s``); a conclusive measurement resets the count
+(``inconclusive_probes``, kept in the state). In passive mode a job is probed
+only when due *and* past ``next_probe_at``: a flat job whose probe says nothing
+new (its dataset is still not cached) would otherwise be probed again at once,
+and run in bypass over and over.
 """
 from __future__ import annotations
 
@@ -110,7 +118,7 @@ class ProbeConfig:
     max_phase_s: float = 900.0       # a phase never lasts longer than this
     reprobe_interval_s: float = 1800.0
     reprobe_jitter: float = 0.1      # +0..10% per job, deterministic, spreads probes
-    inconclusive_reprobe_s: float = 300.0
+    inconclusive_reprobe_s: float = 300.0  # doubled per further inconclusive probe (inconclusive_backoff)
     retry_after_abort_s: float = 300.0
     drift_window: int = 50           # normal batches compared against the decision
     drift_threshold: float = 0.25    # relative change that triggers a re-probe
@@ -238,6 +246,14 @@ def _lower_bound_only(t_miss: float, t_normal: float, h: float | None, cfg: Prob
     return t_normal <= (1.0 - h) * t_miss * (1.0 + cfg.compute_floor_margin)
 
 
+def inconclusive_backoff(cfg: ProbeConfig, n: int) -> float:
+    """Seconds until the next probe after ``n`` (>= 1) inconclusive probes in a row:
+    ``inconclusive_reprobe_s`` doubled for each one after the first, capped at the
+    re-probe interval of a conclusive job (never below the first wait)."""
+    cap = max(cfg.inconclusive_reprobe_s, cfg.reprobe_interval_s)
+    return min(cap, cfg.inconclusive_reprobe_s * 2.0 ** min(max(0, n - 1), 62))
+
+
 def _jitter_frac(job_id: str) -> float:
     # crc32, not hash(): the same across processes and restarts.
     return (zlib.crc32(job_id.encode()) % 10_000) / 10_000
@@ -266,6 +282,7 @@ class JobProbe:
     recent_hits: list[float] = field(default_factory=list)
     probes: int = 0
     aborts: int = 0
+    inconclusive_probes: int = 0        # probes in a row that ended inconclusive (back-off)
     reason: str = "new job"
     obs: list[list[float]] = field(default_factory=list)   # passive: recent [miss fraction, seconds]
     obs_total: int = 0                                     # passive: pairs seen since the last estimate
@@ -284,6 +301,8 @@ class JobProbe:
         if self.phase not in (Phase.NEW, Phase.DECIDED):
             return False
         if cfg is not None and cfg.passive:  # only when regression stays unsure for long ...
+            if self.next_probe_at is not None and now < self.next_probe_at:
+                return False  # backing off after an inconclusive or aborted probe
             # (a job with a conclusive b keeps it: a dataset cached whole shows no misses
             # to regress on, and probing it would only slow it down to confirm the b
             # that got it cached) ...
@@ -352,8 +371,9 @@ class JobProbe:
             self.known_benefit = b
         self.decided_at = now
         self.probes += 1
+        self.inconclusive_probes = self.inconclusive_probes + 1 if self.inconclusive else 0
         if self.inconclusive:
-            self.next_probe_at = now + cfg.inconclusive_reprobe_s
+            self.next_probe_at = now + inconclusive_backoff(cfg, self.inconclusive_probes)
         else:
             self.next_probe_at = now + cfg.reprobe_interval_s * (1 + cfg.reprobe_jitter * _jitter_frac(self.job_id))
         note = f", inconclusive (lower bound): hit ratio {h:.2f}" if self.inconclusive else ""
@@ -417,6 +437,7 @@ class JobProbe:
         self.decided_at, self.obs_total = now, 0
         if seen:
             self.known_benefit = est.benefit
+            self.inconclusive_probes = 0
         note = "" if seen else f", a lower bound: {high:.0%} of batches missed >= {cfg.passive_high_miss:.0%}"
         return self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
                                             f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%}{note})")
