@@ -214,7 +214,11 @@ class ManagerClient:
                                                              n_items=n_items, n_gpus=n_gpus), job=job)
         plan = Plan.from_message(r.plan)
         with self._lock:  # the registration's plan stands, whatever version was seen before (a
-            # manager restarted on an empty state dir, or one that forgot the dataset, counts afresh)
+            # manager restarted on an empty state dir counts afresh): the job's other cached plans
+            # (a transformed set's) and the dataset-wide one go too, or their higher versions
+            # would hide the new manager's plans
+            for key in [k for k in self._cache.plans if k[1] == job or k == (dataset, "")]:
+                del self._cache.plans[key]
             self._cache.plans[(plan.dataset, job)] = plan
             self._jobs[dataset] = job
             if r.token:

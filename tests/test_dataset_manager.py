@@ -137,6 +137,23 @@ def test_a_registration_replaces_a_plan_of_a_higher_version(cluster):
         assert info.plan.version < 10**6 and mc.get_plan(ds, "job-v") == info.plan
 
 
+def test_a_registration_drops_the_jobs_other_cached_plans(cluster):
+    """A manager restarted on an empty state dir counts versions afresh: plans cached
+    before under the dataset-wide key or another tag of the job must not hide its plans."""
+    import dataclasses
+
+    m, _ = cluster
+    ds, other = "cd" * 32, "ef" * 32
+    with ManagerClient(m.address, timeout=5) as mc:
+        mc.register_job("job-w", ds, 1000, 10)
+        stale = dataclasses.replace(mc.get_plan(ds), version=10**6, option="full")
+        mc._cache.plans[(ds, "")] = stale
+        mc._cache.plans[(other, "job-w")] = dataclasses.replace(stale, dataset=other)
+        mc.register_job("job-w", ds, 1000, 10)
+        assert mc.get_plan(ds).version < 10**6
+        assert (other, "job-w") not in mc._cache.plans
+
+
 def test_shared_plan_decides_what_to_insert():
     from clients.coordination import SPARE, SharedPlan
     from manager.manager_client import Plan
