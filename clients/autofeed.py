@@ -27,7 +27,8 @@ from preprocess.feed import Fed
 
 from . import itemview
 from .coordination import SPARE
-from .stats import MAX_ROWS, SharedCounters, worker_row
+from .procstate import per_process
+from .stats import SharedCounters, SharedRows, worker_row
 from .transformed import TransformedItems
 
 log = logging.getLogger("mlcache.autocache")
@@ -70,18 +71,15 @@ class PutTimes:
     "auto" measures a transformed put by in the job itself."""
 
     def __init__(self) -> None:
-        import multiprocessing
-
-        self._a = multiprocessing.get_context("spawn").RawArray("q", 2 * MAX_ROWS)
+        self._rows = SharedRows(2)
 
     def add(self, row: int, items: int, ns: int) -> None:
-        r = 2 * (row % MAX_ROWS)
-        self._a[r] += items
-        self._a[r + 1] += ns
+        self._rows.add(row, {0: items, 1: ns})
 
     def totals(self) -> tuple[int, float]:
         """(items put, wall seconds)."""
-        return sum(self._a[0::2]), sum(self._a[1::2]) / 1e9
+        items, ns = self._rows.sums()
+        return items, ns / 1e9
 
 
 class Putter:
@@ -199,9 +197,7 @@ class CacheFeed:
         return {"ds": self.ds, "shared": self.shared, "plan": self.plan, "put_times": self.put_times, "_st": None}
 
     def proc(self) -> _ProcState:
-        if self._st is None or self._st.pid != os.getpid():
-            self._st = _ProcState(self.ds, self.put_times)
-        return self._st
+        return per_process(self, "_st", lambda: _ProcState(self.ds, self.put_times))
 
     def read(self, indices: list[int]) -> list[Any]:
         """Items before the pipeline, read as the mode reads sources."""

@@ -7,6 +7,10 @@ file description). A batch claims all its misses at once; it fetches and
 inserts those it won, then waits for the others' winners and reads them from
 the cache. Best effort: a waiter that times out, or then finds the item still
 missing, fetches it itself, so correctness never depends on it.
+
+The directory (one per dataset) is a shareddir.SharedDir: removed when its last user
+leaves, or by a later user's sweep when its users ended without leaving (a crash,
+os._exit): /dev/shm is memory, and would otherwise keep one per dataset ever read.
 """
 from __future__ import annotations
 
@@ -15,8 +19,16 @@ import fcntl
 import os
 import tempfile
 import time
+from collections.abc import Sequence
+
+from . import shareddir
 
 DEFAULT_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+PREFIX = "mlcache-coalescing-"
+# Directories of clients from before they were removed (no lock file in them): gone when
+# untouched this long. A name of their own keeps those clients' live ones out of the sweep.
+LEGACY_PREFIX, LEGACY_S = "mlcache-coalesce-", 86400.0
+_swept: set[str] = set()  # roots swept by this process
 
 
 class Claim:
@@ -57,10 +69,72 @@ class Claim:
 
 
 class HostCoalescer:
+    """Claims of items under one namespace (a dataset), among the processes of this host."""
+
     def __init__(self, namespace: str, directory: str | None = None, wait_seconds: float = 30.0) -> None:
-        self.dir = os.path.join(directory or DEFAULT_DIR, f"mlcache-coalesce-{namespace}")
-        os.makedirs(self.dir, exist_ok=True)
+        root = directory or DEFAULT_DIR
+        _sweep_once(root)
+        self._shared = shareddir.SharedDir(root, PREFIX + namespace)
+        self.dir = self._shared.path
         self.wait_seconds = wait_seconds
 
     def claim(self, key: bytes) -> Claim:
         return Claim(os.path.join(self.dir, key.hex()))
+
+    def close(self) -> None:
+        """Stop using the directory (removed if no other process uses it); no claims after this."""
+        self._shared.close()
+
+
+class BatchClaims:
+    """The claims of a batch's misses, all released on leaving the `with` block, whatever
+    raised. `mine`: positions this process reads (all of them without a coalescer);
+    `others`: those another reader holds."""
+
+    def __init__(self, coalescer: HostCoalescer | None, keys: Sequence[bytes]) -> None:
+        self._claims: list[Claim] = []
+        self._wait = coalescer.wait_seconds if coalescer is not None else 0.0
+        try:
+            for k in keys if coalescer is not None else ():
+                self._claims.append(coalescer.claim(k))
+        except BaseException:
+            self.release()
+            raise
+        won = [c.first for c in self._claims] if coalescer is not None else [True] * len(keys)
+        self.mine = [p for p, w in enumerate(won) if w]
+        self.others = [p for p, w in enumerate(won) if not w]
+
+    def __enter__(self) -> BatchClaims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release_mine(self) -> None:
+        """Let the readers waiting for this one's items go (before waiting for theirs)."""
+        for p in self.mine if self._claims else ():
+            self._claims[p].release()
+
+    def wait_others(self) -> None:
+        """Wait until the other readers released their items (or time out), and let go."""
+        for p in self.others:
+            self._claims[p].wait(self._wait)
+            self._claims[p].release()
+
+    def release(self) -> None:
+        for c in self._claims:
+            c.release()  # once: a released claim does nothing more
+
+
+def _sweep_once(root: str) -> None:
+    """Remove the directories of root that users which ended without leaving left behind."""
+    if root in _swept:
+        return
+    _swept.add(root)
+    shareddir.sweep(root, PREFIX)
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(LEGACY_PREFIX)]
+    except OSError:
+        return
+    for n in names:
+        shareddir.remove_stale(os.path.join(root, n), LEGACY_S)

@@ -43,11 +43,12 @@ from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
 
 from . import capability, checked, itemview
+from .coalesce import BatchClaims
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
 from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
-from .procstate import ProcessState
+from .procstate import ProcessState, per_process
 from .samples import Samples
 from .stats import SharedCounters
 from .stats import worker_row as _worker_row
@@ -197,10 +198,7 @@ class CachedDataset(_TorchDataset):
         return pickle.dumps(clone)  # __getstate__: the digest as bytes (no path), no process state
 
     def _proc(self) -> ProcessState:
-        st = self._state
-        if st is None or st.pid != os.getpid():
-            st = self._state = ProcessState(self)
-        return st
+        return per_process(self, "_state", lambda: ProcessState(self))
 
     # ---- ids ------------------------------------------------------------
     def ids_for(self, indices: Sequence[int]) -> list[bytes]:
@@ -432,23 +430,15 @@ class CachedDataset(_TorchDataset):
         another job is reading meanwhile are taken from the cache instead."""
         if self.claims and self.insert and st.ring is not None:
             return self._fill_claimed(st, indices, ids, poisoned)
-        claims = [st.coalescer.claim(k) for k in ids] if st.coalescer else None
-        mine = [p for p in range(len(ids)) if claims is None or claims[p].first]
         items: list[bytes | None] = [None] * len(ids)
-        try:
-            store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned)
-        finally:
-            for p in mine:
-                if claims is not None:
-                    claims[p].release()
-        won = set(mine)
-        waited = [p for p in range(len(ids)) if p not in won]
+        with BatchClaims(st.coalescer, ids) as claims:  # released, every one, whatever raises
+            store_bytes, inserted = self._read_insert(st, indices, items, claims.mine, poisoned)
+            claims.release_mine()  # first: the readers this one waits for may wait for these
+            claims.wait_others()
+        waited = claims.others
         coalesced = 0
         bad: set[int] = set()  # poisoned values found after waiting: replaced, counted
         if waited:
-            for p in waited:
-                claims[p].wait(st.coalescer.wait_seconds)
-                claims[p].release()
             got = st.ring.get([ids[p] for p in waited], self.job) if st.ring is not None else [None] * len(waited)
             for p, v in zip(waited, got):
                 if v is not None:

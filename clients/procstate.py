@@ -1,10 +1,16 @@
 """What one process opens for a CachedDataset (clients/dataset.py): its ring client, store
-reads, hash threads and table of checked values; made afresh in each process, never pickled."""
+reads, hash threads and table of checked values; made afresh in each process, never pickled.
+
+Made on first use, by whichever thread comes first: the training loop's or the manager's
+prefetch thread (coordination.py). per_process() makes it once however many ask together:
+two would each hold a ring client and thread pools, and one would never be closed."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from cacheserver import inproc
 from cacheserver.client.ring_client import RingClient, parse_spec
@@ -17,6 +23,30 @@ from .stats import worker_row
 
 # Threads that check a batch's SHA-256s together (this one included).
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+T = TypeVar("T")
+# One for all objects: states are made rarely. Re-entrant: making one may ask for another.
+_making = threading.RLock()
+
+
+def _after_fork() -> None:
+    global _making
+    _making = threading.RLock()  # a forked child must not inherit it held by a thread it lacks
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def per_process(owner: Any, attr: str, make: Callable[[], T]) -> T:
+    """owner.<attr>: a state with a `pid`, made by make() once in each process, however
+    many threads ask at once."""
+    st = getattr(owner, attr)
+    if st is None or st.pid != os.getpid():
+        with _making:
+            st = getattr(owner, attr)  # made by another thread while this one waited?
+            if st is None or st.pid != os.getpid():
+                st = make()
+                setattr(owner, attr, st)
+    return st
 
 
 class ProcessState:
@@ -54,3 +84,5 @@ class ProcessState:
             self.hash_pool.shutdown(wait=False, cancel_futures=True)
         if self.ring is not None:
             self.ring.close()
+        if self.coalescer is not None:
+            self.coalescer.close()

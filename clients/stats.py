@@ -2,11 +2,16 @@
 
 Counters live in shared memory, one row per worker, so workers never contend
 and the main process sums rows at epoch end. With spawn/forkserver the array
-travels to workers by pickling (multiprocessing shares the memory)."""
+travels to workers by pickling (multiprocessing shares the memory).
+
+An add is a read and a write, so two processes must never share a row: those past the
+rows of their own (workers from id 128 on: a DataLoader of more than 128 workers) share
+one overflow row, which they add to under a lock that holds across processes."""
 from __future__ import annotations
 
 import multiprocessing
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +22,7 @@ FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted"
 # transformed items (autocache): found, not found, stored, poisoned, outputs the format cannot store
 T_FIELDS = ("t_hits", "t_misses", "t_puts", "t_poisoned", "t_uncacheable")
 FIELDS += T_FIELDS
-MAX_ROWS = 129  # row 0: the main process; rows 1..: workers by id
+MAX_ROWS = 129  # rows of their own: row 0 the main process, rows 1..128 workers by id; then the overflow row
 
 
 def worker_row() -> int:
@@ -30,32 +35,59 @@ def worker_row() -> int:
     return 0 if info is None else info.id + 1
 
 
-class SharedCounters:
-    def __init__(self) -> None:
-        self._arr = multiprocessing.get_context("spawn").RawArray("q", MAX_ROWS * len(FIELDS))
+class SharedRows:
+    """`width` counters per process in shared memory: MAX_ROWS rows of their own, then the
+    overflow row of all processes past them (the module's docstring)."""
+
+    def __init__(self, width: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.width = width
+        self._arr = ctx.RawArray("q", (MAX_ROWS + 1) * width)
+        self._overflow = ctx.Lock()
         # a process's row is added to from several threads at once (tf_dataset's parallel reads)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"_arr": self._arr}
+        # to a process as it starts: like the array, the lock goes only there
+        return {"width": self.width, "_arr": self._arr, "_overflow": self._overflow}
 
     def __setstate__(self, state: dict) -> None:
-        self._arr = state["_arr"]
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def add(self, row: int, **counts: int) -> None:
-        base = (row % MAX_ROWS) * len(FIELDS)
+    def add(self, row: int, counts: Mapping[int, int]) -> None:
+        """Add counts (column: n) to this process's row."""
+        if row >= MAX_ROWS:
+            self._add_overflow(counts)
+            return
+        base = row * self.width
         with self._lock:
-            for name, n in counts.items():
-                self._arr[base + FIELDS.index(name)] += n
+            for col, n in counts.items():
+                self._arr[base + col] += n
+
+    def _add_overflow(self, counts: Mapping[int, int]) -> None:
+        base = MAX_ROWS * self.width
+        with self._lock, self._overflow:
+            for col, n in counts.items():
+                self._arr[base + col] += n
+
+    def sums(self) -> list[int]:
+        """Each column summed over all rows."""
+        a, w = self._arr, self.width
+        return [sum(a[col::w]) for col in range(w)]
+
+
+class SharedCounters:
+    """The loader statistics (FIELDS) in SharedRows."""
+
+    def __init__(self) -> None:
+        self._rows = SharedRows(len(FIELDS))
+
+    def add(self, row: int, **counts: int) -> None:
+        self._rows.add(row, {FIELDS.index(name): n for name, n in counts.items()})
 
     def totals(self) -> dict[str, int]:
-        out = dict.fromkeys(FIELDS, 0)
-        for r in range(MAX_ROWS):
-            base = r * len(FIELDS)
-            for j, name in enumerate(FIELDS):
-                out[name] += self._arr[base + j]
-        return out
+        return dict(zip(FIELDS, self._rows.sums()))
 
 
 @dataclass
