@@ -70,7 +70,7 @@ class EpochRun:
         self.error: BaseException | None = None
         self.pending = self.in_background = 0
         self.held: dict[int, dict[int, bool]] = {}  # worker -> {item: in its background}
-        self.deaths = 0
+        self.deaths: list[str] = []  # how each worker that died this epoch died, and what it held
         self.pulled = 0  # items taken from the sampler
         self.measured: list[tuple[int, float]] = []  # (index, seconds of work)
         self.yielded: set[int] = set()
@@ -197,16 +197,28 @@ class EpochRun:
         """A worker that died is replaced and the items it held go back to the front
         of the queue (they were not yielded: exactly once holds)."""
         for wid in self.pool.dead():
-            self.deaths += 1
             lost = self.held.pop(wid, {})
-            if self.deaths > RESTARTS:
-                raise WorkerDied(f"{self.deaths} preprocessing workers died this epoch (the last, worker {wid}, "
-                                 f"held items {sorted(lost)[:8]}); giving up")
+            self.deaths.append(self._death(wid, lost))
+            if len(self.deaths) > RESTARTS:
+                raise WorkerDied(f"{len(self.deaths)} preprocessing workers died this epoch; giving up. "
+                                 + "; ".join(self.deaths))
             self.pending -= len(lost)
             self.in_background -= sum(lost.values())
             self.upcoming.extendleft(reversed(list(lost)))
             self.stats.rerun += len(lost)
             self.pool.resize(self.pool.size + 1)
+
+    def _death(self, wid: int, held: dict[int, bool]) -> str:
+        """How worker wid died, naming the items it was running (the likeliest cause: a
+        decoder's segfault, an item too large for memory) and the others it held."""
+        how, running = self.pool.deaths.get(wid, ("died", []))
+        text = f"worker {wid} {how}"
+        if running:
+            text += ", running " + ", ".join(f"item {i} ({self.describe(i)})" for i in running)
+        rest = sorted(set(held) - set(running))
+        if rest:
+            text += f", holding items {rest[:8]}" + (" ..." if len(rest) > 8 else "")
+        return text
 
     def _take(self, n: int) -> list[tuple[int, bool]]:
         """The next task: known-slow items of the upcoming window first (to the background)."""

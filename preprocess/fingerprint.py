@@ -4,12 +4,16 @@ A step's fingerprint covers its class (module, name, library version; for a
 class of no installed library also its methods and plain class attributes) and
 its parameters (the instance's attributes; an object with a `__fingerprint__()`
 method is keyed by what that returns; a bound method's object; a tensor's or an
-array's data), and for functions their bytecode, constants, defaults, closures
-and the globals they reference, recursively (a user's own module by its source
-file and the attributes the code names). Two steps with equal fingerprints
-compute the same function of their input (given equal library versions). What cannot be fingerprinted (an open file, a lock, a
-C object without state we can read) raises Uncacheable with the path to it:
-fail closed, never a random or partial key."""
+array's data; a subclass of a builtin container or of ndarray also by its class and
+what it holds besides its items: a defaultdict's default_factory, an OrderedDict's
+order (of 2 items or more), a masked array's mask and fill value, instance
+attributes), and for
+functions their bytecode, constants, defaults, closures and the globals they
+reference, recursively (a user's own module by its source file and the attributes
+the code names). Two steps with equal fingerprints compute the same function of
+their input (given equal library versions). What cannot be fingerprinted (an open
+file, a lock, a C object without state we can read) raises Uncacheable with the
+path to it: fail closed, never a random or partial key."""
 from __future__ import annotations
 
 import collections
@@ -28,6 +32,8 @@ MAX_DEPTH = 40
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.MethodWrapperType, np.ufunc)
+# Containers keyed by their items alone (a subclass adds its class and state: container_subclass).
+_PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
 # Class attributes that are bookkeeping, not parameters: ABCs' registry cache (a C
 # object), slot descriptors and namedtuple field getters (the fields are in _fields).
 _CLASS_BOOKKEEPING = frozenset({"_abc_impl"})
@@ -87,23 +93,10 @@ class _Hasher:
             self.stack.discard(id(x))
 
     def _compound(self, x: Any, path: str, d: int) -> None:
-        if isinstance(x, (tuple, list)):
-            self.put(type(x).__name__, str(len(x)).encode())
-            for k, v in enumerate(x):
-                self.value(v, f"{path}[{k}]", d)
-        elif isinstance(x, dict):
-            self.put("dict", str(len(x)).encode())
-            for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])):
-                self.value(k, path, d)
-                self.value(v, f"{path}[{k!r}]", d)
-        elif isinstance(x, (set, frozenset)):
-            self.put("set", "\0".join(sorted(sub_fingerprint(v, path, d) for v in x)).encode())
-        elif isinstance(x, np.ndarray) and x.dtype.hasobject:
-            # tobytes() of an object array is its elements' addresses (different in every process)
-            self.put("ndarray-objects", f"{_dtype_tag(x.dtype)}{x.shape}".encode())
-            self.value(x.ravel().tolist(), f"{path}.flat", d)
+        if isinstance(x, (tuple, list, dict, set, frozenset)):
+            self.container(x, path, d)
         elif isinstance(x, np.ndarray):
-            self.put("ndarray", f"{_dtype_tag(x.dtype)}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
+            self.array(x, path, d)
         elif isinstance(x, np.generic):
             self.put("npscalar", _dtype_tag(x.dtype).encode() + x.tobytes())
         elif isinstance(x, np.dtype):
@@ -117,6 +110,54 @@ class _Hasher:
             self.put(f"torch.{type(x).__name__}", str(x).encode())
         else:
             self._code_like(x, path, d)
+
+    def container(self, x: tuple | list | dict | set | frozenset, path: str, d: int) -> None:
+        if isinstance(x, (tuple, list)):
+            self.put(type(x).__name__, str(len(x)).encode())
+            for k, v in enumerate(x):
+                self.value(v, f"{path}[{k}]", d)
+        elif isinstance(x, dict):
+            self.put("dict", str(len(x)).encode())
+            for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])):
+                self.value(k, path, d)
+                self.value(v, f"{path}[{k!r}]", d)
+        else:
+            self.put("set", "\0".join(sorted(sub_fingerprint(v, path, d) for v in x)).encode())
+        if type(x) not in _PLAIN_CONTAINERS and not _short_ordered_dict(x):
+            self.container_subclass(x, path, d)
+
+    def container_subclass(self, x: Any, path: str, d: int) -> None:
+        """What a subclass of a builtin container adds to its items (after them: a plain
+        container's key stays as it was, so items cached under it stay valid): its class
+        (methods it overrides; Counter is not a dict), an OrderedDict's order (part of its
+        value: == compares it), a defaultdict's default_factory, its instance attributes."""
+        self.put("container-subclass")
+        self.value(type(x), f"{path} class", d)
+        if isinstance(x, collections.OrderedDict):
+            self.value(list(x), f"{path} order", d)
+        if isinstance(x, collections.defaultdict):
+            self.value(x.default_factory, f"{path}.default_factory", d)
+        self.attributes(x, type(x), path, d)
+
+    def array(self, x: np.ndarray, path: str, d: int) -> None:
+        if x.dtype.hasobject:
+            # tobytes() of an object array is its elements' addresses (different in every process)
+            self.put("ndarray-objects", f"{_dtype_tag(x.dtype)}{x.shape}".encode())
+            self.value(x.ravel().tolist(), f"{path}.flat", d)
+        else:
+            self.put("ndarray", f"{_dtype_tag(x.dtype)}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
+        if type(x) in (np.ndarray, np.memmap):  # a memmap's own state says where its bytes are, not what
+            return
+        # a subclass (after the data: a plain array's key stays as it was): its class (np.matrix's
+        # * is a matrix product), a masked array's mask and fill, others' instance attributes
+        self.put("ndarray-subclass")
+        self.value(type(x), f"{path} class", d)
+        if isinstance(x, np.ma.MaskedArray):
+            # _fill_value: None until set; the fill_value property would set it (and fails on np.ma.masked)
+            fill = getattr(x, "_fill_value", None)
+            self.value((np.ma.getmaskarray(x), fill, x.hardmask, x.baseclass), f"{path}.mask", d)
+        else:
+            self.attributes(x, type(x), path, d)
 
     def _code_like(self, x: Any, path: str, d: int) -> None:
         if isinstance(x, types.ModuleType):
@@ -251,18 +292,41 @@ class _Hasher:
             self.value(keyed(x), f"{path}.__fingerprint__()", d)
             return
         self.value(cls, f"{path} class", d)  # through value(): a class attribute holding an instance is a cycle
-        state = getattr(x, "__dict__", None)
-        slots = [s for c in cls.__mro__ for s in getattr(c, "__slots__", ())]
-        if state is None and not slots:
+        if getattr(x, "__dict__", None) is None and not _slot_names(cls):
             raise Uncacheable(f"{path}: a {cls.__module__}.{cls.__qualname__} has no state that can be "
                               f"fingerprinted (no __dict__ or __slots__)")
         if _is_resource(x):
             raise Uncacheable(f"{path}: a {cls.__qualname__} (an open resource) cannot be fingerprinted")
-        self.value(dict(state or {}), f"{path}.__dict__", d)
-        for s in slots:
+        self.attributes(x, cls, path, d, always=True)
+
+    def attributes(self, x: Any, cls: type, path: str, d: int, always: bool = False) -> None:
+        """An object's instance attributes: its __dict__ (always=True: also when it has
+        none, as an instance's key always had) and its slots."""
+        state = getattr(x, "__dict__", None)
+        if state is not None or always:
+            self.value(dict(state or {}), f"{path}.__dict__", d)
+        for s in _slot_names(cls):
             if hasattr(x, s):
                 self.put("slot", s.encode())
                 self.value(getattr(x, s), f"{path}.{s}", d)
+
+
+def _short_ordered_dict(x: Any) -> bool:
+    """An OrderedDict of fewer than 2 items and no attributes: equal to the dict of its items
+    and iterated alike, so keyed as that dict. (Torch modules hold empty ones for their
+    hooks: their keys stay as they were.)"""
+    return type(x) is collections.OrderedDict and len(x) < 2 and not vars(x)
+
+
+def _slot_names(cls: type) -> list[str]:
+    """The slots of a class and its bases; `__slots__ = "name"` is one slot, not one per
+    letter. (Read with getattr, as before: a base's slots come again for a subclass that
+    declares none, which changes nothing but keeps such instances' keys as they were.)"""
+    out: list[str] = []
+    for c in cls.__mro__:
+        slots = getattr(c, "__slots__", ())
+        out += [slots] if isinstance(slots, str) else list(slots)
+    return out
 
 
 def _global_names(c: types.CodeType) -> set[str]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
 import time
 from typing import Any
 
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
-from .worker import worker_main
+from .worker import NOT_RUNNING, worker_main
 
 JOIN_SECONDS = 5.0
 DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
@@ -35,7 +36,25 @@ def _context() -> Any:
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """Preprocessing workers died (more than the scheduler replaces in an epoch); the
+    message says how each died and which items it was running and held."""
+
+
+def exit_cause(exitcode: int | None) -> str:
+    """How a worker process ended, from its exit status (negative: the signal)."""
+    if exitcode is None:
+        return "closed its result channel while it ran (and was killed by the scheduler)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (as the out-of-memory killer does)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    if exitcode == 0:
+        return "exited with status 0 without being asked to stop (os._exit or a library ending the process)"
+    hint = " (often an exception nothing caught: its traceback is on stderr)" if exitcode == 1 else ""
+    return f"exited with status {exitcode}{hint}"
 
 
 class WorkerPool:
@@ -49,6 +68,8 @@ class WorkerPool:
         self.retired: set[int] = set()   # died: ids not given out again
         self.lost: set[int] = set()      # exited, a message of theirs dropped (_decode): dead whatever it said
         self.exited_at: dict[int, float] = {}  # first seen exited with status 0, no exit message yet
+        self.running: dict[int, Any] = {}  # the items each worker's two threads run (worker.py)
+        self.deaths: dict[int, tuple[str, list[int]]] = {}  # dead workers: (how, items they were running)
         # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
         # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
         self.handoff_cpu_s, self.handoff_items = 0.0, 0
@@ -69,15 +90,18 @@ class WorkerPool:
         while self.size < n:
             free = set(range(MAX_IDS)) - set(self.procs) - self.retired
             if not free:
-                raise WorkerDied(f"{len(self.retired)} preprocessing workers died; not starting more")
+                raise WorkerDied(f"{len(self.retired)} preprocessing workers died; not starting more "
+                                 f"(the last {self.death(max(self.retired))})")
             wid = min(free)
             q = self.ctx.Queue()
             reader, w = channel(self.ctx)
+            running = self.ctx.RawArray("q", [NOT_RUNNING, NOT_RUNNING])  # read after its death: no lock
             p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
-                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, w, self.feed))
+                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, w, self.feed, running))
             p.start()
             w.close()  # the worker's copy is the only write end: its death is our end of file
             self.procs[wid], self.queues[wid], self.results[wid] = p, q, reader
+            self.running[wid] = running
         for wid in sorted(self.active(), reverse=True)[:max(0, self.size - n)]:
             self.queues[wid].put(None)
             self.stopping.add(wid)
@@ -127,15 +151,28 @@ class WorkerPool:
         for wid, p in list(self.procs.items()):
             if not self._gone(wid, p):
                 continue
-            if p.is_alive():  # its channel closed while it runs: it can report nothing more
+            if p.is_alive():  # its channel's end of file came first: it is dying, or reports nothing more
+                p.join(DEATH_SECONDS)  # the exit status says how it died
+            killed = p.is_alive()
+            if killed:
                 p.kill()
                 p.join(JOIN_SECONDS)
+            how = exit_cause(None if killed else p.exitcode)
+            if wid in self.lost and not killed:
+                how += "; a message it sent could not be read (its shared memory went with it)"
+            running = self.running.get(wid) or ()
+            self.deaths[wid] = (how, [i for i in running if i != NOT_RUNNING])
             self.procs.pop(wid)
             self._forget(wid)
             self.stopping.discard(wid)
             self.retired.add(wid)
             out.append(wid)
         return out
+
+    def death(self, wid: int) -> str:
+        """How worker wid died and the items it was running then (dead() has returned it)."""
+        how, running = self.deaths.get(wid, ("is not known to have died", []))
+        return f"worker {wid} {how}" + (f", running items {running}" if running else "")
 
     def _gone(self, wid: int, p: Any) -> bool:
         """Is worker wid dead without having said goodbye? An exit message read marks
@@ -160,6 +197,7 @@ class WorkerPool:
         r = self.results.pop(wid, None)
         if r is not None:
             r.close()
+        self.running.pop(wid, None)
         self.lost.discard(wid)
         self.exited_at.pop(wid, None)
 

@@ -108,7 +108,10 @@ class Scheduler:
                                 workers=[self.pool.size if self.pool is not None else 0])
         self.last_stats = stats
         if self.pool is None:
-            yield from self._inline(batches, epoch, stats)
+            self.epochs_run += 1
+            measured: list[tuple[int, float]] = []
+            yield from self._inline(batches, epoch, stats, measured)
+            self._after_epoch(measured, stats)
             return
         ds = self.ds
         plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
@@ -125,10 +128,12 @@ class Scheduler:
         for batch in run:
             yield [i for i, _ in batch], [item for _, item in batch]
         stats.timeout = timeout.seconds
-        self._after_epoch(run, stats)
+        self._after_epoch(run.measured, stats)
 
-    def _after_epoch(self, run: EpochRun, stats: PreprocessStats) -> None:
-        measured = [(item_digest(self.ds, i), s) for i, s in run.measured]
+    def _after_epoch(self, per_item: list[tuple[int, float]], stats: PreprocessStats) -> None:
+        """After a whole epoch (workers or in-process alike): the items' measured seconds
+        into the cost memory; after the first, AutoOrder's revision on the epoch's bytes."""
+        measured = [(item_digest(self.ds, i), s) for i, s in per_item]
         if self.memory is not None and measured:
             self.memory.update(measured)
             self.known.update((d[:DIGEST_BYTES], s) for d, s in measured)
@@ -142,9 +147,10 @@ class Scheduler:
                 except Uncacheable as e:
                     self.uncacheable = str(e)
 
-    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats
-                ) -> Iterator[tuple[list[int], list[Any]]]:
-        """num_workers=0: every step in this process, batch by batch."""
+    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats,
+                measured: list[tuple[int, float]]) -> Iterator[tuple[list[int], list[Any]]]:
+        """num_workers=0: every step in this process, batch by batch; each finished item's
+        seconds of work go to `measured`, as the workers report theirs (engine.EpochRun)."""
         with_target = pairs(self.ds)
         for batch in batches:
             done, out = [], []
@@ -162,6 +168,8 @@ class Scheduler:
                     done.append(i)
                     out.append((y, tgt) if with_target else y)
                     stats.items += 1
+                    if records:  # one no step ran on is no measurement (the workers never get those: feed.resolve)
+                        measured.append((i, sum(r[1] for r in records)))
                 stats.add(records)
             yield done, out
         self.feed.idle()

@@ -13,7 +13,12 @@ Messages to the scheduler: ("done", run, wid, index, item, records, moved),
 ("error", run, wid, index, step, step name, text, records) when a step raised or the
 item failed otherwise (its output cannot be pickled, ...), ("fatal", run, wid,
 indices, text) when reading the items failed, ("moved", run, wid, index) when an
-item goes to the background, ("exit", wid, None) on a clean stop."""
+item goes to the background, ("exit", wid, None) on a clean stop.
+
+`running` (shared memory, two slots: the main thread's, the background thread's)
+holds the index of the item each thread is running, NOT_RUNNING between items: if
+the process dies (a segfault in a decoder, the OOM killer) the scheduler names the
+item it died on (pool.WorkerPool.death)."""
 from __future__ import annotations
 
 import os
@@ -30,20 +35,24 @@ from .pipeline import ItemContext, Pipeline, StepError
 
 EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take it
 NO_TARGET = object()  # the item is not a (sample, target) pair
+NOT_RUNNING = -1  # a `running` slot between items
+MAIN, BACKGROUND = 0, 1  # the `running` slots
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
 # [(index, to_background), ...]); None: stop
 
 
 def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed: int,
-                task_q: Any, results: Any, feed: Any = None) -> None:
+                task_q: Any, results: Any, feed: Any = None, running: Any = None) -> None:
     """task_q: this worker's own task queue; results: the write end of its own result
-    channel (channel.py); feed: where items come from (preprocess/feed.py; default: ds.read)."""
+    channel (channel.py); feed: where items come from (preprocess/feed.py; default: ds.read);
+    running: the two slots of the items in flight (shared memory; None: not kept)."""
     out = ChannelWriter(results)
+    running = [NOT_RUNNING, NOT_RUNNING] if running is None else running
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
     bgq: queue.Queue = queue.Queue()
-    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, out, feed), name="slow-items",
+    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, out, feed, running), name="slow-items",
                           daemon=True)
     bg.start()
     with_target = pairs(ds)
@@ -70,7 +79,9 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
             if to_bg:
                 bgq.put(job)
                 continue
+            running[MAIN] = i
             _advance(wid, pipeline, job, t_out, out, bgq, feed)
+            running[MAIN] = NOT_RUNNING
     bgq.put(None)
     bg.join()
     feed.close()
@@ -125,13 +136,15 @@ def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: 
     out.send(("error", run, wid, i, j, name, text, records))
 
 
-def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any) -> None:
+def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
     while True:
         job = bgq.get()
         if job is None:
             return
         try:
+            running[BACKGROUND] = job[1]
             _advance(wid, pipeline, job, None, out, None, feed)
+            running[BACKGROUND] = NOT_RUNNING
         except BaseException:  # only the channel failing gets here (_advance sends every item's error)
             os._exit(1)  # this worker can no longer report: dying has the scheduler re-run its items
 

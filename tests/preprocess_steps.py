@@ -69,3 +69,24 @@ class KillOn:
 def inflate_mib(i):
     """An output of 1 MiB (bytes), as an inflating step makes."""
     return bytes([i % 256]) * (1 << 20)
+
+
+def with_values(i):
+    """(index, 64 floats): the index travels with the data, so a later step can tell items apart."""
+    import numpy as np
+    return (i, np.full(64, float(i)))
+
+
+def scale_values(item):
+    return (item[0], item[1] * 2)
+
+
+class HalveBut:
+    """Halves the values of every item but the given ones (neutral on those, deflating on the rest)."""
+
+    def __init__(self, indices):
+        self.indices = frozenset(indices)
+
+    def __call__(self, item):
+        i, v = item
+        return item if i in self.indices else (i, v[::2])

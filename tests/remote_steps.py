@@ -30,3 +30,23 @@ class Jitter:
 
     def __call__(self, x):
         return x + random.randint(0, 3)
+
+
+def decode_wide(data: bytes) -> np.ndarray:
+    """Another decode of the same bytes: the same files give the pipeline other inputs."""
+    return np.frombuffer(data, np.uint8).astype(np.int32) * 1000
+
+
+class Tint:
+    """Random, but drawn alike every epoch (per_epoch=False): in the cacheable prefix,
+    its output depends on the job's seed."""
+    random = True
+    per_epoch = False
+
+    def __call__(self, x):
+        return x + random.randint(0, 1 << 20)
+
+
+def decode_entry(data: bytes, entry) -> np.ndarray:
+    """A decode given the entry (its path, its target) besides the bytes."""
+    return decode(data)

@@ -1,5 +1,6 @@
 """Fingerprint collisions (a cached item served for the wrong transform), the
 transformed-item codec's lossy cases and long seed keys: one test per defect."""
+import collections
 import functools
 import hashlib
 import importlib
@@ -139,3 +140,104 @@ def test_long_job_seeds_keep_epoch_and_step_in_the_item_seed():
         assert len(key) <= 64
         old = hashlib.blake2b(d, digest_size=8, key=key).digest()
         assert item_seed(seed, epoch, d, step) == int.from_bytes(old, "little")
+
+
+class _Tagged(list):
+    """A user's list subclass: its instance attributes are parameters."""
+
+
+def _tagged(unit):
+    t = _Tagged([1, 2])
+    t.unit = unit
+    return t
+
+
+def _list_class(doubles):
+    class Items(list):
+        def __iter__(self):
+            return (2 * v if doubles else v for v in list.__iter__(self))
+    return Items
+
+
+def test_container_subclasses_are_keyed_by_their_class_and_state():
+    """Before: every dict or list subclass was keyed as the plain container."""
+    dd = collections.defaultdict
+    assert fingerprint(dd(int, a=1)) != fingerprint(dd(list, a=1))
+    assert fingerprint(dd(int, a=1)) != fingerprint({"a": 1})
+    assert fingerprint(dd(int, a=1)) == fingerprint(dd(int, a=1))
+    od = collections.OrderedDict
+    assert fingerprint(od(a=1, b=2)) != fingerprint(od(b=2, a=1))  # == compares an OrderedDict's order
+    assert fingerprint(od(a=1, b=2)) != fingerprint({"a": 1, "b": 2})
+    assert fingerprint(od(a=1)) == fingerprint({"a": 1})  # equal, iterated alike: as torch modules' empty hooks
+    assert fingerprint({"a": 1, "b": 2}) == fingerprint({"b": 2, "a": 1})  # a plain dict's key is as it was
+    assert fingerprint(collections.Counter(a=1)) != fingerprint({"a": 1})
+    assert fingerprint(_tagged("m")) != fingerprint(_tagged("cm"))
+    assert fingerprint(_tagged("m")) == fingerprint(_tagged("m"))
+    plain, doubling = _list_class(False), _list_class(True)
+    assert plain.__qualname__ == doubling.__qualname__
+    assert fingerprint(plain([1])) != fingerprint(doubling([1]))  # same name, other methods
+    p1, p2 = collections.namedtuple("P", "x y"), collections.namedtuple("P", "y x")
+    assert fingerprint(p1(1, 2)) != fingerprint(p2(1, 2))
+
+
+class _Slotted:
+    __slots__ = "value"  # one slot named by a string
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_a_slot_named_by_a_string_is_keyed():
+    """Before: `__slots__ = "value"` was read as the slots v, a, l, u, e."""
+    assert fingerprint(_Slotted(1)) != fingerprint(_Slotted(2))
+
+
+class _Units(np.ndarray):
+    pass
+
+
+def _with_unit(unit):
+    a = np.arange(3.0).view(_Units)
+    a.unit = unit
+    return a
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.asmatrix
+def test_array_subclasses_are_keyed_by_mask_fill_class_and_attributes():
+    """Before: a masked array was keyed by its data alone, any subclass as a plain array."""
+    ma = np.ma.masked_array
+    assert fingerprint(ma([1, 2, 3], mask=[0, 1, 0])) != fingerprint(ma([1, 2, 3], mask=[1, 0, 0]))
+    assert fingerprint(ma([1, 2], mask=[0, 1])) != fingerprint(np.array([1, 2]))
+    assert fingerprint(ma([1, 2], fill_value=7)) != fingerprint(ma([1, 2], fill_value=9))
+    assert fingerprint(ma([1, 2], mask=[0, 1], hard_mask=True)) != fingerprint(ma([1, 2], mask=[0, 1]))
+    assert fingerprint(ma([1, 2], mask=[0, 1])) == fingerprint(ma([1, 2], mask=[0, 1]))
+    fresh = ma([1, 2])
+    fingerprint(fresh)
+    assert fresh._fill_value is None  # keying does not change the array (the fill_value property would)
+    assert fingerprint(np.ma.masked) == fingerprint(np.ma.masked)
+    assert fingerprint(np.asmatrix([[1, 2]])) != fingerprint(np.array([[1, 2]]))  # matrix * is a matrix product
+    assert fingerprint(_with_unit("m")) != fingerprint(_with_unit("cm"))
+
+
+# Keys of plain values, computed before container and array subclasses were keyed apart
+# (preprocess/fingerprint.py at d38bad8): items cached under them must stay valid.
+_PLAIN_KEYS = {
+    "dict": "e21c5b464687603dd11ea99839b8961f852ee1dd109cccce1f85b82f0aaa5b4c",
+    "list": "68310f0a477d2acb6d1aca2f04c6e00dda0985666d1e0e4cfc2fc83c0a7d90cb",
+    "tuple": "96db541531df705a5ec39e416637529e40e05a74d18a4e7c5d3f545fff45d5c7",
+    "ndarray": "1b9c2debabbfc3452a1f40afe3f9d98673260520f7ceeece71f3a402a3e3e3b7",
+    "objects": "f56c3930bcf47760d2dc377613aa5818904d55bd469e108696c7efc9985adbc6",
+    "structured": "84ad2822821148d81a299bb8f80b3d36f09f2ce4d5d7f4cc220745590558431f",
+}
+
+
+def test_plain_containers_and_arrays_keep_their_keys():
+    plain = {
+        "dict": {"b": 1, "a": [1, 2.5, None], 3: (True, b"x")},
+        "list": [1, "a", {"k": frozenset({2})}],
+        "tuple": ((), [0], {1, 2}),
+        "ndarray": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "objects": np.array([1, "a", None], dtype=object),
+        "structured": np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
+    }
+    assert {k: fingerprint(v) for k, v in plain.items()} == _PLAIN_KEYS

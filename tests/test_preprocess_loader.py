@@ -2,6 +2,7 @@
 import hashlib
 import io
 import os
+import random
 import struct
 import sys
 from collections import Counter
@@ -16,7 +17,9 @@ from clients.digest import DigestBuilder  # noqa: E402
 from filedigest import write_files_digest  # noqa: E402
 from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from preprocess import Pipeline, PipelineError  # noqa: E402
-from preprocess_steps import FailOn, SleepOn, first, index_mod3, index_of, pad  # noqa: E402
+from preprocess.costs import CostMemory  # noqa: E402
+from preprocess_steps import FailOn, HalveBut, SleepOn, first, index_mod3, index_of, pad  # noqa: E402
+from preprocess_steps import scale_values, with_values  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -258,3 +261,28 @@ def test_num_workers_zero_runs_the_pipeline_in_process(tmp_path):
     assert loader.epoch_stats[-1].items == n - 3  # delivered, as the sampler was told
     with pytest.raises(ValueError, match="per-sample scheduler"):
         CachedDataset(path, cache=False).loader(4, auto_order=True)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_first_epoch_feeds_auto_order_and_the_cost_memory_in_process_too(tmp_path, num_workers):
+    """HalveBut halves every item but the profiled sample's: the sample shows it neutral, the
+    epoch deflating, so AutoOrder revises the order after it and the pipeline is rekeyed; each
+    item's cost is remembered. Before: with num_workers=0 neither happened."""
+    n, B, seed, sample = 40, 8, 5, 16  # sample: the scheduler's SAMPLE_ITEMS
+    sampled = random.Random(f"{seed}/sample").sample(range(n), sample)  # as Scheduler._profile draws them
+    pipe = Pipeline([index_of, with_values, scale_values, HalveBut(sampled)], auto_order=True)
+    costs = str(tmp_path / "costs")
+    loader = CachedDataset(indexed_items(tmp_path / "ds", n), cache=False, transform=pipe).loader(
+        B, num_workers=num_workers, seed=seed, cost_dir=costs)
+    try:
+        engine = loader.preprocess
+        assert sorted(engine.sample_indices) == sorted(sampled)
+        first_key = engine.fingerprint
+        assert engine.pipeline.order == (0, 1, 2, 3)  # the sample: nothing to move
+        assert sorted(i for b in loader for i, _ in b) == list(range(n))
+        assert engine.pipeline.order == (0, 1, 3, 2), engine.pipeline.order_report
+        assert "HalveBut before scale_values" in engine.pipeline.order_report
+        assert engine.fingerprint == engine.pipeline.fingerprint() != first_key
+        assert len(CostMemory(costs, first_key).load()) == n and len(engine.known) == n
+    finally:
+        loader.close()

@@ -41,7 +41,8 @@ class Boom(BaseException):
 class Misbehave:
     """On the given indices, in a worker: 'lock' returns an output that cannot be pickled,
     'sys_exit' calls sys.exit(), 'base' raises a BaseException, 'exit0' ends the process
-    with status 0 (os._exit), 'sleep' takes 0.3 s (the item moves to the background)."""
+    with status 0 (os._exit), 'segv' kills it with SIGSEGV (a crashing decoder), 'sleep' takes
+    0.3 s (the item moves to the background)."""
 
     def __init__(self, how, indices=None):
         self.how, self.indices = how, None if indices is None else frozenset(indices)
@@ -57,6 +58,8 @@ class Misbehave:
             raise Boom(f"boom on {i}")
         if self.how == "exit0":
             os._exit(0)
+        if self.how == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(0.3)
         return i
 
@@ -114,7 +117,8 @@ def loader_outcome(digest: str, case: str) -> None:
     steps = {"bg_lock": [Misbehave("sleep", {5}), Misbehave("lock", {5})],
              "lock_all": [Misbehave("lock")],
              "sys_exit": [Misbehave("sys_exit", {5})],
-             "exit0_all": [Misbehave("exit0")]}[case]
+             "exit0_all": [Misbehave("exit0")],
+             "segv_all": [Misbehave("segv")]}[case]
     ds = CachedDataset(digest, cache=False, transform=Pipeline([index_of, *steps]))
     loader = ds.loader(4, num_workers=1, seed=0, cost_dir=False)
     try:
@@ -170,3 +174,37 @@ def test_loader_gives_up_on_workers_exiting_with_status_0(tmp_path):
     Before: the epoch waited for ever."""
     line = _run_loader(tmp_path, "exit0_all")
     assert line.startswith("OUTCOME WorkerDied 4 preprocessing workers died"), line
+    assert "exited with status 0 without being asked to stop" in line and "running item " in line, line
+
+
+def test_loader_names_the_signal_and_the_item_a_worker_died_on(tmp_path):
+    """Every worker crashes (SIGSEGV) on its first item. Before: WorkerDied said how many
+    died and nothing of why, nor which item they were running."""
+    line = _run_loader(tmp_path, "segv_all")
+    assert line.startswith("OUTCOME WorkerDied 4 preprocessing workers died"), line
+    deaths = line.split("giving up. ", 1)[1].split("; ")
+    assert len(deaths) == 4 and all("was killed by SIGSEGV, running item " in d for d in deaths), line
+
+
+@pytest.mark.parametrize("how, cause", [
+    ("kill", "was killed by SIGKILL"), ("segv", "was killed by SIGSEGV"),
+    ("exit0", "exited with status 0 without being asked to stop")])
+def test_a_dead_workers_cause_and_item_are_named(tmp_path, how, cause):
+    """Before: the pool knew a worker was dead, not how, nor what it was running."""
+    from preprocess_steps import KillOn
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False)
+    pipeline = Pipeline([index_of, KillOn({5}) if how == "kill" else Misbehave(how, {5})])
+    pool = WorkerPool(ds, pipeline, job_seed=0)
+    try:
+        pool.resize(1)
+        pool.send(0, ("task", 7, 0, pipeline.order, None, [(3, False), (5, False), (6, False)]))
+        got, deadline, dead = [], time.monotonic() + 30, []
+        while not dead and time.monotonic() < deadline:
+            got += pool.receive(0.1)
+            dead = pool.dead()
+        assert dead == [0] and pool.deaths[0][0].startswith(cause) and pool.deaths[0][1] == [5]
+        text = pool.death(0)
+        assert text.startswith(f"worker 0 {cause}") and text.endswith(", running items [5]"), text
+    finally:
+        pool.close()
+        ds.close()

@@ -17,7 +17,7 @@ from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
 from procs import cacheserver, free_port  # noqa: E402
 from rayhead import RayHead, disconnect  # noqa: E402
-from remote_steps import Jitter, Slow, decode  # noqa: E402
+from remote_steps import Jitter, Slow, decode, decode_entry  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 from test_remote_workers import expected, trainer_epoch  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_cluster_gone_mid_epoch_falls_back_to_local_workers(server, tmp_path, mo
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            seen, out, counts, computed = trainer_epoch(ds, pipe, feed, n, B, seed=3)
+            seen, out, counts, computed = trainer_epoch(ds, pipe, rw, feed, n, B, seed=3)
         assert Counter(seen) == Counter(range(n))              # training went on, nothing lost or doubled
         want = expected(ds, pipe, n)
         assert all(np.array_equal(out[i], want[i]) for i in range(n))
@@ -79,6 +79,10 @@ def test_cluster_never_reached_runs_local_only(server, tmp_path):
         assert start(ds, pipe, 0, f"ray://127.0.0.1:{free_port()}") is None
     with pytest.warns(RuntimeWarning, match="no cacheable prefix"):
         assert start(ds, Pipeline([Jitter(), decode]), 0, "ray://127.0.0.1:1") is None
+    entry = CachedDataset(path, cache=server.address, decode=decode_entry, transform=pipe)
+    with pytest.warns(RuntimeWarning, match="decode takes the entry.*local workers only"):  # no key for its items
+        assert start(entry, pipe, 0, "ray://127.0.0.1:1") is None
+    entry.close()
     with pytest.raises(ValueError, match="not the embedded cache"):
         start(CachedDataset(path, cache=False, transform=pipe), pipe, 0, "ray://127.0.0.1:1")
     ds.close()

@@ -1,16 +1,28 @@
 """The remote-worker pieces that need no cluster: the feeder's order, window and
 local share (against an in-process pool that records what it is sent), the
-controller's use of the policies, and what remote= accepts."""
+controller's use of the policies, what remote= accepts and the workers' default key."""
+import os
+import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from manager.policy.autoscale import AutoscaleConfig, Autoscaler
-from manager.policy.placement import Placement, PlacementConfig
-from manager.policy.scaling import Measurement
-from preprocess.remote.cluster import resolve
-from preprocess.remote.control import Controller
-from preprocess.remote.feeder import Feeder
+sys.path.insert(0, os.path.dirname(__file__))
+
+from clients.dataset import CachedDataset  # noqa: E402
+from clients.derived import derived_key  # noqa: E402
+from preprocess import Pipeline, Uncacheable  # noqa: E402
+from preprocess.items import item_digest  # noqa: E402
+from preprocess.remote.spec import make_spec  # noqa: E402
+from remote_steps import Jitter, Slow, Tint, decode, decode_entry, decode_wide  # noqa: E402
+from test_preprocess_loader import indexed_items  # noqa: E402
+from manager.policy.autoscale import AutoscaleConfig, Autoscaler  # noqa: E402
+from manager.policy.placement import Placement, PlacementConfig  # noqa: E402
+from manager.policy.scaling import Measurement  # noqa: E402
+from preprocess.remote.cluster import resolve  # noqa: E402
+from preprocess.remote.control import Controller  # noqa: E402
+from preprocess.remote.feeder import Feeder  # noqa: E402
 
 
 class RecordingPool:
@@ -187,3 +199,34 @@ def test_remote_addresses(monkeypatch):
     assert resolve("auto") is None
     monkeypatch.delenv("RAY_ADDRESS")
     assert resolve("auto") is None
+
+
+def test_the_default_key_tells_apart_what_makes_the_outputs_differ(tmp_path):
+    """start() without key=. Before: the key was the prefix's fingerprint alone, so jobs over
+    the same files decoded otherwise, or seeded otherwise, put different outputs under one
+    key, and each read the other's as its own."""
+    path = indexed_items(tmp_path / "ds", 8)
+    pipe = Pipeline([Slow(0.0), Jitter()])
+    a = CachedDataset(path, cache=False, decode=decode, transform=pipe)
+    wide = CachedDataset(path, cache=False, decode=decode_wide, transform=pipe)
+    again = CachedDataset(path, cache=False, decode=decode, transform=pipe)
+    K = item_digest(a, 3)
+
+    def key(ds, p=pipe, job_seed=0, **kw):  # the derived key item 3's output goes under
+        spec = make_spec(ds, p, job_seed, 1, **kw)
+        return derived_key(K, spec.fingerprint, spec.key_seed)
+
+    outputs = [pipe.call_step(0, ds.read([3])[0], None) for ds in (a, wide)]
+    assert not np.array_equal(*outputs) and key(a) != key(wide)       # another decode: other outputs
+    assert key(a) == key(again)                                         # equal outputs: shared
+    seeded = Pipeline([decode, Tint(), Jitter()])                       # Tint: drawn alike every epoch
+    plain = CachedDataset(path, cache=False, transform=seeded)
+    assert make_spec(plain, seeded, 0, 1).prefix == 2
+    assert key(plain, seeded, 0) != key(plain, seeded, 1) and key(plain, seeded, 0) == key(plain, seeded, 0)
+    with pytest.raises(Uncacheable, match="decode takes the entry"):    # not a function of the content
+        key(CachedDataset(path, cache=False, decode=decode_entry, transform=pipe))
+    with pytest.raises(ValueError, match="key_seed= is the seed of a given key="):
+        key(a, key_seed=1)
+    assert make_spec(a, pipe, 0, 1, key="theirs", key_seed=7).fingerprint == "theirs"  # as given
+    with pytest.raises(Uncacheable, match="no cacheable prefix"):
+        key(a, Pipeline([Jitter(), Slow(0.0)]))

@@ -4,7 +4,6 @@ worker killed with SIGKILL mid-epoch loses and doubles nothing."""
 import os
 import signal
 import sys
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -46,11 +45,11 @@ def server(tmp_path_factory):
     d.kill()
 
 
-def trainer_epoch(ds, pipe, feed, n, B, seed, epoch=0):
+def trainer_epoch(ds, pipe, rw, feed, n, B, seed, epoch=0):
     """The trainer's side until the loader's transformed mode does it: per batch, the
-    transformed items as hits; a miss is read and its prefix run here, then put."""
-    fp = pipe.fingerprint(pipe.cacheable_prefix())
-    items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, fp)
+    transformed items (under the remote workers' key) as hits; a miss is read and its
+    prefix run here, then put."""
+    items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, rw.key, rw.key_seed)
     sampler = SubstitutableBatchSampler(n, B, None, seed=seed)
     sampler.set_epoch(epoch)
     seen, out, computed = [], {}, 0
@@ -89,7 +88,7 @@ def test_remote_workers_put_what_the_trainer_reads_as_hits(head, server, tmp_pat
                wait_limit=60.0, task_items=4)
     try:
         assert rw is not None and rw.pool.size == 2
-        seen, out, counts, computed = trainer_epoch(ds, pipe, rw.batches, n, B, seed=1)
+        seen, out, counts, computed = trainer_epoch(ds, pipe, rw, rw.batches, n, B, seed=1)
         assert Counter(seen) == Counter(range(n))            # the sampler's items, exactly once
         want = expected(ds, pipe, n)
         assert all(np.array_equal(out[i], want[i]) for i in range(n))
@@ -99,7 +98,7 @@ def test_remote_workers_put_what_the_trainer_reads_as_hits(head, server, tmp_pat
         assert c.made == fs.remote_items == counts.hits > 0 and computed == fs.local_items
         assert c.lost == 0 and c.failed == 0 and fs.remote_items + fs.local_items == n
         # another epoch: the cache has them all, the workers make nothing again
-        seen2, _, counts2, computed2 = trainer_epoch(ds, pipe, rw.batches, n, B, seed=1, epoch=1)
+        seen2, _, counts2, computed2 = trainer_epoch(ds, pipe, rw, rw.batches, n, B, seed=1, epoch=1)
         assert Counter(seen2) == Counter(range(n)) and counts2.hits == n and computed2 == 0
         assert c.made == counts.hits and c.present == fs.remote_items - c.made > 0
     finally:
@@ -127,7 +126,7 @@ def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, server, tmp_pat
             yield batch
 
     try:
-        seen, out, counts, computed = trainer_epoch(ds, pipe, feed, n, B, seed=2)
+        seen, out, counts, computed = trainer_epoch(ds, pipe, rw, feed, n, B, seed=2)
         assert Counter(seen) == Counter(range(n))            # nothing lost, nothing doubled
         want = expected(ds, pipe, n)
         assert all(np.array_equal(out[i], want[i]) for i in range(n))
@@ -160,7 +159,7 @@ def test_a_removed_worker_drains_its_queued_tasks_first(head, server, tmp_path):
         assert pool.wait(refs, 60.0) == []                    # ...but finishes what it holds
         assert pool.counts.made == n and pool.counts.present == 2 and pool.counts.lost == 0
         assert len(pool.workers) == 1 and not any(w.draining for w in pool.workers.values())  # then stops
-        items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, pool.spec.fingerprint)
+        items = TransformedItems(ds._proc().ring, ds.job, ds.dataset_tag, rw.key, rw.key_seed)
         assert all(v is not None for v in items.get([item_digest(ds, i) for i in range(n)]))
     finally:
         rw.close()

@@ -11,6 +11,7 @@ from typing import Any
 
 from manager.policy.autoscale import AutoscaleConfig, Autoscaler
 from manager.policy.placement import Placement, PlacementConfig
+from preprocess.fingerprint import Uncacheable
 
 from .cluster import ClusterUnavailable, connect, resolve
 from .control import Controller
@@ -27,14 +28,27 @@ class RemoteWorkers:
     def batches(self, source: Iterable[list[int]], epoch: int) -> Iterator[list[int]]:
         return self.feeder.batches(source, epoch)
 
+    @property
+    def key(self) -> str:
+        """What the workers key the transformed items they put by (the trainer reads them
+        with clients.transformed.TransformedItems(ring, job, dataset_tag, key, key_seed))."""
+        return self.pool.spec.fingerprint
+
+    @property
+    def key_seed(self) -> int | None:
+        return self.pool.spec.key_seed
+
     def refresh(self, ds: Any, pipeline: Any, job_seed: int, *, key: str | None = None,
                 prefix: int | None = None, key_seed: int | None = None) -> None:
-        """The pipeline changed (AutoOrder after the first epoch): a new spec version."""
-        spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix,
-                         key_seed=key_seed)
+        """The pipeline changed (AutoOrder after the first epoch): a new spec version (none
+        where the new order cannot be keyed: the workers go on as they were)."""
+        try:
+            spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix,
+                             key_seed=key_seed)
+        except Uncacheable:
+            return
         old = self.pool.spec
-        if spec is not None and (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix,
-                                                                                   old.key_seed):
+        if (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix, old.key_seed):
             self.pool.set_spec(spec)
 
     def summary(self) -> dict[str, Any]:
@@ -58,16 +72,25 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
     count sets the share of each batch left to local workers); else Cachew's
     autoscaling sizes the remote ones. Where the dataset has a cache manager, the
     manager runs that policy (with its own configuration) and gives the Ray address
-    for remote='auto'; else the job does. `key`/`prefix`: see spec.make_spec."""
+    for remote='auto'; else the job does.
+
+    `key`, `prefix`, `key_seed`: what the transformed items the workers put are keyed by
+    (spec.make_spec; the loader passes its autocache's). Without `key` it is derived from
+    what makes the outputs differ (spec.default_key, the loader's autocache key): the
+    prefix's steps, the dataset's `decode`, and the job's seed where those steps draw
+    random numbers. So two jobs over the same files decoded otherwise, or seeded otherwise,
+    do not share items; jobs whose items would be equal do. A dataset whose outputs are
+    not a function of the item's content (WebDataset samples, a decode of the entry) gets
+    no remote workers (one warning). `rw.key`, `rw.key_seed`: what the trainer reads by."""
     kind = "placement" if placement is not None or set_local is not None else "autoscale"
     if getattr(ds, "embedded", None) is not None or getattr(ds, "cache_spec", None) is None:
         raise ValueError("remote workers put their outputs into the cache ring: pass cache='host:port,...' "
                          "(servers they can reach) or a manager, not the embedded cache or cache=False")
-    spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix, key_seed=key_seed)
-    if spec is None:
-        warnings.warn(f"remote={remote!r}: the pipeline {pipeline!r} has no cacheable prefix (its first step is "
-                      f"random, or it cannot be fingerprinted): nothing to run remotely; local workers only",
-                      RuntimeWarning, stacklevel=3)
+    try:
+        spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix, key_seed=key_seed)
+    except Uncacheable as e:
+        warnings.warn(f"remote={remote!r}: nothing of the pipeline {pipeline!r} can run remotely: {e}; "
+                      f"local workers only", RuntimeWarning, stacklevel=3)
         return None
     managed = ask(ds, kind)
     address = resolve(remote, managed[1].ray_address if managed else None)
