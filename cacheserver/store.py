@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import rocksdict
 
@@ -40,10 +38,13 @@ from .diskadmit import DiskAdmission
 from .diskbudget import BLOB_MIN, large_values_options, size_lsm
 from .eviction import EvictionPolicy
 from .flusher import Flusher
+from .hitlog import HitLog
 from .record import strip, unwrap, wrap
 from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
-from .storerecovery import _META, DURABLE_MARK_KEY, Recovery
+from .stallwrite import Writes, puts
+from .storerecovery import _META, Recovery
+from .tagtable import UNTAGGED, Tag, TagTable, TagUsage, is_spare
 
 log = logging.getLogger("cacheserver")
 
@@ -53,22 +54,8 @@ log = logging.getLogger("cacheserver")
 DURABILITY = ("cache", "process", "power")
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
-Tag = tuple[str, int]  # (dataset, chunk); ("", -1) is untagged
-UNTAGGED: Tag = ("", -1)
 __all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "PlaintextDir", "Store", "Tag", "TagUsage", "hot_read_options",
            "is_spare", "tuned_for_reads"]
-
-
-def is_spare(tag: Tag) -> bool:
-    """A dataset's item outside any chunk the manager gave space (chunk -1): it may
-    only use room nobody else needs, so it is evicted first and evicts only its kind."""
-    return tag[1] < 0 and tag[0] != ""
-
-
-@dataclass
-class TagUsage:
-    items: int = 0
-    bytes: int = 0
 
 
 class Store(Recovery):
@@ -118,6 +105,7 @@ class Store(Recovery):
         self._meta = self._db.get_column_family("meta")
         self._server = self._db.get_column_family("server")
         self._meta_cf = self._db.get_column_family_handle("meta")
+        self._server_cf = self._db.get_column_family_handle("server")
         # Values of BLOB_MIN bytes and up, in blob files (diskbudget.py); same-host followers
         # do not open this family (a RocksDB secondary crashes reading a blob) and ask the server.
         self._large = self._db.get_column_family("large")
@@ -130,17 +118,19 @@ class Store(Recovery):
         if self.durability == "cache":
             self._vopts = rocksdict.WriteOptions()
             self._vopts.disable_wal = True
+        # Every write waits out a RocksDB write stop outside RocksDB (stallwrite.py).
+        self._logged = Writes(self._db, self._wopts)
+        self._unlogged = self._logged if self._vopts is self._wopts else Writes(self._db, self._vopts)
         self._writing: set[int] = set()  # first sequence numbers of puts being written
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
         self._last_write = 0.0
         self._last_unflushed_read = 0.0  # an unflushed value was served (flusher.py)
 
-        # In-memory index: id -> (charge, tag index). Tags are interned.
+        # In-memory index: id -> (charge, tag id); the tags of the entries held (tagtable.py).
         self._index: dict[bytes, tuple[int, int]] = {}
-        self._tags: list[Tag] = [UNTAGGED]
-        self._tag_ids: dict[Tag, int] = {UNTAGGED: 0}
-        self._usage: dict[int, TagUsage] = {}
+        self._tags = TagTable()
+        self._hits = HitLog(self._accessed, self._lock)  # gets' hits, applied under the lock
         self._spare: OrderedDict[bytes, None] = OrderedDict()  # spare entries, least recent first
         self._aged: OrderedDict[bytes, int] = OrderedDict()  # values in blob files, oldest write first
         self.blob_bytes = 0  # their charges
@@ -157,13 +147,6 @@ class Store(Recovery):
             self._flusher = Flusher(self._dirty_state, self.flush)
 
     # ---- index helpers (call with the lock held, or before serving) -----
-    def _tag_id(self, tag: Tag) -> int:
-        tid = self._tag_ids.get(tag)
-        if tid is None:
-            tid = self._tag_ids[tag] = len(self._tags)
-            self._tags.append(tag)
-        return tid
-
     def _index_add(self, key: bytes, charge: int, tid: int) -> None:
         self._index[key] = (charge, tid)
         if is_spare(self._tags[tid]):
@@ -171,9 +154,7 @@ class Store(Recovery):
         if charge >= BLOB_MIN + OVERHEAD and key not in self._aged:
             self._aged[key] = charge
             self.blob_bytes += charge
-        u = self._usage.setdefault(tid, TagUsage())
-        u.items += 1
-        u.bytes += charge
+        self._tags.add(tid, charge)
         self.used += charge
 
     def _accessed(self, keys: Iterable[bytes]) -> None:
@@ -189,11 +170,7 @@ class Store(Recovery):
         if entry is None:
             return 0
         charge, tid = entry
-        u = self._usage[tid]
-        u.items -= 1
-        u.bytes -= charge
-        if u.items == 0:
-            del self._usage[tid]
+        self._tags.remove(tid, charge)  # the tag goes with its last entry
         self.used -= charge
         self.policy.removed(key)
         if self._spare:
@@ -206,14 +183,18 @@ class Store(Recovery):
     def _delete_keys(self, keys: Iterable[bytes], large: Iterable[bytes] | None = None) -> None:
         """Delete values and index records; from the large values' family only ``large`` (None:
         every key): a tombstone there costs a table file at the next flush."""
-        wb = rocksdict.WriteBatch(raw_mode=True)
         keys = list(keys)
-        for k in keys:
-            wb.delete(k)
-            wb.delete(k, self._meta_cf)
-        for k in keys if large is None else large:
-            wb.delete(k, self._large_cf)
-        self._db.write(wb, self._wopts)
+        large = keys if large is None else list(large)
+
+        def batch() -> rocksdict.WriteBatch:
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for k in keys:
+                wb.delete(k)
+                wb.delete(k, self._meta_cf)
+            for k in large:
+                wb.delete(k, self._large_cf)
+            return wb
+        self._logged(batch)
 
     # ---- public API -----------------------------------------------------
     def set_protector(self, protected: Callable[[Tag], bool]) -> None:
@@ -243,7 +224,11 @@ class Store(Recovery):
             index, spare = self._index, self._spare
             move = list(dict.fromkeys(k for k in keys if k in spare)) if spare else []
             if move:
-                self._retag(move, tag, self._tag_id(tag), "adopted")
+                tid = self._tags.pin(tag)
+                try:
+                    self._retag(move, tag, tid, "adopted")
+                finally:
+                    self._tags.unpin(tid)
             return bytes(1 if k in index else 0 for k in keys)
 
     def touch(self, keys: Sequence[bytes]) -> bytes:
@@ -253,16 +238,17 @@ class Store(Recovery):
     def touch_split(self, keys: Sequence[bytes]) -> tuple[bytes, list[int]]:
         """touch(), and the positions of present values a same-host follower cannot read
         from the files: those not flushed yet (durability "cache") and large ones (their
-        family, in blob files, followers do not open: a RocksDB secondary crashes reading a blob)."""
-        with self._lock:
-            present = bytes(1 if k in self._index else 0 for k in keys)
-            self._accessed([k for k, p in zip(keys, present) if p])
-            unflushed, aged = self._unflushed, self._aged
-            late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
-            if late:
-                self._last_unflushed_read = time.monotonic()
-            if aged:
-                late = sorted(set(late).union(i for i, k in enumerate(keys) if present[i] and k in aged))
+        family, in blob files, followers do not open: a RocksDB secondary crashes reading a blob).
+        Without the lock, as get_many: an entry is in _unflushed before it is indexed (put_many)."""
+        index = self._index
+        present = bytes(1 if k in index else 0 for k in keys)
+        self._hits.add([k for k, p in zip(keys, present) if p])
+        unflushed, aged = self._unflushed, self._aged
+        late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
+        if late:
+            self._last_unflushed_read = time.monotonic()
+        if aged:
+            late = sorted(set(late).union(i for i, k in enumerate(keys) if present[i] and k in aged))
         return present, late
 
     def get_many(self, keys: Sequence[bytes], trailer: bool = True) -> list[memoryview | None]:
@@ -291,14 +277,12 @@ class Store(Recovery):
             if value is None:
                 bad.append(k)
             out.append(value)
-        hits = [k for k, v in zip(keys, out) if v is not None]
-        with self._lock:
-            self._accessed(hits)
-            for k in bad:
-                self._index_remove(k)
-            if bad:  # under the lock: a put of the same id in between would be deleted too
-                self._delete_keys(bad)
+        self._hits.add([k for k, v in zip(keys, out) if v is not None])  # a hit never waits for the lock
         if bad:
+            with self._lock:  # a put of the same id in between would be deleted too
+                for k in bad:
+                    self._index_remove(k)
+                self._delete_keys(bad)
             self.counters.add("corrupt_dropped", len(bad))
         return out
 
@@ -310,17 +294,12 @@ class Store(Recovery):
         if refused is not None:
             return refused
         with self._lock:
-            tid = self._tag_id(tag)
-            replaced = self._unindex(items) if replace else {}  # the write below overwrites their records
-            # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
-            retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
-            if retag:  # spare entries whose chunk now has room: they take the put's tag
-                self._retag(retag, tag, tid)
-            todo, already = self._new_items(items)
-            accepted = self._within_room(todo, tag)
-            rejected = len(todo) - len(accepted)
-            if replaced:
-                self._drop_replaced(replaced, accepted)
+            tid = self._tags.pin(tag)  # until the values are indexed: the tag may lose its last entry meanwhile
+            try:
+                accepted, already, rejected, replaced = self._accept(items, tag, tid, replace)
+            except BaseException:
+                self._tags.unpin(tid)
+                raise
             reserve = sum(c for _, _, c in accepted)
             self._reserved += reserve
             self._pending.update(k for k, _, _ in accepted)
@@ -347,12 +326,28 @@ class Store(Recovery):
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
                         self.policy.admitted(key)
+                self._tags.unpin(tid)
         if written_ids is not None:
             written_ids.extend(k for k, _, _ in accepted)
         self.counters.add_many({"put_stored": len(accepted), "put_already": already,
                                 "rejected_full": rejected,
                                 "put_bytes": sum(len(v) for _, v, _ in accepted)})
         return len(accepted), already, rejected
+
+    def _accept(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag, tid: int,
+                replace: bool) -> tuple[list, int, int, dict[bytes, int]]:
+        """(accepted (id, value, charge), already, rejected, replaced) of a put (lock held): replaced
+        ids leave the index, spare ones put under a chunk take its tag, room is made by evicting."""
+        replaced = self._unindex(items) if replace else {}  # the write overwrites their records
+        # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
+        retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
+        if retag:  # spare entries whose chunk now has room: they take the put's tag
+            self._retag(retag, tag, tid)
+        todo, already = self._new_items(items)
+        accepted = self._within_room(todo, tag)
+        if replaced:
+            self._drop_replaced(replaced, accepted)
+        return accepted, already, len(todo) - len(accepted), replaced
 
     def _unindex(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> dict[bytes, int]:
         """Drop held ids (not ones being written) from the index for a replace (lock held):
@@ -418,7 +413,7 @@ class Store(Recovery):
         """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
         the files they pin among evicted values go once compaction drops the old copies. Under
         the lock, so that no eviction or replace of those ids interleaves. Returns bytes moved."""
-        wb, moved, keys = rocksdict.WriteBatch(raw_mode=True), 0, []
+        moved, records = 0, []
         with self._lock:
             for key, charge in self._aged.items():
                 if moved >= max_bytes:
@@ -427,11 +422,11 @@ class Store(Recovery):
                     continue
                 raw = self._large.get(key)
                 if raw is not None:
-                    wb.put(key, raw, self._large_cf)
-                    keys.append(key)
+                    records.append((key, raw))
                     moved += charge
+            keys = [k for k, _ in records]
             if keys:
-                self._db.write(wb, self._vopts)
+                self._unlogged(lambda: puts(records, self._large_cf))
                 for key in keys:
                     self._aged.move_to_end(key)
         if keys:
@@ -442,21 +437,24 @@ class Store(Recovery):
         return self.admit.unflushed()
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
-        """Move present entries to `tag` (lock held): index, usage and, logged, their
-        index records (a fresh sequence: recovery keeps them only with their value)."""
-        ds = tag[0].encode()
-        mb = rocksdict.WriteBatch(raw_mode=True)
+        """Move present entries to `tag` (lock held, `tid` pinned): index, usage and, logged, their
+        index records (a fresh sequence: recovery keeps them only with their value). Each index
+        entry changes in one step: readers without the lock (get_many, touch_split) never miss it."""
+        ds, metas, spare = tag[0].encode(), [], is_spare(tag)
         for key in keys:
-            charge, _ = self._index[key]
-            unflushed = self._unflushed.get(key)
-            self._index_remove(key)
-            self._index_add(key, charge, tid)
-            if unflushed is not None:  # the value itself is still only in the memtable
-                self._unflushed[key] = unflushed
+            charge, old = self._index[key]
+            self._index[key] = (charge, tid)
+            self._tags.add(tid, charge)
+            self._tags.remove(old, charge)  # the old tag goes with its last entry
+            if spare:
+                self._spare[key] = None
+            elif self._spare:
+                self._spare.pop(key, None)
+            self.policy.removed(key)  # the most recent entry of the policy now, as a new one
             self.policy.admitted(key)
-            mb.put(key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds, self._meta_cf)
+            metas.append((key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds))
             self._seq += 1
-        self._db.write(mb, self._wopts)
+        self._logged(lambda: puts(metas, self._meta_cf))
         self.counters.add(counter, len(keys))
 
     def _drop_replaced(self, replaced: dict[bytes, int], accepted: list) -> None:
@@ -470,29 +468,27 @@ class Store(Recovery):
     def _write_values(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, int] | None = None) -> None:
         """Write accepted (id, value, charge) items; a replaced record (its charge in
         `replaced`) in the other family than its new value's is deleted in the logged batch."""
-        ds = tag[0].encode()
+        ds, both = tag[0].encode(), self._unlogged is self._logged  # both: one logged batch, both or neither survive
         metas = [(key, _META.pack(len(value), seq0 + i, tag[1]) + ds) for i, (key, value, _) in enumerate(accepted)]
-        if self._vopts is self._wopts:  # one logged batch: both or neither survive a crash
+
+        def batch(index: bool, values: bool) -> rocksdict.WriteBatch:
             wb = rocksdict.WriteBatch(raw_mode=True)
             for (key, value, _), (_, meta) in zip(accepted, metas):
-                self._delete_other(wb, key, value, replaced)
-                self._put_value(wb, key, value)
-                wb.put(key, meta, self._meta_cf)
-            self._db.write(wb, self._wopts)
-            return
+                if index:
+                    self._delete_other(wb, key, value, replaced)
+                if values:
+                    self._put_value(wb, key, value)
+                if index:
+                    wb.put(key, meta, self._meta_cf)
+            return wb
         # durability "cache": the index entry first, logged, so a crash leaves at most
         # an entry without its value, which _recover_unflushed finds; then the value
         # unlogged: the log is RocksDB's costliest part of a write (a CRC-32C of every
         # byte: about 2x the server CPU of an insert; tools/bench/misspath).
-        mb = rocksdict.WriteBatch(raw_mode=True)
-        for (key, value, _), (_, meta) in zip(accepted, metas):
-            self._delete_other(mb, key, value, replaced)
-            mb.put(key, meta, self._meta_cf)
-        self._db.write(mb, self._wopts)
-        vb = rocksdict.WriteBatch(raw_mode=True)
-        for key, value, _ in accepted:
-            self._put_value(vb, key, value)
-        self._db.write(vb, self._vopts)
+        self._logged(lambda: batch(True, both))
+        if both:
+            return
+        self._unlogged(lambda: batch(False, True))
         now = time.monotonic()
         with self._lock:
             for i, (key, _, _) in enumerate(accepted):
@@ -553,6 +549,7 @@ class Store(Recovery):
     def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
         used first, whatever the policy; then, unless spare_only, the fallback policy."""
+        self._hits.apply()  # the order as every get so far left it
         freed, victims, large, spare = 0, [], [], self._spare
         while spare and freed < need:
             key = next(iter(spare))
@@ -583,7 +580,7 @@ class Store(Recovery):
         victims: list[bytes] = []
         large: list[bytes] = []
         with self._lock:
-            tids = {tid for tid, tag in enumerate(self._tags) if match(tag)}
+            tids = self._tags.matching(match)
             keys = [k for k, (_, tid) in self._index.items() if tid in tids]
             freed = sum(self._remove_victim(k, victims, large) for k in keys)
             if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
@@ -594,7 +591,7 @@ class Store(Recovery):
 
     def usage_by_tag(self) -> dict[Tag, TagUsage]:
         with self._lock:
-            return {self._tags[tid]: TagUsage(u.items, u.bytes) for tid, u in self._usage.items()}
+            return self._tags.usage()
 
     # ---- server-wide small state ---------------------------------------
     def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
@@ -611,7 +608,7 @@ class Store(Recovery):
         return self._server.get(key.encode())
 
     def put_state(self, key: str, value: bytes) -> None:
-        self._server.put(key.encode(), value, self._wopts)
+        self._logged(lambda: puts([(key.encode(), value)], self._server_cf))
 
     def close(self) -> None:
         if self._flusher is not None:
@@ -623,7 +620,7 @@ class Store(Recovery):
             # Column-family views share the DB handle; drop them so the lock is released.
             for cf in (self._meta, self._server, self._large):
                 cf.close()
-            del self._meta, self._server, self._large, self._meta_cf, self._large_cf
+            del self._meta, self._server, self._large, self._meta_cf, self._large_cf, self._server_cf
             self._db.close()
         except Exception as e:  # a store that failed a write fails its close the same way
             if self.room.state != "failed":

@@ -10,6 +10,7 @@ import struct
 from typing import Any
 
 from .flusher import lost_values
+from .stallwrite import puts
 
 DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
@@ -21,7 +22,8 @@ class Recovery:
     _server: Any
     _db: Any
     _large: Any
-    _wopts: Any
+    _server_cf: Any
+    _logged: Any
     overhead: int
 
     def _recover(self: Any, check_all: bool = False) -> None:
@@ -37,10 +39,13 @@ class Recovery:
             entries.append((seq, key, size, (dataset, chunk)))
         entries.sort()
         entries = self._recover_unflushed(entries, check_all)
+        tids = {tag: self._tags.pin(tag) for tag in {e[3] for e in entries}}  # the tags of what is held
         for seq, key, size, tag in entries:
-            self._index_add(key, size + self.overhead, self._tag_id(tag))
+            self._index_add(key, size + self.overhead, tids[tag])
             self.policy.admitted(key)
             self._seq = max(self._seq, seq + 1)
+        for tid in tids.values():
+            self._tags.unpin(tid)  # from here on, each goes with its last entry (tagtable.py)
         self.counters.add("recovered_items", len(entries))
         if check_all:
             self._drop_orphans()
@@ -67,5 +72,5 @@ class Recovery:
         self.counters.add("salvage_orphans_dropped", len(orphans))
 
     def _set_durable_mark(self, seq: int) -> None:
-        self._server.put(DURABLE_MARK_KEY, struct.pack("<Q", seq), self._wopts)
+        self._logged(lambda: puts([(DURABLE_MARK_KEY, struct.pack("<Q", seq))], self._server_cf))
 
