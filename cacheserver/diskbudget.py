@@ -108,10 +108,19 @@ def size_lsm(opts: rocksdict.Options, capacity: int) -> None:
     opts.set_level_zero_file_num_compaction_trigger(z.l0_trigger)
     # Unmerged level-0 files hold at most about capacity/16 before writes stop.
     stop = _clamp(capacity // 16 // z.write_buffer, 4, 36)
-    opts.set_level_zero_slowdown_writes_trigger(max(2, stop // 2))
-    opts.set_level_zero_stop_writes_trigger(stop)
-    opts.set_soft_pending_compaction_bytes_limit(max(capacity // 8, 64 * MIB))
-    opts.set_hard_pending_compaction_bytes_limit(max(capacity // 4, 128 * MIB))
+    stops_only(opts, stop, max(capacity // 4, 128 * MIB))
+
+
+def stops_only(opts: rocksdict.Options, l0_stop: int = 36, pending_stop: int = 256 << 30) -> rocksdict.Options:
+    """Writes stopped at these limits (RocksDB's defaults by default), never slowed down
+    before them: a paced write waits inside RocksDB holding the GIL (rocksdict), and a stop
+    that began meanwhile froze the whole server; stops are waited out in Python instead
+    (stallwrite.py). Every column family: a stall in one holds up writes to all."""
+    opts.set_level_zero_slowdown_writes_trigger(l0_stop)
+    opts.set_level_zero_stop_writes_trigger(l0_stop)
+    opts.set_soft_pending_compaction_bytes_limit(pending_stop)
+    opts.set_hard_pending_compaction_bytes_limit(pending_stop)
+    return opts
 
 
 def large_values_options(capacity: int) -> rocksdict.Options:

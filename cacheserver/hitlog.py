@@ -7,8 +7,9 @@ get that took the lock to count its hits waited that long too. Now a get applies
 its hits itself if the lock is free, and else queues them for the next get
 that finds it free or for an eviction, which applies them before it picks
 victims: the order is the same as before whenever it is used. A queue that fills (the lock
-held through about MAX_BATCHES gets) drops its oldest batches: those hits then
-count as older than they were, no worse.
+held through MAX_IDS hits: a same-host follower's batch may name 100,000 ids) drops
+its oldest batches: those hits then count as older than they were, no worse, and
+the holder that drains it keeps the lock for at most ~MAX_IDS accesses.
 """
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-MAX_BATCHES = 4096  # a batch is one call's hits (a get: at most one group of ids, getbound.py)
+MAX_IDS = 1 << 18  # queued hits (ids) at most: ~20 MB, drained in ~30 ms
 
 
 class HitLog:
     def __init__(self, apply: Callable[[list[bytes]], None], lock: threading.Lock) -> None:
         self._apply = apply  # called with the lock held
         self._lock = lock
-        self._queue: deque[list[bytes]] = deque(maxlen=MAX_BATCHES)
+        self._queue: deque[list[bytes]] = deque()
+        self._queued = 0  # ids in the queue
+        self._qlock = threading.Lock()  # the queue's own: held for an append or a pop, never waited on long
 
     def add(self, keys: list[bytes]) -> None:
         """Count these hits: now if the lock is free, else once its holder (or the next get) applies them."""
@@ -35,10 +38,18 @@ class HitLog:
             finally:
                 self._lock.release()
         elif keys:
-            self._queue.append(keys)
+            with self._qlock:
+                self._queue.append(keys)
+                self._queued += len(keys)
+                while self._queued > MAX_IDS:
+                    self._queued -= len(self._queue.popleft())
 
     def apply(self) -> None:
         """Apply every queued hit (lock held: only its holder takes from the queue)."""
-        queue, apply = self._queue, self._apply
-        while queue:
-            apply(queue.popleft())
+        while self._queue:
+            with self._qlock:
+                if not self._queue:
+                    break
+                keys = self._queue.popleft()
+                self._queued -= len(keys)
+            self._apply(keys)

@@ -12,11 +12,11 @@ where the write needs it, which gets do not: hitlog.py). A refusal never ends
 in the caller: only other errors do, a failed store's included (RocksDB answers
 those before it looks at stalls).
 
-A slowdown (RocksDB pacing writes at some bytes per second) is left to RocksDB:
-it refuses a no_slowdown write for most of it, and each refusal pushes its
-pacing further, so there the write goes in as before, delayed by its own size
-at the slowdown's rate (a stop that begins during that delay is waited out in
-RocksDB, as before).
+A slowdown (RocksDB pacing writes at some bytes per second) would hold the GIL
+for its own delay and for any stop that begins during it, so the stores' options
+have none (diskbudget.size_lsm: slowdown triggers at the stop triggers). Should
+RocksDB pace writes anyway, it refuses a no_slowdown write for most of it and
+each refusal pushes its pacing further, so there the write goes in as asked.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import rocksdict
 from .counters import Counters
 from .datadir import DataDirBusy, PlaintextDir, claim_records, lock_dir
 from .diskadmit import DiskAdmission
-from .diskbudget import BLOB_MIN, large_values_options, size_lsm
+from .diskbudget import BLOB_MIN, large_values_options, size_lsm, stops_only
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .hitlog import HitLog
@@ -97,7 +97,7 @@ class Store(Recovery):
         opts.set_atomic_flush(True)
         opts.set_keep_log_file_num(2)  # RocksDB's own info log: a few files of at most 1 MiB, not one per start
         opts.set_max_log_file_size(1 << 20)
-        cf_opts = filtered(rocksdict.Options(raw_mode=True))
+        cf_opts = stops_only(filtered(rocksdict.Options(raw_mode=True)))  # RocksDB's limits, no pacing
         self.db_path = os.path.abspath(os.path.join(path, "db"))
         cfs = {"meta": cf_opts, "server": cf_opts, "large": filtered(large_values_options(self.capacity))}
         self._db, repaired = open_db(self.db_path, tuned_for_reads(opts), cfs, salvage)
@@ -148,12 +148,14 @@ class Store(Recovery):
 
     # ---- index helpers (call with the lock held, or before serving) -----
     def _index_add(self, key: bytes, charge: int, tid: int) -> None:
-        self._index[key] = (charge, tid)
+        # the index entry last: readers without the lock (get_many, touch_split) that see it
+        # must find a large value in _aged, or they look in the wrong family
         if is_spare(self._tags[tid]):
             self._spare[key] = None
         if charge >= BLOB_MIN + OVERHEAD and key not in self._aged:
             self._aged[key] = charge
             self.blob_bytes += charge
+        self._index[key] = (charge, tid)
         self._tags.add(tid, charge)
         self.used += charge
 

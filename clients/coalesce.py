@@ -24,17 +24,18 @@ from collections.abc import Sequence
 from . import shareddir
 
 DEFAULT_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-PREFIX = "mlcache-coalescing-"
-# Directories of clients from before they were removed (no lock file in them): gone when
-# untouched this long. A name of their own keeps those clients' live ones out of the sweep.
-LEGACY_PREFIX, LEGACY_S = "mlcache-coalesce-", 86400.0
+# One directory per user and dataset: a user joins only a directory of its own (shareddir:
+# /dev/shm is everyone's), and users do not wait on each other's claims. Directories of
+# clients from before these were removed ("mlcache-coalesce-*", no lock file) are left
+# alone: such a client may still run, and would fail without its directory.
+PREFIX = f"mlcache-coalescing-{os.geteuid()}-"
 _swept: set[str] = set()  # roots swept by this process
 
 
 class Claim:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        self.fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self.first = True
@@ -127,14 +128,7 @@ class BatchClaims:
 
 
 def _sweep_once(root: str) -> None:
-    """Remove the directories of root that users which ended without leaving left behind."""
-    if root in _swept:
-        return
-    _swept.add(root)
-    shareddir.sweep(root, PREFIX)
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(LEGACY_PREFIX)]
-    except OSError:
-        return
-    for n in names:
-        shareddir.remove_stale(os.path.join(root, n), LEGACY_S)
+    """Remove this user's directories of root that users which ended without leaving left behind."""
+    if root not in _swept:
+        _swept.add(root)
+        shareddir.sweep(root, PREFIX)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -72,7 +73,7 @@ class ProcessState:
         self.hash_threads = 1 if worker_row() else HASH_THREADS
         self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
                           if self.hash_threads > 1 else None)
-        self.coalescer = HostCoalescer(ds.dataset_tag) if ds.coalesce else None
+        self.coalescer = _coalescer(ds.dataset_tag) if ds.coalesce else None
         # values from a server that this process or another of the loader's checked once:
         # known again by a MAC (checked.py)
         self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
@@ -86,3 +87,14 @@ class ProcessState:
             self.ring.close()
         if self.coalescer is not None:
             self.coalescer.close()
+
+
+def _coalescer(tag: str) -> HostCoalescer | None:
+    """The host's coalescing of this dataset's misses; None (each process reads its own
+    misses) where its directory cannot be used: coalescing is an optimization only."""
+    try:
+        return HostCoalescer(tag)
+    except OSError as e:
+        warnings.warn(f"misses of this dataset are not coalesced with other processes of the host: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return None

@@ -61,9 +61,12 @@ def _join(path: str) -> int:
                 continue  # another process made it first: join theirs
             return fd
         try:
+            _check_mine(fd, path)  # before the lock: another user's could be held for good
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a remover: it holds the lock only to rename
             if _is(fd, lock):
                 return fd
+        except FileNotFoundError:  # renamed away by a remover since the open: join afresh
+            pass
         except BaseException:
             os.close(fd)
             raise
@@ -102,6 +105,7 @@ def remove_unused(path: str) -> bool:
         return False  # gone already; or not one of these (no lock file, a link, another user's)
     try:
         try:
+            _check_mine(fd, path)  # another user's is theirs to remove
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # in use
@@ -145,6 +149,17 @@ def remove_stale(path: str, seconds: float) -> bool:
         return False
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
+
+
+def _check_mine(fd: int, path: str) -> None:
+    """PermissionError unless path is a directory of this user's that only it may write,
+    and fd its lock file, also this user's: in a directory anyone may write to (/dev/shm)
+    another user could make one under the name first, and plant links or a held lock."""
+    euid = os.geteuid()
+    d, f = os.lstat(path), os.fstat(fd)
+    if not stat.S_ISDIR(d.st_mode) or d.st_uid != euid or d.st_mode & 0o022 or f.st_uid != euid:
+        raise PermissionError(errno.EACCES, f"{path} is not a directory of this user's (uid {euid}) that only it "
+                                            f"may write to: not used")
 
 
 def _is(fd: int, path: str) -> bool:

@@ -4,9 +4,10 @@ Counters live in shared memory, one row per worker, so workers never contend
 and the main process sums rows at epoch end. With spawn/forkserver the array
 travels to workers by pickling (multiprocessing shares the memory).
 
-An add is a read and a write, so two processes must never share a row: those past the
-rows of their own (workers from id 128 on: a DataLoader of more than 128 workers) share
-one overflow row, which they add to under a lock that holds across processes."""
+An add is a read and a write, so two processes must never share a row: every process
+has its own, the main one and up to MAX_WORKERS DataLoader workers (a row per worker id);
+a worker past them is refused with a clear error rather than counted wrong.
+"""
 from __future__ import annotations
 
 import multiprocessing
@@ -22,7 +23,8 @@ FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted"
 # transformed items (autocache): found, not found, stored, poisoned, outputs the format cannot store
 T_FIELDS = ("t_hits", "t_misses", "t_puts", "t_poisoned", "t_uncacheable")
 FIELDS += T_FIELDS
-MAX_ROWS = 129  # rows of their own: row 0 the main process, rows 1..128 workers by id; then the overflow row
+MAX_WORKERS = 1024
+MAX_ROWS = 1 + MAX_WORKERS  # row 0: the main process; rows 1..: workers by id (164 KB of counters)
 
 
 def worker_row() -> int:
@@ -36,20 +38,16 @@ def worker_row() -> int:
 
 
 class SharedRows:
-    """`width` counters per process in shared memory: MAX_ROWS rows of their own, then the
-    overflow row of all processes past them (the module's docstring)."""
+    """`width` counters per process in shared memory, a row each (the module's docstring)."""
 
     def __init__(self, width: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
         self.width = width
-        self._arr = ctx.RawArray("q", (MAX_ROWS + 1) * width)
-        self._overflow = ctx.Lock()
+        self._arr = multiprocessing.get_context("spawn").RawArray("q", MAX_ROWS * width)
         # a process's row is added to from several threads at once (tf_dataset's parallel reads)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        # to a process as it starts: like the array, the lock goes only there
-        return {"width": self.width, "_arr": self._arr, "_overflow": self._overflow}
+        return {"width": self.width, "_arr": self._arr}  # to a process as it starts, as RawArrays go
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -57,17 +55,11 @@ class SharedRows:
 
     def add(self, row: int, counts: Mapping[int, int]) -> None:
         """Add counts (column: n) to this process's row."""
-        if row >= MAX_ROWS:
-            self._add_overflow(counts)
-            return
+        if not 0 <= row < MAX_ROWS:
+            raise ValueError(f"loader statistics have rows for {MAX_WORKERS} DataLoader workers; worker "
+                             f"{row - 1} is past them: use fewer workers")
         base = row * self.width
         with self._lock:
-            for col, n in counts.items():
-                self._arr[base + col] += n
-
-    def _add_overflow(self, counts: Mapping[int, int]) -> None:
-        base = MAX_ROWS * self.width
-        with self._lock, self._overflow:
             for col, n in counts.items():
                 self._arr[base + col] += n
 

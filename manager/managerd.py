@@ -235,9 +235,10 @@ def _buffer_config(args: argparse.Namespace, given: dict) -> BufferConfig:
         raise ValueError(f'--policy-config "buffer" must be an object, got {given!r}')
     flags = {k: getattr(args, attr) for k, (_, attr) in _BUFFER_FLAGS.items()}
     try:
-        return BufferConfig(**{**flags, **given})
+        return BufferConfig(**{**flags, **given}).check()
     except ConfigFieldError as e:
-        src = _BUFFER_FLAGS[e.field][0] if e.field in flags and e.field not in given else '--policy-config "buffer"'
+        by_flag = e.field in flags and not any(f in given for f in e.fields)
+        src = _BUFFER_FLAGS[e.field][0] if by_flag else '--policy-config "buffer"'
         raise ValueError(f"{src}: {e}") from None
     except TypeError as e:  # a field BufferConfig does not have
         raise ValueError(f'--policy-config "buffer": {e}') from None

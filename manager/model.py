@@ -148,7 +148,7 @@ class ManagerModel:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def _on_configure(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
-        try:  # every policy config checks its values at construction
+        try:  # fields a config does not have; values are checked where flags enter (managerd.py)
             self.config = ManagerConfig.from_dict(ev["config"])
         except (ValueError, TypeError) as e:
             raise Rejected("INVALID_ARGUMENT", f"bad configuration: {e}") from None

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from clients import coalesce, shareddir
-from clients.coalesce import LEGACY_PREFIX, LEGACY_S, PREFIX, BatchClaims, HostCoalescer
+from clients.coalesce import PREFIX, BatchClaims, HostCoalescer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = b"\x07" * 33
@@ -48,7 +48,7 @@ def _user(root: str, namespace: str, how: str = "live") -> tuple[subprocess.Pope
 
 
 def _ours(root: str) -> list[str]:
-    return sorted(n for n in os.listdir(root) if PREFIX in n or LEGACY_PREFIX in n)
+    return sorted(n for n in os.listdir(root) if PREFIX in n or "mlcache-coalesce-" in n)
 
 
 def test_the_last_user_to_leave_removes_the_directory(root):
@@ -116,15 +116,45 @@ def test_a_forked_child_leaving_keeps_its_parents_directory(root):
     assert _ours(root) == []
 
 
-def test_stale_leftovers_are_swept_and_young_ones_kept(root):
-    """A staging directory of a crashed maker, and directories of clients from before their
-    removal (no lock file) once untouched for LEGACY_S; young ones may be in use."""
-    old = time.time() - LEGACY_S - 60
-    for name in (f".{PREFIX}x-new-1", LEGACY_PREFIX + "old", LEGACY_PREFIX + "young"):
+def test_stale_leftovers_are_swept_and_older_clients_directories_kept(root):
+    """A staging directory of a crashed maker goes once stale; a directory of a client from
+    before their removal (no lock file) stays, however old: that client may still run."""
+    old = time.time() - shareddir.STALE_S - 60
+    for name in (f".{PREFIX}x-new-1", "mlcache-coalesce-old"):
         os.makedirs(os.path.join(root, name, "sub"))
-        os.utime(os.path.join(root, name), (old, old) if "young" not in name else None)
+        os.utime(os.path.join(root, name), (old, old))
     HostCoalescer("ds", directory=root).close()
-    assert _ours(root) == [LEGACY_PREFIX + "young"]
+    assert _ours(root) == ["mlcache-coalesce-old"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
+def test_a_directory_another_user_made_under_the_name_is_not_used(root):
+    """/dev/shm is everyone's: another user may make the directory first (names are
+    predictable), plant links in it or hold its lock for good. It is refused, and a
+    dataset then reads its misses without coalescing."""
+    path = os.path.join(root, PREFIX + "ds")
+    os.makedirs(path)
+    open(os.path.join(path, shareddir.LOCK), "w").close()
+    for p in (path, os.path.join(path, shareddir.LOCK)):
+        os.chown(p, 65534, 65534)
+    os.chmod(path, 0o777)
+    with pytest.raises(PermissionError, match="not a directory of this user's"):
+        HostCoalescer("ds", directory=root)
+    os.chown(path, 0, 0)  # the user's own, but others may write in it
+    with pytest.raises(PermissionError):
+        HostCoalescer("ds", directory=root)
+
+
+def test_a_claim_does_not_follow_a_link(root):
+    c = HostCoalescer("ds", directory=root)
+    try:
+        target = os.path.join(root, "elsewhere")
+        os.symlink(target, os.path.join(c.dir, KEY.hex()))
+        with pytest.raises(OSError):
+            c.claim(KEY)
+        assert not os.path.exists(target)
+    finally:
+        c.close()
 
 
 _CHURN = textwrap.dedent("""

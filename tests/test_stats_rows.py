@@ -1,11 +1,10 @@
 """The loader statistics' rows in shared memory (clients/stats.py): no two processes ever
-add to one row unlocked, so nothing is lost, however many workers a loader has: rows
-past the table's go to one overflow row, which its processes add to under a lock."""
+add to one row, so nothing is lost; a worker past the rows is refused."""
 import multiprocessing
 
 import pytest
 
-from clients.stats import MAX_ROWS, SharedCounters, SharedRows
+from clients.stats import MAX_ROWS, MAX_WORKERS, SharedCounters, SharedRows
 
 ADDS = 100_000
 
@@ -17,8 +16,8 @@ def _add(counters: SharedCounters, row: int, start) -> None:
 
 
 @pytest.mark.parametrize("rows", [
-    (1, MAX_ROWS + 1),            # worker 0 and worker 129: the same row, once (row % 129)
-    (MAX_ROWS, MAX_ROWS + 1),     # two workers past the table: both in the overflow row
+    (1, 130),                       # worker 0 and worker 129: one row once (rows were modulo 129)
+    (MAX_ROWS - 2, MAX_ROWS - 1),   # the last two workers
 ])
 def test_processes_adding_at_once_lose_nothing(rows):
     ctx = multiprocessing.get_context("spawn")
@@ -34,12 +33,14 @@ def test_processes_adding_at_once_lose_nothing(rows):
     assert (totals["hits"], totals["store_bytes"]) == (2 * ADDS, 6 * ADDS)
 
 
-def test_rows_are_summed_and_the_overflow_row_is_no_ones_own():
+def test_rows_are_summed_and_a_worker_past_them_is_refused():
     c = SharedRows(2)
     c.add(0, {0: 1})
     c.add(MAX_ROWS - 1, {1: 2})
-    c.add(MAX_ROWS, {0: 10})
-    c.add(10 * MAX_ROWS + 1, {0: 100, 1: 5})  # not row 2 (as modulo the table it was)
+    c.add(130, {0: 10})
     c.add(2, {1: 1000})
-    assert c.sums() == [111, 1007]
-    assert c._arr[2 * 2 + 1] == 1000 and c._arr[2 * 2] == 0
+    assert c.sums() == [11, 1002]
+    assert c._arr[2 * 2 + 1] == 1000 and c._arr[2 * 2] == 0 and c._arr[130 * 2] == 10
+    with pytest.raises(ValueError, match=f"rows for {MAX_WORKERS} DataLoader workers; worker {MAX_WORKERS} is past"):
+        c.add(MAX_ROWS, {0: 1})
+    assert c.sums() == [11, 1002]

@@ -51,19 +51,39 @@ def test_hits_while_the_lock_is_held_do_not_wait_and_still_count_for_lru(tmp_pat
 
 
 def test_hits_queued_behind_a_long_held_lock_stay_bounded(tmp_path):
-    from cacheserver.hitlog import MAX_BATCHES
-
     s = Store(str(tmp_path / "q"), 10 * SLOT, LRUPolicy(), Counters())
     try:
         ks = ids(10, seed=3)
         s.put_many([(k, b"v" * 1000) for k in ks])
         with s.lock:
-            done, _ = in_thread(lambda: [s.get_many(ks[i % 10:i % 10 + 1]) for i in range(MAX_BATCHES + 500)], 30)
-            assert done and len(s._hits._queue) == MAX_BATCHES  # the oldest batches went
+            done, _ = in_thread(lambda: [s.get_many(ks[i % 10:i % 10 + 1]) for i in range(500)], 30)
+            assert done and len(s._hits._queue) == 500
         s.get_many(ks[9:])  # the lock free again: this get applies the queue
         assert len(s._hits._queue) == 0
     finally:
         s.close()
+
+
+def test_the_hit_queue_is_bounded_by_ids_not_batches():
+    """A same-host follower's touch names up to 100,000 ids in one batch: the bound counts ids."""
+    import threading
+
+    from cacheserver.hitlog import MAX_IDS, HitLog
+
+    applied: list[bytes] = []
+    lock = threading.Lock()
+    log = HitLog(applied.extend, lock)
+    batch = 10_000
+    with lock:
+        for b in range(MAX_IDS // batch + 20):
+            log.add([b.to_bytes(4, "big") + i.to_bytes(4, "big") for i in range(batch)])
+        queued = sum(len(k) for k in log._queue)
+        assert MAX_IDS - batch < queued <= MAX_IDS
+    log.add([])  # the lock free: applies the queue, oldest first
+    assert len(applied) == queued and not log._queue and log._queued == 0
+    last = MAX_IDS // batch + 19
+    assert applied[-1] == last.to_bytes(4, "big") + (batch - 1).to_bytes(4, "big")
+    assert applied == sorted(applied)
 
 
 # A store whose writes RocksDB stops (too many L0 files: the option is lowered below
@@ -130,3 +150,18 @@ def test_gets_go_on_while_rocksdb_stops_a_put_s_writes(tmp_path):
     assert r["put_still_waiting"], r  # the gets did not wait for the stop to end
     assert r["put"] == [1, 0, 0] and r["evicted"] == 1, r  # once writes go on, the put completes
 
+
+
+def test_stores_stop_writes_but_never_pace_them(tmp_path):
+    """A paced write waits inside RocksDB holding the GIL, and a stop that begins during
+    it froze the server: the stores' options have stops only (stallwrite.py)."""
+    import glob
+    import re
+
+    s = Store(str(tmp_path / "o"), 10 * SLOT, LRUPolicy(), Counters())
+    s.close()
+    text = open(max(glob.glob(str(tmp_path / "o" / "db" / "OPTIONS-*")))).read()
+    for family in text.split("[CFOptions ")[1:]:
+        opt = dict(re.findall(r"^\s*(\w+)=(.*)$", family, re.M))
+        assert opt["level0_slowdown_writes_trigger"] == opt["level0_stop_writes_trigger"]
+        assert opt["soft_pending_compaction_bytes_limit"] == opt["hard_pending_compaction_bytes_limit"]

@@ -124,3 +124,27 @@ def test_replacing_the_only_entry_of_a_tag_keeps_the_tag_while_writing(tmp_path,
             assert bytes(s.get_many([k])[0]) == value
     finally:
         s.close()
+
+
+def test_a_large_value_is_aged_before_readers_without_the_lock_see_it(tmp_path):
+    """get_many and touch_split read the index without the store's lock: once an id is
+    there, a large value must already be in _aged, or they look in the wrong family
+    (get_many then dropped a good value as corrupt)."""
+    from cacheserver.diskbudget import BLOB_MIN
+
+    seen: list[bool] = []
+
+    class Checked(dict):
+        def __setitem__(self, key, value):
+            seen.append(key in s._aged)
+            super().__setitem__(key, value)
+
+    s = Store(str(tmp_path / "a"), 64 * (BLOB_MIN + OVERHEAD), LRUPolicy(), Counters())
+    try:
+        s._index = Checked(s._index)
+        k = ids(1, seed=9)[0]
+        s.put_many([(k, os.urandom(BLOB_MIN + 10))])
+        assert seen == [True]
+        assert bytes(s.get_many([k])[0]) is not None and s.counters.snapshot().get("corrupt_dropped", 0) == 0
+    finally:
+        s.close()

@@ -77,9 +77,10 @@ class ConfigFieldError(ValueError):
     """A configuration value out of its range; ``field`` names it (for the flag or file
     it came from, managerd.py)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, also: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.field = field
+        self.fields = (field, *also)  # every field the refusal involves
 
 
 MAX_PASS_HISTORY = 1000  # pass times kept per dataset are journaled: keep the state small
@@ -99,9 +100,11 @@ def _number(name: str, v: Any, low: float, high: float = math.inf, low_open: boo
 
 @dataclass(frozen=True)
 class BufferConfig:
-    """Thresholds of the double buffer; every field is checked at construction
-    (a ConfigFieldError, a ValueError, names the field and its range), also where
-    it comes from flags, ``--policy-config`` or a journaled state."""
+    """Thresholds of the double buffer. check() refuses a value out of its range (a
+    ConfigFieldError, a ValueError, names the field and the range) where a config enters
+    the manager (flags, ``--policy-config``: managerd.py); construction does not, so a
+    state journaled before those checks still opens (its values are clamped where used,
+    and the flags' config, checked, replaces it as a ``configure`` event)."""
     load_threshold: float = 0.98        # fraction resident that counts as loaded, in (0, 1]
     straggler_timeout_s: float = 600.0  # used until pass times have been observed; > 0
     straggler_factor: float = 1.5       # x median pass time, see tick(); > 0
@@ -111,15 +114,17 @@ class BufferConfig:
     max_marked_s: float | None = None   # hard cap on MARKED lifetime (dead jobs); None: off, else > 0
     pass_history: int = 16              # pass times kept for the median, 1..MAX_PASS_HISTORY
 
-    def __post_init__(self) -> None:
+    def check(self) -> "BufferConfig":
+        """This config, if every field is in range; else a ConfigFieldError."""
         _number("load_threshold", self.load_threshold, 0.0, 1.0, low_open=True)
         _number("straggler_timeout_s", self.straggler_timeout_s, 0.0, low_open=True)
         _number("straggler_factor", self.straggler_factor, 0.0, low_open=True)
         _number("min_straggler_s", self.min_straggler_s, 0.0)
         _number("max_straggler_s", self.max_straggler_s, 0.0, low_open=True)
-        if self.max_straggler_s < self.min_straggler_s:
-            raise ConfigFieldError("max_straggler_s", f"buffer config: max_straggler_s must be >= min_straggler_s "
-                                                      f"({self.min_straggler_s!r}), got {self.max_straggler_s!r}")
+        if self.max_straggler_s < self.min_straggler_s:  # the min is the one flags set
+            raise ConfigFieldError("min_straggler_s", f"buffer config: min_straggler_s must be <= max_straggler_s "
+                                                      f"({self.max_straggler_s!r}), got {self.min_straggler_s!r}",
+                                   also=("max_straggler_s",))
         if not isinstance(self.evict_on_starvation, bool):
             raise ConfigFieldError("evict_on_starvation", f"buffer config: evict_on_starvation must be true or "
                                                           f"false, got {self.evict_on_starvation!r}")
@@ -129,6 +134,7 @@ class BufferConfig:
                 or not 1 <= self.pass_history <= MAX_PASS_HISTORY:
             raise ConfigFieldError("pass_history", f"buffer config: pass_history must be an integer in "
                                                    f"[1, {MAX_PASS_HISTORY}], got {self.pass_history!r}")
+        return self
 
 
 # ---------------------------------------------------------------- actions
@@ -339,7 +345,7 @@ class DoubleBuffer:
         if s is None or s.chunk != chunk:
             return []  # stale or duplicate
         self.passes.append(max(0.0, now - s.since))
-        del self.passes[:-self.config.pass_history]
+        del self.passes[:-max(1, int(self.config.pass_history))]  # at least one: [:-0] would keep all
         self.first_release.setdefault(chunk, now)
         out: list[Action] = []
         if self.k == 1:

@@ -490,6 +490,8 @@ class JobProbe:
             d[k] = list(d[k])
         d["obs"] = [list(x) for x in self.obs]
         d["phase"] = self.phase.value
+        if not d["inconclusive_probes"]:  # written only when set: a state the previous version can read
+            del d["inconclusive_probes"]
         return d
 
     @classmethod
