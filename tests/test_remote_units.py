@@ -230,3 +230,31 @@ def test_the_default_key_tells_apart_what_makes_the_outputs_differ(tmp_path):
     assert make_spec(a, pipe, 0, 1, key="theirs", key_seed=7).fingerprint == "theirs"  # as given
     with pytest.raises(Uncacheable, match="no cacheable prefix"):
         key(a, Pipeline([Jitter(), Slow(0.0)]))
+
+
+def test_workers_stop_while_the_reordered_pipeline_cannot_be_keyed_and_come_back(tmp_path):
+    """refresh() with an order the trainer keys nothing by. Before: the workers went on
+    making items under the old key, which nothing read, and took each batch's share."""
+    from preprocess.remote.workers import RemoteWorkers
+
+    path = indexed_items(tmp_path / "ds", 8)
+    pipe = Pipeline([Slow(0.0), Jitter()])
+    ds = CachedDataset(path, cache=False, decode=decode, transform=pipe)
+    pool = RecordingPool(workers=0)
+    local = []
+    pool.spec = make_spec(ds, pipe, 0, 1)
+    pool.set_spec = lambda spec: setattr(pool, "spec", spec)
+    ctl = Controller(pool, Placement.start_with(PlacementConfig(settle=0)), local.append, every=1)
+    rw = RemoteWorkers(pool, Feeder(pool, window=1, on_batch=ctl), ctl)
+    assert pool.size == 1 and rw.feeder.local_share == 0.0
+    with pytest.warns(RuntimeWarning, match="remote workers stopped.*keys no transformed items"):
+        rw.refresh(ds, pipe, 0, key="", prefix=1)              # autocache keeps nothing now
+    assert pool.size == 0 and local[-1] == 1 and rw.feeder.local_share == 1.0
+    rw.refresh(ds, pipe, 0, key="", prefix=1)                  # still: no second warning
+    assert list(rw.batches(iter(batches(16, 8)), 1)) == batches(16, 8)
+    assert pool.sent == [] and rw.feeder.stats.local_items == 16 and ctl.decisions == []
+    rw.refresh(ds, pipe, 0, key="k2", prefix=1)                # keyed again: back to the policy's counts
+    assert pool.size == 1 and pool.spec.fingerprint == "k2" and pool.spec.version == 2
+    assert rw.feeder.local_share == 0.0 and local[-1] == 0
+    list(rw.batches(iter(batches(16, 8)), 2))
+    assert rw.feeder.stats.remote_items == 16

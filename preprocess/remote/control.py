@@ -5,7 +5,9 @@ ready queue) go to the policy, and its Change is carried out at once: remote
 workers are started or drained (pool.resize), local ones set through
 `set_local`, and the feeder leaves the local workers their share of each batch.
 When the remote pool breaks (the cluster is gone) the policy is dropped and the
-local workers are set to `fallback_local`, once."""
+local workers are set to `fallback_local`, once. A paused controller (nothing the
+workers could make would be read: pause()) drains the remote workers and leaves
+every item to the local ones until resume()."""
 from __future__ import annotations
 
 import time
@@ -36,6 +38,7 @@ class Controller:
     hold_limit: int = 3   # windows a measurement waits at most for started workers
     decisions: list[Decision] = field(default_factory=list)
     fell_back: bool = False
+    paused: bool = False
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -58,15 +61,17 @@ class Controller:
         return 0 if isinstance(p, Autoscaler) else p.local
 
     def local_share(self) -> float:
-        r, l = (0, max(1, self.local)) if self.fell_back else (self.pool.size, self.local)
+        r, l = (0, max(1, self.local)) if self.fell_back or self.paused else (self.pool.size, self.local)
         return l / (r + l) if r + l else 1.0
 
     def __call__(self, feeder: Any) -> None:
         """After each batch the feeder hands on."""
+        st = feeder.stats
         if self.pool.broken:
             self._fall_back()
+        elif self.paused:  # batches made without remote workers say nothing about their count
+            self._seen = len(st.batch_times)
         else:
-            st = feeder.stats
             times, queues = st.batch_times[self._seen:], st.queues[self._seen:]
             if len(times) >= self.every:
                 self._seen = len(st.batch_times)
@@ -106,3 +111,23 @@ class Controller:
         self.fell_back = True
         if self.set_local is not None:
             self.set_local(max(self.local, self.fallback_local))
+
+    def pause(self) -> None:
+        """Stop the remote workers (their outputs would be keyed where the trainer does not
+        look) and leave every item to the local ones; the policy keeps its state."""
+        if self.paused:
+            return
+        self.paused = True
+        self.pool.resize(0)
+        if self.set_local is not None:
+            self.set_local(max(self.local, self.fallback_local))
+
+    def resume(self) -> None:
+        """Back to the policy's counts; the windows measured while paused are not judged."""
+        if not self.paused:
+            return
+        self.paused = False
+        self._held = 0
+        self.pool.resize(self.remote)
+        if self.set_local is not None:
+            self.set_local(self.local)

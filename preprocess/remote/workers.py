@@ -40,16 +40,24 @@ class RemoteWorkers:
 
     def refresh(self, ds: Any, pipeline: Any, job_seed: int, *, key: str | None = None,
                 prefix: int | None = None, key_seed: int | None = None) -> None:
-        """The pipeline changed (AutoOrder after the first epoch): a new spec version (none
-        where the new order cannot be keyed: the workers go on as they were)."""
+        """The pipeline changed (AutoOrder after the first epoch): a new spec version. Where
+        the new order cannot be keyed, nothing the workers make would be read: they are
+        stopped (one warning) and the local workers make every item until an order that
+        can be keyed comes back."""
         try:
             spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix,
                              key_seed=key_seed)
-        except Uncacheable:
-            return
-        old = self.pool.spec
-        if (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix, old.key_seed):
-            self.pool.set_spec(spec)
+        except Uncacheable as e:
+            if not self.controller.paused:
+                warnings.warn(f"remote workers stopped: the reordered pipeline {pipeline!r} cannot be made "
+                              f"remotely ({e}); local workers make every item", RuntimeWarning, stacklevel=3)
+                self.controller.pause()
+        else:
+            old = self.pool.spec
+            if (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix, old.key_seed):
+                self.pool.set_spec(spec)
+            self.controller.resume()
+        self.feeder.local_share = self.controller.local_share()
 
     def summary(self) -> dict[str, Any]:
         c, st = self.pool.counts, self.feeder.stats
