@@ -117,9 +117,11 @@ class BatchClaims:
             self._claims[p].release()
 
     def wait_others(self) -> None:
-        """Wait until the other readers released their items (or time out), and let go."""
+        """Wait until the other readers released their items, and let go. One time limit for
+        the whole batch: a reader stuck on its items holds this batch up once, not per item."""
+        deadline = time.monotonic() + self._wait
         for p in self.others:
-            self._claims[p].wait(self._wait)
+            self._claims[p].wait(max(0.0, deadline - time.monotonic()))
             self._claims[p].release()
 
     def release(self) -> None:

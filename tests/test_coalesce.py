@@ -246,3 +246,22 @@ def test_batch_claims_without_a_coalescer_are_all_mine():
         assert (claims.mine, claims.others) == ([0, 1], [])
         claims.release_mine()
         claims.wait_others()
+
+
+def test_a_batch_waits_once_for_a_reader_stuck_on_its_items(root):
+    """Before: each waited item had its own time limit, so a live reader stuck on 20 of a
+    batch's items held the batch up for 20 limits."""
+    stuck = HostCoalescer("ds", directory=root)
+    c = HostCoalescer("ds", directory=root, wait_seconds=0.2)
+    keys = [bytes([k]) * 33 for k in range(20)]
+    held = [stuck.claim(k) for k in keys]   # a reader that never finishes
+    with BatchClaims(c, keys) as claims:
+        assert claims.others == list(range(20))
+        t0 = time.monotonic()
+        claims.wait_others()
+        waited = time.monotonic() - t0
+    assert 0.2 <= waited < 1.0              # one limit for the batch (per item: 4 s)
+    for h in held:
+        h.release()
+    stuck.close()
+    c.close()
