@@ -303,6 +303,8 @@ class _Hasher:
         """An object's instance attributes: its __dict__ (always=True: also when it has
         none, as an instance's key always had) and its slots."""
         state = getattr(x, "__dict__", None)
+        if state is not None and _torch_kind(x) == "module":
+            state = _hooks_renumbered(state)
         if state is not None or always:
             self.value(dict(state or {}), f"{path}.__dict__", d)
         for s in _slot_names(cls):
@@ -348,7 +350,21 @@ def _torch_kind(x: Any) -> str:
         return ""
     if isinstance(x, torch.Tensor):
         return "tensor"
-    return "descriptor" if isinstance(x, (torch.dtype, torch.device)) else ""
+    if isinstance(x, (torch.dtype, torch.device)):
+        return "descriptor"
+    return "module" if isinstance(x, torch.nn.Module) else ""
+
+
+def _hooks_renumbered(state: dict[str, Any]) -> dict[str, Any]:
+    """A torch module's state with its hooks keyed by their order of registration: torch keys
+    them by a process-wide counter of handles, so the same module built again (or after other
+    hooks elsewhere) would get another key each time. A module without hooks keeps its key."""
+    tables = {k: v for k, v in state.items() if "hooks" in k and type(v) in (dict, collections.OrderedDict)}
+    ids = sorted({h for t in tables.values() for h in t if isinstance(h, int)})
+    if not ids:
+        return state
+    rank = {h: n for n, h in enumerate(ids)}
+    return {**state, **{k: type(t)((rank.get(h, h), v) for h, v in t.items()) for k, t in tables.items()}}
 
 
 def _is_class_parameter(name: str, member: Any) -> bool:

@@ -241,3 +241,35 @@ def test_plain_containers_and_arrays_keep_their_keys():
         "structured": np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
     }
     assert {k: fingerprint(v) for k, v in plain.items()} == _PLAIN_KEYS
+
+
+def _hook(m, args, out):
+    return out * 2
+
+
+def _pre_hook(m, args):
+    return args
+
+
+def _linear(torch, *hooks):
+    m = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        m.bias.fill_(0.5)
+    for register, h in hooks:
+        getattr(m, register)(h)
+    return m
+
+
+def test_torch_modules_with_hooks_get_the_same_key_when_built_again():
+    """torch keys a module's hooks by a process-wide handle counter. Before: the same
+    module built again had another key, and every build recomputed its items."""
+    torch = pytest.importorskip("torch")
+    hooks = [("register_forward_hook", _hook), ("register_forward_pre_hook", _pre_hook)]
+    first = fingerprint(_linear(torch, *hooks))
+    torch.nn.Linear(1, 1).register_forward_hook(_hook)   # hooks elsewhere move the counter
+    assert fingerprint(_linear(torch, *hooks)) == first
+    assert fingerprint(_linear(torch, *hooks[:1])) != first        # another set of hooks
+    assert fingerprint(_linear(torch, hooks[0], hooks[0])) != fingerprint(_linear(torch, hooks[0]))
+    # a module without hooks keeps the key it had before (preprocess/fingerprint.py at e1443c3)
+    assert fingerprint(_linear(torch)) == "98ed6294b873b8f7e50d899e5a1d9420cfbd4b1c459eed23884f3a9621c8d75d"
