@@ -431,17 +431,29 @@ class Digest:
         return bytes(buf)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically (temp file + rename): readers never see half a file."""
+        """Write atomically (temp file + rename): readers never see half a file, and a crash
+        (power loss included: the data reaches the disk before the rename) leaves the old
+        digest or the new one, never an empty file in place of a good one."""
         path = Path(path)
         data = self.to_bytes()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
             raise
+        try:  # the rename itself
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass  # a directory that cannot be opened or synced (some network filesystems)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Digest:

@@ -13,13 +13,15 @@ import datetime
 import difflib
 import fnmatch
 import hashlib
+import itertools
 import json
 import os
 import random
 import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -105,6 +107,17 @@ def _not_a_file(path: str, info: Mapping[str, Any]) -> str | None:
     return "a symlink to a directory (not followed)" if stat.S_ISDIR(st.st_mode) else "a symlink to a special file"
 
 
+def _check_utf8(rel: str) -> None:
+    """A digest stores UTF-8 paths; a local name that is not UTF-8 (kept by Python as
+    surrogates) would fail only when the digest is written, after all the hashing."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = rel.encode("utf-8", "surrogateescape")
+        raise ToolError(f"cannot digest {raw!r}: its name is not valid UTF-8; rename it "
+                        "or pass --exclude") from None
+
+
 def list_source(
     fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
 ) -> tuple[str, list[SourceFile]]:
@@ -140,6 +153,7 @@ def list_source(
             continue
         if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
             continue
+        _check_utf8(rel)
         if kind != "file":
             what = _not_a_file(path, info)
             if what:
@@ -175,6 +189,40 @@ def _batches(files: list[SourceFile], workers: int) -> list[list[int]]:
     return out
 
 
+Job = tuple[Any, Callable[..., Any], tuple[Any, ...]]  # (key, function, arguments)
+
+
+def _submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int) -> Iterator[tuple[Any, cf.Future[Any]]]:
+    """Submit jobs keeping at most `window` unfinished; yield (key, future) as each is done.
+    The first jobs are submitted before this returns. Submitting one future per object
+    of a bucket up front held about 2 KiB each: gigabytes for millions of objects."""
+    pending: dict[cf.Future[Any], Any] = {}
+
+    def fill() -> None:
+        for key, fn, args in itertools.islice(jobs, max(window - len(pending), 0)):
+            pending[ex.submit(fn, *args)] = key
+
+    def finished() -> Iterator[tuple[Any, cf.Future[Any]]]:
+        while pending:
+            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                yield pending.pop(fut), fut
+            fill()
+    fill()
+    return finished()
+
+
+def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool,
+               local: bool) -> Iterator[Job]:
+    """(file indices, function, arguments) of each unit of hashing work, made as needed."""
+    if local:
+        for batch in _batches(files, workers):
+            yield batch, scan_local_batch, (kind, [(files[i].path, files[i].rel) for i in batch], verify_crc)
+    else:
+        for i, f in enumerate(files):
+            yield [i], scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc)
+
+
 def scan_files(
     fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool, quiet: bool
 ) -> list[list[Item]]:
@@ -193,31 +241,19 @@ def scan_files(
         return results  # type: ignore[return-value]
 
     ex: cf.Executor
-    futures: dict[cf.Future[Any], list[int]] = {}
-    if local and kind == "files":
-        # Whole files: reads and hashlib both release the GIL, so threads scale
-        # like processes without forking (a fixed ~10 ms per worker) or
-        # pickling results.
-        ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
-        for batch in _batches(files, workers):
-            pairs = [(files[i].path, files[i].rel) for i in batch]
-            futures[ex.submit(scan_local_batch, kind, pairs, verify_crc)] = batch
-    elif local:
+    if local and kind != "files":
         # Record formats parse framing in Python, which holds the GIL.
         ex = cf.ProcessPoolExecutor(workers)
-        for batch in _batches(files, workers):
-            pairs = [(files[i].path, files[i].rel) for i in batch]
-            fut = ex.submit(scan_local_batch, kind, pairs, verify_crc)
-            futures[fut] = batch
     else:
+        # Whole local files: reads and hashlib both release the GIL, so threads scale
+        # like processes without forking (a fixed ~10 ms per worker) or pickling
+        # results. Remote reads wait on the network.
         ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
-        for i, f in enumerate(files):
-            futures[ex.submit(scan_remote, fs, kind, f.path, f.rel, f.size, verify_crc)] = [i]
     try:
-        # The bar starts after the pool has forked, so no tqdm thread is copied.
+        # The first jobs fork the pool's processes: before the bar starts its thread.
+        done = _submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local), 4 * workers)
         with _progress(total, quiet, "hashing") as bar:
-            for fut in cf.as_completed(futures):
-                batch = futures[fut]
+            for batch, fut in done:
                 res: Any = fut.result()
                 out: list[list[Item]] = res if local else [res]  # batch vs one file
                 for i, items in zip(batch, out, strict=True):
@@ -328,10 +364,10 @@ def verify_digest(
     # Threads even for local files: hashlib and file reads release the GIL.
     with cf.ThreadPoolExecutor(workers, thread_name_prefix="verify") as ex, \
             _progress(sum(int(digest.sizes[i]) for i in indices), quiet, "verifying") as bar:
-        futs = {ex.submit(_check_path, fs, base, digest, j, items): items for j, items in groups.items()}
-        for fut in cf.as_completed(futs):
+        jobs = ((items, _check_path, (fs, base, digest, j, items)) for j, items in groups.items())
+        for items, fut in _submit_bounded(ex, jobs, 4 * workers):
             problems.extend(fut.result())
-            bar.update(sum(int(digest.sizes[i]) for i in futs[fut]))
+            bar.update(sum(int(digest.sizes[i]) for i in items))
     return [msg for _, msg in sorted(problems)]
 
 
@@ -449,10 +485,43 @@ def _worker_kind(local: bool, kind: Kind, workers: int) -> str:
     return "processes" if local and kind is not Kind.FILES else "threads"
 
 
-def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    out = Path(args.output)
+def _check_output(out: Path, parser: argparse.ArgumentParser) -> None:
+    """Refuse an output the digest could not be saved to before hashing, not after."""
+    if out.is_dir():
+        parser.error(f"output {str(out)!r} is a directory; -o takes the digest file to write")
     if not out.parent.is_dir():
         parser.error(f"output directory {str(out.parent)!r} does not exist")
+    try:  # as Digest.save will: a temp file beside the output
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ToolError(f"cannot write {out}: {e.strerror or e}") from None
+
+
+def _without_output(files: list[SourceFile], out: Path) -> list[SourceFile]:
+    """files less the digest being written and Digest.save's temp files, when SRC holds
+    them: a second run would digest the first one's output, which it then replaces."""
+    where = os.path.realpath(out.parent)
+    temp = f".{out.name}.*.tmp"
+
+    def ours(f: SourceFile) -> bool:
+        name = os.path.basename(f.path)
+        return ((name == out.name or fnmatch.fnmatchcase(name, temp))
+                and os.path.realpath(os.path.dirname(f.path)) == where)
+    return [f for f in files if not ours(f)]
+
+
+def _save(digest: Digest, out: Path) -> None:
+    try:
+        digest.save(out)
+    except OSError as e:  # e.g. a full disk: name the output, not save's temp file
+        raise ToolError(f"cannot write {out}: {e.strerror or e}") from None
+
+
+def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    out = Path(args.output)
+    _check_output(out, parser)
     kind = Kind(args.format)
     so = dict(args.storage_option)
     fs, base = open_source(args.src, so)
@@ -462,6 +531,10 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         # a remote listing can take long (large buckets, or retries when unreachable)
         print(f"digest: listing {args.src} ...", file=sys.stderr, flush=True)
     root, files = list_source(fs, base, args.src, includes, args.exclude)
+    if local:
+        files = _without_output(files, out)
+        if not files:
+            raise ToolError(f"empty dataset: no file under {args.src} but the digest {out}")
     workers = args.workers or (cpu_count() if local else max(8, 4 * cpu_count()))
     workers = min(workers, len(files))
     if kind is Kind.TFRECORD and not args.no_crc and not crc32c.FAST:
@@ -484,7 +557,7 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if not local and kind is not Kind.FILES:
         check_range_support(fs, root, files, per_file)
     digest = builder.build(*_targets_for(args.targets, labels, builder.item_paths()))
-    digest.save(out)
+    _save(digest, out)
     nbytes = digest.total_bytes
     print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {format_size(nbytes)} "
           f"hashed in {elapsed:.3f} s ({format_size(nbytes / max(elapsed, 1e-9))}/s, "

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 import threading
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import blake3
@@ -82,6 +84,25 @@ def scan_tfrecord(f: BinaryIO, name: str, verify_data_crc: bool = True) -> list[
     ]
 
 
+def _members(tf: tarfile.TarFile, name: str) -> Iterator[tarfile.TarInfo]:
+    """tf's members; a header tarfile cannot parse (after the first) is a ScanError
+    naming the shard, not a tarfile.ReadError escaping as a traceback."""
+    it = iter(tf)
+    while True:
+        try:
+            m = next(it)
+        except StopIteration:
+            return
+        except tarfile.TarError as e:
+            raise ScanError(f"{name}: corrupt tar archive ({e})") from None
+        try:  # tarfile keeps undecodable bytes as surrogates; a digest stores UTF-8
+            m.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = m.name.encode("utf-8", "surrogateescape")
+            raise ScanError(f"{name}: member name {raw!r} is not valid UTF-8") from None
+        yield m
+
+
 def scan_tar(f: BinaryIO, name: str) -> list[Item]:
     try:
         tf = tarfile.open(fileobj=f, mode="r:")
@@ -92,7 +113,7 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
         ) from None
     items: list[Item] = []
     end = 0
-    for m in tf:
+    for m in _members(tf, name):
         end = m.offset_data + ((m.size + 511) // 512) * 512
         if not m.isreg():
             continue  # directories, links, ...: no data of their own
@@ -140,9 +161,16 @@ def scan_local_batch(
             # Unbuffered for whole files (readinto straight into our buffer);
             # buffered for the many small reads of record framing.
             with open(path, "rb", buffering=0 if kind == "files" else 1 << 20) as f:
+                before = os.fstat(f.fileno())
                 out.append(scan(kind, f, rel, verify_data_crc))
+                after = os.fstat(f.fileno())
         except OSError as e:
             raise ScanError(f"cannot read {rel}: {e.strerror or e}") from None
+        # A file still being written (a copy in progress) would leave hashes of
+        # bytes that are gone by the time anyone reads them back.
+        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+            raise ScanError(f"{rel} changed while it was read ({before.st_size} bytes, then "
+                            f"{after.st_size}): digest it again once nothing is writing it")
     return out
 
 

@@ -7,6 +7,7 @@ names (``classes`` empty)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ def load_labels(path: str | Path) -> dict[str, str | int]:
     (a header row ``path,label`` is allowed)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # Excel's "CSV UTF-8" starts with a BOM
     except OSError as e:
         raise TargetError(f"cannot read labels file {path}: {e.strerror or e} (--targets takes 'dir' or "
                           "a labels file: a JSON object {path: label} or a CSV of path,label rows)") from None
@@ -54,11 +55,13 @@ def load_labels(path: str | Path) -> dict[str, str | int]:
             raise TargetError(f"labels file {path}: expected a JSON object {{path: label}}")
     else:
         labels = {}
-        for k, row in enumerate(csv.reader(text.splitlines()), 1):
+        # newline="": csv.writer quotes a path holding a newline; splitting lines first would break it
+        rows = csv.reader(io.StringIO(text, newline=""))
+        for k, row in enumerate(rows, 1):
             if not row or (k == 1 and [c.strip().lower() for c in row] == ["path", "label"]):
                 continue
             if len(row) != 2:
-                raise TargetError(f"labels file {path}, line {k}: expected 'path,label', got {row!r}")
+                raise TargetError(f"labels file {path}, line {rows.line_num}: expected 'path,label', got {row!r}")
             labels[row[0].strip()] = row[1].strip()
     for key, v in labels.items():
         if isinstance(v, bool) or not isinstance(v, (str, int)):
