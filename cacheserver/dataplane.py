@@ -11,6 +11,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 
 from . import ops, wire
 from .acceptloop import accept_forever, wait_readable
@@ -218,5 +219,6 @@ class DataPlaneServer:
             os.unlink(self.unix_path)
         with self._conns_lock:
             conns = list(self._conns)
+        deadline = time.monotonic() + grace  # one grace for all: n stalled connections waited n graces
         for t in conns + self._threads:
-            t.join(timeout=grace)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -18,17 +18,27 @@ def split_hostport(addr: str, what: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"{what}: expected HOST:PORT, got {addr!r}")
+    if int(port) > 65535:  # gRPC would bind the port modulo 65536, sockets raise OverflowError
+        raise ValueError(f"{what}: port out of range in {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def join_hostport(host: str, port: int) -> str:
+    """HOST:PORT as clients dial it: an IPv6 address in brackets ("[::1]:7400")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bind_grpc(server: grpc.Server, listen: str, tls: TlsFiles | None) -> tuple[str, int]:
     """Bind `listen` (port 0: any free port); returns (host, bound port)."""
     host, port = split_hostport(listen, "--listen")
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls:
-        bound = server.add_secure_port(bind, tls.grpc_server_credentials())
-    else:
-        bound = server.add_insecure_port(bind)
+    bind = join_hostport(host, port)
+    try:
+        if tls:
+            bound = server.add_secure_port(bind, tls.grpc_server_credentials())
+        else:
+            bound = server.add_insecure_port(bind)
+    except RuntimeError:  # newer grpcio raises where older releases returned 0
+        bound = 0
     if bound == 0:
         raise OSError(f"--listen: cannot bind {listen} (in use or not a local address)")
     return host, bound

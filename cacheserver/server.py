@@ -25,7 +25,7 @@ from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .roles import Roles, read_token
-from .runtime import bind_grpc, split_hostport
+from .runtime import bind_grpc, join_hostport, split_hostport
 from .store import Store
 from .tls import TlsFiles
 from .ops import FEATURES
@@ -71,7 +71,17 @@ class CacheServer:
             self.store.put_state("server_id", sid)
         self.server_id = sid.decode()
         self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
+        self.dataplane = None
+        self.metrics_server = None
+        self.manager_link = None
+        try:
+            self._listen(cfg)
+        except BaseException:  # release the data dir and the ports: the process may go on (embedded.py)
+            self._abandon()
+            raise
 
+    def _listen(self, cfg: ServerConfig) -> None:
+        """Bind every endpoint, so that a port in use fails here, before anything is served."""
         lim = cfg.limits
         self.admission = Admission(lim.max_inflight_bytes, lim.max_connections)  # both transports' bodies
         gate = ByteAdmission(self.admission, grpc_max_message(lim), self.counters)
@@ -87,10 +97,18 @@ class CacheServer:
                                             self.grpc)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
-        port = split_hostport(cfg.listen, "--listen")[1]
-        self.host = host
+        self.host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
+        self.dataplane = self._bind_dataplane(cfg, split_hostport(cfg.listen, "--listen")[1])
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics_server = serve_metrics(cfg.metrics_port, self.host, self.counters, self._gauges,
+                                                    self.core.replacers.snapshot)
+            except (OSError, OverflowError) as e:
+                raise OSError(f"--metrics-port: cannot serve metrics on "
+                              f"{join_hostport(self.host, cfg.metrics_port)}: {e}") from e
 
+    def _bind_dataplane(self, cfg: ServerConfig, port: int) -> DataPlaneServer:
+        host = self.host
         tcp = None
         data_listen = None if cfg.plain else cfg.data_listen  # a plain store's values never leave over TCP
         if data_listen == "auto":
@@ -98,29 +116,38 @@ class CacheServer:
         elif data_listen:
             tcp = split_hostport(data_listen, "--data-listen")
         unix = os.path.join(cfg.data_dir, "data.sock") if cfg.unix_socket == "auto" else cfg.unix_socket
+        # Absolute: Info announces it to same-host clients, whose working directory is their own.
+        unix = os.path.abspath(unix) if unix else None
         if unix and len(unix.encode()) > 100:  # AF_UNIX path limit is 108 bytes
             log.warning("unix socket path too long, same-host fast path off: %s", unix)
             unix = None
         ssl_ctx = cfg.tls.server_context() if cfg.tls else None
         unix_mode = 0o600 if cfg.plain else 0o660  # a plain store's socket: its owner's only
         try:
-            self.dataplane = DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission, unix_mode)
+            return DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission, unix_mode)
         except OSError as e:
-            if tcp is None:  # no TCP listener: the Unix socket failed
+            # A directory the socket cannot be made in is the Unix socket's fault, whatever TCP does.
+            if tcp is None or (unix is not None and not os.access(os.path.dirname(unix), os.W_OK | os.X_OK)):
                 raise OSError(f"unix socket {unix}: cannot bind: {e}") from e
             if data_listen != "auto" or tcp[1] == 0:
-                raise OSError(f"--data-listen: cannot bind {tcp[0]}:{tcp[1]}: {e}") from e
+                raise OSError(f"--data-listen: cannot bind {join_hostport(*tcp)}: {e}") from e
             # gRPC port + 1 is taken: any port will do, clients learn it from Info.
             log.warning("data plane port %d in use (%s); binding a free port instead", tcp[1], e)
-            self.dataplane = DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx, self.admission,
-                                             unix_mode)
-        self.metrics_server = None
-        self.manager_link = None
+            return DataPlaneServer(self.core, self.instance, (host, 0), unix, ssl_ctx, self.admission, unix_mode)
+
+    def _abandon(self) -> None:
+        """Undo a constructor that failed half way."""
+        if self.metrics_server is not None:
+            self.metrics_server[0].shutdown()
+            self.metrics_server[0].server_close()
+        if self.dataplane is not None:
+            self.dataplane.stop(grace=0)
+        self.store.close()
 
     def _info(self) -> pb.InfoResponse:
         tcp = self.dataplane.tcp_address
         return pb.InfoResponse(server_id=self.server_id, instance=self.instance,
-                               data_address=f"{tcp[0]}:{tcp[1]}" if tcp else "",
+                               data_address=join_hostport(*tcp) if tcp else "",
                                unix_socket=self.dataplane.unix_path or "",
                                max_batch_bytes=self.cfg.limits.max_batch_bytes,
                                tls=self.cfg.tls is not None, peers=self.cfg.peers,
@@ -134,19 +161,16 @@ class CacheServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_hostport(self.host, self.port)  # "[::1]:7400": what clients and the manager dial
 
     def start(self) -> None:
         self.grpc.start()
         self.dataplane.start()
-        if self.cfg.metrics_port is not None:
-            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host, self.counters, self._gauges,
-                                                self.core.replacers.snapshot)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         tcp = self.dataplane.tcp_address
         event(log, "cacheserver started", listen=self.address, server_id=self.server_id,
-              data_plane=f"{tcp[0]}:{tcp[1]}" if tcp else None, unix_socket=self.dataplane.unix_path,
+              data_plane=join_hostport(*tcp) if tcp else None, unix_socket=self.dataplane.unix_path,
               capacity=self.store.capacity, used=self.store.used, items=self.store.items,
               recovered=self.counters["recovered_items"], peers=self.cfg.peers,
               tls=self.cfg.tls is not None, eviction=self.cfg.eviction)

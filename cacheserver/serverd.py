@@ -39,25 +39,40 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _size(text: str) -> int:
+    """parse_size for argparse, keeping its message (argparse replaces a ValueError's by
+    "invalid parse_size value")."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheserver", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
     p.add_argument("--data-dir", required=True, help="directory for the RocksDB store (local NVMe)")
-    p.add_argument("--capacity", required=True, type=parse_size,
+    p.add_argument("--capacity", required=True, type=_size,
                    help="bytes to store at most, e.g. 200GB, 512MiB; never exceeded")
     p.add_argument("--peers", default="", help="comma-separated gRPC addresses of all ring members")
     p.add_argument("--manager", default=None, help="cache manager address HOST:PORT")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=_port, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--data-listen", default="auto",
                    help="data-plane address HOST:PORT; 'auto' = gRPC port + 1; 'off' disables")
     p.add_argument("--unix-socket", default="auto",
                    help="same-host data-plane socket path; 'auto' = DATA_DIR/data.sock; 'off' disables")
     p.add_argument("--eviction", default="lru", choices=["lru", "none"],
                    help="fallback when full: evict least recently used unreferenced entries, or refuse")
-    p.add_argument("--max-item-size", type=parse_size, default=64 << 20, help="largest accepted value")
-    p.add_argument("--max-batch-size", type=parse_size, default=256 << 20, help="largest put batch")
-    p.add_argument("--max-inflight-bytes", type=parse_size, default=1 << 30,
+    p.add_argument("--max-item-size", type=_size, default=64 << 20, help="largest accepted value")
+    p.add_argument("--max-batch-size", type=_size, default=256 << 20, help="largest put batch")
+    p.add_argument("--max-inflight-bytes", type=_size, default=1 << 30,
                    help="request bodies held at once across all data-plane connections; past it a request "
                         "is answered 'server busy'")
     p.add_argument("--max-connections", type=int, default=4096, help="open data-plane connections at most")

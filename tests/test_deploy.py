@@ -235,3 +235,17 @@ def test_operations_doc_lists_every_flag():
     flags = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
     missing = [f for f in flags if f"`{f}" not in text]
     assert not missing, f"docs/operations.md does not document {missing}"
+
+
+def test_daemonset_tls_secret_is_readable_by_the_server(manifests):
+    """A Secret volume's files belong to root, group fsGroup (root without one): with
+    defaultMode 0440 and no fsGroup, the server (uid 10001) could not read its key."""
+    with open(DAEMONSET) as f:
+        text = f.read()
+    mode = int(re.search(r"#\s*defaultMode: (0[0-7]+)", text.split("secretName: cacheserver-tls", 1)[1]).group(1), 8)
+    pod = manifests[("DaemonSet", "cacheserver")]["spec"]["template"]["spec"]["securityContext"]
+    c = manifests[("DaemonSet", "cacheserver")]["spec"]["template"]["spec"]["containers"][0]
+    uid = c.get("securityContext", {}).get("runAsUser", pod.get("runAsUser"))
+    assert uid != 0
+    group_reads = mode & 0o040 and pod.get("fsGroup") is not None
+    assert group_reads or mode & 0o004, f"defaultMode {mode:o}, fsGroup {pod.get('fsGroup')}"

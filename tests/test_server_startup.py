@@ -1,0 +1,162 @@
+"""`cacheserver` start-up against real processes: a port it cannot use is a one-line
+error with exit 2 before anything is served (not a traceback, not a wrong port), an
+IPv6 --listen is announced as clients dial it, and the paths Info announces are
+absolute. A constructor that fails releases the data dir for the next try."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cacheserver.client.server_client import ServerClient
+from cacheserver.runtime import split_hostport
+from cacheserver.server import CacheServer, ServerConfig
+from cacheserver.serverd import build_parser
+from procs import ROOT, Daemon, free_port
+
+
+def _refused(tmp_path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """Run the daemon with `flags` (after a default --listen/--data-dir/--capacity);
+    a daemon that starts anyway is stopped, and the test fails."""
+    argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", "127.0.0.1:0", "--data-dir",
+            str(tmp_path / "d"), "--capacity", "64MB", "--log-format", "text", *flags]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()
+        if first.startswith("READY"):
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=30)
+            pytest.fail(f"cacheserver started with {flags}: {first.strip()}")
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    return subprocess.CompletedProcess(argv, p.returncode, first, err)
+
+
+def _held_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_grpc_port_in_use_is_a_one_line_error(tmp_path):
+    with _held_port() as s:
+        port = s.getsockname()[1]
+        r = _refused(tmp_path, "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cacheserver: error: --listen: cannot bind 127.0.0.1:{port}" in r.stderr
+
+
+def test_metrics_port_in_use_is_refused_before_serving(tmp_path):
+    with _held_port() as s:
+        port = s.getsockname()[1]
+        r = _refused(tmp_path, "--metrics-port", str(port))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cacheserver: error: --metrics-port: cannot serve metrics on 127.0.0.1:{port}" in r.stderr
+    assert not (tmp_path / "d" / "data.sock").exists()  # nothing served, nothing left behind
+
+
+@pytest.mark.parametrize("flag,value", [("--listen", "127.0.0.1:70000"), ("--data-listen", "127.0.0.1:65536")])
+def test_a_port_past_65535_is_refused_not_wrapped(tmp_path, flag, value):
+    """gRPC bound 127.0.0.1:70000 as port 4464 (70000 mod 65536) and served there."""
+    r = _refused(tmp_path, flag, value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{flag}: port out of range in '{value}'" in r.stderr
+
+
+def test_split_hostport_checks_the_port_range():
+    assert split_hostport("[::1]:65535", "x") == ("::1", 65535)
+    with pytest.raises(ValueError, match="out of range"):
+        split_hostport("host:70000", "x")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--metrics-port", "70000"], "argument --metrics-port: expected a port 0-65535, got '70000'"),
+    (["--capacity", "10XB"], "argument --capacity: not a size: '10XB' (expected e.g. 200GB"),
+])
+def test_bad_flag_values_are_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--listen", "h:1", "--data-dir", "/d", "--capacity", "1GB", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_listen_is_announced_in_brackets(tmp_path):
+    """READY, Info and the manager registration used "::1:PORT", which no client can dial."""
+    os.makedirs(tmp_path / "d")
+    d = Daemon(["cacheserver.serverd", "--listen", "[::1]:0", "--data-dir", str(tmp_path / "d"),
+                "--capacity", "64MB", "--log-format", "text"], log_path=str(tmp_path / "d.log")).start()
+    try:
+        assert d.address.startswith("[::1]:"), d.address
+        with ServerClient(d.address, prefer_unix=False) as c:
+            assert c.put([(b"\1" * 32, b"v6")]) == (1, 0, 0)
+            assert bytes(c.get([b"\1" * 32])[0]) == b"v6"
+            assert c.transport == "tcp" and c.info().data_address.startswith("[::1]:")
+    finally:
+        assert d.stop() == 0
+
+
+def test_info_announces_an_absolute_unix_socket_for_a_relative_data_dir(tmp_path, monkeypatch):
+    """Same-host clients look the socket up from their own working directory."""
+    monkeypatch.chdir(tmp_path)
+    s = CacheServer(ServerConfig(listen="127.0.0.1:0", data_dir="rel", capacity=64 << 20))
+    try:
+        assert s._info().unix_socket == str(tmp_path / "rel" / "data.sock")
+    finally:
+        s.stop(grace=0)
+
+
+def test_a_unix_socket_that_cannot_be_bound_is_named_and_the_data_dir_released(tmp_path):
+    """With a fixed gRPC port the failure fell into the data-plane port fallback and came
+    out as a bare "[Errno 2] No such file or directory"; the half-made server kept the
+    data dir locked, so a retry in the same process was refused as "in use"."""
+    sock = tmp_path / "missing" / "data.sock"
+    cfg = ServerConfig(listen=f"127.0.0.1:{free_port()}", data_dir=str(tmp_path / "d"), capacity=64 << 20,
+                       unix_socket=str(sock))
+    with pytest.raises(OSError, match=f"unix socket {sock}: cannot bind"):
+        CacheServer(cfg)
+    again = CacheServer(ServerConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "d"), capacity=64 << 20))
+    again.stop(grace=0)
+
+
+def test_a_stop_waits_one_grace_for_all_stalled_connections(tmp_path):
+    """SIGTERM with connections stalled mid-request. Before: the data plane waited for each
+    connection's thread in turn, each up to its grace (8 stalled: 8 s past --drain-seconds 2,
+    the store closed by nobody once systemd's or Kubernetes' SIGKILL came first)."""
+    import time
+
+    data = free_port()
+    d = Daemon(["cacheserver.serverd", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
+                "--capacity", "64MB", "--data-listen", f"127.0.0.1:{data}", "--unix-socket", "off",
+                "--drain-seconds", "2"], str(tmp_path / "log")).start()
+    conns = []
+    try:
+        for _ in range(8):
+            c = socket.create_connection(("127.0.0.1", data), timeout=10)
+            c.sendall(b"\x00\x01\x02")  # part of a frame header: the server's thread waits for the rest
+            conns.append(c)
+        time.sleep(0.5)  # every connection accepted and in its read
+        t0 = time.monotonic()
+        assert d.stop(timeout=30) == 0
+        took = time.monotonic() - t0
+    finally:
+        for c in conns:
+            c.close()
+        d.kill()
+    assert took < 5.0, f"the stop took {took:.1f} s"
