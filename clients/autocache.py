@@ -23,9 +23,10 @@ A loader's autocache state (`state`), its transitions:
                                   clear_estimate: its option cheaper than every other by 25%):
                                   choose() on the estimate at once, nothing measured; the
                                   first epoch runs in the chosen mode from its first item
-    found                         auto: the transformed items of the sample were in the cache
-                                  already (another job ran this pipeline): transformed at
-                                  once, nothing measured (Cachew §4.4 does the same)
+    found                         auto: the transformed items of items spread over the
+                                  dataset (outside the sample, which the probe puts) were in
+                                  the cache already (another job ran this pipeline):
+                                  transformed at once, nothing measured (Cachew §4.4 too)
 The caching point is the user's marker (preprocess.autocache / cache_at=) or the end of
 the cacheable prefix. Nothing is kept when it is 0 (the first step is random), when
 the key cannot be made (a step or decode that cannot be fingerprinted, a decode that
@@ -57,7 +58,8 @@ MAX_KEY = 128
 EPOCHS_UNKNOWN = 100  # epochs_left when the loader was not told `epochs` (Cachew ignores the fill)
 DECIDE_BATCHES = 300  # Cachew decides after 300 batches ...
 DECIDE_SHARE = 0.1    # ... here at most a tenth of the first epoch (the read path is probed before it)
-FOUND_SHARE = 0.9     # "found": this share of the sample's transformed items cached (not a measured part)
+FOUND_SHARE = 0.9     # "found": this share of the items looked up has transformed items cached ...
+FOUND_LOOKUP = 64     # ... of this many, spread over the dataset outside the profiled sample
 
 
 def choose(costs: Any, coordinator: Any = None, dataset: str = "", pipeline: str = "") -> Any:
@@ -253,7 +255,10 @@ class Autocache:
         self.refresh_plan()
 
     def _look_for_others(self, engine: Any) -> None:
-        idx = engine.sample_indices
+        # not the sample's items: the probe puts their outputs whatever is decided, so a
+        # run with the same seed (this job restarted, another loader) would find its own
+        sample, n = set(engine.sample_indices or ()), len(self.ds)
+        idx = [i for i in range(0, n, max(1, n // FOUND_LOOKUP)) if i not in sample][:FOUND_LOOKUP]
         if not idx:
             return
         got = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in idx])
@@ -261,8 +266,8 @@ class Autocache:
             from manager.policy.autocache import Decision
 
             self.mode, self.state = "transformed", "found"
-            self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} sample items' "
-                                                        f"transformed items were cached already (another job)")
+            self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} items' transformed "
+                                                        f"items were cached already (another job)")
 
     def _estimate(self, engine: Any) -> None:
         """Probe the read path (the workers not started yet) and estimate: the mode the
@@ -287,8 +292,10 @@ class Autocache:
     # ---- during the first epoch ------------------------------------------------
     def threshold(self, epoch_items: int, batch_size: int) -> int:
         """Items measured before deciding: Cachew's 300 batches, at most a tenth of
-        the epoch, at least one batch."""
-        return max(batch_size, min(DECIDE_BATCHES * batch_size, int(DECIDE_SHARE * epoch_items)))
+        the epoch, at least one batch, but never more than the epoch (one shorter than
+        a batch would otherwise stay measuring for ever)."""
+        at_least = max(batch_size, min(DECIDE_BATCHES * batch_size, int(DECIDE_SHARE * epoch_items)))
+        return max(1, min(epoch_items, at_least))
 
     def after_batch(self, engine: Any, epoch_items: int, batch_size: int) -> None:
         """Auto: once enough of the first epoch is measured, decide and switch."""

@@ -86,7 +86,7 @@ class Scheduler:
             check_declared(self.pipeline, tr)
             if self.auto_order:
                 choose_order(self.pipeline, tr)
-                tr = trace(self.pipeline, tr.inputs[0], ctxs)
+                tr = trace(self.pipeline, tr.inputs[0], tr.ctxs)  # the items that got through, with their own contexts
         except StepError as e:
             raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
         self.sample = tr
