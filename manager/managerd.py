@@ -24,7 +24,7 @@ from cacheserver.counters import Counters
 from cacheserver.healthsvc import HealthServicer
 from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.runtime import bind_grpc, run_until_signal
+from cacheserver.runtime import bind_grpc, join_hostport, run_until_signal
 from cacheserver.sizes import parse_size
 from cacheserver.roles import Roles, read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
@@ -91,27 +91,34 @@ class ManagerDaemon:
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.metrics_server = None
         try:
             self.host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
+            self._bind_metrics(cfg.metrics_port)  # a port in use fails here, before anything is served
         except (OSError, ValueError):
+            self.grpc.stop(0)
             self.store.close(snapshot=False)
             raise
         self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,
                                  heartbeat_s=cfg.heartbeat_s, misses=cfg.heartbeat_misses,
                                  job_timeout_s=cfg.job_timeout_s, reconcile_s=cfg.reconcile_s, clock=self.clock)
-        self.metrics_server = None
+
+    def _bind_metrics(self, port: int | None) -> None:
+        if port is None:
+            return
+        try:
+            self.metrics_server = serve_metrics(port, self.host, lambda: gather(self.store, self.counters))
+        except (OSError, OverflowError) as e:
+            raise OSError(f"--metrics-port: cannot serve metrics on {join_hostport(self.host, port)}: {e}") from e
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_hostport(self.host, self.port)
 
     def start(self) -> None:
         self.grpc.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.cfg.metrics_port is not None:
-            self.metrics_server = serve_metrics(self.cfg.metrics_port, self.host,
-                                                lambda: gather(self.store, self.counters))
         self.loop.start()
         self.actuator.reconcile()  # after a restart: make the servers match the replayed state
         m = self.store.model

@@ -1,7 +1,8 @@
 """`cacheserver` start-up against real processes: a port it cannot use is a one-line
 error with exit 2 before anything is served (not a traceback, not a wrong port), an
 IPv6 --listen is announced as clients dial it, and the paths Info announces are
-absolute. A constructor that fails releases the data dir for the next try."""
+absolute. A constructor that fails releases the data dir for the next try; cachemanager
+refuses a metrics port in use the same way."""
 from __future__ import annotations
 
 import os
@@ -160,3 +161,16 @@ def test_a_stop_waits_one_grace_for_all_stalled_connections(tmp_path):
             c.close()
         d.kill()
     assert took < 5.0, f"the stop took {took:.1f} s"
+
+
+def test_cachemanager_metrics_port_in_use_is_refused_before_serving(tmp_path):
+    """Before: a traceback (exit 1) once gRPC was serving."""
+    held = _held_port()
+    try:
+        argv = [sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir",
+                str(tmp_path / "s"), "--log-format", "text", "--metrics-port", str(held.getsockname()[1])]
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        held.close()
+    assert r.returncode == 2 and not r.stdout.startswith("READY"), r.stdout + r.stderr
+    assert "--metrics-port: cannot serve metrics on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
