@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import threading
 import time
 
@@ -22,6 +23,34 @@ from .vocab import BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
 HANDSHAKE_SECONDS = 10.0
+
+
+class UnixSocketError(OSError):
+    """The same-host socket cannot be made (named in the message); TCP may be fine."""
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove what a previous run left at `path`; refuse anything else there: a server
+    answering on it (two servers given one --unix-socket: the second took the first's
+    clients away), or a file that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError("exists and is not a socket; not replaced")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:  # nobody listens: a stale socket of a previous run
+        os.unlink(path)
+        return
+    except OSError as e:  # no right to connect: whose it is cannot be told
+        raise OSError(f"cannot tell whether a server uses it ({e}); not replaced") from None
+    finally:
+        probe.close()
+    raise OSError("in use by a running server")
 
 
 class DataPlaneServer:
@@ -46,18 +75,28 @@ class DataPlaneServer:
             self.tcp_address = s.getsockname()[:2]
             self._listeners.append(s)
         if unix_path:
-            if os.path.exists(unix_path):
-                os.unlink(unix_path)  # stale socket of a previous run
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old = os.umask(0o777 & ~unix_mode)  # the socket never exists with wider permissions
             try:
-                s.bind(unix_path)
-            finally:
-                os.umask(old)
-            os.chmod(unix_path, unix_mode)
-            s.listen(128)
-            self.unix_path = unix_path
-            self._listeners.append(s)
+                self._listen_unix(unix_path, unix_mode)
+            except OSError as e:
+                for s in self._listeners:
+                    s.close()
+                raise UnixSocketError(f"unix socket {unix_path}: cannot bind: {e}") from e
+
+    def _listen_unix(self, unix_path: str, unix_mode: int) -> None:
+        _remove_stale_socket(unix_path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~unix_mode)  # the socket never exists with wider permissions
+        try:
+            s.bind(unix_path)
+        except OSError:
+            s.close()
+            raise
+        finally:
+            os.umask(old)
+        os.chmod(unix_path, unix_mode)
+        s.listen(128)
+        self.unix_path = unix_path
+        self._listeners.append(s)
 
     def start(self) -> None:
         for s in self._listeners:

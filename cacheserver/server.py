@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .core import CacheCore, Limits
 from .counters import Counters
-from .dataplane import DataPlaneServer
+from .dataplane import DataPlaneServer, UnixSocketError
 from .claims import DEFAULT_TTL
 from .eviction import make_policy
 from .grpc_service import CacheService
@@ -125,10 +125,9 @@ class CacheServer:
         unix_mode = 0o600 if cfg.plain else 0o660  # a plain store's socket: its owner's only
         try:
             return DataPlaneServer(self.core, self.instance, tcp, unix, ssl_ctx, self.admission, unix_mode)
+        except UnixSocketError:
+            raise  # names the socket, whatever TCP does
         except OSError as e:
-            # A directory the socket cannot be made in is the Unix socket's fault, whatever TCP does.
-            if tcp is None or (unix is not None and not os.access(os.path.dirname(unix), os.W_OK | os.X_OK)):
-                raise OSError(f"unix socket {unix}: cannot bind: {e}") from e
             if data_listen != "auto" or tcp[1] == 0:
                 raise OSError(f"--data-listen: cannot bind {join_hostport(*tcp)}: {e}") from e
             # gRPC port + 1 is taken: any port will do, clients learn it from Info.

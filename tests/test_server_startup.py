@@ -174,3 +174,34 @@ def test_cachemanager_metrics_port_in_use_is_refused_before_serving(tmp_path):
         held.close()
     assert r.returncode == 2 and not r.stdout.startswith("READY"), r.stdout + r.stderr
     assert "--metrics-port: cannot serve metrics on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_unix_socket_path_in_use_is_refused_and_a_stale_one_replaced(tmp_path):
+    """Before: a server given another live server's --unix-socket deleted it and took the
+    path over (the first's same-host clients then reached the second's store), and a
+    regular file there was deleted too."""
+    sock = str(tmp_path / "shared.sock")
+
+    def cfg(name):
+        return ServerConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / name), capacity=64 << 20,
+                            unix_socket=sock)
+    first = CacheServer(cfg("a"))
+    first.start()
+    try:
+        with pytest.raises(OSError, match=f"unix socket {sock}: cannot bind: in use by a running server"):
+            CacheServer(cfg("b"))
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(sock)                      # still the first's
+        c.close()
+    finally:
+        first.stop(grace=0)
+    stale = socket.socket(socket.AF_UNIX)    # bound, never listening: what a killed server leaves
+    stale.bind(sock)
+    stale.close()
+    second = CacheServer(cfg("b"))           # a stale socket is replaced
+    second.stop(grace=0)
+    with open(sock, "w") as f:
+        f.write("not a socket")
+    with pytest.raises(OSError, match="exists and is not a socket"):
+        CacheServer(cfg("b"))
+    assert open(sock).read() == "not a socket"
