@@ -142,7 +142,11 @@ class Putter:
     def close(self) -> None:
         if self.thread is not None and self.thread.is_alive():
             self.flush()
-            self.q.put(None)
+            try:  # a put thread stuck past the flush limit keeps its queue full: do not wait on it for ever
+                self.q.put(None, timeout=FLUSH_LIMIT)
+            except queue.Full:
+                log.warning("autocache: the put thread is stuck; %d transformed items left unput", self.q.qsize())
+                return
             self.thread.join(FLUSH_LIMIT)
 
 

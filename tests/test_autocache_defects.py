@@ -90,3 +90,42 @@ def test_probe_puts_each_sample_output_under_its_own_source(tmp_path, server):
         assert not wrong  # a transformed item made from another item would be served as this one's
     finally:
         lo.close()
+
+
+def test_closing_a_putter_whose_put_thread_is_stuck_returns(monkeypatch):
+    """Before: close() waited the flush limit, then put its stop marker into a full queue
+    with no time limit: a put stuck on its server held the loader's close for ever."""
+    import threading
+    import time
+
+    from clients import autofeed
+    from clients.stats import SharedCounters
+
+    monkeypatch.setattr(autofeed, "FLUSH_LIMIT", 0.2)
+    release = threading.Event()
+
+    class Stuck:  # a transformed set whose put never returns until released
+        def encode(self, x):
+            return b"x"
+
+        def put_payloads(self, Ks, payloads, chunk, replace):
+            release.wait(30)
+            return len(Ks)
+
+    p = autofeed.Putter(SharedCounters(), 0)
+    t = Stuck()
+    filler = threading.Thread(target=lambda: [p.add((t, bytes([k % 256]) * 32, 0, False), k)
+                                              for k in range(autofeed.PUT_QUEUE + autofeed.PUT_BATCH + 8)],
+                              daemon=True)
+    filler.start()
+    deadline = time.monotonic() + 10
+    while p.q.qsize() < autofeed.PUT_QUEUE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.q.full()
+    t0 = time.monotonic()
+    closer = threading.Thread(target=p.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    stuck = closer.is_alive()
+    release.set()
+    assert not stuck and time.monotonic() - t0 < 5
