@@ -151,6 +151,6 @@ def transformed_dataset(source: Any, transform: Callable[[Any], Any], autocache:
     source.autocache = ac
     if source.sampler.lookup is not None:  # the look-ahead finds what this mode reads as hits
         source.sampler.lookup = ac.lookup_codes
-    gen = TransformedEpochs(source, runner, ac)
-    ds = tf.data.Dataset.from_generator(gen.epoch, output_signature=runner.spec)
+    source.starter.start = TransformedEpochs(source, runner, ac).epoch  # let go of on close (tf_batches.Starter)
+    ds = tf.data.Dataset.from_generator(source.starter, output_signature=runner.spec)
     return ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))

@@ -34,6 +34,28 @@ _END = np.empty(0, dtype=object)
 _NO_TICKET = np.int64(-1)
 
 
+def _closed(*_: Any) -> Any:
+    """What starts an iteration once the dataset is closed. TensorFlow keeps the Python
+    callables of a dataset's sources (numpy_function's, from_generator's) for the life of
+    the process (eagerly, in its global graph), so a closed dataset's feeds must let go
+    of what they start: the TFSource, with its cache client, digest and shared memory."""
+    raise RuntimeError("this tf_dataset was closed (ds.mlcache.close()): make a new tf_dataset "
+                       "to iterate again")
+
+
+class Starter:
+    """from_generator's generator function until close(), as Feed's `start`."""
+
+    def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
+        self.start = start
+
+    def __call__(self) -> Iterator[Any]:
+        return self.start()
+
+    def close(self) -> None:
+        self.start = _closed
+
+
 class Feed:
     """The Python side: the generator of the iteration now running."""
 
@@ -66,9 +88,11 @@ class Feed:
             gen.close()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Ends an iteration left open (it is recorded as stopped early)."""
+        """Ends an iteration left open (it is recorded as stopped early), for good: TensorFlow
+        keeps next_batch, and so this feed, as long as the process lives (see _closed)."""
         with self._lock:
             self._close()
+            self.start = _closed
 
 
 def batches_dataset(feed: Feed) -> "tf.data.Dataset":
@@ -172,9 +196,10 @@ class TicketFeed:
             epoch.finish(complete)
 
     def close(self) -> None:
-        """Ends an iteration left open (it is recorded as stopped early)."""
+        """Ends an iteration left open (it is recorded as stopped early), for good (as Feed's)."""
         with self._lock:
             self._end(False)
+            self.begin = _closed
 
 
 def ticket_batches_dataset(feed: TicketFeed, parallel: int) -> "tf.data.Dataset":

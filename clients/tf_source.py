@@ -42,7 +42,7 @@ from .digest import Digest
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
 from . import tf_transform
-from .tf_batches import Feed, TicketFeed, batches_dataset, ticket_batches_dataset
+from .tf_batches import Feed, Starter, TicketFeed, batches_dataset, ticket_batches_dataset
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -67,6 +67,7 @@ class TFSource(EpochLog):
         self.autocache: Any = None  # clients.autocache.Autocache in a mode other than source (transform or map_fn)
         self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
         self.tickets = TicketFeed(lambda: _EpochReads(self))  # the same, read_parallel batches at once
+        self.starter = Starter(self.epoch)  # from_generator's (map_fn=, autocache modes): the same epochs
         self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
@@ -112,8 +113,11 @@ class TFSource(EpochLog):
         return out
 
     def close(self) -> None:
+        """Ends an iteration left open and releases the cache client and workers; the
+        dataset cannot be iterated again (TensorFlow keeps its feeds, which let go of this)."""
         self.feed.close()
         self.tickets.close()
+        self.starter.close()
         if self.preprocess is not None:  # stops the preprocessing workers
             self.preprocess.close()
         if self.autocache is not None:
@@ -195,7 +199,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
         cached.close()
         raise
     try:
-        ds = _elements(source, engine, options, transform, autocache, epochs)
+        ds = _keep_share(source, _elements(source, engine, options, transform, autocache, epochs))
     except BaseException:
         source.close()
         raise
@@ -241,7 +245,8 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
     if autocache != "source" and engine is None:
         from .tf_autocache import transformed_dataset
 
-        return transformed_dataset(source, transform, autocache, epochs)
+        # a function of one item passed as transform= fails inside the chain: say so, as in source mode
+        return transformed_dataset(source, lambda d: apply_chain(transform, d), autocache, epochs)
     if engine is None:
         batches = (batches_dataset(source.feed) if source.read_parallel == 1
                    else ticket_batches_dataset(source.tickets, source.read_parallel))
@@ -249,10 +254,24 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
             batches = batches.prefetch(source.read_ahead)
         ds = batches.unbatch()
     else:
-        ds = tf_transform.element_dataset(source.epoch, tf_transform.tf_map_step(engine).element_spec)
+        ds = tf_transform.element_dataset(source.starter, tf_transform.tf_map_step(engine).element_spec)
     if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
         ds = ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))  # else items may be left out
     return ds if transform is None else apply_chain(transform, ds)
+
+
+def _keep_share(source: TFSource, ds: "tf.data.Dataset") -> "tf.data.Dataset":
+    """With world_size > 1 the dataset is already this rank's share: tf.distribute's
+    auto-sharding (experimental_distribute_dataset, Keras fit under
+    MultiWorkerMirroredStrategy) finds no files and would shard it again by element,
+    each worker keeping 1/world_size of its share. Turn it off."""
+    import tensorflow as tf
+
+    if source.sampler.share.world == 1:
+        return ds
+    opts = tf.data.Options()
+    opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return ds.with_options(opts)
 
 
 def apply_chain(transform: Any, ds: "tf.data.Dataset") -> "tf.data.Dataset":

@@ -102,3 +102,13 @@ def test_tf_auto_decides_and_reports(shards, server):
         assert canon(ds.as_numpy_iterator()) == e1
     finally:
         ds.mlcache.close()
+
+
+@pytest.mark.parametrize("mode", ["source", "transformed", "compute", "auto"])
+def test_a_per_item_function_as_transform_says_what_transform_is(shards, tmp_path, mode):
+    """transform=parse (a function of one item, not of the dataset) is refused with the
+    same message in every mode; the modes other than source passed TensorFlow's own
+    'Attempt to convert a value (<_TensorDataset ...>) ... to a Tensor'."""
+    digest, _ = shards
+    with pytest.raises(TypeError, match=r"transform= is a function of a tf\.data\.Dataset of items.*map_fn="):
+        tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", transform=parse, autocache=mode)

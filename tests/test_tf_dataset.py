@@ -362,6 +362,20 @@ def test_tar_shards_yield_their_members_not_samples(tmp_path):
         ds.mlcache.close()
 
 
+def _two_ranks(code: str) -> list[tuple[str, str]]:
+    """(stdout, stderr) of `code` run as rank 0 and rank 1 (argv[1]) in two real processes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return outs
+
+
 @pytest.mark.timeout(300)
 def test_ranks_in_two_processes_share_each_epoch(shards, ring3):
     """rank/world_size (DDP, or tf.distribute's input pipelines): two real processes,
@@ -374,13 +388,64 @@ def test_ranks_in_two_processes_share_each_epoch(shards, ring3):
             "assert int(ds.cardinality()) == len(ds.mlcache.cached) // 2; "
             "[print(e, bytes(x).hex()) for e in range(2) for x in ds.as_numpy_iterator()]; "
             "ds.mlcache.close()")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    outs = _two_ranks(code)
     for e in ("0", "1"):
         shares = [[bytes.fromhex(h) for ep, h in (ln.split() for ln in out.splitlines()) if ep == e]
                   for out, _ in outs]
         assert len(shares[0]) == len(shares[1]) == N // 2
         assert Counter(shares[0]) + Counter(shares[1]) == Counter(records)  # disjoint, complete
+
+
+@pytest.mark.timeout(300)
+def test_multi_worker_strategy_keeps_each_ranks_whole_share(shards):
+    """MultiWorkerMirroredStrategy.experimental_distribute_dataset (what Keras fit does under
+    it) auto-shards a dataset with no files by element: on a rank's share that kept half
+    of each share (60 of 120 per worker). The share must pass through whole."""
+    import hashlib
+    import socket
+
+    digest, _, records = shards
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+    code = ("import json, os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; r = int(sys.argv[1]); "
+            f"os.environ['TF_CONFIG'] = json.dumps({{'cluster': {{'worker': {workers!r}}}, "
+            "'task': {'type': 'worker', 'index': r}}); "
+            "import hashlib, tensorflow as tf; from clients import tf_dataset; "
+            "strategy = tf.distribute.MultiWorkerMirroredStrategy(); "
+            f"ds = tf_dataset({digest!r}, cache=False, seed=3, rank=r, world_size=2, read_batch=16); "
+            "dist = strategy.experimental_distribute_dataset(ds.batch(8)); "
+            "[print(hashlib.sha256(x).hexdigest()) for b in dist for t in strategy.experimental_local_results(b) "
+            "for x in t.numpy()]; "
+            "ds.mlcache.close()")
+    outs = _two_ranks(code)
+    shares = [out.split() for out, _ in outs]  # item hashes: short lines, no pipe fills while the other waits
+    assert [len(s) for s in shares] == [N // 2, N // 2]
+    assert Counter(shares[0]) + Counter(shares[1]) == Counter(hashlib.sha256(r).hexdigest() for r in records)
+
+
+@pytest.mark.parametrize("how", ["serial", "parallel-reads", "autocache-compute"])
+def test_a_closed_dataset_lets_go_of_its_client_and_says_it_is_closed(shards, tmp_path, how):
+    """TensorFlow keeps the Python callables of a dataset's sources (numpy_function's,
+    from_generator's) for the life of the process: closed and dropped, a tf_dataset still
+    held its TFSource and CachedDataset (2 more fds of shared memory per dataset made), and
+    iterating it after close() quietly reopened the client. Closed, it lets go of them and
+    an iteration says it was closed."""
+    import gc
+    import weakref
+
+    digest, _, _ = shards
+    kw = (dict(transform=lambda d: d.map(parse), autocache="compute") if how == "autocache-compute"
+          else dict(read_parallel=3 if how == "parallel-reads" else 1))
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", read_batch=16, **kw)
+    assert len(list(ds.as_numpy_iterator())) == N
+    ds.mlcache.close()
+    with pytest.raises(tf.errors.OpError, match="this tf_dataset was closed"):
+        next(iter(ds))
+    source, cached = weakref.ref(ds.mlcache), weakref.ref(ds.mlcache.cached)
+    del ds
+    gc.collect()
+    assert source() is None and cached() is None
