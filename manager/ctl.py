@@ -1,7 +1,7 @@
 """`cachectl`: operator tool for cache servers and the cache manager.
 
   cachectl certs --out DIR [--server-names ...] [--ips ...] [--clients N]
-  cachectl stats ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
+  cachectl stats ADDR [--json] [--cluster-token-file F] [--tls-cert C --tls-key K --tls-ca CA]
   cachectl ring [ADDR ... | --peers a,b,c] [--vnodes N] [--check]
   cachectl local-cluster --servers 3 --capacity 1GB [--base-port P] [--data-dir DIR]
   cachectl status --manager ADDR [--json] [--tls-cert C --tls-key K --tls-ca CA]
@@ -89,10 +89,10 @@ def _accepts_connections(addr: str) -> bool:
         return False
 
 
-def _client(addr: str, tls, timeout: float):
+def _client(addr: str, tls, timeout: float, token: bytes | None = None):
     from cacheserver.client.server_client import ServerClient
     return ServerClient(addr, tls=tls, timeout=timeout, use_dataplane=False,
-                        prefer_unix=False, local_read=False)
+                        prefer_unix=False, local_read=False, control_token=token)
 
 
 def _pct(part: float, whole: float) -> str:
@@ -114,6 +114,8 @@ def cmd_certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bundle = certs.write_bundle(args.out, server_names=names, ips=ips, clients=args.clients,
                                     force=args.force, days=args.days, key_type=args.key_type)
     except FileExistsError as e:
+        if e.filename is not None:  # mkdir of --out hit a file: --force would not help
+            raise CtlError(f"certs: --out {args.out} exists and is not a directory") from None
         raise CtlError(f"certs: {e}; pass --force to replace them") from None
     except ValueError as e:
         parser.error(str(e))
@@ -161,7 +163,14 @@ def _mode_name(code: int) -> str:
         return str(code)
 
 
-def format_stats(d: dict) -> str:
+# A server with --cluster-token-file or TLS leaves job and dataset names out of the Stats
+# of callers without the manager's role (cacheserver/roles.py): an empty list proves nothing.
+_HIDDEN = ("  (none shown; a server with --cluster-token-file or TLS shows them only to the manager's role: "
+           "pass --cluster-token-file, or manager.pem as --tls-cert)")
+
+
+def format_stats(d: dict, manager_role: bool = True) -> str:
+    """The table of stats_dict's `d`; `manager_role`: the caller could see other tenants."""
     from cacheserver.sizes import format_size
     cap, used = d["capacity_bytes"], d["used_bytes"]
     c = d["counters"]
@@ -183,24 +192,41 @@ def format_stats(d: dict) -> str:
                            for ch in d["chunks"]],
                           header=["DATASET", "CHUNK", "ITEMS", "BYTES", "REFS", "JOBS", "ACTIVE"]))
     else:
-        out.append("  (no tagged chunks)")
+        out.append("  (no tagged chunks)" if manager_role else _HIDDEN)
     listed = {ch["dataset"] for ch in d["chunks"]}
     extra = {ds: ch for ds, ch in d["active_chunks"].items() if ds not in listed}
     if extra:
         out += ["", "active chunks", table([[ds, ch] for ds, ch in extra.items()])]
     out += ["", "job modes"]
     out.append(table([[j, m] for j, m in d["job_modes"].items()]) if d["job_modes"]
-               else "  (all jobs normal)")
+               else "  (all jobs normal)" if manager_role else _HIDDEN)
     return "\n".join(out)
 
 
 def cmd_stats(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from cacheserver.roles import read_token
     tls = _tls_from_args(parser, args)
-    with _client(args.addr, tls, args.timeout) as c:
+    try:
+        token = read_token(args.cluster_token_file) if args.cluster_token_file else None
+    except ValueError as e:
+        parser.error(str(e))
+    with _client(args.addr, tls, args.timeout, token) as c:
         r = _rpc(args.addr, "Stats", c.stats, tls)
     d = stats_dict(args.addr, r)
-    print(json.dumps(d, indent=2) if args.json else format_stats(d))
+    role = token is not None or (tls is not None and _cert_role(tls.cert) == "manager")
+    print(json.dumps(d, indent=2) if args.json else format_stats(d, manager_role=role))
     return 0
+
+
+def _cert_role(path: str) -> str | None:
+    from cryptography import x509
+
+    from cacheserver.certs import cert_role
+    try:
+        with open(path, "rb") as f:
+            return cert_role(x509.load_pem_x509_certificate(f.read()))
+    except (OSError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------- ring ---
@@ -322,6 +348,9 @@ def _add_stats(sub: Any) -> None:
     s = sub.add_parser("stats", formatter_class=HelpFormatter, help="show a server's Stats (capacity, usage, counters)")
     s.add_argument("addr", metavar="ADDR", type=_check_addr, help="server gRPC address HOST:PORT")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="the servers' --cluster-token-file: without it (or manager.pem under TLS) a server "
+                        "leaves tagged chunks, active chunks and job modes out")
     _add_tls(s)
     s.set_defaults(func=cmd_stats, subparser=s)
 

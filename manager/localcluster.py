@@ -77,6 +77,7 @@ class _Server:
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self._buf = b""
+        self.ready = False
 
     def poll_ready(self) -> bool | None:
         """True once READY was printed, None if the process exited, else False."""
@@ -89,6 +90,7 @@ class _Server:
             for line in self._buf.split(b"\n")[:-1]:
                 if line.startswith(b"READY "):
                     self.addr = line.split()[1].decode()
+                    self.ready = True
                     return True
         if self.proc.poll() is not None:
             return None
@@ -122,14 +124,17 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
     servers: list[_Server] = []
     rc = 0
     try:
-        os.makedirs(base, exist_ok=True)
-        servers += _start_servers(args, base, addrs, capacity)
+        _start_servers(args, base, addrs, capacity, servers)
         _wait_ready(servers, stop, args.start_timeout)
         if not stop.is_set():
             _announce(args, servers, base, temp, capacity)
         rc = _watch(servers, stop)
     except CtlError as e:
         print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+        rc = 1
+    except OSError as e:  # a data dir that cannot be made (a file in the way), a failed spawn
+        where = f" {e.filename}" if e.filename else ""
+        print(f"{PROG}: local-cluster:{where}: {e.strerror or e}", file=sys.stderr, flush=True)
         rc = 1
     finally:
         rc = _stop_servers(servers, args.stop_timeout, rc)
@@ -157,8 +162,10 @@ def _cluster_ports(base_port: int | None, n: int, parser: argparse.ArgumentParse
     return ports
 
 
-def _start_servers(args: argparse.Namespace, base: str, addrs: list[str], capacity: int) -> list[_Server]:
-    servers = []
+def _start_servers(args: argparse.Namespace, base: str, addrs: list[str], capacity: int,
+                   servers: list[_Server]) -> None:
+    """Appends each server to `servers` as it starts: after a failure the caller stops those."""
+    os.makedirs(base, exist_ok=True)
     for i, addr in enumerate(addrs):
         argv = [sys.executable, "-m", "cacheserver.serverd", "--listen", addr,
                 "--data-dir", os.path.join(base, f"server-{i}"), "--capacity", str(capacity),
@@ -167,7 +174,6 @@ def _start_servers(args: argparse.Namespace, base: str, addrs: list[str], capaci
         if args.metrics_base_port is not None:
             argv += ["--metrics-port", str(args.metrics_base_port + i)]
         servers.append(_Server(i, addr, os.path.join(base, f"server-{i}"), argv))
-    return servers
 
 
 def _wait_ready(servers: list[_Server], stop: threading.Event, timeout: float) -> None:
@@ -239,7 +245,8 @@ def _stop_servers(servers: list[_Server], timeout: float, rc: int) -> int:
             s.proc.wait()
             rc = 1
             continue
-        if code != 0:
+        # Stopped before READY, a server may not have its SIGTERM handler yet (Ctrl-C during the start).
+        if code != 0 and not (code == -signal.SIGTERM and not s.ready):
             print(f"{PROG}: server {s.index} ({s.addr}) exited with code {code} on stop; "
                   f"log {s.log_path}:\n{_tail(s.log_path)}", file=sys.stderr, flush=True)
             rc = 1
