@@ -52,6 +52,7 @@ class ServerConfig:
     grpc_workers: int = 64
     claim_ttl: float = DEFAULT_TTL
     cluster_token_file: str | None = None  # the manager's role (roles.py); None: every caller has it
+    cluster_token: bytes | None = None  # the same, given in memory (the embedded cache: nobody has it)
     salvage: bool = False  # open a damaged store by dropping what cannot be read (salvage.py)
     # plaintext records (datadir.py), the embedded cache's own: values only in this process
     # and over the owner-only Unix socket; no TCP data plane, no values over gRPC
@@ -85,10 +86,12 @@ class CacheServer:
         lim = cfg.limits
         self.admission = Admission(lim.max_inflight_bytes, lim.max_connections)  # both transports' bodies
         gate = ByteAdmission(self.admission, grpc_max_message(lim), self.counters)
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc"),
+        self._grpc_pool = futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="grpc")
+        self.grpc = grpc.server(self._grpc_pool,
                                 interceptors=[gate], options=grpc_server_options(lim),
                                 maximum_concurrent_rpcs=lim.max_grpc_calls)
-        token = self._token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
+        token = self._token = (cfg.cluster_token if cfg.cluster_token is not None else
+                               read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None)
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: any client may change job modes and evict (docs/security.md)")
         pb_grpc.add_CacheServicer_to_server(CacheService(self.core, self._info, self.server_id,
@@ -190,6 +193,7 @@ class CacheServer:
         done = self.grpc.stop(grace)
         self.dataplane.stop(grace=grace / 2)
         done.wait(grace)
+        self._grpc_pool.shutdown(wait=False)  # grpc leaves its executor's threads running (embedded: one per open)
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
         self.store.close()

@@ -14,6 +14,7 @@ docs/security.md ("Encryption against oneself") gives the reasons and figures.
 from __future__ import annotations
 
 import atexit
+import base64
 import os
 import threading
 
@@ -43,7 +44,10 @@ class EmbeddedCache:
         os.makedirs(cache_dir, mode=0o700, exist_ok=True)
         self.plain = records_format(cache_dir) != "sealed"
         cfg = ServerConfig(listen="127.0.0.1:0", data_dir=cache_dir, capacity=capacity,
-                           data_listen="auto", unix_socket="auto", grpc_workers=16, plain=self.plain)
+                           data_listen="auto", unix_socket="auto", grpc_workers=16, plain=self.plain,
+                           # its datasets need no control operation: a token nobody holds keeps other
+                           # local users from changing job modes or evicting over its loopback port
+                           cluster_token=base64.b64encode(os.urandom(24)))
         try:
             self.server = CacheServer(cfg)
         except DataDirBusy as e:

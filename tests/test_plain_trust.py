@@ -115,3 +115,28 @@ def test_the_peer_of_a_unix_socket_is_known(tmp_path):
     finally:
         cl.close()
         srv.close()
+
+
+def test_the_embedded_server_refuses_control_calls_and_leaves_no_thread(tmp_path):
+    """Before: the embedded server ran without a cluster token, so any process on the host
+    could change its job modes or evict over its loopback gRPC port (and it logged the
+    daemon's "no --cluster-token-file" warning in every user's process); each one closed
+    left its gRPC executor's threads behind."""
+    import threading
+
+    import grpc
+
+    from cacheserver.client.server_client import ServerClient
+
+    path, items = make(tmp_path / "ds", True)
+    before = {t.ident for t in threading.enumerate()}
+    for k in range(2):
+        ds = CachedDataset(path, cache_dir=str(tmp_path / f"emb{k}"))
+        ds.__getitems__(list(range(len(items))))
+        with ServerClient(ds.embedded.address, use_dataplane=False, local_read=False) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.set_job_mode("someone-else", 1)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        ds.close()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not [n for n in left if n.startswith("grpc")], left
