@@ -235,15 +235,18 @@ class JobCoordinator:
 
     def _release(self, c: int) -> None:
         """Release a chunk read to the end. The call runs in the training loop's thread, so
-        once the manager fails (each try may wait out the call's deadline) it is tried again
-        only after a back-off that doubles, not after every batch."""
+        once the manager fails (each try may wait out the call's deadline, or it answers that it
+        no longer knows the job) it is tried again only after a back-off that doubles, not after
+        every batch."""
         now = time.monotonic()
         if now < self._release_after:
             return
         self._released.add(c)
         try:
             self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
-        except self._unavailable:
+        except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
+            if not isinstance(e, self._unavailable):  # NOT_FOUND: the coordinator's thread registers again
+                log.warning("releasing chunk %d failed (%s): trying again later", c, e)
             self._released.discard(c)
             self._release_after = now + self._release_backoff
             self._release_backoff = min(2 * self._release_backoff, MAX_RELEASE_BACKOFF_S)

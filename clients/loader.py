@@ -101,6 +101,10 @@ class CachedLoader(DataLoader, EpochLog):
         """Resume: the next iteration yields exactly the saved epoch's items not yet
         handed over; later iterations are the following epochs. ValueError if the state
         belongs to another dataset, split (rank, world size, drop_last) or seed."""
+        if not isinstance(state, dict) or "sampler" not in state:  # not a bare KeyError: 'sampler'
+            what = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"load_state_dict() takes what this loader's state_dict() returned (a dict with "
+                             f"'sampler'), got {what}")
         self.batch_sampler.load_state_dict(state["sampler"])
 
 

@@ -74,12 +74,14 @@ all-miss (progress never depends on the cache).
 """
 from __future__ import annotations
 
+import operator
 import os
 import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cacheserver.vocab import HIT, PENDING
 
@@ -113,6 +115,15 @@ class SamplerStats:
         return self.planned_hits / self.items if self.items else 0.0
 
 
+def whole(name: str, value: Any) -> int:
+    """An integer argument as an int (numpy's and torch's integers too); else a TypeError
+    naming it, not one from deep inside the first epoch (None, 2.5, "8")."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
 class SubstitutableBatchSampler:
     """A batch sampler (iterable of index lists) for torch DataLoader's batch_sampler."""
 
@@ -123,6 +134,9 @@ class SubstitutableBatchSampler:
                  miss_seed: int | None = None, walk: bool = False,
                  on_epoch: Callable[[Sequence[int] | None], None] | None = None,
                  rank: int = 0, world_size: int = 1, dataset: str = "") -> None:
+        n_items, batch_size, lookahead, rank, world_size = (
+            whole(k, v) for k, v in (("n_items", n_items), ("batch_size", batch_size), ("lookahead", lookahead),
+                                     ("rank", rank), ("world_size", world_size)))
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
