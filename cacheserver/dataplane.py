@@ -260,4 +260,5 @@ class DataPlaneServer:
             conns = list(self._conns)
         deadline = time.monotonic() + grace  # one grace for all: n stalled connections waited n graces
         for t in conns + self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if t.ident is not None:  # one being started as the server stops finds _stopping set
+                t.join(timeout=max(0.0, deadline - time.monotonic()))

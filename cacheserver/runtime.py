@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -57,3 +58,15 @@ def run_until_signal(start: Callable[[], None], stop: Callable[[], None], addres
     log.info("signal received, draining")
     stop()
     return 0
+
+
+def release_grpc(server: grpc.Server, pool: Any) -> None:
+    """Free the ports of a gRPC server that bound them but never served (a start-up that
+    failed later, in a process that goes on): grpcio frees them only when a started server
+    stops. Then its executor's threads, which grpc leaves running."""
+    try:
+        server.start()
+    except Exception:  # nothing bound: nothing to free
+        pass
+    server.stop(None).wait(5)
+    pool.shutdown(wait=False)

@@ -25,7 +25,7 @@ from .exporter import serve_metrics
 from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .roles import Roles, read_token
-from .runtime import bind_grpc, join_hostport, split_hostport
+from .runtime import bind_grpc, join_hostport, release_grpc, split_hostport
 from .store import Store
 from .tls import TlsFiles
 from .ops import FEATURES
@@ -72,6 +72,7 @@ class CacheServer:
             self.store.put_state("server_id", sid)
         self.server_id = sid.decode()
         self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
+        self.grpc: grpc.Server | None = None
         self.dataplane = None
         self.metrics_server = None
         self.manager_link = None
@@ -115,7 +116,7 @@ class CacheServer:
         tcp = None
         data_listen = None if cfg.plain else cfg.data_listen  # a plain store's values never leave over TCP
         if data_listen == "auto":
-            tcp = (host, self.port + 1 if port else 0)
+            tcp = (host, self.port + 1 if port and self.port < 65535 else 0)  # past the last port: any free one
         elif data_listen:
             tcp = split_hostport(data_listen, "--data-listen")
         unix = os.path.join(cfg.data_dir, "data.sock") if cfg.unix_socket == "auto" else cfg.unix_socket
@@ -139,6 +140,8 @@ class CacheServer:
 
     def _abandon(self) -> None:
         """Undo a constructor that failed half way."""
+        if self.grpc is not None:
+            release_grpc(self.grpc, self._grpc_pool)
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
             self.metrics_server[0].server_close()

@@ -24,7 +24,7 @@ from cacheserver.counters import Counters
 from cacheserver.healthsvc import HealthServicer
 from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
-from cacheserver.runtime import bind_grpc, join_hostport, run_until_signal
+from cacheserver.runtime import bind_grpc, join_hostport, release_grpc, run_until_signal
 from cacheserver.sizes import parse_size
 from cacheserver.roles import Roles, read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
@@ -83,7 +83,8 @@ class ManagerDaemon:
                                 clock=self.clock, on_effects=self.actuator.submit)
         self.store.open()
         self.liveness = Liveness(self.clock())
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(32, thread_name_prefix="grpc"),
+        self._grpc_pool = futures.ThreadPoolExecutor(32, thread_name_prefix="grpc")
+        self.grpc = grpc.server(self._grpc_pool,
                                 options=[("grpc.so_reuseport", 0)])
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
                                       decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
@@ -96,7 +97,7 @@ class ManagerDaemon:
             self.host, self.port = bind_grpc(self.grpc, cfg.listen, cfg.tls)
             self._bind_metrics(cfg.metrics_port)  # a port in use fails here, before anything is served
         except (OSError, ValueError):
-            self.grpc.stop(0)
+            release_grpc(self.grpc, self._grpc_pool)
             self.store.close(snapshot=False)
             raise
         self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,

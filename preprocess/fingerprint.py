@@ -355,11 +355,20 @@ def _torch_kind(x: Any) -> str:
     return "module" if isinstance(x, torch.nn.Module) else ""
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_hook_tables() -> frozenset[str]:
+    """The names of torch's own hook tables on a module (a user's attribute named "...hooks"
+    is keyed as it stands: renumbering its keys would give other values one key)."""
+    torch = sys.modules["torch"]
+    return frozenset(k for k, v in vars(torch.nn.Module()).items() if "hooks" in k and isinstance(v, dict))
+
+
 def _hooks_renumbered(state: dict[str, Any]) -> dict[str, Any]:
     """A torch module's state with its hooks keyed by their order of registration: torch keys
     them by a process-wide counter of handles, so the same module built again (or after other
     hooks elsewhere) would get another key each time. A module without hooks keeps its key."""
-    tables = {k: v for k, v in state.items() if "hooks" in k and type(v) in (dict, collections.OrderedDict)}
+    own = _torch_hook_tables()
+    tables = {k: v for k, v in state.items() if k in own and type(v) in (dict, collections.OrderedDict)}
     ids = sorted({h for t in tables.values() for h in t if isinstance(h, int)})
     if not ids:
         return state

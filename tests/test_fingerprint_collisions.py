@@ -271,5 +271,8 @@ def test_torch_modules_with_hooks_get_the_same_key_when_built_again():
     assert fingerprint(_linear(torch, *hooks)) == first
     assert fingerprint(_linear(torch, *hooks[:1])) != first        # another set of hooks
     assert fingerprint(_linear(torch, hooks[0], hooks[0])) != fingerprint(_linear(torch, hooks[0]))
+    a, b = _linear(torch), _linear(torch)   # a user's table named "...hooks" is keyed as it stands
+    a.size_hooks, b.size_hooks = {224: 1.0}, {512: 1.0}
+    assert fingerprint(a) != fingerprint(b)
     # a module without hooks keeps the key it had before (preprocess/fingerprint.py at e1443c3)
     assert fingerprint(_linear(torch)) == "98ed6294b873b8f7e50d899e5a1d9420cfbd4b1c459eed23884f3a9621c8d75d"

@@ -258,3 +258,16 @@ def test_workers_stop_while_the_reordered_pipeline_cannot_be_keyed_and_come_back
     assert rw.feeder.local_share == 0.0 and local[-1] == 0
     list(rw.batches(iter(batches(16, 8)), 2))
     assert rw.feeder.stats.remote_items == 16
+
+
+def test_a_resume_after_the_pool_broke_keeps_the_fall_back():
+    pool = RecordingPool(workers=0)
+    local = []
+    ctl = Controller(pool, Placement.start_with(PlacementConfig(settle=0)), local.append, every=1, fallback_local=2)
+    f = Feeder(pool, window=1)
+    pool.broken = "ConnectionError: gone"
+    ctl(f)
+    assert ctl.fell_back and local[-1] == 2
+    ctl.pause()
+    ctl.resume()                                               # a keyable order again, but no cluster
+    assert local[-1] == 2 and pool.target == 0 and ctl.local_share() == 1.0

@@ -128,11 +128,13 @@ def test_a_unix_socket_that_cannot_be_bound_is_named_and_the_data_dir_released(t
     out as a bare "[Errno 2] No such file or directory"; the half-made server kept the
     data dir locked, so a retry in the same process was refused as "in use"."""
     sock = tmp_path / "missing" / "data.sock"
-    cfg = ServerConfig(listen=f"127.0.0.1:{free_port()}", data_dir=str(tmp_path / "d"), capacity=64 << 20,
+    port = free_port()
+    cfg = ServerConfig(listen=f"127.0.0.1:{port}", data_dir=str(tmp_path / "d"), capacity=64 << 20,
                        unix_socket=str(sock))
     with pytest.raises(OSError, match=f"unix socket {sock}: cannot bind"):
         CacheServer(cfg)
-    again = CacheServer(ServerConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "d"), capacity=64 << 20))
+    # the data dir and the gRPC port are free again (grpcio frees a port only when a started server stops)
+    again = CacheServer(ServerConfig(listen=f"127.0.0.1:{port}", data_dir=str(tmp_path / "d"), capacity=64 << 20))
     again.stop(grace=0)
 
 
@@ -205,3 +207,16 @@ def test_a_unix_socket_path_in_use_is_refused_and_a_stale_one_replaced(tmp_path)
     with pytest.raises(OSError, match="exists and is not a socket"):
         CacheServer(cfg("b"))
     assert open(sock).read() == "not a socket"
+
+
+def test_listen_on_the_last_port_gives_the_data_plane_a_free_port(tmp_path):
+    """--data-listen auto is the gRPC port + 1: on 65535 that was 65536 and an OverflowError
+    traceback."""
+    try:
+        s = CacheServer(ServerConfig(listen="127.0.0.1:65535", data_dir=str(tmp_path / "d"), capacity=64 << 20))
+    except OSError as e:  # the port is taken on this host: nothing to show here
+        pytest.skip(str(e))
+    try:
+        assert s.port == 65535 and 0 < s.dataplane.tcp_address[1] < 65535
+    finally:
+        s.stop(grace=0)

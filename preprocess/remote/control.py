@@ -127,6 +127,8 @@ class Controller:
         if not self.paused:
             return
         self.paused = False
+        if self.fell_back:  # the cluster is gone: the local workers keep their fall-back count
+            return
         self._held = 0
         self.pool.resize(self.remote)
         if self.set_local is not None:
