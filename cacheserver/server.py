@@ -199,5 +199,6 @@ class CacheServer:
         self._grpc_pool.shutdown(wait=False)  # grpc leaves its executor's threads running (embedded: one per open)
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
+            self.metrics_server[0].server_close()  # its port, now: not when collected
         self.store.close()
         event(log, "cacheserver stopped", counters=self.counters.snapshot())

@@ -138,6 +138,7 @@ class ManagerDaemon:
         self.actuator.stop()
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
+            self.metrics_server[0].server_close()  # its port, now: not when collected
         self.store.close(snapshot=True)
         event(log, "cachemanager stopped", journal_seq=self.store.seq, counters=self.counters.snapshot())
 

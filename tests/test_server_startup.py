@@ -220,3 +220,14 @@ def test_listen_on_the_last_port_gives_the_data_plane_a_free_port(tmp_path):
         assert s.port == 65535 and 0 < s.dataplane.tcp_address[1] < 65535
     finally:
         s.stop(grace=0)
+
+
+def test_a_stopped_server_frees_its_metrics_port(tmp_path):
+    port = free_port()
+    cfg = ServerConfig(listen="127.0.0.1:0", data_dir=str(tmp_path / "d"), capacity=64 << 20, metrics_port=port)
+    s = CacheServer(cfg)
+    s.start()
+    s.stop(grace=0)
+    again = CacheServer(cfg)  # same process, s still referenced: its metrics socket must be closed
+    again.stop(grace=0)
+    assert s is not again
