@@ -13,7 +13,6 @@ import datetime
 import difflib
 import fnmatch
 import hashlib
-import itertools
 import json
 import os
 import random
@@ -25,21 +24,12 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import blake3
-from tqdm import tqdm
-
 from cacheserver.sizes import format_size
 from clients import crc32c, targets
 from clients.digest import Digest, DigestBuilder, DigestError, Kind
-from clients.itemscan import (
-    REMOTE_BLOCK,
-    SMALL_REMOTE,
-    Item,
-    ScanError,
-    hash_stream,
-    scan_local_batch,
-    scan_remote,
-)
+from clients.digest_verify import verify_digest
+from clients.digest_work import Job, progress, submit_bounded
+from clients.itemscan import Item, ScanError, scan_local_batch, scan_remote
 
 TOOL = "mlcache tools/digest 1"
 EXIT_FAIL = 1
@@ -68,12 +58,6 @@ def _is_local(fs: Any) -> bool:
     from fsspec.implementations.local import LocalFileSystem
 
     return isinstance(fs, LocalFileSystem)
-
-
-def _progress(total: int | None, quiet: bool, desc: str) -> tqdm:
-    # disable=None: tqdm hides itself when stderr is not a terminal.
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                desc=desc, disable=True if quiet else None, file=sys.stderr)
 
 
 # -- source access -------------------------------------------------------------
@@ -189,29 +173,6 @@ def _batches(files: list[SourceFile], workers: int) -> list[list[int]]:
     return out
 
 
-Job = tuple[Any, Callable[..., Any], tuple[Any, ...]]  # (key, function, arguments)
-
-
-def _submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int) -> Iterator[tuple[Any, cf.Future[Any]]]:
-    """Submit jobs keeping at most `window` unfinished; yield (key, future) as each is done.
-    The first jobs are submitted before this returns. Submitting one future per object
-    of a bucket up front held about 2 KiB each: gigabytes for millions of objects."""
-    pending: dict[cf.Future[Any], Any] = {}
-
-    def fill() -> None:
-        for key, fn, args in itertools.islice(jobs, max(window - len(pending), 0)):
-            pending[ex.submit(fn, *args)] = key
-
-    def finished() -> Iterator[tuple[Any, cf.Future[Any]]]:
-        while pending:
-            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                yield pending.pop(fut), fut
-            fill()
-    fill()
-    return finished()
-
-
 def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool,
                local: bool) -> Iterator[Job]:
     """(file indices, function, arguments) of each unit of hashing work, made as needed."""
@@ -231,7 +192,7 @@ def scan_files(
     total = None if any(f.size is None for f in files) else sum(f.size for f in files)  # type: ignore[misc]
     local = _is_local(fs)
     if local and workers == 1:
-        with _progress(total, quiet, "hashing") as bar:
+        with progress(total, quiet, "hashing") as bar:
             for i, f in enumerate(files):
                 try:
                     results[i] = scan_local_batch(kind, [(f.path, f.rel)], verify_crc)[0]
@@ -251,8 +212,8 @@ def scan_files(
         ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
     try:
         # The first jobs fork the pool's processes: before the bar starts its thread.
-        done = _submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local), 4 * workers)
-        with _progress(total, quiet, "hashing") as bar:
+        done = submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local), 4 * workers)
+        with progress(total, quiet, "hashing") as bar:
             for batch, fut in done:
                 res: Any = fut.result()
                 out: list[list[Item]] = res if local else [res]  # batch vs one file
@@ -301,74 +262,6 @@ def check_range_support(fs: Any, root: str, files: list[SourceFile], per_file: l
             if size and (off or f.size is None or size != f.size):
                 _range_probe(fs, root, f, off, size, sha)
                 return
-
-
-# -- verification ----------------------------------------------------------------
-
-
-def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) -> list[tuple[int, str]]:
-    """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
-    rel = digest.path(j)
-    full = f"{base}/{rel}"
-    problems: list[tuple[int, str]] = []
-    col = digest.blake3  # format 3: clients check reads against it, so verify checks it too
-
-    def stream(f: Any, limit: int | None = None) -> tuple[bytes, int, bytes | None]:
-        b3 = None if col is None else blake3.blake3()
-        sha, n = hash_stream(f, limit, also=b3)
-        return sha, n, None if b3 is None else b3.digest()
-
-    def compare(i: int, sha: bytes, n: int, b3: bytes | None) -> None:
-        _, off, size = digest.location(i)
-        if n != size:
-            problems.append((i, f"item {i}: {rel} @ {off}+{size}: size mismatch (store has {n} bytes)"))
-        elif sha != digest.sha256(i):
-            problems.append((i, f"item {i}: {rel} @ {off}+{size}: sha256 mismatch"))
-        elif col is not None and b3 != col[i].tobytes():
-            problems.append((i, f"item {i}: {rel} @ {off}+{size}: blake3 mismatch (the digest's BLAKE3 "
-                                "column disagrees with the data and its SHA-256)"))
-
-    try:
-        if digest.kind is Kind.FILES or len(items) <= 4:
-            for i in items:
-                _, off, size = digest.location(i)
-                if digest.kind is Kind.FILES and size > SMALL_REMOTE:
-                    with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
-                        sha, n, b3 = stream(f)
-                else:
-                    # Whole file for 'files' (so growth shows); a range otherwise.
-                    data = fs.cat_file(full) if digest.kind is Kind.FILES else (
-                        fs.cat_file(full, start=off, end=off + size) if size else b"")
-                    sha, n = hashlib.sha256(data).digest(), len(data)
-                    b3 = None if col is None else blake3.blake3(data).digest()
-                compare(i, sha, n, b3)
-        else:  # many records of one file: one sequential pass
-            with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
-                for i in sorted(items, key=lambda i: int(digest.offsets[i])):
-                    _, off, size = digest.location(i)
-                    f.seek(off)
-                    compare(i, *stream(f, size))
-    except Exception as e:  # any backend error: report, keep verifying others
-        shown = ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
-        problems.append((items[0], f"item(s) {shown} ({rel}): cannot read: {type(e).__name__}: {e}"))
-    return problems
-
-
-def verify_digest(
-    digest: Digest, fs: Any, base: str, indices: Sequence[int], workers: int, quiet: bool
-) -> list[str]:
-    groups: dict[int, list[int]] = {}
-    for i in indices:
-        groups.setdefault(int(digest.path_index[i]), []).append(i)
-    problems: list[tuple[int, str]] = []
-    # Threads even for local files: hashlib and file reads release the GIL.
-    with cf.ThreadPoolExecutor(workers, thread_name_prefix="verify") as ex, \
-            _progress(sum(int(digest.sizes[i]) for i in indices), quiet, "verifying") as bar:
-        jobs = ((items, _check_path, (fs, base, digest, j, items)) for j, items in groups.items())
-        for items, fut in _submit_bounded(ex, jobs, 4 * workers):
-            problems.extend(fut.result())
-            bar.update(sum(int(digest.sizes[i]) for i in items))
-    return [msg for _, msg in sorted(problems)]
 
 
 # -- command line ----------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""What the digest tool's hashing and verifying share: a progress bar in bytes, and a
+pool fed a bounded number of jobs at a time."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tqdm import tqdm
+
+
+def progress(total: int | None, quiet: bool, desc: str) -> tqdm:
+    # disable=None: tqdm hides itself when stderr is not a terminal.
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                desc=desc, disable=True if quiet else None, file=sys.stderr)
+
+
+Job = tuple[Any, Callable[..., Any], tuple[Any, ...]]  # (key, function, arguments)
+
+
+def submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int) -> Iterator[tuple[Any, cf.Future[Any]]]:
+    """Submit jobs keeping at most `window` unfinished; yield (key, future) as each is done.
+    The first jobs are submitted before this returns. Submitting one future per object
+    of a bucket up front held about 2 KiB each: gigabytes for millions of objects."""
+    pending: dict[cf.Future[Any], Any] = {}
+
+    def fill() -> None:
+        for key, fn, args in itertools.islice(jobs, max(window - len(pending), 0)):
+            pending[ex.submit(fn, *args)] = key
+
+    def finished() -> Iterator[tuple[Any, cf.Future[Any]]]:
+        while pending:
+            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                yield pending.pop(fut), fut
+            fill()
+    fill()
+    return finished()
