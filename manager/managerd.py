@@ -133,6 +133,7 @@ class ManagerDaemon:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.stop(grace).wait(grace)
+        self._grpc_pool.shutdown(wait=False)  # grpc leaves its executor's threads running
         self.loop.stop()
         self.actuator.drain(grace)
         self.actuator.stop()
