@@ -115,4 +115,5 @@ def strip_tenants(resp: Any) -> Any:
     resp.ClearField("chunks")
     resp.ClearField("active_chunks")
     resp.ClearField("job_modes")
+    resp.tenants_hidden = True
     return resp

@@ -152,6 +152,7 @@ def stats_dict(addr: str, r) -> dict:
                     "refs": c.refs, "jobs": list(c.jobs)} for c in r.chunks],
         "active_chunks": dict(sorted(r.active_chunks.items())),
         "job_modes": {j: _mode_name(m) for j, m in sorted(r.job_modes.items())},
+        "tenants_hidden": r.tenants_hidden,
     }
 
 
@@ -164,16 +165,20 @@ def _mode_name(code: int) -> str:
 
 
 # A server with --cluster-token-file or TLS leaves job and dataset names out of the Stats
-# of callers without the manager's role (cacheserver/roles.py): an empty list proves nothing.
-_HIDDEN = ("  (none shown; a server with --cluster-token-file or TLS shows them only to the manager's role: "
-           "pass --cluster-token-file, or manager.pem as --tls-cert)")
+# of callers without the manager's role (cacheserver/roles.py) and says so (tenants_hidden).
+_HIDDEN = ("  (hidden: this server shows them only to the manager's role: "
+           "pass its --cluster-token-file, or manager.pem as --tls-cert)")
+_HIDDEN_WRONG_TOKEN = ("  (hidden: the server did not accept --cluster-token-file as the manager's role; "
+                       "is it the token file the server runs with?)")
 
 
-def format_stats(d: dict, manager_role: bool = True) -> str:
-    """The table of stats_dict's `d`; `manager_role`: the caller could see other tenants."""
+def format_stats(d: dict, token_given: bool = False) -> str:
+    """The table of stats_dict's `d`; `token_given`: the caller sent a cluster token (so a
+    server that hid names refused it)."""
     from cacheserver.sizes import format_size
     cap, used = d["capacity_bytes"], d["used_bytes"]
     c = d["counters"]
+    hidden = _HIDDEN_WRONG_TOKEN if token_given else _HIDDEN
     out = [f"server {d['address']}  id {d['server_id']}",
            table([["capacity", format_size(cap), f"{cap:,} bytes"],
                    ["used", format_size(used), f"{used:,} bytes", _pct(used, cap)],
@@ -192,14 +197,14 @@ def format_stats(d: dict, manager_role: bool = True) -> str:
                            for ch in d["chunks"]],
                           header=["DATASET", "CHUNK", "ITEMS", "BYTES", "REFS", "JOBS", "ACTIVE"]))
     else:
-        out.append("  (no tagged chunks)" if manager_role else _HIDDEN)
+        out.append(hidden if d["tenants_hidden"] else "  (no tagged chunks)")
     listed = {ch["dataset"] for ch in d["chunks"]}
     extra = {ds: ch for ds, ch in d["active_chunks"].items() if ds not in listed}
     if extra:
         out += ["", "active chunks", table([[ds, ch] for ds, ch in extra.items()])]
     out += ["", "job modes"]
     out.append(table([[j, m] for j, m in d["job_modes"].items()]) if d["job_modes"]
-               else "  (all jobs normal)" if manager_role else _HIDDEN)
+               else hidden if d["tenants_hidden"] else "  (all jobs normal)")
     return "\n".join(out)
 
 
@@ -213,20 +218,8 @@ def cmd_stats(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _client(args.addr, tls, args.timeout, token) as c:
         r = _rpc(args.addr, "Stats", c.stats, tls)
     d = stats_dict(args.addr, r)
-    role = token is not None or (tls is not None and _cert_role(tls.cert) == "manager")
-    print(json.dumps(d, indent=2) if args.json else format_stats(d, manager_role=role))
+    print(json.dumps(d, indent=2) if args.json else format_stats(d, token_given=token is not None))
     return 0
-
-
-def _cert_role(path: str) -> str | None:
-    from cryptography import x509
-
-    from cacheserver.certs import cert_role
-    try:
-        with open(path, "rb") as f:
-            return cert_role(x509.load_pem_x509_certificate(f.read()))
-    except (OSError, ValueError):
-        return None
 
 
 # ------------------------------------------------------------------- ring ---

@@ -60,6 +60,33 @@ def test_stats_without_the_role_does_not_claim_all_jobs_normal(token_server):
     assert "--cluster-token-file" in r.stdout
 
 
+def test_stats_with_a_wrong_token_says_the_server_refused_it(tmp_path, token_server):
+    """A token the server does not hold: names are hidden, and the table says why, not
+    "(all jobs normal)" beside a job in bypass."""
+    addr, _ = token_server
+    wrong = tmp_path / "wrong"
+    wrong.write_text("f" * 32 + "\n")
+    wrong.chmod(0o600)
+    r = cachectl("stats", addr, "--cluster-token-file", str(wrong))
+    assert r.returncode == 0, r.stderr
+    assert "(all jobs normal)" not in r.stdout and "(no tagged chunks)" not in r.stdout, r.stdout
+    assert "did not accept --cluster-token-file" in r.stdout, r.stdout
+    d = json.loads(cachectl("stats", addr, "--json", "--cluster-token-file", str(wrong)).stdout)
+    assert d["tenants_hidden"] is True and d["job_modes"] == {}
+
+
+def test_stats_of_an_open_server_with_no_tenants_says_none(tmp_path):
+    """A server without a token or TLS hides nothing: empty tables say so plainly."""
+    s = cacheserver(str(tmp_path / "open"), "64MB", 0).start()
+    try:
+        r = cachectl("stats", s.address)
+    finally:
+        s.kill()
+    assert r.returncode == 0, r.stderr
+    assert "(all jobs normal)" in r.stdout and "(no tagged chunks)" in r.stdout, r.stdout
+    assert "hidden" not in r.stdout, r.stdout
+
+
 def test_stats_bad_token_file_is_a_usage_error(tmp_path, token_server):
     addr, _ = token_server
     r = cachectl("stats", addr, "--cluster-token-file", str(tmp_path / "missing"))
