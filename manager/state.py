@@ -24,6 +24,7 @@ cut off; damage anywhere else stops the manager rather than guessing.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -87,6 +88,32 @@ def _parse_journal(data: bytes, path: str) -> tuple[list[tuple[int, int, dict]],
     return records, keep
 
 
+# The parts of a snapshot's state this version reads (ManagerModel.to_dict names them after its fields).
+MODEL_PARTS = frozenset(f.name for f in dataclasses.fields(ManagerModel))
+
+
+def _read_snapshot(path: str) -> tuple[int, ManagerModel]:
+    """(seq, model) of a snapshot file; StateError naming the file and what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        state, seq = doc["state"], int(doc["seq"])
+        if not isinstance(state, dict):
+            raise TypeError(f"its state is a {type(state).__name__}, not an object")
+    except (ValueError, KeyError, TypeError) as e:  # not JSON (UnicodeDecodeError too), not a snapshot
+        raise StateError(f"{path}: not a readable snapshot (damaged or truncated): {e!r}") from None
+    if hashlib.sha256(canonical(state)).hexdigest() != doc.get("digest"):
+        raise StateError(f"{path}: digest mismatch (damaged snapshot)")
+    unknown = sorted(set(state) - MODEL_PARTS)
+    if unknown:  # a newer manager's state: dropping those parts would lose them silently
+        raise StateError(f"{path}: written by a newer cachemanager (state parts {unknown} unknown to this one)")
+    try:
+        return seq, ManagerModel.from_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StateError(f"{path}: a state this cachemanager cannot read (written by a newer one, "
+                         f"or damaged): {e!r}") from None
+
+
 class StateStore:
     def __init__(self, state_dir: str, config: ManagerConfig, *, snapshot_every: int = 1000,
                  fsync: bool = True, clock: Callable[[], float] = time.time,
@@ -122,27 +149,26 @@ class StateStore:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self.close(snapshot=False)
             raise StateError(f"{self.dir} is in use by another cachemanager") from None
-        with self.lock:
-            self._load()
-            self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            if self.model.config != self.config:
-                # Flags changed since the state was written: the change is an
-                # event like any other, so replay stays exact.
-                self.submit({"type": "configure", "config": self.config.to_dict(), "now": self.clock()})
-            self.snapshot()  # start from a compact journal
+        try:
+            with self.lock:
+                self._load()
+                self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if self.model.config != self.config:
+                    # Flags changed since the state was written: the change is an
+                    # event like any other, so replay stays exact.
+                    self.submit({"type": "configure", "config": self.config.to_dict(), "now": self.clock()})
+                self.snapshot()  # start from a compact journal
+        except BaseException:
+            self.close(snapshot=False)  # the lock too: a repaired directory opens again in this process
+            raise
         return self
 
     def _load(self) -> None:
         snap_seq = 0
         if os.path.exists(self.snapshot_path):
-            with open(self.snapshot_path, "rb") as f:
-                doc = json.loads(f.read())
-            state = doc["state"]
-            if hashlib.sha256(canonical(state)).hexdigest() != doc.get("digest"):
-                raise StateError(f"{self.snapshot_path}: digest mismatch (damaged snapshot)")
-            self.model = ManagerModel.from_dict(state)
-            snap_seq = int(doc["seq"])
+            snap_seq, self.model = _read_snapshot(self.snapshot_path)
         self.seq = snap_seq
         if not os.path.exists(self.journal_path):
             return
@@ -157,7 +183,10 @@ class StateStore:
             try:
                 self.model.apply(ev)
             except Rejected as e:  # a journaled event always applied once: refuse to diverge silently
-                raise StateError(f"journal event {seq} no longer applies: {e}") from None
+                raise StateError(f"{self.journal_path}: journal event {seq} no longer applies: {e}") from None
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # fields missing or mistyped
+                raise StateError(f"{self.journal_path}: event {seq} at line {lineno} cannot be replayed "
+                                 f"(damaged, or written by a newer cachemanager): {e!r}") from None
             self.seq = seq
             self.replayed += 1
         if keep != data:

@@ -1,0 +1,136 @@
+"""A state directory the manager cannot use (damaged, or written by a newer version) stops a
+real `cachemanager` with an error naming the file, never a traceback or a silent loss."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from manager.manager_client import ManagerClient
+from manager.model import ManagerConfig, canonical
+from manager.state import StateError, StateStore
+from procs import ROOT, cachemanager
+
+DS = "ab" * 16
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    """A state directory a real manager wrote: a snapshot (from a clean stop) holding a job,
+    then a journal holding a second job (the manager was killed)."""
+    root = str(tmp_path_factory.mktemp("state") / "mgr")
+    m = cachemanager(root).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as mc:
+            mc.register_job("j1", DS, 10**6, 100, 1)
+    finally:
+        assert m.stop() == 0
+    m = cachemanager(root).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as mc:
+            mc.register_job("j2", DS, 10**6, 100, 1)
+    finally:
+        m.kill()
+    return root
+
+
+def _start(state: str) -> subprocess.CompletedProcess:
+    """Run cachemanager on `state`; stop it at once if it becomes ready."""
+    p = subprocess.Popen([sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir", state,
+                          "--log-format", "text"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if p.stdout.readline().startswith(b"READY "):
+            p.terminate()
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    return subprocess.CompletedProcess(p.args, p.returncode, out.decode(), err.decode())
+
+
+def _rewrite_state(path: str, change) -> None:
+    """Change a snapshot's state and give it a matching digest (what a newer manager writes)."""
+    with open(path) as f:
+        doc = json.load(f)
+    change(doc["state"])
+    doc["digest"] = hashlib.sha256(canonical(doc["state"])).hexdigest()
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def _truncate(path: str, n: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(n)
+
+
+def _newer_job_field(state: dict) -> None:
+    state["jobs"]["j1"]["quota"] = 5
+
+
+def _newer_part(state: dict) -> None:
+    state["quotas"] = {"tenant": 10**9}
+
+
+SNAPSHOT_DAMAGE = {
+    "empty": lambda p: _truncate(p, 0),
+    "truncated": lambda p: _truncate(p, 200),
+    "no state": lambda p: open(p, "w").write('{"seq": 3}'),
+    "newer field": lambda p: _rewrite_state(p, _newer_job_field),
+    "newer part": lambda p: _rewrite_state(p, _newer_part),  # was dropped silently
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SNAPSHOT_DAMAGE))
+def test_an_unreadable_snapshot_stops_the_manager_naming_the_file(state_dir, tmp_path, damage):
+    state = str(tmp_path / "s")
+    shutil.copytree(state_dir, state)
+    snap = os.path.join(state, "snapshot.json")
+    SNAPSHOT_DAMAGE[damage](snap)
+    r = _start(state)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and f"cachemanager: error: {snap}: " in r.stderr, r.stderr[-2000:]
+
+
+def test_a_journal_event_missing_its_fields_stops_the_manager_naming_the_file(state_dir, tmp_path):
+    state = str(tmp_path / "s")
+    shutil.copytree(state_dir, state)
+    journal = os.path.join(state, "journal.jsonl")
+    with open(journal, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    assert len(lines) == 1 and b'"job":"j2"' in lines[0]
+    with open(journal, "wb") as f:  # a flipped byte that keeps the JSON valid: the key "job" is gone
+        f.write(lines[0].replace(b'"job":"j2"', b'"jnb":"j2"'))
+    r = _start(state)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and f"{journal}: event " in r.stderr, r.stderr[-2000:]
+
+
+def test_the_undamaged_state_is_back(state_dir, tmp_path):
+    """The copies above were damaged, not the original: both jobs come back."""
+    state = str(tmp_path / "s")
+    shutil.copytree(state_dir, state)
+    m = cachemanager(state).start()
+    try:
+        with ManagerClient(m.address, timeout=5) as mc:
+            assert sorted(j["job"] for j in mc.status_dict()["jobs"]) == ["j1", "j2"]
+    finally:
+        assert m.stop() == 0
+
+
+def test_a_failed_open_lets_go_of_the_state_dir(tmp_path):
+    """A store that could not open closes its files and its lock: once the damage is repaired,
+    the same process opens the directory (it used to say another cachemanager had it)."""
+    StateStore(str(tmp_path), ManagerConfig(), fsync=False).open().close()
+    snap = tmp_path / "snapshot.json"
+    good = snap.read_bytes()
+    snap.write_bytes(b"")
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(StateError, match="not a readable snapshot"):
+        StateStore(str(tmp_path), ManagerConfig(), fsync=False).open()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    snap.write_bytes(good)
+    StateStore(str(tmp_path), ManagerConfig(), fsync=False).open().close()
