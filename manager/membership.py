@@ -63,10 +63,10 @@ class Registry:
         before = self.addresses()
         s = self.servers.get(server_id)
         # One address, one server: a new server id on an old address (data dir
-        # wiped, or another process took the port) replaces the old record.
-        for other in self.servers.values():
-            if other.server_id != server_id and other.address == address and other.alive:
-                other.alive, other.left_at = False, now
+        # wiped, or another process took the port) replaces the old record, which
+        # would otherwise be listed as down for ever.
+        for other in [o for o in self.servers.values() if o.server_id != server_id and o.address == address]:
+            del self.servers[other.server_id]
         if s is None:
             self.servers[server_id] = ServerRecord(server_id, address, int(capacity), True, now)
         else:

@@ -229,13 +229,22 @@ def test_registry_versions_and_liveness():
     assert reg.leave("a", 3.0) and reg.addresses() == ["h:2"] and reg.version == 3
     assert reg.join("a", "h:1", 100, 4.0) and reg.servers["a"].joins == 2
     assert not reg.join("c", "h:2", 70, 5.0)  # new id on b's address replaces b; same ring
-    assert reg.addresses() == ["h:1", "h:2"] and not reg.servers["b"].alive and reg.capacity() == 170
+    assert reg.addresses() == ["h:1", "h:2"] and "b" not in reg.servers and reg.capacity() == 170
     assert Registry.from_dict(reg.to_dict()) == reg
     live = Liveness(started=100.0, restart_grace=5.0)
     live.beat("a", 100.5)
     assert live.dead_servers(reg, 101.0, timeout=1.0) == []
     assert live.dead_servers(reg, 102.0, timeout=1.0) == ["a"]          # missed beats
     assert live.dead_servers(reg, 106.0, timeout=1.0) == ["a", "c"]     # c: restart grace over
+
+
+def test_a_new_id_on_a_down_servers_address_replaces_its_record():
+    """A server whose data dir was wiped comes back under a new id: the old record goes,
+    rather than being listed as down for ever."""
+    reg = Registry()
+    assert reg.join("a", "h:1", 100, 1.0) and reg.leave("a", 2.0)
+    assert reg.join("b", "h:1", 100, 3.0)
+    assert sorted(reg.servers) == ["b"] and reg.addresses() == ["h:1"]
 
 
 def test_a_dataset_without_room_shares_misses_as_spare_until_its_jobs_gain_nothing():
