@@ -1,9 +1,12 @@
 """tools/demo's start barrier against real job processes: a job that never says READY
-fails its row within the deadline instead of hanging the demo on its pipe."""
+fails its row within the deadline instead of hanging the demo on its pipe; and SIGTERM
+mid-run stops its daemons and removes its directory."""
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,3 +45,60 @@ def test_the_start_barrier_is_bounded_and_reads_ready_exits_and_silence():
         for p in (ready, dead, stuck):
             p.kill()
             p.wait(10)
+
+
+def _procs_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_run_stops_the_daemons_and_removes_the_temp_dir(tmp_path):
+    # SIGTERM (`timeout make demo`, a CI runner) once the LRU row's servers and job run.
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    demo = subprocess.Popen([sys.executable, str(DEMO), "--items", "30", "--jobs", "1", "--no-baselines"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while not list(tmp_path.glob("mlcache-demo-*/lru0-job0.log")) and time.monotonic() < deadline:
+            assert demo.poll() is None, "the demo ended before its LRU row"
+            time.sleep(0.1)
+        daemons = _procs_naming(str(tmp_path))
+        assert len(daemons) >= 3, "the LRU row's servers and job did not start"
+        demo.send_signal(signal.SIGTERM)
+        rc = demo.wait(60)
+        time.sleep(0.5)  # a daemon the demo left would still run now
+        left = [pid for pid in daemons if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)]
+        assert left == [] and list(tmp_path.iterdir()) == []
+        assert rc == 128 + signal.SIGTERM
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+        for pid in _procs_naming(str(tmp_path)):  # what a failed run left
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("flag,value,why", [("--bandwidth", "fast", "not a size"),
+                                            ("--latency", "soon", "not a duration")])
+def test_a_bad_store_flag_is_refused_before_any_work(tmp_path, flag, value, why):
+    r = subprocess.run([sys.executable, str(DEMO), flag, value], env=dict(os.environ, TMPDIR=str(tmp_path)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-class", type=int, default=40)
     p.add_argument("--size", type=int, default=32, help="image side in pixels")
     a = p.parse_args(argv)
+    for flag, value in (("--classes", a.classes), ("--per-class", a.per_class), ("--size", a.size)):
+        if value < 1:  # else a traceback (--size 0) or "wrote -9 images" (--per-class -3)
+            p.error(f"{flag} must be at least 1, not {value}")
     n = write(Path(a.dir), a.classes, a.per_class, a.size)
     print(f"example_data: wrote {n} images in {a.classes} classes under {a.dir}", file=sys.stderr)
     return 0

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from urllib.parse import quote, unquote
 
 from aiohttp import web
@@ -245,10 +246,14 @@ class _Server:
         self.per_connection_bandwidth = parse_bandwidth(per_connection_bandwidth)
         self.latency = parse_duration(latency)
         self.follow_symlinks = follow_symlinks
+        if int(chunk_size) < 1:  # a 0-byte chunk would send no body after its Content-Length
+            raise ValueError(f"chunk size must be at least 1 byte: {chunk_size}")
         rates = [r for r in (self.bandwidth, self.per_connection_bandwidth) if r]
         self.chunk_size = _chunk_for(min(rates) if rates else None, int(chunk_size))
         self.stats = _Stats()
         self._bucket: TokenBucket | None = None
+        # One bucket per connection (its transport), dropped when the connection is.
+        self._conn_buckets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._runner: web.ServerRunner | None = None
 
     # -- lifecycle (on the loop) --
@@ -345,12 +350,13 @@ class _Server:
             with os.scandir(path) as it:
                 for e in it:
                     try:
+                        quote(e.name)  # a name that is not UTF-8 has no URL here (nor in GCS/S3)
                         is_dir = e.is_dir()
                         if not is_dir and not e.is_file():
                             continue
                         if not self.follow_symlinks and e.is_symlink():
                             self._resolve(segments + [e.name])
-                    except (OSError, _Forbidden):
+                    except (OSError, _Forbidden, UnicodeEncodeError):
                         continue
                     entries.append((e.name, is_dir))
         except OSError:
@@ -404,8 +410,7 @@ class _Server:
             if request.method == "HEAD":
                 await resp.write_eof()
                 return resp
-            conn_bucket = (TokenBucket(self.per_connection_bandwidth, self.chunk_size)
-                           if self.per_connection_bandwidth else None)
+            conn_bucket = self._conn_bucket(request)
             pos = start
             while pos < end:
                 data = os.pread(fd, min(self.chunk_size, end - pos), pos)
@@ -427,8 +432,24 @@ class _Server:
         finally:
             os.close(fd)
 
+    def _conn_bucket(self, request: web.BaseRequest) -> TokenBucket | None:
+        """The per-connection bucket of the request's connection: a keep-alive
+        client's requests share it, so a run of small reads (each within one
+        burst) is paced as well, not only each large response on its own."""
+        if not self.per_connection_bandwidth:
+            return None
+        transport = request.transport
+        bucket = self._conn_buckets.get(transport) if transport is not None else None
+        if bucket is None:
+            bucket = TokenBucket(self.per_connection_bandwidth, self.chunk_size)
+            if transport is not None:
+                self._conn_buckets[transport] = bucket
+        return bucket
+
 
 def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:  # getaddrinfo would take 70000 as 4464, -1 with a cryptic error
+        raise ValueError(f"port must be 0-65535 (0: any free port): {port}")
     family, type_, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, type_, proto)
@@ -620,7 +641,8 @@ def _arg_parser() -> argparse.ArgumentParser:
                    help="store-wide cap shared by all connections, e.g. 200MB, 1GiB "
                         "(per second; default unlimited)")
     p.add_argument("--per-connection-bandwidth", default=None,
-                   help="cap for each response stream, e.g. 50MB (default unlimited)")
+                   help="cap for each connection (its responses one after another), "
+                        "e.g. 50MB (default unlimited)")
     p.add_argument("--latency", default="0",
                    help="first-byte latency added to every request, e.g. 20ms, 0.5s")
     p.add_argument("--chunk-size", default="256KiB", help="read/write chunk (default 256KiB)")
