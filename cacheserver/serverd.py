@@ -71,11 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction", default="lru", choices=["lru", "none"],
                    help="fallback when full: evict least recently used unreferenced entries, or refuse")
     p.add_argument("--max-item-size", type=_size, default=64 << 20, help="largest accepted value")
-    p.add_argument("--max-batch-size", type=_size, default=256 << 20, help="largest put batch")
+    p.add_argument("--max-batch-size", type=_size, default=256 << 20,
+                   help="largest put batch (sum of values); a get's answer stops at it too (the rest: misses)")
     p.add_argument("--max-inflight-bytes", type=_size, default=1 << 30,
-                   help="request bodies held at once across all data-plane connections; past it a request "
-                        "is answered 'server busy'")
-    p.add_argument("--max-connections", type=int, default=4096, help="open data-plane connections at most")
+                   help="request bodies held at once across all data-plane connections and gRPC calls; past "
+                        "it a request is answered 'server busy'")
+    # positive: 0 would answer every data-plane connection 'server busy' (clients: server down)
+    p.add_argument("--max-connections", type=_positive_int, default=4096, metavar="N",
+                   help="open data-plane connections at most")
     p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                    help="a data-plane request that stalls this long while being sent or answered is cut off")
     p.add_argument("--max-grpc-calls", type=_positive_int, default=64, metavar="N",

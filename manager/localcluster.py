@@ -268,9 +268,11 @@ def add_local_cluster_parser(sub: Any) -> None:
                     help="keep data in DIR/server-I (default: a temporary directory removed at exit)")
     lc.add_argument("--metrics-base-port", type=int, default=None,
                     help="serve Prometheus metrics of server i on this port + i")
-    lc.add_argument("--eviction", default="lru", choices=["lru", "none"])
-    lc.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    lc.add_argument("--log-format", default="text", choices=["json", "text"])
+    lc.add_argument("--eviction", default="lru", choices=["lru", "none"], help="each server's --eviction")
+    lc.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="each server's --log-level")
+    lc.add_argument("--log-format", default="text", choices=["json", "text"],
+                    help="each server's --log-format")
     lc.add_argument("--start-timeout", type=float, default=30.0, help="seconds to wait for all servers")
     lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
     lc.set_defaults(func=cmd_local_cluster, subparser=lc)

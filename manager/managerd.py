@@ -187,16 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-marked-seconds", type=float, default=None,
                    help="evict a marked chunk after this long regardless (default: off)")
     p.add_argument("--policy-config", default=None, metavar="FILE",
-                   help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}, "admission": {...}} '
-                        '(docs/manager-policy.md)')
+                   help='JSON overrides: {"probe": {...}, "alloc": {...}, "buffer": {...}, "admission": {...}, '
+                        '"autoscale": {...}, "placement": {...}, "dataset_grace_s": S} (docs/manager-policy.md)')
     p.add_argument("--ray", default=None, metavar="ray://HOST:PORT",
                    help="the Ray cluster for remote preprocessing workers (its head's client server): jobs with "
                         "remote='auto' get it, and their worker counts are decided here (docs/preprocess.md)")
     p.add_argument("--snapshot-every", type=int, default=1000, help="journal events between snapshots")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
     p.add_argument("--server-timeout", type=float, default=2.0, help="seconds per call to a cache server")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="json", choices=["json", "text"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written to stderr")
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="json: one JSON object per line (for log collectors); text: plain lines for a terminal")
     p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for calls in flight at SIGTERM")
     return p
 
