@@ -111,6 +111,13 @@ class CacheServer:
                 raise OSError(f"--metrics-port: cannot serve metrics on "
                               f"{join_hostport(self.host, cfg.metrics_port)}: {e}") from e
 
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of the metrics endpoint (the bound port: --metrics-port 0 picks one)."""
+        if self.metrics_server is None:
+            return None
+        return join_hostport(self.host, self.metrics_server[0].server_address[1])
+
     def _bind_dataplane(self, cfg: ServerConfig, port: int) -> DataPlaneServer:
         host = self.host
         tcp = None
@@ -178,7 +185,8 @@ class CacheServer:
               data_plane=join_hostport(*tcp) if tcp else None, unix_socket=self.dataplane.unix_path,
               capacity=self.store.capacity, used=self.store.used, items=self.store.items,
               recovered=self.counters["recovered_items"], peers=self.cfg.peers,
-              tls=self.cfg.tls is not None, eviction=self.cfg.eviction)
+              tls=self.cfg.tls is not None, eviction=self.cfg.eviction,
+              metrics=self.metrics_address)
         if self.cfg.manager:
             from .registration import ManagerLink
             self.manager_link = ManagerLink(

@@ -48,7 +48,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _port(text: str) -> int:
+def _port(text: str) -> int | None:
+    if text == "":  # an empty setting (systemd's METRICS_PORT=) turns metrics off
+        return None
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
     return int(text)
@@ -63,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes to store at most, e.g. 200GB, 512MiB; never exceeded")
     p.add_argument("--peers", default="", help="comma-separated gRPC addresses of all ring members")
     p.add_argument("--manager", default=None, help="cache manager address HOST:PORT")
-    p.add_argument("--metrics-port", type=_port, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=_port, default=None,
+                   help="serve Prometheus metrics on this port (0: a free one, logged at start; empty: off)")
     p.add_argument("--data-listen", default="auto",
                    help="data-plane address HOST:PORT; 'auto' = gRPC port + 1; 'off' disables")
     p.add_argument("--unix-socket", default="auto",

@@ -231,3 +231,28 @@ def test_a_stopped_server_frees_its_metrics_port(tmp_path):
     again = CacheServer(cfg)  # same process, s still referenced: its metrics socket must be closed
     again.stop(grace=0)
     assert s.metrics_server[0].socket.fileno() == -1
+
+
+def test_metrics_port_zero_is_logged_and_empty_is_off(tmp_path):
+    """--metrics-port 0 binds a free port that the start-up line names (else nobody could
+    scrape it); an empty value (systemd's METRICS_PORT=) starts the server without metrics."""
+    import json
+    import urllib.request
+
+    from procs import cacheserver
+    s = cacheserver(str(tmp_path / "a"), "64MB", 0, "--metrics-port", "0", "--log-format", "json").start()
+    try:
+        with open(os.path.join(str(tmp_path / "a"), "server.log")) as f:
+            started = [json.loads(line) for line in f if '"cacheserver started"' in line]
+        addr = started[0]["metrics"]
+        assert addr and not addr.endswith(":0"), started
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            assert b"mlcache" in r.read()
+    finally:
+        s.kill()
+    off = cacheserver(str(tmp_path / "b"), "64MB", 0, "--metrics-port", "").start()
+    try:
+        with ServerClient(off.address, local_read=False) as c:
+            assert c.stats().capacity_bytes > 0
+    finally:
+        off.kill()
