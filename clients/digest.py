@@ -16,8 +16,10 @@ import os
 import struct
 import tempfile
 import zlib
+from array import array
 from collections.abc import Mapping, Sequence
 from functools import cached_property
+from itertools import repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -155,15 +157,20 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _packed(strings: Sequence[str]) -> tuple[np.ndarray, bytes]:
+    """(u8 bounds, n + 1 of them; UTF-8 blob) of a string column: the path and name tables."""
+    encoded = [t.encode("utf-8") for t in strings]
+    bounds = np.zeros(len(encoded) + 1, _U8)
+    np.cumsum(np.fromiter((len(e) for e in encoded), _U8, len(encoded)), out=bounds[1:])
+    return _readonly(bounds), b"".join(encoded)
+
+
 def _extras(targets: Sequence[int] | np.ndarray | None, classes: Sequence[str],
             names: Sequence[str] | None, blake3: np.ndarray | bytes | None = None) -> Extras:
     t = None if targets is None else _readonly(np.ascontiguousarray(targets, _I8))
     no, blob = None, b""
     if names is not None:
-        encoded = [nm.encode("utf-8") for nm in names]
-        no = np.zeros(len(encoded) + 1, _U8)
-        np.cumsum(np.fromiter((len(e) for e in encoded), _U8, len(encoded)), out=no[1:])
-        no, blob = _readonly(no), b"".join(encoded)
+        no, blob = _packed(names)
     if classes and t is None:
         raise ValueError("classes given without targets")
     b3 = None
@@ -252,15 +259,13 @@ class Digest:
         else:
             h = np.asarray(hashes, np.uint8)
         h = _readonly(np.ascontiguousarray(h.reshape(-1, 32)))
-        encoded = [p.encode("utf-8") for p in paths]
-        poff = np.zeros(len(encoded) + 1, _U8)
-        np.cumsum(np.fromiter((len(e) for e in encoded), _U8, len(encoded)), out=poff[1:])
+        poff, strings = _packed(paths)
         return cls(
             root, kind, h,
             _readonly(np.ascontiguousarray(sizes, _U8)),
             _readonly(np.ascontiguousarray(offsets, _U8)),
             _readonly(np.ascontiguousarray(path_index, _U4)),
-            _readonly(poff), b"".join(encoded), meta, _extras(targets, classes, names, blake3),
+            poff, strings, meta, _extras(targets, classes, names, blake3),
         )
 
     # -- item access ----------------------------------------------------------
@@ -398,6 +403,10 @@ class Digest:
     def to_bytes(self) -> bytes:
         """The file's bytes: version 1 when there are no targets or names (so older
         readers still read it), else version 2."""
+        return bytes(self._file_buffer())
+
+    def _file_buffer(self) -> bytearray:
+        """to_bytes's bytes, not copied into a bytes object (save writes them as they are)."""
         root = self.root.encode("utf-8")
         meta = json.dumps(self._meta, sort_keys=True, separators=(",", ":")).encode("utf-8")
         strings = self._strings
@@ -428,14 +437,14 @@ class Digest:
                 b = np.frombuffer(blob, np.uint8)
             out[pos:pos + len(b)] = b
         buf[lay.trailer:] = hashlib.sha256(memoryview(buf)[:lay.trailer]).digest()
-        return bytes(buf)
+        return buf
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename): readers never see half a file, and a crash
         (power loss included: the data reaches the disk before the rename) leaves the old
         digest or the new one, never an empty file in place of a good one."""
         path = Path(path)
-        data = self.to_bytes()
+        data = self._file_buffer()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -535,18 +544,20 @@ class Digest:
 
 
 class DigestBuilder:
-    """Accumulates items in order, interning paths, then builds a Digest."""
+    """Accumulates items in order, interning paths, then builds a Digest. Columns are kept
+    packed (about 90 bytes an item), so millions of items fit in little memory."""
 
     def __init__(self, root: str, kind: Kind | str, meta: Mapping[str, str] | None = None) -> None:
         self.root = root
         self.kind = Kind(kind)
         self.meta = dict(meta or {})
         self._hashes = bytearray()
-        self._sizes: list[int] = []
-        self._offsets: list[int] = []
-        self._pidx: list[int] = []
+        self._sizes = array("Q")
+        self._offsets = array("Q")
+        self._pidx = array("I")  # u4 (build converts, whatever the C int size)
         self._paths: dict[str, int] = {}
-        self._names: list[str] = []
+        self._names = bytearray()  # UTF-8 names, concatenated
+        self._name_ends: array[int] | None = None  # end of each item's name; None: no names
         self._blake3 = bytearray()
 
     def __len__(self) -> int:
@@ -556,25 +567,39 @@ class DigestBuilder:
             blake3: bytes | None = None) -> None:
         """Append an item; ``name`` (a tar member's name) and ``blake3`` (its BLAKE3,
         the fast check of cached values) are each given for all items or none."""
-        if (name is None) != (not self._names) and self._sizes:
+        self.add_many(path, sha256, (size,), (offset,), None if name is None else (name,), blake3)
+
+    def add_many(self, path: str, sha256: bytes | bytearray, sizes: Sequence[int], offsets: Sequence[int],
+                 names: Sequence[str] | None = None, blake3: bytes | bytearray | None = None) -> None:
+        """Append the items of one file at once: as ``add``, with ``sha256`` and ``blake3``
+        each the items' hashes concatenated (32 bytes an item)."""
+        n = len(sizes)
+        if not n:
+            return
+        if (names is None) != (self._name_ends is None) and self._sizes:
             raise ValueError("give a name for every item or for none")
         if (blake3 is None) != (not self._blake3) and self._sizes:
             raise ValueError("give a BLAKE3 for every item or for none")
-        if blake3 is not None and len(blake3) != 32:
-            raise ValueError("blake3 must be 32 bytes")
-        if len(sha256) != 32:
-            raise ValueError("sha256 must be 32 bytes")
-        if size < 0 or offset < 0:
+        if blake3 is not None and len(blake3) != 32 * n:
+            raise ValueError(f"blake3 must be 32 bytes an item, got {len(blake3)} for {n}")
+        if len(sha256) != 32 * n:
+            raise ValueError(f"sha256 must be 32 bytes an item, got {len(sha256)} for {n}")
+        if len(offsets) != n or (names is not None and len(names) != n):
+            raise ValueError("give as many offsets and names as sizes")
+        if min(sizes) < 0 or min(offsets) < 0:
             raise ValueError("size and offset must be non-negative")
         why = path_problem(path)
         if why:
             raise DigestError(f"item {len(self._sizes)}: path {path!r} {why}; entries must stay under the root")
         self._hashes += sha256
-        self._sizes.append(size)
-        self._offsets.append(offset)
-        self._pidx.append(self._paths.setdefault(path, len(self._paths)))
-        if name is not None:
-            self._names.append(name)
+        self._sizes.extend(sizes)
+        self._offsets.extend(offsets)
+        self._pidx.extend(repeat(self._paths.setdefault(path, len(self._paths)), n))
+        if names is not None:
+            ends = self._name_ends = self._name_ends if self._name_ends is not None else array("Q")
+            for name in names:
+                self._names += name.encode("utf-8")
+                ends.append(len(self._names))
         if blake3 is not None:
             self._blake3 += blake3
 
@@ -583,9 +608,18 @@ class DigestBuilder:
         paths = list(self._paths)
         return [paths[j] for j in self._pidx]
 
-    def build(self, targets: Sequence[int] | None = None, classes: Sequence[str] = ()) -> Digest:
-        return Digest.from_arrays(
-            self.root, self.kind, bytes(self._hashes), self._sizes, self._offsets,
-            self._pidx, list(self._paths), self.meta, targets=targets, classes=classes,
-            names=self._names if self._names else None, blake3=bytes(self._blake3) if self._blake3 else None,
-        )
+    def path_table(self) -> tuple[list[str], np.ndarray]:
+        """The distinct paths, and each item's index into them."""
+        return list(self._paths), np.array(self._pidx, _U4)
+
+    def build(self, targets: Sequence[int] | np.ndarray | None = None, classes: Sequence[str] = ()) -> Digest:
+        poff, strings = _packed(list(self._paths))
+        extras = _extras(targets, classes, None, bytes(self._blake3) if self._blake3 else None)
+        if self._name_ends is not None:
+            ends = np.zeros(len(self._name_ends) + 1, _U8)
+            ends[1:] = self._name_ends
+            extras = extras._replace(name_offsets=_readonly(ends), names=bytes(self._names))
+        hashes = np.frombuffer(bytes(self._hashes), np.uint8).reshape(-1, 32)  # read-only: of bytes
+        return Digest(self.root, self.kind, hashes, _readonly(np.array(self._sizes, _U8)),
+                      _readonly(np.array(self._offsets, _U8)), _readonly(np.array(self._pidx, _U4)),
+                      poff, strings, self.meta, extras)

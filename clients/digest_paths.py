@@ -10,6 +10,8 @@ loaded, by the same check (docs/security.md).
 from __future__ import annotations
 
 import re
+from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -47,3 +49,16 @@ def bad_path(strings: memoryview, offsets: np.ndarray) -> tuple[int, str, str] |
         if why:
             return j, path, why
     return None
+
+
+def url_quoted(fs: Any) -> bool:
+    """Whether fsspec filesystem ``fs`` names files by URL (http, https), so that a digest's
+    entry (the file's name, as local, gs:// and s3:// digests record it) must be quoted."""
+    protocol = getattr(fs, "protocol", ())
+    return "http" in ((protocol,) if isinstance(protocol, str) else protocol)
+
+
+def store_path(base: str, rel: str, quoted: bool = False) -> str:
+    """The path fsspec opens for entry ``rel`` under ``base`` (quoted: see url_quoted):
+    'a b.jpg' is 'a%20b.jpg' and 'c#1.jpg' 'c%231.jpg' in a URL."""
+    return f"{base.rstrip('/')}/{quote(rel, safe='/') if quoted else rel}"

@@ -12,24 +12,33 @@ import concurrent.futures.process  # noqa: F401  (eager: keep imports out of tim
 import datetime
 import difflib
 import fnmatch
+import functools
 import hashlib
 import json
+import multiprocessing
 import os
 import random
+import re
 import stat
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import unquote
+
+import numpy as np
 
 from cacheserver.sizes import format_size
 from clients import crc32c, targets
 from clients.digest import Digest, DigestBuilder, DigestError, Kind
+from clients.digest_paths import url_quoted
 from clients.digest_verify import verify_digest
 from clients.digest_work import Job, progress, submit_bounded
-from clients.itemscan import Item, ScanError, scan_local_batch, scan_remote
+from clients.itemscan import (FileItems, Report, ScanError, add_to, report_to, scan_local_batch,
+                              scan_remote)
 
 TOOL = "mlcache tools/digest 1"
 EXIT_FAIL = 1
@@ -63,12 +72,49 @@ def _is_local(fs: Any) -> bool:
 # -- source access -------------------------------------------------------------
 
 
+_CHAIN_HEAD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(?:::|://)")
+
+
+def _local_path(url: str) -> str | None:
+    """The local path `url` is where fsspec would read its '::' as a chain of URLs
+    ('/data/x::y' as '/data/x', a digest's 'file:///data/x::y' too); None where fsspec
+    reads it as meant. A chain starts with a protocol: one that is also a local path
+    is refused as ambiguous."""
+    if "::" not in url:
+        return None
+    if url.startswith("file://"):  # local: nothing chains inside the local filesystem
+        return url[len("file://"):]
+    from fsspec.registry import known_implementations
+
+    head = _CHAIN_HEAD.match(url)
+    if head is None or head.group(1) not in known_implementations:
+        return url
+    if os.path.lexists(url):
+        raise ToolError(f"{url!r} is both a local path and an fsspec URL chain ({head.group(1)}::...): "
+                        f"pass ./{url} or its absolute path for the local one")
+    return None
+
+
+def _http_base(fs: Any, base: str) -> str:
+    """An HTTP(S) root as its listing spells it: 'http://h/my dir' lists as 'http://h/my%20dir/...'."""
+    if not url_quoted(fs):
+        return base
+    import yarl
+
+    return str(yarl.URL(base))
+
+
 def open_source(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     """``(fs, base)`` for a local path or fsspec URL, with clear errors."""
     import fsspec
 
     try:
+        local = _local_path(url)
+        if local is not None:
+            fs = fsspec.filesystem("file", **storage_options)
+            return fs, (fs._strip_protocol(local).rstrip("/") or "/")
         fs, base = fsspec.core.url_to_fs(url, **storage_options)
+        base = _http_base(fs, base)
     except ImportError as e:
         hint = "install the fsspec backend, e.g. gcsfs for gs://"
         raise ToolError(f"cannot open {url}: {e} ({hint})") from None
@@ -102,6 +148,68 @@ def _check_utf8(rel: str) -> None:
                         "or pass --exclude") from None
 
 
+def _url_name(rel: str, src: str) -> str:
+    """The name an HTTP listing's relative URL stands for ('a%20b.jpg': 'a b.jpg'): what a
+    local, gs:// or s3:// digest of the same files records, so the paths, their order and
+    the fingerprint do not depend on the store; reads quote it back (digest_paths.store_path)."""
+    names = []
+    for part in rel.split("/"):
+        try:
+            name = unquote(part, errors="strict")
+        except UnicodeDecodeError:
+            raise ToolError(f"cannot digest {rel!r} under {src}: its name is not UTF-8 once "
+                            "percent-decoded") from None
+        if "/" in name:
+            raise ToolError(f"cannot digest {rel!r} under {src}: its name holds an encoded '/' "
+                            "(%2F), which a digest path cannot tell from a directory")
+        names.append(name)
+    return "/".join(names)
+
+
+def _local_listing(base: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path, info) of each entry but directories under the local directory `base`, as
+    fs.find(base, detail=True) gives them (unreadable directories skipped, as there),
+    without find's info dict per file held to the end: about 600 bytes a file, most of
+    the tool's memory on millions of small files."""
+    todo = [base]
+    while todo:
+        try:
+            it = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                        continue
+                    link, size = e.is_symlink(), e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:  # gone since listed
+                    continue
+                if link:
+                    try:
+                        size = e.stat().st_size
+                    except OSError:
+                        size = 0
+                kind = "file" if e.is_file(follow_symlinks=False) else "other"
+                yield e.path, {"type": kind, "islink": link, "size": size}
+
+
+def _listing(fs: Any, base: str, src: str) -> tuple[str, Iterable[tuple[str, Mapping[str, Any]]]]:
+    """(root, (path, info) of each entry under it): SRC's files, or SRC and its directory."""
+    if _is_local(fs) and os.path.isdir(base):
+        return base, _local_listing(base)
+    try:
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        raise ToolError(f"source not found: {src}") from None
+    except Exception as e:  # network / permission errors of any backend
+        raise ToolError(f"cannot list {src}: {type(e).__name__}: {e}") from None
+    if list(found) == [base]:  # SRC is one file: its directory is the root
+        return fs._parent(base), found.items()
+    return base, found.items()
+
+
 def list_source(
     fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
 ) -> tuple[str, list[SourceFile]]:
@@ -109,30 +217,19 @@ def list_source(
 
     Entries that are neither files nor directories (broken symlinks, FIFOs)
     are errors rather than silently missing data, unless excluded."""
-    try:
-        found = fs.find(base, detail=True)
-    except FileNotFoundError:
-        raise ToolError(f"source not found: {src}") from None
-    except Exception as e:  # network / permission errors of any backend
-        raise ToolError(f"cannot list {src}: {type(e).__name__}: {e}") from None
-    if not found:
-        try:
-            exists = fs.exists(base)
-        except Exception:  # treat an unreachable source as missing
-            exists = False
-        raise ToolError(f"empty dataset: no files under {src}" if exists else f"source not found: {src}")
-    root = base
-    if list(found) == [base]:  # SRC is one file: its directory is the root
-        root = fs._parent(base)
+    root, found = _listing(fs, base, src)
     prefix = root.rstrip("/") + "/"
+    quoted = url_quoted(fs)
     files = []
-    for path, info in found.items():
+    listed = False
+    for path, info in found:
         kind = info.get("type", "file")
         if kind == "directory":
             continue
+        listed = True
         if not path.startswith(prefix):
             raise ToolError(f"listing of {src} returned {path!r}, which is outside it")
-        rel = path[len(prefix):]
+        rel = _url_name(path[len(prefix):], src) if quoted else path[len(prefix):]
         if includes and not any(fnmatch.fnmatchcase(rel, pat) for pat in includes):
             continue
         if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
@@ -143,6 +240,12 @@ def list_source(
             if what:
                 raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
         files.append(SourceFile(path, rel, info.get("size")))
+    if not listed:
+        try:
+            exists = fs.exists(base)
+        except Exception:  # treat an unreachable source as missing
+            exists = False
+        raise ToolError(f"empty dataset: no files under {src}" if exists else f"source not found: {src}")
     if not files:
         chosen = " ".join([*(f"--include {p}" for p in includes), *(f"--exclude {p}" for p in excludes)])
         raise ToolError(f"empty dataset: no file under {src} is selected by {chosen}")
@@ -154,57 +257,85 @@ def list_source(
 # -- hashing -------------------------------------------------------------------
 
 
-def _batches(files: list[SourceFile], workers: int) -> list[list[int]]:
+def _batches(files: list[SourceFile], workers: int) -> list[range]:
     # Several batches per worker balance uneven files; batching many small
     # files amortises the inter-process round trip.
     total = sum(f.size or 0 for f in files)
     target = min(max(total // (workers * 16), 1 << 20), 64 << 20)
-    out: list[list[int]] = []
-    cur: list[int] = []
-    cur_bytes = 0
+    out: list[range] = []
+    start = cur_bytes = 0
     for i, f in enumerate(files):
-        cur.append(i)
         cur_bytes += f.size or 0
-        if cur_bytes >= target or len(cur) >= 1024:
-            out.append(cur)
-            cur, cur_bytes = [], 0
-    if cur:
-        out.append(cur)
+        if cur_bytes >= target or i + 1 - start >= 1024:
+            out.append(range(start, i + 1))
+            start, cur_bytes = i + 1, 0
+    if start < len(files):
+        out.append(range(start, len(files)))
     return out
 
 
 def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool,
-               local: bool) -> Iterator[Job]:
-    """(file indices, function, arguments) of each unit of hashing work, made as needed."""
+               local: bool, report: Report | None) -> Iterator[Job]:
+    """(file indices, function, arguments) of each unit of hashing work, made as needed;
+    thread jobs tell `report` their progress (process jobs the counter of report_to)."""
     if local:
         for batch in _batches(files, workers):
-            yield batch, scan_local_batch, (kind, [(files[i].path, files[i].rel) for i in batch], verify_crc)
+            yield batch, scan_local_batch, (kind, [(files[i].path, files[i].rel) for i in batch],
+                                            verify_crc, report)
     else:
         for i, f in enumerate(files):
-            yield [i], scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc)
+            yield range(i, i + 1), scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc, report)
+
+
+class _ThreadCounter:
+    """itemscan.add_to's counter for threads: a multiprocessing.Value without the shared memory
+    and semaphore (which some sandboxes lack)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def get_lock(self) -> threading.Lock:
+        return self._lock
+
+
+Scanned = list[tuple[range, FileItems]]  # (indices of consecutive files, their items), in order
+
+
+def _scan_alone(files: list[SourceFile], kind: str, verify_crc: bool, total: int | None,
+                quiet: bool) -> Scanned:
+    """scan_files of local files in this thread (one worker)."""
+    results = []
+    with progress(total, quiet, "hashing") as bar:
+        for batch in _batches(files, 1):
+            try:
+                items = scan_local_batch(kind, [(files[i].path, files[i].rel) for i in batch], verify_crc,
+                                         bar.update)
+            except ScanError as e:  # as from the pools: a message, not a traceback
+                raise ToolError(str(e)) from None
+            results.append((batch, items))
+    return results
 
 
 def scan_files(
     fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool, quiet: bool
-) -> list[list[Item]]:
-    """Items of every file, in file order whatever the scheduling."""
-    results: list[list[Item] | None] = [None] * len(files)
+) -> Scanned:
+    """Items of every file, in file order whatever the scheduling. The bar moves by the
+    bytes the workers read, told through a shared counter: within large files too."""
     total = None if any(f.size is None for f in files) else sum(f.size for f in files)  # type: ignore[misc]
     local = _is_local(fs)
     if local and workers == 1:
-        with progress(total, quiet, "hashing") as bar:
-            for i, f in enumerate(files):
-                try:
-                    results[i] = scan_local_batch(kind, [(f.path, f.rel)], verify_crc)[0]
-                except ScanError as e:  # as from the pools below: a message, not a traceback
-                    raise ToolError(str(e)) from None
-                bar.update(f.size or 0)
-        return results  # type: ignore[return-value]
-
+        return _scan_alone(files, kind, verify_crc, total, quiet)
+    results: Scanned = []
+    read: Any = _ThreadCounter()  # bytes read by all workers
+    report: Report | None = functools.partial(add_to, read)
     ex: cf.Executor
     if local and kind != "files":
-        # Record formats parse framing in Python, which holds the GIL.
-        ex = cf.ProcessPoolExecutor(workers)
+        # Record formats parse framing in Python, which holds the GIL. A job cannot carry
+        # the counter to a process: each inherits it.
+        read = multiprocessing.Value("Q", 0)
+        ex = cf.ProcessPoolExecutor(workers, initializer=report_to, initargs=(read,))
+        report = None
     else:
         # Whole local files: reads and hashlib both release the GIL, so threads scale
         # like processes without forking (a fixed ~10 ms per worker) or pickling
@@ -212,21 +343,20 @@ def scan_files(
         ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
     try:
         # The first jobs fork the pool's processes: before the bar starts its thread.
-        done = submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local), 4 * workers)
+        done = submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local, report),
+                              4 * workers, tick=lambda: bar.update(read.value - bar.n))
         with progress(total, quiet, "hashing") as bar:
             for batch, fut in done:
-                res: Any = fut.result()
-                out: list[list[Item]] = res if local else [res]  # batch vs one file
-                for i, items in zip(batch, out, strict=True):
-                    results[i] = items
-                    bar.update(files[i].size if files[i].size is not None else sum(it[1] for it in items))
+                results.append((batch, fut.result()))
+            bar.update(read.value - bar.n)
     except ScanError as e:
         raise ToolError(str(e)) from None
     except cf.process.BrokenProcessPool:
         raise ToolError("a hashing worker process died (killed, or out of memory?)") from None
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
-    return results  # type: ignore[return-value]
+    results.sort(key=lambda r: r[0].start)  # jobs are runs of consecutive files
+    return results
 
 
 def _range_probe(fs: Any, root: str, f: SourceFile, off: int, size: int, sha: bytes | None) -> None:
@@ -253,15 +383,18 @@ def probe_range_support(fs: Any, root: str, files: list[SourceFile]) -> None:
         _range_probe(fs, root, f, 0, 1, None)
 
 
-def check_range_support(fs: Any, root: str, files: list[SourceFile], per_file: list[list[Item]]) -> None:
+def check_range_support(fs: Any, root: str, files: list[SourceFile], scanned: Scanned) -> None:
     """Records are read back by range: a store that answers a range request with the
     whole file would fail every read later with a misleading mismatch. Read one item
     that is not its whole file, and check its hash."""
-    for f, items in zip(files, per_file):
-        for off, size, sha, *_ in items:
-            if size and (off or f.size is None or size != f.size):
-                _range_probe(fs, root, f, off, size, sha)
-                return
+    for batch, items in scanned:
+        for k, i in enumerate(batch):
+            f = files[i]
+            for j in items.file(k):
+                off, size, sha, *_ = items[j]
+                if size and (off or f.size is None or size != f.size):
+                    _range_probe(fs, root, f, off, size, sha)
+                    return
 
 
 # -- command line ----------------------------------------------------------------
@@ -412,6 +545,17 @@ def _save(digest: Digest, out: Path) -> None:
         raise ToolError(f"cannot write {out}: {e.strerror or e}") from None
 
 
+def _add_scanned(builder: DigestBuilder, files: list[SourceFile], scanned: Scanned) -> None:
+    """Add the scanned items to builder in file order, dropping each job's items once added:
+    the items are held once, not twice."""
+    scanned.reverse()
+    while scanned:
+        batch, items = scanned.pop()
+        for k, i in enumerate(batch):
+            builder.add_many(files[i].rel, *items.columns(items.file(k)))
+        del items  # not held on through build and save
+
+
 def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = Path(args.output)
     _check_output(out, parser)
@@ -438,18 +582,20 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     labels = _load_labels(args.targets)
     _targets_for(args.targets, labels, [f.rel for f in files])  # a wrong --targets fails before hashing
     t0 = time.perf_counter()
-    per_file = scan_files(fs, files, kind.value, workers, not args.no_crc, args.quiet)
+    scanned = scan_files(fs, files, kind.value, workers, not args.no_crc, args.quiet)
     elapsed = time.perf_counter() - t0
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    builder = DigestBuilder(fs.unstrip_protocol(root), kind, {"created": created, "tool": TOOL})
-    for f, items in zip(files, per_file, strict=True):
-        for off, size, sha, name, b3 in items:
-            builder.add(sha, size, f.rel, off, name, blake3=b3)
+    if not local and kind is not Kind.FILES:
+        check_range_support(fs, root, files, scanned)
+    builder = DigestBuilder(fs.unstrip_protocol(root), kind, {
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "tool": TOOL})
+    _add_scanned(builder, files, scanned)
     if not len(builder):
         raise ToolError(f"empty dataset: {len(files)} file(s) under {args.src} hold no {kind.value} items")
-    if not local and kind is not Kind.FILES:
-        check_range_support(fs, root, files, per_file)
-    digest = builder.build(*_targets_for(args.targets, labels, builder.item_paths()))
+    # Targets by path (every item of a file has the file's label): no string per item.
+    paths, path_index = builder.path_table()
+    found, classes = _targets_for(args.targets, labels, paths)
+    digest = builder.build(None if found is None else np.asarray(found, np.int64)[path_index], classes)
+    del builder
     _save(digest, out)
     nbytes = digest.total_bytes
     print(f"digest: wrote {out}: {len(digest)} items in {len(files)} files, {format_size(nbytes)} "

@@ -10,6 +10,7 @@ from typing import Any
 import blake3
 
 from clients.digest import Digest, Kind
+from clients.digest_paths import store_path, url_quoted
 from clients.digest_work import progress, submit_bounded
 from clients.itemscan import REMOTE_BLOCK, SMALL_REMOTE, hash_stream
 
@@ -17,7 +18,7 @@ from clients.itemscan import REMOTE_BLOCK, SMALL_REMOTE, hash_stream
 def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) -> list[tuple[int, str]]:
     """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
     rel = digest.path(j)
-    full = f"{base}/{rel}"
+    full = store_path(base, rel, url_quoted(fs))
     problems: list[tuple[int, str]] = []
     col = digest.blake3  # format 3: clients check reads against it, so verify checks it too
 

@@ -20,8 +20,13 @@ def progress(total: int | None, quiet: bool, desc: str) -> tqdm:
 Job = tuple[Any, Callable[..., Any], tuple[Any, ...]]  # (key, function, arguments)
 
 
-def submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int) -> Iterator[tuple[Any, cf.Future[Any]]]:
-    """Submit jobs keeping at most `window` unfinished; yield (key, future) as each is done.
+TICK = 0.1  # seconds between calls of submit_bounded's tick: a progress bar's refresh
+
+
+def submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int,
+                   tick: Callable[[], None] | None = None) -> Iterator[tuple[Any, cf.Future[Any]]]:
+    """Submit jobs keeping at most `window` unfinished; yield (key, future) as each is done,
+    calling `tick` every TICK seconds meanwhile (progress within long jobs).
     The first jobs are submitted before this returns. Submitting one future per object
     of a bucket up front held about 2 KiB each: gigabytes for millions of objects."""
     pending: dict[cf.Future[Any], Any] = {}
@@ -32,7 +37,9 @@ def submit_bounded(ex: cf.Executor, jobs: Iterator[Job], window: int) -> Iterato
 
     def finished() -> Iterator[tuple[Any, cf.Future[Any]]]:
         while pending:
-            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            done, _ = cf.wait(pending, None if tick is None else TICK, cf.FIRST_COMPLETED)
+            if tick is not None:
+                tick()
             for fut in done:
                 yield pending.pop(fut), fut
             fill()

@@ -3,7 +3,9 @@
 An item is ``(offset, size, sha256, name, blake3)``: the whole file for the ``files``
 kind, the data of each record for ``tfrecord``, the data of each regular member
 for ``tar`` (whose member name is kept, for WebDataset sample grouping; None
-otherwise); blake3 is the fast check of cached values (digest format 3).  Everything here works on any seekable binary file object, so the
+otherwise); blake3 is the fast check of cached values (digest format 3). A file's items
+come back packed in a FileItems, and the bytes read are told as they are read (Tally),
+for the progress bar.  Everything here works on any seekable binary file object, so the
 same code serves local files (in worker processes) and fsspec files (in
 threads).  This module stays free of heavy imports because worker processes
 import it.
@@ -11,12 +13,14 @@ import it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
 import tarfile
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import blake3
@@ -30,10 +34,118 @@ SMALL_REMOTE = 32 * 1024 * 1024  # remote files up to this size: one GET
 REMOTE_BLOCK = 8 * 1024 * 1024
 
 KINDS = ("files", "tfrecord", "tar")
+PROGRESS_STEP = 1 << 20  # bytes read between progress reports (a lock each): a few a second
+
+Report = Callable[[int], None]  # told the bytes read since it was last told
 
 
 class ScanError(Exception):
     """An item could not be read or parsed; the message names the file."""
+
+
+class FileItems:
+    """The items of one or more consecutive files (a job's), packed: u64 offsets and sizes,
+    each hash column one bytearray, names one UTF-8 blob; ``file_ends[k]``: the items of
+    files 0..k. About 80 bytes an item where a list of Item tuples per file took 300 or
+    more, most of the tool's memory on millions of items. Indexes and iterates as Items."""
+
+    __slots__ = ("offsets", "sizes", "sha256", "blake3", "names", "name_ends", "file_ends")
+
+    def __init__(self, named: bool = False) -> None:
+        self.offsets = array("Q")
+        self.sizes = array("Q")
+        self.sha256 = bytearray()
+        self.blake3 = bytearray()
+        self.names = bytearray() if named else None
+        self.name_ends = array("Q") if named else None
+        self.file_ends = array("Q")
+
+    def append(self, offset: int, size: int, sha256: bytes, blake3_: bytes, name: str | None = None) -> None:
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        self.sha256 += sha256
+        self.blake3 += blake3_
+        if self.names is not None and self.name_ends is not None:
+            self.names += (name or "").encode("utf-8")
+            self.name_ends.append(len(self.names))
+
+    def end_file(self) -> None:
+        self.file_ends.append(len(self.sizes))
+
+    def file(self, k: int) -> range:
+        """The indices of the items of the job's k-th file."""
+        return range(self.file_ends[k - 1] if k else 0, self.file_ends[k])
+
+    def columns(self, r: range) -> tuple[memoryview, array[int], array[int], list[str] | None, memoryview]:
+        """(sha256s, sizes, offsets, names or None, blake3s) of items r, as DigestBuilder.add_many takes them."""
+        h = slice(32 * r.start, 32 * r.stop)
+        names = None if self.names is None else [self.name(i) or "" for i in r]
+        return (memoryview(self.sha256)[h], self.sizes[r.start:r.stop], self.offsets[r.start:r.stop], names,
+                memoryview(self.blake3)[h])
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def name(self, i: int) -> str | None:
+        if self.names is None or self.name_ends is None:
+            return None
+        return self.names[self.name_ends[i - 1] if i else 0:self.name_ends[i]].decode("utf-8")
+
+    def __getitem__(self, i: int) -> Item:
+        i = range(len(self))[i]  # negative indices; IndexError past the end
+        h = slice(32 * i, 32 * i + 32)
+        return self.offsets[i], self.sizes[i], bytes(self.sha256[h]), self.name(i), bytes(self.blake3[h])
+
+    def __iter__(self) -> Iterator[Item]:
+        return (self[i] for i in range(len(self)))
+
+
+class Tally:
+    """Bytes one job reads, told to `report` once PROGRESS_STEP of them have built up and
+    when it ends: the progress bar moves within a large file for a few ns per record."""
+
+    __slots__ = ("report", "pending", "in_file")
+
+    def __init__(self, report: Report | None) -> None:
+        self.report = report
+        self.pending = 0
+        self.in_file = 0
+
+    def add(self, n: int) -> None:
+        self.pending += n
+        self.in_file += n
+        if self.pending >= PROGRESS_STEP:
+            self.flush()
+
+    def file_done(self, size: int | None) -> None:
+        """A file is scanned: its bytes not hashed (framing, tar headers) count too, so that
+        what is told adds up to the listed sizes, the bar's total."""
+        if size is not None and size > self.in_file:
+            self.pending += size - self.in_file
+        self.in_file = 0
+        if self.pending >= PROGRESS_STEP:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending and self.report is not None:
+            self.report(self.pending)
+        self.pending = 0
+
+
+def add_to(counter: Any, n: int) -> None:
+    """Add n to a multiprocessing.Value shared by the scanning threads or processes."""
+    with counter.get_lock():
+        counter.value += n
+
+
+_report: Report | None = None  # where the scans of a worker process tell their progress
+
+
+def report_to(counter: Any) -> None:
+    """Process pool initializer: the scans of this process add the bytes they read to
+    `counter` (a multiprocessing.Value, which a process inherits but a job cannot carry)."""
+    global _report
+    _report = functools.partial(add_to, counter)
 
 
 _local = threading.local()
@@ -47,9 +159,10 @@ def _read_buffer() -> memoryview:
     return mv
 
 
-def hash_stream(f: BinaryIO, limit: int | None = None, also: Any = None) -> tuple[bytes, int]:
+def hash_stream(f: BinaryIO, limit: int | None = None, also: Any = None,
+                tally: Tally | None = None) -> tuple[bytes, int]:
     """SHA-256 and length of the next ``limit`` bytes of ``f`` (all if None); ``also``
-    (a BLAKE3 hasher) is fed the same bytes."""
+    (a BLAKE3 hasher) is fed the same bytes, ``tally`` told their count."""
     h = hashlib.sha256()
     mv = _read_buffer()
     total = 0
@@ -67,21 +180,39 @@ def hash_stream(f: BinaryIO, limit: int | None = None, also: Any = None) -> tupl
         h.update(chunk)
         if also is not None:
             also.update(chunk)
+        if tally is not None:
+            tally.add(n)
         total += n
     return h.digest(), total
 
 
-def scan_whole(f: BinaryIO, name: str) -> list[Item]:
+def scan_whole(f: BinaryIO, name: str, tally: Tally | None = None, into: FileItems | None = None) -> FileItems:
+    items = FileItems() if into is None else into
     b3 = blake3.blake3()
-    sha, size = hash_stream(f, also=b3)
-    return [(0, size, sha, None, b3.digest())]
+    sha, size = hash_stream(f, also=b3, tally=tally)
+    items.append(0, size, sha, b3.digest())
+    return items
 
 
-def scan_tfrecord(f: BinaryIO, name: str, verify_data_crc: bool = True) -> list[Item]:
-    return [
-        (off, len(data), hashlib.sha256(data).digest(), None, blake3.blake3(data).digest())
-        for off, data in iter_records(f, name, verify_data_crc)
-    ]
+def scan_tfrecord(f: BinaryIO, name: str, verify_data_crc: bool = True,
+                  tally: Tally | None = None, into: FileItems | None = None) -> FileItems:
+    items = FileItems() if into is None else into
+    # Bound methods and a local count: this loop runs once per record.
+    offsets, sizes, shas, b3s = items.offsets.append, items.sizes.append, items.sha256.extend, items.blake3.extend
+    read = 0  # since last told to tally
+    for off, data in iter_records(f, name, verify_data_crc):
+        n = len(data)
+        offsets(off)
+        sizes(n)
+        shas(hashlib.sha256(data).digest())
+        b3s(blake3.blake3(data).digest())
+        read += n + 16  # with the record's 12-byte header and 4-byte footer
+        if read >= PROGRESS_STEP and tally is not None:
+            tally.add(read)
+            read = 0
+    if tally is not None:
+        tally.add(read)
+    return items
 
 
 def _members(tf: tarfile.TarFile, name: str) -> Iterator[tarfile.TarInfo]:
@@ -103,7 +234,7 @@ def _members(tf: tarfile.TarFile, name: str) -> Iterator[tarfile.TarInfo]:
         yield m
 
 
-def scan_tar(f: BinaryIO, name: str) -> list[Item]:
+def scan_tar(f: BinaryIO, name: str, tally: Tally | None = None, into: FileItems | None = None) -> FileItems:
     try:
         tf = tarfile.open(fileobj=f, mode="r:")
     except tarfile.ReadError as e:
@@ -111,7 +242,7 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
             f"{name}: not an uncompressed tar archive ({e}); "
             "compressed shards cannot be range-read"
         ) from None
-    items: list[Item] = []
+    items = FileItems(named=True) if into is None else into
     end = 0
     for m in _members(tf, name):
         end = m.offset_data + ((m.size + 511) // 512) * 512
@@ -121,12 +252,12 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
             raise ScanError(f"{name}: sparse member {m.name!r} cannot be range-read")
         f.seek(m.offset_data)
         b3 = blake3.blake3()
-        sha, n = hash_stream(f, m.size, also=b3)
+        sha, n = hash_stream(f, m.size, also=b3, tally=tally)
         if n != m.size:
             raise ScanError(
                 f"{name}: truncated member {m.name!r} at offset {m.offset_data}"
             )
-        items.append((m.offset_data, m.size, sha, m.name, b3.digest()))
+        items.append(m.offset_data, m.size, sha, b3.digest(), m.name)
     # tarfile silently stops at a bad or missing header; a real archive ends
     # with a zero block, so anything else means truncation or garbage.
     f.seek(end)
@@ -137,32 +268,36 @@ def scan_tar(f: BinaryIO, name: str) -> list[Item]:
     return items
 
 
-def scan(kind: str, f: BinaryIO, name: str, verify_data_crc: bool = True) -> list[Item]:
-    """Items of one file of the given kind; raises ScanError on bad data."""
+def scan(kind: str, f: BinaryIO, name: str, verify_data_crc: bool = True,
+         tally: Tally | None = None, into: FileItems | None = None) -> FileItems:
+    """Items of one file of the given kind, appended to ``into`` if given (``tally`` told
+    the bytes read as they are); raises ScanError on bad data."""
     try:
         if kind == "files":
-            return scan_whole(f, name)
+            return scan_whole(f, name, tally, into)
         if kind == "tfrecord":
-            return scan_tfrecord(f, name, verify_data_crc)
+            return scan_tfrecord(f, name, verify_data_crc, tally, into)
         if kind == "tar":
-            return scan_tar(f, name)
+            return scan_tar(f, name, tally, into)
     except RecordError as e:
         raise ScanError(str(e)) from None
     raise ValueError(f"unknown kind {kind!r}")
 
 
 def scan_local_batch(
-    kind: str, files: list[tuple[str, str]], verify_data_crc: bool = True
-) -> list[list[Item]]:
-    """Worker-process entry: scan local ``(abspath, relpath)`` files in order."""
-    out = []
+    kind: str, files: list[tuple[str, str]], verify_data_crc: bool = True, report: Report | None = None
+) -> FileItems:
+    """Worker entry: scan local ``(abspath, relpath)`` files in order, telling ``report``
+    (else this process's, report_to) the bytes read as they are."""
+    out = FileItems(named=kind == "tar")
+    tally = Tally(report or _report)
     for path, rel in files:
         try:
             # Unbuffered for whole files (readinto straight into our buffer);
             # buffered for the many small reads of record framing.
             with open(path, "rb", buffering=0 if kind == "files" else 1 << 20) as f:
                 before = os.fstat(f.fileno())
-                out.append(scan(kind, f, rel, verify_data_crc))
+                scan(kind, f, rel, verify_data_crc, tally=tally, into=out)
                 after = os.fstat(f.fileno())
         except OSError as e:
             raise ScanError(f"cannot read {rel}: {e.strerror or e}") from None
@@ -171,6 +306,9 @@ def scan_local_batch(
         if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
             raise ScanError(f"{rel} changed while it was read ({before.st_size} bytes, then "
                             f"{after.st_size}): digest it again once nothing is writing it")
+        out.end_file()
+        tally.file_done(after.st_size)
+    tally.flush()
     return out
 
 
@@ -181,15 +319,22 @@ def scan_remote(
     rel: str,
     size: int | None,
     verify_data_crc: bool = True,
-) -> list[Item]:
-    """Scan one file through an fsspec filesystem (thread-safe)."""
+    report: Report | None = None,
+) -> FileItems:
+    """Scan one file through an fsspec filesystem (thread-safe), telling ``report`` the
+    bytes read as they are."""
+    tally = Tally(report)
     try:
         if size is not None and size <= SMALL_REMOTE:
             f: BinaryIO = io.BytesIO(fs.cat_file(path))  # one request, no HEAD
         else:
             f = fs.open(path, "rb", block_size=REMOTE_BLOCK)
         with f:
-            return scan(kind, f, rel, verify_data_crc)
+            items = scan(kind, f, rel, verify_data_crc, tally=tally)
+        items.end_file()
+        tally.file_done(size)
+        tally.flush()
+        return items
     except ScanError:
         raise
     except Exception as e:  # backends raise many types (aiohttp, gcsfs, OSError)

@@ -14,13 +14,14 @@ from concurrent.futures import Executor
 from typing import Any
 
 from .digest import Digest, ItemMismatch, Kind
+from .digest_paths import store_path, url_quoted
 
 
-def _item_range(digest: Digest, i: int, base: str) -> tuple[str, int | None, int | None]:
-    """(full path, start, end) of item i's read: whole files are read whole, so a
-    grown file is noticed by the size check."""
+def _item_range(digest: Digest, i: int, base: str, quoted: bool = False) -> tuple[str, int | None, int | None]:
+    """(full path, start, end) of item i's read (quoted: into a URL, url_quoted): whole
+    files are read whole, so a grown file is noticed by the size check."""
     path, offset, length = digest.location(i)
-    full = f"{base.rstrip('/')}/{path}"
+    full = store_path(base, path, quoted)
     if digest.kind is Kind.FILES:
         return full, None, None
     return full, offset, offset + length
@@ -68,10 +69,10 @@ def read_item(
     import fsspec  # lazy: loading digests must not need the storage stack
 
     if fs is None:
-        fs, base = fsspec.core.url_to_fs(digest.root, **storage_options)
-    else:
-        base = fs._strip_protocol(digest.root)
-    full, start, end = _item_range(digest, i, base)
+        fs, _ = fsspec.core.url_to_fs(digest.root, **storage_options)
+    # Not url_to_fs's path: it reads a root with '::' ('file:///data/x::y') as a chain.
+    base = fs._strip_protocol(digest.root)
+    full, start, end = _item_range(digest, i, base, url_quoted(fs))
     if start is not None and start == end:
         data = b""
     elif type(fs) is _local_fs():  # exactly it: a subclass may read differently
@@ -130,7 +131,8 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
                                                               for i in share], shares) for data in part]
         return [read_item(digest, i, fs, verify=verify, by_key=by_key) for i in indices]
     base = fs._strip_protocol(digest.root)
-    ranges = [_item_range(digest, i, base) for i in indices]
+    quoted = url_quoted(fs)
+    ranges = [_item_range(digest, i, base, quoted) for i in indices]
     want = [p for p, (_, s, e) in enumerate(ranges) if s is None or s != e]
     got = fs.cat_ranges([ranges[p][0] for p in want], [ranges[p][1] for p in want],
                         [ranges[p][2] for p in want], batch_size=max(1, concurrency), on_error="return")

@@ -152,8 +152,8 @@ def test_file_changing_while_hashed_is_an_error(tmp_path: Path, capsys: pytest.C
     (src / "a.bin").write_bytes(b"x" * 1000)
     real = itemscan.scan
 
-    def appended_meanwhile(kind: str, f: object, name: str, crc: bool = True) -> object:
-        items = real(kind, f, name, crc)
+    def appended_meanwhile(kind: str, f: object, name: str, crc: bool = True, **kw: object) -> object:
+        items = real(kind, f, name, crc, **kw)
         with open(src / "a.bin", "ab") as g:  # a writer still copying the dataset in
             g.write(b"more")
         return items
