@@ -7,38 +7,27 @@ verification mismatch), 2 usage error (bad command line).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import concurrent.futures.process  # noqa: F401  (eager: keep imports out of timings)
 import datetime
 import difflib
 import fnmatch
-import functools
-import hashlib
 import json
-import multiprocessing
 import os
 import random
-import re
-import stat
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-from urllib.parse import unquote
+from typing import Any
 
 import numpy as np
 
 from cacheserver.sizes import format_size
 from clients import crc32c, targets
 from clients.digest import Digest, DigestBuilder, DigestError, Kind
-from clients.digest_paths import url_quoted
+from clients.digest_scan import Scanned, check_range_support, probe_range_support, scan_files
+from clients.digest_source import SourceFile, ToolError, is_local, list_source, open_source
 from clients.digest_verify import verify_digest
-from clients.digest_work import Job, progress, submit_bounded
-from clients.itemscan import (FileItems, Report, ScanError, add_to, report_to, scan_local_batch,
-                              scan_remote)
 
 TOOL = "mlcache tools/digest 1"
 EXIT_FAIL = 1
@@ -46,355 +35,11 @@ EXIT_USAGE = 2
 MAX_REPORTED = 50  # problems printed by verify before summarising
 
 
-class ToolError(Exception):
-    """A runtime failure, reported as 'digest: error: ...' with exit code 1."""
-
-
-class SourceFile(NamedTuple):
-    path: str  # as the filesystem names it
-    rel: str  # relative to the root, '/'-separated
-    size: int | None  # from the listing; None when the backend does not say
-
-
 def cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _is_local(fs: Any) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
-# -- source access -------------------------------------------------------------
-
-
-_CHAIN_HEAD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(?:::|://)")
-
-
-def _local_path(url: str) -> str | None:
-    """The local path `url` is where fsspec would read its '::' as a chain of URLs
-    ('/data/x::y' as '/data/x', a digest's 'file:///data/x::y' too); None where fsspec
-    reads it as meant. A chain starts with a protocol: one that is also a local path
-    is refused as ambiguous."""
-    if "::" not in url:
-        return None
-    if url.startswith("file://"):  # local: nothing chains inside the local filesystem
-        return url[len("file://"):]
-    from fsspec.registry import known_implementations
-
-    head = _CHAIN_HEAD.match(url)
-    if head is None or head.group(1) not in known_implementations:
-        return url
-    if os.path.lexists(url):
-        raise ToolError(f"{url!r} is both a local path and an fsspec URL chain ({head.group(1)}::...): "
-                        f"pass ./{url} or its absolute path for the local one")
-    return None
-
-
-def _http_base(fs: Any, base: str) -> str:
-    """An HTTP(S) root as its listing spells it: 'http://h/my dir' lists as 'http://h/my%20dir/...'."""
-    if not url_quoted(fs):
-        return base
-    import yarl
-
-    return str(yarl.URL(base))
-
-
-def open_source(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
-    """``(fs, base)`` for a local path or fsspec URL, with clear errors."""
-    import fsspec
-
-    try:
-        local = _local_path(url)
-        if local is not None:
-            fs = fsspec.filesystem("file", **storage_options)
-            return fs, (fs._strip_protocol(local).rstrip("/") or "/")
-        fs, base = fsspec.core.url_to_fs(url, **storage_options)
-        base = _http_base(fs, base)
-    except ImportError as e:
-        hint = "install the fsspec backend, e.g. gcsfs for gs://"
-        raise ToolError(f"cannot open {url}: {e} ({hint})") from None
-    except (ValueError, TypeError) as e:
-        raise ToolError(f"cannot open {url}: {e}") from None
-    return fs, (base.rstrip("/") or base)
-
-
-def _not_a_file(path: str, info: Mapping[str, Any]) -> str | None:
-    """Why a listed entry that fsspec does not call a file cannot be read, or
-    None for a symlink to a regular file (read through the link)."""
-    if not info.get("islink"):
-        return f"not a regular file ({info.get('type')})"
-    try:
-        st = os.stat(path)  # fsspec reports links only on the local filesystem
-    except OSError:
-        return "a broken symlink"
-    if stat.S_ISREG(st.st_mode):
-        return None
-    return "a symlink to a directory (not followed)" if stat.S_ISDIR(st.st_mode) else "a symlink to a special file"
-
-
-def _check_utf8(rel: str) -> None:
-    """A digest stores UTF-8 paths; a local name that is not UTF-8 (kept by Python as
-    surrogates) would fail only when the digest is written, after all the hashing."""
-    try:
-        rel.encode("utf-8")
-    except UnicodeEncodeError:
-        raw = rel.encode("utf-8", "surrogateescape")
-        raise ToolError(f"cannot digest {raw!r}: its name is not valid UTF-8; rename it "
-                        "or pass --exclude") from None
-
-
-def _url_name(rel: str, src: str) -> str:
-    """The name an HTTP listing's relative URL stands for ('a%20b.jpg': 'a b.jpg'): what a
-    local, gs:// or s3:// digest of the same files records, so the paths, their order and
-    the fingerprint do not depend on the store; reads quote it back (digest_paths.store_path)."""
-    names = []
-    for part in rel.split("/"):
-        try:
-            name = unquote(part, errors="strict")
-        except UnicodeDecodeError:
-            raise ToolError(f"cannot digest {rel!r} under {src}: its name is not UTF-8 once "
-                            "percent-decoded") from None
-        if "/" in name:
-            raise ToolError(f"cannot digest {rel!r} under {src}: its name holds an encoded '/' "
-                            "(%2F), which a digest path cannot tell from a directory")
-        names.append(name)
-    return "/".join(names)
-
-
-def _local_listing(base: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(path, info) of each entry but directories under the local directory `base`, as
-    fs.find(base, detail=True) gives them (unreadable directories skipped, as there),
-    without find's info dict per file held to the end: about 600 bytes a file, most of
-    the tool's memory on millions of small files."""
-    todo = [base]
-    while todo:
-        try:
-            it = os.scandir(todo.pop())
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        todo.append(e.path)
-                        continue
-                    link, size = e.is_symlink(), e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:  # gone since listed
-                    continue
-                if link:
-                    try:
-                        size = e.stat().st_size
-                    except OSError:
-                        size = 0
-                kind = "file" if e.is_file(follow_symlinks=False) else "other"
-                yield e.path, {"type": kind, "islink": link, "size": size}
-
-
-def _listing(fs: Any, base: str, src: str) -> tuple[str, Iterable[tuple[str, Mapping[str, Any]]]]:
-    """(root, (path, info) of each entry under it): SRC's files, or SRC and its directory."""
-    if _is_local(fs) and os.path.isdir(base):
-        return base, _local_listing(base)
-    try:
-        found = fs.find(base, detail=True)
-    except FileNotFoundError:
-        raise ToolError(f"source not found: {src}") from None
-    except Exception as e:  # network / permission errors of any backend
-        raise ToolError(f"cannot list {src}: {type(e).__name__}: {e}") from None
-    if list(found) == [base]:  # SRC is one file: its directory is the root
-        return fs._parent(base), found.items()
-    return base, found.items()
-
-
-def list_source(
-    fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
-) -> tuple[str, list[SourceFile]]:
-    """Root path and the sorted data files under it (SRC may be a single file).
-
-    Entries that are neither files nor directories (broken symlinks, FIFOs)
-    are errors rather than silently missing data, unless excluded."""
-    root, found = _listing(fs, base, src)
-    prefix = root.rstrip("/") + "/"
-    quoted = url_quoted(fs)
-    files = []
-    listed = False
-    for path, info in found:
-        kind = info.get("type", "file")
-        if kind == "directory":
-            continue
-        listed = True
-        if not path.startswith(prefix):
-            raise ToolError(f"listing of {src} returned {path!r}, which is outside it")
-        rel = _url_name(path[len(prefix):], src) if quoted else path[len(prefix):]
-        if includes and not any(fnmatch.fnmatchcase(rel, pat) for pat in includes):
-            continue
-        if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
-            continue
-        _check_utf8(rel)
-        if kind != "file":
-            what = _not_a_file(path, info)
-            if what:
-                raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
-        files.append(SourceFile(path, rel, info.get("size")))
-    if not listed:
-        try:
-            exists = fs.exists(base)
-        except Exception:  # treat an unreachable source as missing
-            exists = False
-        raise ToolError(f"empty dataset: no files under {src}" if exists else f"source not found: {src}")
-    if not files:
-        chosen = " ".join([*(f"--include {p}" for p in includes), *(f"--exclude {p}" for p in excludes)])
-        raise ToolError(f"empty dataset: no file under {src} is selected by {chosen}")
-    # Code-point order == UTF-8 byte order: the same on every machine.
-    files.sort(key=lambda f: f.rel)
-    return root, files
-
-
-# -- hashing -------------------------------------------------------------------
-
-
-def _batches(files: list[SourceFile], workers: int) -> list[range]:
-    # Several batches per worker balance uneven files; batching many small
-    # files amortises the inter-process round trip.
-    total = sum(f.size or 0 for f in files)
-    target = min(max(total // (workers * 16), 1 << 20), 64 << 20)
-    out: list[range] = []
-    start = cur_bytes = 0
-    for i, f in enumerate(files):
-        cur_bytes += f.size or 0
-        if cur_bytes >= target or i + 1 - start >= 1024:
-            out.append(range(start, i + 1))
-            start, cur_bytes = i + 1, 0
-    if start < len(files):
-        out.append(range(start, len(files)))
-    return out
-
-
-def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool,
-               local: bool, report: Report | None) -> Iterator[Job]:
-    """(file indices, function, arguments) of each unit of hashing work, made as needed;
-    thread jobs tell `report` their progress (process jobs the counter of report_to)."""
-    if local:
-        for batch in _batches(files, workers):
-            yield batch, scan_local_batch, (kind, [(files[i].path, files[i].rel) for i in batch],
-                                            verify_crc, report)
-    else:
-        for i, f in enumerate(files):
-            yield range(i, i + 1), scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc, report)
-
-
-class _ThreadCounter:
-    """itemscan.add_to's counter for threads: a multiprocessing.Value without the shared memory
-    and semaphore (which some sandboxes lack)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def get_lock(self) -> threading.Lock:
-        return self._lock
-
-
-Scanned = list[tuple[range, FileItems]]  # (indices of consecutive files, their items), in order
-
-
-def _scan_alone(files: list[SourceFile], kind: str, verify_crc: bool, total: int | None,
-                quiet: bool) -> Scanned:
-    """scan_files of local files in this thread (one worker)."""
-    results = []
-    with progress(total, quiet, "hashing") as bar:
-        for batch in _batches(files, 1):
-            try:
-                items = scan_local_batch(kind, [(files[i].path, files[i].rel) for i in batch], verify_crc,
-                                         bar.update)
-            except ScanError as e:  # as from the pools: a message, not a traceback
-                raise ToolError(str(e)) from None
-            results.append((batch, items))
-    return results
-
-
-def scan_files(
-    fs: Any, files: list[SourceFile], kind: str, workers: int, verify_crc: bool, quiet: bool
-) -> Scanned:
-    """Items of every file, in file order whatever the scheduling. The bar moves by the
-    bytes the workers read, told through a shared counter: within large files too."""
-    total = None if any(f.size is None for f in files) else sum(f.size for f in files)  # type: ignore[misc]
-    local = _is_local(fs)
-    if local and workers == 1:
-        return _scan_alone(files, kind, verify_crc, total, quiet)
-    results: Scanned = []
-    read: Any = _ThreadCounter()  # bytes read by all workers
-    report: Report | None = functools.partial(add_to, read)
-    ex: cf.Executor
-    if local and kind != "files":
-        # Record formats parse framing in Python, which holds the GIL. A job cannot carry
-        # the counter to a process: each inherits it.
-        read = multiprocessing.Value("Q", 0)
-        ex = cf.ProcessPoolExecutor(workers, initializer=report_to, initargs=(read,))
-        report = None
-    else:
-        # Whole local files: reads and hashlib both release the GIL, so threads scale
-        # like processes without forking (a fixed ~10 ms per worker) or pickling
-        # results. Remote reads wait on the network.
-        ex = cf.ThreadPoolExecutor(workers, thread_name_prefix="digest")
-    try:
-        # The first jobs fork the pool's processes: before the bar starts its thread.
-        done = submit_bounded(ex, _scan_jobs(fs, files, kind, workers, verify_crc, local, report),
-                              4 * workers, tick=lambda: bar.update(read.value - bar.n))
-        with progress(total, quiet, "hashing") as bar:
-            for batch, fut in done:
-                results.append((batch, fut.result()))
-            bar.update(read.value - bar.n)
-    except ScanError as e:
-        raise ToolError(str(e)) from None
-    except cf.process.BrokenProcessPool:
-        raise ToolError("a hashing worker process died (killed, or out of memory?)") from None
-    finally:
-        ex.shutdown(wait=True, cancel_futures=True)
-    results.sort(key=lambda r: r[0].start)  # jobs are runs of consecutive files
-    return results
-
-
-def _range_probe(fs: Any, root: str, f: SourceFile, off: int, size: int, sha: bytes | None) -> None:
-    """Read `size` bytes at `off` of f by range; a store that answers with something else
-    (an HTTP server ignoring Range sends the whole file) is refused, naming the fix."""
-    try:
-        data = fs.cat_file(f.path, start=off, end=off + size)
-    except Exception as e:  # any backend: say it, as the scan would
-        raise ToolError(f"cannot range-read {f.rel}: {type(e).__name__}: {e}") from None
-    if len(data) > size or (sha is not None and (len(data) != size or hashlib.sha256(data).digest() != sha)):
-        raise ToolError(
-            f"the store at {fs.unstrip_protocol(root)} ignores range requests: asked for "
-            f"bytes {off}-{off + size - 1} of {f.rel}, got {len(data)} bytes. Records and "
-            "tar members are read back by range, so this digest could not be read; "
-            "serve the data from a store that honours HTTP Range (python -m http.server "
-            "does not; tools/objstore.py, GCS, S3 do) or use --format files")
-
-
-def probe_range_support(fs: Any, root: str, files: list[SourceFile]) -> None:
-    """Before the scan: the first byte of a file that may hold more (more bytes back: Range
-    ignored), so such a store fails in seconds rather than after hashing the whole dataset."""
-    f = next((f for f in files if f.size is None or f.size >= 2), None)
-    if f is not None:
-        _range_probe(fs, root, f, 0, 1, None)
-
-
-def check_range_support(fs: Any, root: str, files: list[SourceFile], scanned: Scanned) -> None:
-    """Records are read back by range: a store that answers a range request with the
-    whole file would fail every read later with a misleading mismatch. Read one item
-    that is not its whole file, and check its hash."""
-    for batch, items in scanned:
-        for k, i in enumerate(batch):
-            f = files[i]
-            for j in items.file(k):
-                off, size, sha, *_ = items[j]
-                if size and (off or f.size is None or size != f.size):
-                    _range_probe(fs, root, f, off, size, sha)
-                    return
 
 
 # -- command line ----------------------------------------------------------------
@@ -563,7 +208,7 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     so = dict(args.storage_option)
     fs, base = open_source(args.src, so)
     includes = args.include or (["*.tar"] if kind is Kind.TAR else [])
-    local = _is_local(fs)
+    local = is_local(fs)
     if not local and not args.quiet and sys.stderr.isatty():
         # a remote listing can take long (large buckets, or retries when unreachable)
         print(f"digest: listing {args.src} ...", file=sys.stderr, flush=True)
@@ -636,7 +281,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     indices: Sequence[int] = range(n)
     if args.sample is not None and args.sample < n:
         indices = sorted(random.Random(args.seed).sample(range(n), args.sample))
-    workers = args.workers or (cpu_count() if _is_local(fs) else max(8, 4 * cpu_count()))
+    workers = args.workers or (cpu_count() if is_local(fs) else max(8, 4 * cpu_count()))
     problems = verify_digest(d, fs, base, indices, workers, args.quiet)
     if problems:
         for p in problems[:MAX_REPORTED]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .digest import Digest
+from .digest_paths import store_path
 
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
@@ -101,8 +102,8 @@ class Samples:
         for s in samples:
             a, b = int(self.starts[s]), int(self.starts[s + 1])
             first = int(self.members[a])
-            d: dict = {"__key__": self.key(s),
-                       "__url__": f"{digest.root.rstrip('/')}/{digest.location(first).path}"}
+            d: dict = {"__key__": self.key(s), "__url__": store_path(digest.root, digest.location(first).path,
+                                                                  digest.root.startswith(("http://", "https://")))}
             for j in range(a, b):
                 d[self.ext_names[self.ext_codes[j]]] = data[k]
                 k += 1

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import objstore  # noqa: E402
 
-from clients import digest_tool, itemscan  # noqa: E402
+from clients import digest_scan, itemscan  # noqa: E402
 from clients.digest import Digest  # noqa: E402
 from clients.digest_tool import main  # noqa: E402
 from clients.storeread import read_item, read_items  # noqa: E402
@@ -55,7 +55,7 @@ def test_progress_moves_within_one_large_tfrecord(tmp_path: Path, monkeypatch: p
     _tfrecord(tmp_path / "d" / "big.tfrecord", 80, 64 * 1024)
     size = (tmp_path / "d" / "big.tfrecord").stat().st_size
     _Bar.seen = []
-    monkeypatch.setattr(digest_tool, "progress", lambda total, quiet, desc: _Bar(
+    monkeypatch.setattr(digest_scan, "progress", lambda total, quiet, desc: _Bar(
         total=total, file=io.StringIO(), mininterval=0, disable=False))
     assert main([str(tmp_path / "d"), "-o", str(tmp_path / "o.dig"), "-f", "tfrecord", "-q", "-j", "1"]) == 0
     assert _Bar.seen[-1] == size  # framing counted: the bar ends at the files' total
