@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from .proto import cache_pb2 as pb
 from .vocab import BODY_BYTES_HEADER, FLAG_FEATURES, FETCH, ID_LEN, BadRequest, split_ids
+from .wire import ProtocolError
 
 FLAG_COUNTED = 1  # GET: the reader already counted this get through GET_LOCAL
 FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
@@ -205,6 +206,8 @@ class Put(Op):
                 FLAG_REPLACE if replace else 0)
 
     def result(self, count: int, body: bytes) -> tuple[int, int, int]:
+        if len(body) != PUT_RESULT.size:
+            raise ProtocolError(f"a put's answer has {len(body)} bytes, not {PUT_RESULT.size}")
         return PUT_RESULT.unpack(body)
 
     def empty(self) -> tuple[int, int, int]:
@@ -322,8 +325,11 @@ def values_frame(values: Sequence[Value | bool | None]) -> tuple[int, list]:
 
 def values_of(count: int, body: bytes) -> tuple[list[memoryview | None], list[int]]:
     """A GET answer's values (zero-copy views of the body, None for a miss) and
-    the indices answered LOCAL (to be read from the store files)."""
+    the indices answered LOCAL (to be read from the store files). A body its sizes
+    do not fill exactly is a broken peer's (ProtocolError), not values cut short."""
     mv, pos = memoryview(body), 4 * count
+    if len(body) < pos:
+        raise ProtocolError(f"an answer of {count} values has {len(body)} bytes, too few for their sizes")
     out: list[memoryview | None] = []
     local: list[int] = []
     for i, size in enumerate(struct.unpack_from(f"<{count}I", body)):
@@ -335,6 +341,9 @@ def values_of(count: int, body: bytes) -> tuple[list[memoryview | None], list[in
         else:
             out.append(mv[pos:pos + size])
             pos += size
+    if pos != len(body):
+        raise ProtocolError(f"an answer's {count} sizes add up to {pos - 4 * count} bytes of values, "
+                            f"its body holds {len(body) - 4 * count}")
     return out, local
 
 

@@ -28,6 +28,10 @@ from .readpath import LOCAL, ReadPaths
 from ..roles import metadata
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+# An answer holds a u32 size per id asked plus values within the server's announced batch
+# limit (getbound.py), or a few small fields: what a ping, a put or an error message needs.
+ANSWER_SLACK = 64 << 10
+DEFAULT_MAX_VALUES = 256 << 20  # a server's --max-batch-size default, until its Info says
 
 
 class RecordsMismatch(ValueError):
@@ -64,6 +68,7 @@ class ServerClient:
         self.paths = ReadPaths()
         self._features: frozenset[str] | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._max_values = DEFAULT_MAX_VALUES  # bytes of values one answer may hold (Info)
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
         self._read_ahead = True  # same-host gets read the follower while the server answers
@@ -93,6 +98,7 @@ class ServerClient:
                 f"cache server {self.address} holds sealed records, not the plain ones of the embedded "
                 f"cache this client was made for")
         self._features = features
+        self._max_values = info.max_batch_bytes or DEFAULT_MAX_VALUES
         self.transport = "grpc"
         if not self._use_dataplane:
             return
@@ -192,11 +198,16 @@ class ServerClient:
             raise
         return s
 
-    def _recv(self, s: socket.socket) -> tuple[int, bytes]:
+    def _recv(self, s: socket.socket, asked: int = 0) -> tuple[int, bytes]:
+        """The answer (count, body) to a request of `asked` ids."""
         try:
             status, aux_len, rcount, rbody = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
             if status != wire.OK:
                 raise wire.RemoteError(status, wire.recv_exact(s, aux_len).decode(errors="replace"))
+            limit = 4 * asked + self._max_values + ANSWER_SLACK
+            if rbody > limit:  # a broken peer's length: never a buffer to allocate
+                raise wire.ProtocolError(f"cache server {self.address} announced an answer of {rbody} bytes "
+                                         f"to {asked} ids; at most {limit} can be valid")
             body = wire.recv_exact(s, rbody)
         except BaseException:
             s.close()  # framing state unknown: never reuse
@@ -207,7 +218,9 @@ class ServerClient:
     def _ping(self, s: socket.socket) -> str:
         wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
         status, aux_len, _, body_len = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
-        return wire.recv_exact(s, body_len or aux_len).decode()
+        if body_len > ANSWER_SLACK:
+            raise wire.ProtocolError(f"a ping answered {body_len} bytes, not an instance id")
+        return wire.recv_exact(s, body_len or aux_len).decode(errors="replace")
 
     def _dataplane(self) -> bool:
         if self.transport == "unresolved":
@@ -292,6 +305,7 @@ class ServerClient:
         ahead: list = []
         read_ahead = (lambda: ahead.append(self._timed_read(local, ids))) if self._read_ahead else None
         count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline), read_ahead)
+        _check_count(len(ids), count if inline else len(body))
         if inline:  # values the follower cannot see yet (not flushed) came inline
             out, want = ops.values_of(count, body)
         else:
@@ -343,6 +357,7 @@ class ServerClient:
         # servers' answers, which errs towards keeping the follower.
         t = time.perf_counter()
         count, body = yield (ops.GET.code, job, *ops.GET.frame(ids, counted=counted))
+        _check_count(len(ids), count)
         out = ops.GET.result(count, body)
         if self._db_path is not None:  # only worth measuring where a follower is an option
             self.paths.remote_read(time.perf_counter() - t, sum(len(v) for v in out if v is not None))
@@ -414,6 +429,12 @@ class ServerClient:
 Steps = Generator[tuple, tuple[int, bytes], Any]
 
 
+def _check_count(asked: int, answered: int) -> None:
+    """Answers go by position: one for another number of ids matches none of them."""
+    if answered != asked:
+        raise wire.ProtocolError(f"a get of {asked} ids was answered for {answered}")
+
+
 class Call:
     """One data-plane operation in flight: its first request is sent on creation;
     result() waits for each answer and sends the next request its steps yield."""
@@ -436,6 +457,7 @@ class Call:
         request is sent and before its answer is read."""
         sock = self._client._send(*req[:5])
         self._meanwhile = req[5] if len(req) > 5 else None
+        self._asked = req[2]  # ids asked: bounds the answer's length (ServerClient._recv)
         return sock
 
     @classmethod
@@ -454,7 +476,7 @@ class Call:
                 if self._meanwhile is not None:
                     meanwhile, self._meanwhile = self._meanwhile, None
                     meanwhile()
-                answer = client._recv(sock)
+                answer = client._recv(sock, self._asked)
             except BaseException:
                 steps.close()
                 sock.close()  # its answer was never read: the connection cannot be reused
