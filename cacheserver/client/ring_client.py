@@ -2,6 +2,12 @@
 batches out in parallel. A server that fails is treated as all-miss for a
 back-off period (its items are simply fetched from the store and re-inserted
 elsewhere later), so a dying server never surfaces as an error to training.
+
+A hung server (stopped, a frozen VM, a black hole) fails only by timing out, so each
+try costs its caller a wait: the back-off doubles with each failure in a row (up to
+MAX_DOWN_S), and a server tried again must first answer Info within PROBE_TIMEOUT_S,
+not the request timeout (30 s by default), before it gets requests. A hung server
+then costs a few percent of an epoch, where a 30 s wait every 2 s cost 15 times it.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ log = logging.getLogger("cacheserver.ring")
 # Failures that mean "this server is not usable now", not "the request is wrong".
 TRANSIENT = (ConnectionError, OSError, TimeoutError, grpc.RpcError)
 PEERS_TIMEOUT_S = 5.0  # asking one server for its ring at start-up
+MAX_DOWN_S = 60.0  # longest back-off of a server that keeps failing
+PROBE_TIMEOUT_S = 2.0  # a failed server tried again: its Info (and same-host ping) must come within this
 
 
 def parse_spec(spec: str) -> list[str]:
@@ -79,6 +87,7 @@ class RingClient:
         self._client_kw = client_kw
         self.clients = {a: ServerClient(a, plain=plain, **client_kw) for a in self.ring.nodes}
         self._down_until: dict[str, float] = {}
+        self._fails: dict[str, int] = {}  # failures in a row, per server
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
         self.down_backoff = down_backoff
@@ -116,24 +125,41 @@ class RingClient:
         until = self._down_until.get(node)
         return until is None or time.monotonic() >= until
 
+    def backoff(self, fails: int) -> float:
+        """Seconds a server that failed `fails` times in a row stays all-miss."""
+        return min(self.down_backoff * 2 ** min(fails - 1, 30), max(MAX_DOWN_S, self.down_backoff))
+
     def _failed(self, node: str, err: Exception) -> None:
         with self._lock:
             self.errors += 1
             first = self._usable(node)
-            self._down_until[node] = time.monotonic() + self.down_backoff
+            if first:  # calls in flight when it failed do not count again
+                self._fails[node] = self._fails.get(node, 0) + 1
+            period = self.backoff(self._fails.get(node, 1))
+            self._down_until[node] = time.monotonic() + period
         if first:
-            log.warning("cache server %s unavailable for %.1fs: %s", node, self.down_backoff, _why(err))
+            log.warning("cache server %s unavailable for %.1fs: %s", node, period, _why(err))
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
         # Retired, not closed: another thread may be in a call on it (a prefetch beside the loader).
         old = self.clients[node]
-        self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw)
+        self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw,
+                                          probe_timeout=PROBE_TIMEOUT_S)
         old.retire()
 
+    def _answered(self, node: str) -> None:
+        if self._fails.get(node):
+            with self._lock:
+                self._fails.pop(node, None)
+
     # ---- fan-out --------------------------------------------------------
-    def _guarded(self, node: str, fn: Callable[[], None]) -> None:
-        """Run fn; a server that fails is marked down (its share stays a miss)."""
+    def _guarded(self, node: str, fn: Callable[[], None], answer: bool = False) -> None:
+        """Run fn; a server that fails is marked down (its share stays a miss). `answer`:
+        fn reads the server's answer, so its success ends the server's run of failures
+        (a send alone can succeed into a hung server's socket buffer)."""
         try:
             fn()
+            if answer:
+                self._answered(node)
         except wire.RemoteError as e:
             if e.status == wire.BAD_REQUEST:
                 raise ValueError(str(e)) from None
@@ -171,9 +197,9 @@ class RingClient:
                     calls.append((node, idx, started[0]))
                 elif started:
                     futures.append(self._pool.submit(self._guarded, node, lambda c=client, idx=idx: put_out(
-                        idx, per_key(c.ask(op, share(idx), job, **opts)))))
+                        idx, per_key(c.ask(op, share(idx), job, **opts))), True))
             for node, idx, handle in calls:
-                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, per_key(h.result())))
+                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, per_key(h.result())), True)
             for f in futures:
                 f.result()
         finally:

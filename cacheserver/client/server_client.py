@@ -51,11 +51,15 @@ def peer_uid(s: socket.socket, path: str) -> int:
 class ServerClient:
     def __init__(self, address: str, *, tls: TlsFiles | None = None, prefer_unix: bool = True,
                  timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True,
-                 control_token: bytes | None = None, plain: bool = False) -> None:
+                 control_token: bytes | None = None, plain: bool = False,
+                 probe_timeout: float | None = None) -> None:
         self.address = address
         self.plain = plain  # records of an embedded cache's plain store expected (datadir.py)
         self._md = metadata(control_token)  # the manager's role for control calls (roles.py)
         self.timeout = timeout
+        # A server that failed before: finding out whether it answers at all (Info, the
+        # same-host ping) must not wait the whole request timeout (ring_client.py).
+        self._probe_timeout = min(timeout, probe_timeout) if probe_timeout else timeout
         self._tls = tls
         self.channel = grpc_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CacheStub(self.channel)
@@ -88,7 +92,7 @@ class ServerClient:
 
     # ---- data-plane connections ----------------------------------------
     def _resolve(self) -> None:
-        info = self.info()
+        info = self.stub.Info(pb.InfoRequest(), timeout=self._probe_timeout)
         features = frozenset(info.features)
         if (PLAIN_RECORDS in features) != self.plain:  # never plaintext to a sealed store, nor back
             raise RecordsMismatch(
@@ -109,7 +113,9 @@ class ServerClient:
                     s.close()  # values read unhashed come only from this user's own processes
                     raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
                                           f"is another user's, not this user's embedded cache")
+                s.settimeout(self._probe_timeout)
                 if self._ping(s) == info.instance:  # same server, not a namesake path
+                    s.settimeout(self.timeout)
                     self._target, self.transport = ("unix", info.unix_socket), "unix"
                     self._pool.put(s)
                     self._open_local(info.db_path)
