@@ -103,6 +103,8 @@ class EpochRun:
         then the log's epoch-end callbacks run. `autocache`: the front end's
         (clients/autocache.py), whose mode and counts the stats then carry."""
         elapsed = time.perf_counter() - self.t0
+        if complete:  # what the epoch left out (a transform's skipped items) is over with it
+            self.sampler.epoch_over()
         after = self.counters.totals()
         d = {k: after[k] - self.before[k] for k in after}
         s, times = self.sampler.stats, self.times

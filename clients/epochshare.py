@@ -10,10 +10,13 @@ Both are filters on the epoch's items, applied before the sampler's walk:
               are disjoint (but for the padding) and cover every item.
     Progress  the batches the sampler issued, in order, and which of them the loader
               delivered to the training loop (workers prefetch, so issued is ahead);
-              its state is the epoch in progress plus a bitmap of delivered items.
+              its state is the epoch in progress plus a bitmap of delivered items and
+              the count of batches delivered (every rank's alike, where its items may
+              not be: a transform's skipped items, preprocess/).
 
 Progress's states: idle (no epoch started, or the last one delivered in full) ->
-running (start) -> idle (every issued batch delivered after the last was issued);
+running (start) -> idle (every issued batch delivered after the last was issued, or
+over(): the front end's epoch ended whole, items it left out included);
 load() from any state -> resuming, whose next start() continues the saved epoch.
 """
 from __future__ import annotations
@@ -89,14 +92,16 @@ class Progress:
         self._done = bytearray(0)
         self._issued: deque[list[int]] = deque()
         self._all_issued = False
-        self._resume: tuple[int, bytearray] | None = None
+        self._batches = 0  # batches delivered in the epoch
+        # (epoch, delivered items, delivered batches or None: a state saved before they were counted)
+        self._resume: tuple[int, bytearray, int | None] | None = None
 
     # -- the sampler -------------------------------------------------------
     def start(self, epoch: int) -> None:
         if self._resume is not None and self._resume[0] == epoch:
-            self._done = self._resume[1]
+            self._done, self._batches = self._resume[1], self._resume[2] or 0
         else:
-            self._done = bytearray(self.n)
+            self._done, self._batches = bytearray(self.n), 0
         self._resume = None
         self._epoch = epoch
         self._issued.clear()
@@ -115,11 +120,12 @@ class Progress:
         done = self._resume[1]
         return [i for i in (range(self.n) if items is None else items) if not done[i]]
 
-    def left(self, epoch: int, share_size: int) -> int:
-        """Items the next iteration (of `epoch`) will yield."""
+    def resumed(self, epoch: int) -> tuple[int, int | None]:
+        """(items, batches) that the state to be resumed in `epoch` had delivered; (0, 0)
+        when the next iteration of `epoch` starts it afresh (batches None: not counted)."""
         if self._resume is None or self._resume[0] != epoch:
-            return share_size
-        return share_size - sum(self._resume[1])
+            return 0, 0
+        return sum(self._resume[1]), self._resume[2]
 
     # -- the loader --------------------------------------------------------
     def delivered(self) -> int:
@@ -129,6 +135,7 @@ class Progress:
         batch = self._issued.popleft()
         for i in batch:
             self._done[i] = 1
+        self._batches += 1
         return len(batch)
 
     def delivered_items(self, items: list[int]) -> int:
@@ -136,9 +143,18 @@ class Progress:
         issued batches leave the queue once all their items are. Returns len(items)."""
         for i in items:
             self._done[i] = 1
+        self._batches += 1
         while self._issued and all(self._done[i] for i in self._issued[0]):
             self._issued.popleft()
         return len(items)
+
+    def over(self) -> None:
+        """The front end's epoch ended whole: what it left out of its batches (items a
+        transform skipped, preprocess/) is over too, so a state saved now resumes into
+        the next epoch, not into those items."""
+        if self._epoch is not None:
+            self._issued.clear()
+            self._all_issued = True
 
     @property
     def running(self) -> bool:
@@ -146,22 +162,25 @@ class Progress:
 
     def state(self, next_epoch: int) -> dict:
         """The epoch to run next and the items of it already delivered."""
+        batches: int | None
         if self._resume is not None:
-            epoch, done = self._resume
+            epoch, done, batches = self._resume
         elif self.running:
-            epoch, done = self._epoch, self._done
+            epoch, done, batches = self._epoch, self._done, self._batches
         else:
-            epoch, done = next_epoch, None
+            epoch, done, batches = next_epoch, None, 0
         packed = b"" if done is None else np.packbits(np.frombuffer(bytes(done), np.uint8)).tobytes()
-        return {"version": STATE_VERSION, "epoch": epoch, "delivered": packed,
-                "items_delivered": 0 if done is None else sum(done)}
+        out = {"version": STATE_VERSION, "epoch": epoch, "delivered": packed,
+               "items_delivered": 0 if done is None else sum(done)}
+        return out if batches is None else {**out, "batches_delivered": batches}
 
     def load(self, state: dict) -> int:
         """Take a saved state; returns the epoch the next iteration runs."""
         epoch, packed = int(state["epoch"]), state.get("delivered", b"")
         if packed:
             bits = np.unpackbits(np.frombuffer(packed, np.uint8), count=self.n)
-            self._resume = (epoch, bytearray(bits.tobytes()))
+            batches = state.get("batches_delivered")
+            self._resume = (epoch, bytearray(bits.tobytes()), None if batches is None else int(batches))
         else:
             self._resume = None
         self._epoch, self._issued = None, deque()

@@ -74,13 +74,55 @@ class CachedLoader(DataLoader, EpochLog):
                 yield batch, None
             return
         sampler = self.batch_sampler
+        epoch = sampler.epoch
+        # Under DDP every rank must yield as many batches, else the others wait for ever in a
+        # collective (all_reduce); items a rank leaves out (on_error="skip", exactly_once=False)
+        # would make it fewer: counted before the walk starts (it takes a resumed state)
+        due = len(sampler) if sampler.share.world > 1 else None
         # with remote workers, the feeder takes the sampler's batches ahead and hands them on
         # once their kept items are made: the workers below then read them as hits
-        source = sampler if self.remote is None else self.remote.batches(sampler, sampler.epoch)
-        for indices, items in self.preprocess.epoch(source, sampler.epoch, sampler.batch_size):
+        source = sampler if self.remote is None else self.remote.batches(sampler, epoch)
+        made = 0
+        for indices, items in self.preprocess.epoch(source, epoch, sampler.batch_size):
+            if not indices:  # every item of the batch was skipped (in process): nothing to hand over
+                continue
+            if due is not None and made == due:  # a resumed rank's: the others have no more
+                break
+            made += 1
             yield self.collate_fn(items), indices
             if self.autocache is not None:  # auto decides once enough of the first epoch is measured
                 self.autocache.after_batch(self.preprocess, sampler.share.size, sampler.batch_size)
+        if due is not None and made < due:
+            yield from self._pad(due - made, epoch)
+
+    def _pad(self, short: int, epoch: int) -> Iterator[tuple[Any, list[int]]]:
+        """`short` full batches more, for a rank that made fewer than the others: as
+        DistributedSampler pads a share, they repeat items of the rank's share, from its
+        start, run through the transform again (an item that fails again is skipped)."""
+        engine, B = self.preprocess, self.batch_sampler.batch_size
+        share = list(dict.fromkeys(self.batch_sampler.share.items(epoch) or []))
+        want, pos, out = short * B, 0, []
+        kept = engine.last_stats, engine.last_run, engine.drop_last
+        engine.drop_last = False  # every output counts: the batches are cut here
+        try:
+            while len(out) < want and pos < len(share):
+                chunk = share[pos:pos + want - len(out)]  # distinct items: the workers key items by index
+                pos += len(chunk)
+                for indices, items in engine.epoch([chunk], epoch, B):
+                    out += zip(indices, items)
+        finally:  # the epoch's statistics and items are the epoch's, not the padding's
+            engine.last_stats, engine.last_run, engine.drop_last = kept
+        if not out:
+            share_ = self.batch_sampler.share
+            raise RuntimeError(f"rank {share_.rank} of {share_.world}: the transform failed on every item of its "
+                               f"share of epoch {epoch} (on_error='skip'), so it cannot yield the {short} more "
+                               f"batches the other ranks do, and they would wait for it for ever in a collective; "
+                               f"first errors: {(kept[0].errors if kept[0] else [])[:3]}")
+        while len(out) < want:  # fewer good items than the padding: repeated
+            out += out[:want - len(out)]
+        for k in range(0, want, B):
+            part = out[k:k + B]
+            yield self.collate_fn([x for _, x in part]), [i for i, _ in part]
 
     def close(self) -> None:
         """Stop the preprocessing workers (DataLoader workers stop with the loader)."""

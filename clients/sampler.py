@@ -165,7 +165,13 @@ class SubstitutableBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self._batches(self.progress.left(self.epoch, self.share.size))
+        """Batches the next iteration yields: the epoch's, less those a resumed state had
+        delivered (the same on every rank, which a front end that leaves items out, a
+        transform's on_error="skip", keeps to: clients/loader.py)."""
+        items, batches = self.progress.resumed(self.epoch)
+        if batches is None:  # a state saved before batches were counted
+            return self._batches(self.share.size - items)
+        return max(0, self._batches(self.share.size) - batches)
 
     def _batches(self, n: int) -> int:
         """Batches that n items make."""
@@ -187,13 +193,20 @@ class SubstitutableBatchSampler:
         without workers the sampler is not yet exhausted then) is over: the state resumes
         into the next one, with or without workers, as torchdata's StatefulDataLoader."""
         st = self.progress.state(self.epoch)
-        if st["delivered"] and self._batches(self.share.size - st["items_delivered"]) == 0:
-            st = {**st, "epoch": st["epoch"] + 1, "delivered": b"", "items_delivered": 0}
-        return {**self.share.describe(), **st}
+        if st["delivered"] and (self._batches(self.share.size - st["items_delivered"]) == 0
+                                or st.get("batches_delivered", 0) >= self._batches(self.share.size)):
+            st = {**st, "epoch": st["epoch"] + 1, "delivered": b"", "items_delivered": 0, "batches_delivered": 0}
+        return {**self.share.describe(), **st, "batch_size": self.batch_size}
+
+    def epoch_over(self) -> None:
+        """The front end ended the epoch whole (Progress.over)."""
+        self.progress.over()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iteration runs the saved epoch's other items."""
         self.share.check(state)
+        if state.get("batch_size") != self.batch_size:  # its batches are not ours: the items left say how many
+            state = {k: v for k, v in state.items() if k != "batches_delivered"}
         self.epoch = self.progress.load(state)
 
     def epoch_items(self, epoch: int) -> list[int] | None:

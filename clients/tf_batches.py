@@ -6,15 +6,18 @@ per batch instead of from_generator's `eager_py_func` and its structure checks, 
 no `flat_map` whose inner iterator is built afresh each epoch (tools/bench/tfdata,
 docs/benchmarks.md: from_generator's first batch came 20 ms after the iterator).
 
-Each iteration of the dataset counts its calls from 0 (`Dataset.range`); call 0
-starts a new generator (`start()`) and closes one left over by an iteration
-abandoned before its end, which then records its epoch as stopped early (its
-generator's `finally`). The generator's end is an empty batch, which
-`take_while` turns into the end of the iteration. (A token drawn per iteration
-from `Dataset.random` would do too, but deleting its iterator waited 0.1-0.3 s
-for TensorFlow's autotuning thread under load.) One iteration at a time (as
-tf_source.py says): an iterator opened while another runs starts a new epoch,
-whose batches the two would then share.
+Each iteration of the dataset carries a token from call to call (`Dataset.scan`,
+whose state is the iterator's own): -1 on its first call, which starts a new
+generator (`start()`), draws the iteration's token and closes a generator left
+over by an iteration abandoned before its end, which then records its epoch as
+stopped early (its generator's `finally`). The generator's end is an empty batch,
+which `take_while` turns into the end of the iteration. (A token drawn per
+iteration from `Dataset.random` would do too, but deleting its iterator waited
+0.1-0.3 s for TensorFlow's autotuning thread under load.) One iteration at a time
+(as tf_source.py says): an iterator still open when another starts has had its
+epoch ended, and its next call raises `overlapped()`'s error (the token tells it
+from the new one: without it the two would share the new epoch's batches, and
+both fail TensorFlow's cardinality check, which says nothing of why).
 
 TicketFeed does the same with several batches read at once (tf_dataset's
 `read_parallel`): the batches are planned in order and handed on in order.
@@ -32,6 +35,16 @@ if TYPE_CHECKING:
 
 _END = np.empty(0, dtype=object)
 _NO_TICKET = np.int64(-1)
+_NEW = np.int64(-1)  # the token of an iteration's first call: start an epoch
+
+
+def overlapped() -> RuntimeError:
+    """The error of an iterator whose epoch another iterator's start ended."""
+    return RuntimeError(
+        "two iterators of this tf_dataset were open at once: another one started the next epoch, which ended "
+        "this one's (each pass is one epoch of the sampler, every item once; two at a time would share its "
+        "items). Iterate one pass at a time: finish or delete an iterator before making the next; for two "
+        "pipelines at once, make two tf_datasets")
 
 
 def _closed(*_: Any) -> Any:
@@ -48,12 +61,44 @@ class Starter:
 
     def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
         self.start = start
+        self._token = 0  # the iteration now running (from_generator makes one generator per iterator)
+        self._gen: Any = None  # its generator
 
     def __call__(self) -> Iterator[Any]:
-        return self.start()
+        self._token += 1
+        gen = self.start()
+        self._stop()  # an iteration left open stops early (recorded so), as Feed's
+        self._gen = gen
+        return self._guarded(gen, self._token)
+
+    def _stop(self) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            try:
+                gen.close()
+            except ValueError:  # running in another thread now: it stops at its next step
+                pass
+
+    def _guarded(self, gen: Iterator[Any], token: int) -> Iterator[Any]:
+        """gen, until a later iteration starts: then it raises overlapped() (the two
+        would share the sampler, and the preprocessing workers)."""
+        try:
+            while True:
+                if token != self._token:
+                    raise overlapped()
+                try:
+                    item = next(gen)
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            gen.close()  # type: ignore[attr-defined]
+            if self._gen is gen:
+                self._gen = None
 
     def close(self) -> None:
         self.start = _closed
+        self._stop()  # and let go of it (and so of the TFSource)
 
 
 class Feed:
@@ -63,21 +108,26 @@ class Feed:
         self.start = start
         self._lock = threading.Lock()  # TensorFlow may call from any of its threads
         self._gen: Iterator[np.ndarray] | None = None
+        self._token = 0  # the iteration now running
 
-    def next_batch(self, call: np.int64) -> np.ndarray:
-        """The next batch of the iteration (`call`: its count of calls; 0 starts it),
-        an empty one at its end."""
+    def next_batch(self, token: np.int64) -> tuple[np.int64, np.ndarray]:
+        """(the iteration's token, its next batch; an empty one at its end). `token`: -1
+        on the iteration's first call, which starts it; an earlier iteration's raises."""
         with self._lock:
-            if call == 0:
+            if token == _NEW:
                 self._close()
+                self._token += 1
                 self._gen = self.start()
+            elif token != self._token:
+                raise overlapped()
+            own = np.int64(self._token)
             if self._gen is None:
-                return _END
+                return own, _END
             try:
-                return next(self._gen)
+                return own, next(self._gen)
             except StopIteration:
                 self._gen = None
-                return _END
+                return own, _END
             except BaseException:
                 self._gen = None  # failed: its finally has run
                 raise
@@ -99,8 +149,11 @@ def batches_dataset(feed: Feed) -> "tf.data.Dataset":
     """The dataset of feed's batches (tf.string vectors), a new generator per iteration."""
     import tensorflow as tf
 
-    batches = tf.data.Dataset.range(np.iinfo(np.int64).max).map(lambda call: tf.ensure_shape(
-        tf.numpy_function(feed.next_batch, [call], tf.string, stateful=True), [None]))
+    def call(token: Any, _: Any) -> tuple[Any, Any]:
+        token, batch = tf.numpy_function(feed.next_batch, [token], (tf.int64, tf.string), stateful=True)
+        return tf.ensure_shape(token, []), tf.ensure_shape(batch, [None])
+
+    batches = tf.data.Dataset.range(np.iinfo(np.int64).max).scan(tf.constant(_NEW), call)
     return batches.take_while(lambda b: tf.size(b) > 0)
 
 
@@ -123,16 +176,17 @@ class EpochReads(Protocol):
 class TicketFeed:
     """Several batches read at once, handed over in the sampler's order.
 
-    A sequential map plans each batch (the sampler's next one, in order: call 0
-    starts a new epoch, as Feed's) and answers a ticket; a parallel map with
+    A sequential scan plans each batch (the sampler's next one, in order: the
+    iteration's first call starts a new epoch, as Feed's, and draws its token) and
+    answers the token and a ticket; a parallel map with
     `deterministic=True` reads the tickets, up to `parallel` at once, in
     TensorFlow's threads, and TensorFlow hands their batches on in ticket order.
     Reads overlap where they let go of the GIL (hashing, the store's fetches;
     not RocksDB gets, which hold it; AES-GCM decryption lets go of it but gains
     little from a second thread: tools/bench/hitfloor). The epoch ends when the
     sampler has none left and every ticket planned has been read. Tickets
-    count on across epochs: a read of a ticket from an epoch abandoned
-    meanwhile answers an empty batch (that iteration is gone)."""
+    count on across epochs; a plan or read of an earlier iteration's (its epoch
+    ended by a later iteration's start) raises overlapped()."""
 
     def __init__(self, begin: Callable[[], EpochReads]) -> None:
         self.begin = begin
@@ -142,34 +196,43 @@ class TicketFeed:
         self._next = 0  # the next ticket
         self._reading = 0  # tickets planned in this epoch whose reads have not finished
         self._planned_all = False
+        self._token = 0  # the iteration now running
 
-    def plan(self, call: np.int64) -> np.int64:
-        """The ticket of the next batch (`call`: the iteration's count of calls; 0
-        starts an epoch), -1 at the epoch's end."""
+    def plan(self, token: np.int64) -> tuple[np.int64, np.int64]:
+        """(the iteration's token, the ticket of its next batch; -1 at the epoch's end).
+        `token`: -1 on the iteration's first call, which starts an epoch."""
         with self._lock:
-            if call == 0:
+            if token == _NEW:
                 self._end(False)  # an epoch left open was stopped early
+                self._token += 1
                 self._epoch = self.begin()
-            if self._epoch is None or self._planned_all:
-                return _NO_TICKET
-            try:
-                batch = self._epoch.plan()
-            except BaseException:
-                self._end(False)
-                raise
-            if batch is None:
-                self._planned_all = True
-                if not self._reading:
-                    self._end(True)
-                return _NO_TICKET
-            ticket, self._next = self._next, self._next + 1
-            self._todo[ticket] = batch
-            self._reading += 1
-            return np.int64(ticket)
+            elif token != self._token:
+                raise overlapped()
+            return np.int64(self._token), self._plan()
 
-    def read(self, ticket: np.int64) -> np.ndarray:
+    def _plan(self) -> np.int64:
+        if self._epoch is None or self._planned_all:
+            return _NO_TICKET
+        try:
+            batch = self._epoch.plan()
+        except BaseException:
+            self._end(False)
+            raise
+        if batch is None:
+            self._planned_all = True
+            if not self._reading:
+                self._end(True)
+            return _NO_TICKET
+        ticket, self._next = self._next, self._next + 1
+        self._todo[ticket] = batch
+        self._reading += 1
+        return np.int64(ticket)
+
+    def read(self, token: np.int64, ticket: np.int64) -> np.ndarray:
         """The items of the batch planned under `ticket` (read outside the lock)."""
         with self._lock:
+            if token != self._token:
+                raise overlapped()
             batch, epoch = self._todo.pop(int(ticket), None), self._epoch
         if batch is None or epoch is None:
             return _END
@@ -206,8 +269,13 @@ def ticket_batches_dataset(feed: TicketFeed, parallel: int) -> "tf.data.Dataset"
     """The dataset of feed's batches (tf.string vectors), up to `parallel` read at once."""
     import tensorflow as tf
 
-    tickets = tf.data.Dataset.range(np.iinfo(np.int64).max).map(lambda call: tf.ensure_shape(
-        tf.numpy_function(feed.plan, [call], tf.int64, stateful=True), []))
-    tickets = tickets.take_while(lambda t: t >= 0)
-    return tickets.map(lambda t: tf.ensure_shape(tf.numpy_function(feed.read, [t], tf.string, stateful=True), [None]),
+    def plan(token: Any, _: Any) -> tuple[Any, Any]:
+        token, ticket = tf.numpy_function(feed.plan, [token], (tf.int64, tf.int64), stateful=True)
+        token = tf.ensure_shape(token, [])
+        return token, (token, tf.ensure_shape(ticket, []))
+
+    tickets = tf.data.Dataset.range(np.iinfo(np.int64).max).scan(tf.constant(_NEW), plan)
+    tickets = tickets.take_while(lambda _, t: t >= 0)
+    return tickets.map(lambda token, t: tf.ensure_shape(tf.numpy_function(feed.read, [token, t], tf.string,
+                                                                          stateful=True), [None]),
                        num_parallel_calls=parallel, deterministic=True)

@@ -23,7 +23,8 @@ same order (tf_batches.TicketFeed; off by default: docs/client.md).
 
 Each iteration of the dataset is one epoch of the sampler (a new order, new
 stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
-iteration at a time: two interleaved iterators would share one sampler.
+iteration at a time: an iterator still open when another starts has its epoch
+ended, and its next step raises an error that says so (tf_batches.overlapped).
 `rank`/`world_size` give each training process its share of every epoch.
 
 With `map_fn=` (a function of TF ops) the items go through our preprocessing

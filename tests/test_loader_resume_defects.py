@@ -69,7 +69,8 @@ def test_a_state_that_is_not_the_loaders_is_refused_clearly(tmp_path):
     next(iter(loader))
     state = loader.state_dict()
     with pytest.raises(ValueError, match="takes what this loader's state_dict\\(\\) returned .*got a dict with keys "
-                                         "\\['dataset', 'delivered', 'drop_last', 'epoch'"):
+                                         "\\['batch_size', 'batches_delivered', 'dataset', 'delivered', 'drop_last', "
+                                         "'epoch'"):
         ds.loader(batch_size=4).load_state_dict(state["sampler"])  # the sampler's part alone
     with pytest.raises(ValueError, match="got NoneType"):
         ds.loader(batch_size=4).load_state_dict(None)

@@ -449,3 +449,29 @@ def test_a_closed_dataset_lets_go_of_its_client_and_says_it_is_closed(shards, tm
     del ds
     gc.collect()
     assert source() is None and cached() is None
+
+
+@pytest.mark.parametrize("how", ["serial", "parallel-reads", "autocache-compute"])
+def test_two_iterators_at_once_say_why_and_the_later_gets_a_whole_epoch(shards, tmp_path, how):
+    """Two iterators of one tf_dataset open at once shared one epoch's batches, and both
+    failed TensorFlow's cardinality check ("expected to contain 240 elements but
+    contained only 64"), which says nothing of why. The later one now gets a whole
+    epoch and the earlier one's next call says what happened and what to do."""
+    digest, _, records = shards
+    kw = (dict(transform=lambda d: d, autocache="compute") if how == "autocache-compute"
+          else dict(read_parallel=3 if how == "parallel-reads" else 1))
+    ds = tf_dataset(digest, cache_dir=str(tmp_path / "emb"), capacity="64MB", seed=2, read_batch=16, **kw)
+    try:
+        a = iter(ds)
+        next(a)
+        b = iter(ds)
+        assert Counter(bytes(x.numpy()) for x in b) == Counter(records)
+        with pytest.raises(tf.errors.OpError, match="two iterators of this tf_dataset were open at once.*"
+                                                    "one pass at a time"):
+            for _ in range(N):
+                next(a)
+        del a, b
+        assert Counter(epoch(ds)) == Counter(records)  # a pass after them is whole
+        assert [(s.epoch, s.complete) for s in ds.mlcache.epoch_stats] == [(0, False), (1, True), (2, True)]
+    finally:
+        ds.mlcache.close()
