@@ -92,7 +92,7 @@ class ServerClient:
 
     # ---- data-plane connections ----------------------------------------
     def _resolve(self) -> None:
-        info = self.stub.Info(pb.InfoRequest(), timeout=self._probe_timeout)
+        info = self.info()
         features = frozenset(info.features)
         if (PLAIN_RECORDS in features) != self.plain:  # never plaintext to a sealed store, nor back
             raise RecordsMismatch(
@@ -371,7 +371,9 @@ class ServerClient:
 
     # ---- control (gRPC) -------------------------------------------------
     def info(self) -> pb.InfoResponse:
-        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+        # Until the server has answered once, within the probe timeout (see __init__).
+        return self.stub.Info(pb.InfoRequest(), timeout=self._probe_timeout if self._features is None
+                              else self.timeout)
 
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=self.timeout, metadata=self._md)
