@@ -9,6 +9,10 @@ Two limits apply before a put is written, apart from --capacity's logical bytes:
   DISK_WAIT_S, until the files leave room for it, evicting where compacting the
   deletes would not free enough, or, where evicted values sit in blob files that
   long-lived values pin, rewriting the oldest of those (Store.relocate_oldest).
+
+And while RocksDB keeps writes stopped after a write gave up on the stop
+(stallwrite.py: its compactions fail, as they do without the disk room they
+need), puts are refused at once, also as ``rejected_disk_full``.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from .diskbudget import (DISK_WAIT_S, MEASURE_EVERY_S, STUCK_S, TABLE_SLACK, Compactor, DiskUse, OnDisk, bounded,
-                         hopeless, room)
+                         compactable, hopeless, room)
 from .diskroom import MARGIN, DiskRoom
 
 log = logging.getLogger("cacheserver")
@@ -42,6 +46,7 @@ class AdmittedStore(Protocol):
     counters: Any
     lock: threading.Lock
     db_handle: Any
+    progress: Any  # stallwrite.Progress
 
     def value_families(self) -> tuple: ...
 
@@ -99,10 +104,14 @@ class DiskAdmission:
                 stuck = False
             with s.lock:
                 free, evict = room(self.capacity, disk, self.unflushed(), s.used, s.reserved, need, stuck=stuck)
+                futile = False
                 if evict:
-                    s.evict_for(evict, spare_only=spare_only)
                     idle_since = now
-            if free >= need or now - start >= DISK_WAIT_S:
+                    # nothing more this put may evict (--eviction none, referenced chunks, a spare put), and
+                    # compacting the dead bytes would not free enough: no wait helps (it took DISK_WAIT_S)
+                    if s.evict_for(evict, spare_only=spare_only) < evict:
+                        futile = not compactable(self.capacity, disk, self.unflushed(), s.used, s.reserved, need)
+            if free >= need or futile or now - start >= DISK_WAIT_S:
                 break
             waited = True
             self.compactor.nudge(whole=self._lsm_small(disk))
@@ -127,10 +136,11 @@ class DiskAdmission:
         return moved > 0
 
     def refused_disk_full(self, items: Items) -> tuple[int, int, int] | None:
-        """put_many's answer when the file system has no room for the batch (diskroom.py)."""
+        """put_many's answer when the file system has no room for the batch (diskroom.py), or
+        RocksDB's writes stay stopped (stallwrite.Progress.refusing)."""
         need = sum(len(v) + self.store.overhead for _, v in items)
         unflushed = self.unflushed()
-        if self.room.put_problem(need, unflushed) is None:
+        if self.room.put_problem(need, unflushed) is None and self.store.progress.refusing() is None:
             self._keep_flushable(need, unflushed)
             return None
         already = self.store.held(k for k, _ in items)

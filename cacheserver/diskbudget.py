@@ -163,6 +163,14 @@ def room(capacity: int, disk: OnDisk, unflushed: int, used: int, reserved: int, 
     return max(0, free), max(0, need + int(capacity * SLACK) - free - dead)
 
 
+def compactable(capacity: int, disk: OnDisk, unflushed: int, used: int, reserved: int, need: int) -> bool:
+    """Whether compacting away every dead byte on disk (evicted values, tombstones: room()'s
+    estimate) would leave room for ``need``: if not, and nothing more may be evicted, no wait will."""
+    free = capacity - headroom(capacity) - disk.total - unflushed - reserved
+    dead = max(0, disk.tables + unflushed - int(used * (1 + TABLE_SLACK)))
+    return need <= free + dead
+
+
 def bounded(capacity: int) -> bool:
     """Whether the bytes on disk are held within the capacity (see MIN_BOUNDED)."""
     return capacity >= MIN_BOUNDED

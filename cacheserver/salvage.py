@@ -5,7 +5,8 @@ The daemon then stops with one line naming the file and the choices; with
 ``--salvage`` it runs RocksDB's repair, which keeps every record it can read
 and moves unreadable files to ``db/lost/``, removes those, and the store then
 drops index entries whose value is gone (Store._recover with a full check).
-A cache loses nothing it cannot refetch."""
+A lost CURRENT counts as damage too: RocksDB would start a new, empty store
+over the files (current_lost). A cache loses nothing it cannot refetch."""
 from __future__ import annotations
 
 import logging
@@ -35,11 +36,27 @@ def damage_message(db_path: str, err: BaseException) -> str:
             "to start empty, or restore it from a copy")
 
 
+def current_lost(db_path: str) -> bool:
+    """CURRENT, which names the MANIFEST, is gone while the store's files remain. RocksDB
+    would take the dir for a new store (create_if_missing): start empty and delete those
+    files, or refuse over a log file after writing a new, empty MANIFEST, so that a
+    restart, even with --salvage, started empty all the same."""
+    if os.path.exists(os.path.join(db_path, "CURRENT")):
+        return False
+    try:
+        names = os.listdir(db_path)
+    except FileNotFoundError:
+        return False
+    return any(n.endswith((".sst", ".blob", ".log")) or n.startswith("MANIFEST-") for n in names)
+
+
 def open_db(db_path: str, opts: rocksdict.Options, cfs: Mapping[str, rocksdict.Options],
             salvage: bool) -> tuple[rocksdict.Rdict, bool]:
     """(the open store, whether it was repaired). Raises StoreDamaged when
     it cannot be opened and ``salvage`` is off."""
     try:
+        if current_lost(db_path):  # not opened at all: that would drop what salvage can keep
+            raise OSError(f"CURRENT is missing in {db_path}, which holds the store's files")
         return rocksdict.Rdict(db_path, opts, column_families=dict(cfs)), False
     except Exception as e:  # rocksdict raises a bare Exception for RocksDB errors
         if not salvage:

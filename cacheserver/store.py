@@ -42,7 +42,8 @@ from .hitlog import HitLog
 from .record import strip, unwrap, wrap
 from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
-from .stallwrite import Writes, puts
+from .stallwrite import Progress, Writes, WriteStopped, puts
+from .storeflush import Flushes
 from .storerecovery import _META, Recovery
 from .tagtable import UNTAGGED, Tag, TagTable, TagUsage, is_spare
 
@@ -53,12 +54,11 @@ log = logging.getLogger("cacheserver")
 # data), "process" nothing acknowledged, "power" nothing, even on power loss.
 DURABILITY = ("cache", "process", "power")
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
-FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 __all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "PlaintextDir", "Store", "Tag", "TagUsage", "hot_read_options",
            "is_spare", "tuned_for_reads"]
 
 
-class Store(Recovery):
+class Store(Recovery, Flushes):
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
                  counters: Counters, *, durability: str = "cache", salvage: bool = False,
                  plain: bool = False) -> None:
@@ -110,17 +110,8 @@ class Store(Recovery):
         # do not open this family (a RocksDB secondary crashes reading a blob) and ask the server.
         self._large = self._db.get_column_family("large")
         self._large_cf = self._db.get_column_family_handle("large")
-        # Index entries, deletes and server state always go through the log; values
-        # skip it with durability "cache" (see DURABILITY and _recover_unflushed).
-        self._wopts = rocksdict.WriteOptions()
-        self._wopts.sync = self.durability == "power"
-        self._vopts = self._wopts
-        if self.durability == "cache":
-            self._vopts = rocksdict.WriteOptions()
-            self._vopts.disable_wal = True
-        # Every write waits out a RocksDB write stop outside RocksDB (stallwrite.py).
-        self._logged = Writes(self._db, self._wopts)
-        self._unlogged = self._logged if self._vopts is self._wopts else Writes(self._db, self._vopts)
+        self._writers()
+        self._flushing = 0  # flushes under way (close waits for them)
         self._writing: set[int] = set()  # first sequence numbers of puts being written
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
@@ -145,6 +136,21 @@ class Store(Recovery):
         if self.durability == "cache":
             self._set_durable_mark(self._seq)  # all recovered values are in table files now
             self._flusher = Flusher(self._dirty_state, self.flush)
+
+    def _writers(self) -> None:
+        # Index entries, deletes and server state always go through the log; values
+        # skip it with durability "cache" (see DURABILITY and _recover_unflushed).
+        self._wopts = rocksdict.WriteOptions()
+        self._wopts.sync = self.durability == "power"
+        self._vopts = self._wopts
+        if self.durability == "cache":
+            self._vopts = rocksdict.WriteOptions()
+            self._vopts.disable_wal = True
+        # Every write waits out a RocksDB write stop outside RocksDB, or gives up on one that
+        # nothing ends (stallwrite.py).
+        self.progress = Progress(self._db)
+        self._logged = Writes(self._db, self._wopts, self.progress)
+        self._unlogged = self._logged if self._vopts is self._wopts else Writes(self._db, self._vopts, self.progress)
 
     # ---- index helpers (call with the lock held, or before serving) -----
     def _index_add(self, key: bytes, charge: int, tid: int) -> None:
@@ -309,11 +315,14 @@ class Store(Recovery):
             self._seq += len(accepted)
             if accepted:
                 self._writing.add(seq0)
-        written = False
+        written = stopped = False
         try:
             if accepted:
                 self._write_values(accepted, seq0, tag, replaced)
             written = True
+        except WriteStopped:  # not a failed store: RocksDB writes again once its compactions can run
+            stopped = True
+            raise
         except Exception as e:
             self.room.write_failed(e)
             raise
@@ -323,7 +332,8 @@ class Store(Recovery):
             with self._lock:
                 self._reserved -= reserve
                 self._pending.difference_update(k for k, _, _ in accepted)
-                self._writing.discard(seq0)
+                if not stopped:  # else its index records may be in, not its values: a restart checks them
+                    self._writing.discard(seq0)
                 if written:
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
@@ -523,31 +533,6 @@ class Store(Recovery):
         """The stored record of ``key`` from either family (recovery)."""
         return self._large.get(key) or self._db.get(key)
 
-    def _dirty_state(self) -> tuple[float | None, float, float]:
-        with self._lock:
-            return self._dirty_since, self._last_write, self._last_unflushed_read
-
-    def flush(self) -> None:
-        """Write the memtables to table files; with durability "cache" this makes
-        every value written before the call safe from a crash."""
-        with self._lock:
-            mark = min(self._writing) if self._writing else self._seq
-            self._dirty_since = None  # a write from here on marks it again
-        self.room.before_flush(self._unflushed_bytes())
-        try:
-            self._db.flush()
-            self._large.flush()
-            self._meta.flush()
-            self._server.flush()
-        except Exception as e:  # RocksDB's errors are bare Exceptions; it stays read-only now
-            self.room.write_failed(e)
-            return
-        if self.durability == "cache":
-            self._set_durable_mark(mark)
-            with self._lock:
-                self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
-        self.counters.add("flushes")
-
     def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
         used first, whatever the policy; then, unless spare_only, the fallback policy."""
@@ -596,37 +581,8 @@ class Store(Recovery):
             return self._tags.usage()
 
     # ---- server-wide small state ---------------------------------------
-    def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
-        """Flush the memtables (every column family, so the log can go) if they
-        hold at least `min_bytes`. A follower that opens replays the live log
-        (~3 ms/MB measured) and so does every other one; one flush (~2 ms/MB)
-        makes each open ~5 ms instead. Returns whether it flushed."""
-        if self._unflushed_bytes() < min_bytes:
-            return False
-        self.flush()
-        return True
-
     def get_state(self, key: str) -> bytes | None:
         return self._server.get(key.encode())
 
     def put_state(self, key: str, value: bytes) -> None:
         self._logged(lambda: puts([(key.encode(), value)], self._server_cf))
-
-    def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-        self.closing = True
-        self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
-        self.flush()
-        try:
-            # Column-family views share the DB handle; drop them so the lock is released.
-            for cf in (self._meta, self._server, self._large):
-                cf.close()
-            del self._meta, self._server, self._large, self._meta_cf, self._large_cf, self._server_cf
-            self._db.close()
-        except Exception as e:  # a store that failed a write fails its close the same way
-            if self.room.state != "failed":
-                raise
-            log.error("closing the store after a failed write: %s; items not yet flushed are refetched "
-                      "as misses after restart", " ".join(str(e).split()))
-        os.close(self._dir_lock)

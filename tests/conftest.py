@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -60,3 +61,17 @@ def roomy_logged_server(tmp_path):
     d = cacheserver(str(tmp_path / "srv"), "8GB", 0, "--durability", "process").start()
     yield d
     d.kill()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 MiB tmpfs of its own (needs root, as on the dev VM; skipped elsewhere)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

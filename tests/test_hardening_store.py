@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from cacheserver.client.server_client import ServerClient
 from procs import ROOT, cacheserver
@@ -71,20 +70,6 @@ def test_truncated_sst_one_line_error_then_salvage(tmp_path):
         assert _read_back(s.address, more) == len(more)
     finally:
         assert s.stop() == 0
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 64 MiB tmpfs of its own (needs root, as on the dev VM; skipped elsewhere)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill_disk(path: str) -> None:

@@ -362,7 +362,7 @@ def test_flush_for_followers_only_when_the_memtable_is_large(tmp_path):
     import glob
 
     from cacheserver.client.localread import LocalReader
-    from cacheserver.store import FOLLOWER_FLUSH_MIN_BYTES
+    from cacheserver.storeflush import FOLLOWER_FLUSH_MIN_BYTES
 
     s = Store(str(tmp_path / "st"), 1 << 30, make_policy("lru"), Counters())
     try:
