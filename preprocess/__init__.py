@@ -8,8 +8,8 @@ structural fingerprints (docs/preprocess.md).
 from .engine import PipelineError
 from .fingerprint import Uncacheable
 from .pipeline import ItemContext, Pipeline, StepError, as_pipeline, autocache
-from .pool import WorkerDied
+from .pool import PoolClosed, WorkerDied
 from .steps import Step, step
 
 __all__ = ["Pipeline", "Step", "step", "PipelineError", "StepError", "Uncacheable", "ItemContext", "as_pipeline",
-           "WorkerDied", "autocache"]
+           "WorkerDied", "PoolClosed", "autocache"]

@@ -16,6 +16,7 @@ arrays. A malformed payload raises CodecError (a PoisonedValue-like failure: the
 caller recomputes)."""
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from typing import Any
@@ -44,6 +45,8 @@ def encode(obj: Any) -> bytes:
 def _put_array(a: np.ndarray, parts: list[bytes], tag: bytes, path: str) -> None:
     if a.dtype.hasobject:
         raise Uncacheable(f"{path}: an array of Python objects cannot be cached")
+    if np.dtype(a.dtype.str) != a.dtype:  # a structured dtype's str is raw void: its fields would be lost
+        raise Uncacheable(f"{path}: an array of dtype {a.dtype} cannot be cached")
     shape = a.shape  # ascontiguousarray makes a 0-d array (a numpy scalar's) 1-d
     a = np.ascontiguousarray(a)
     dt = a.dtype.str.encode()
@@ -56,6 +59,8 @@ def _put(x: Any, parts: list[bytes], depth: int, path: str) -> None:
         raise Uncacheable(f"{path}: nested deeper than {MAX_DEPTH} levels")
     if x is None:
         parts.append(b"N")
+    elif isinstance(x, np.generic):  # before float, str, bytes: np.float64 and np.str_ subclass them
+        _put_array(np.asarray(x), parts, b"g", path)
     elif isinstance(x, bool):
         parts.append(b"T" if x else b"F")
     elif isinstance(x, int):
@@ -68,11 +73,10 @@ def _put(x: Any, parts: list[bytes], depth: int, path: str) -> None:
         b = x.encode("utf-8", "surrogatepass")
         parts += [b"s", _U64.pack(len(b)), b]
     elif isinstance(x, (bytes, bytearray, memoryview)):
-        parts += [b"b", _U64.pack(len(x)), bytes(x)]
-    elif isinstance(x, np.ndarray):
+        b = bytes(x)  # a memoryview's len() counts its items, not its bytes
+        parts += [b"b", _U64.pack(len(b)), b]
+    elif type(x) is np.ndarray or type(x) is np.memmap:  # subclasses (masked, matrix) would come back plain
         _put_array(x, parts, b"a", path)
-    elif isinstance(x, np.generic):
-        _put_array(np.asarray(x), parts, b"g", path)
     elif type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
         _put_tensor(x, parts, path)
     elif type(x).__module__.startswith("PIL.") and hasattr(x, "tobytes") and hasattr(x, "mode"):
@@ -123,11 +127,12 @@ def _put_image(x: Any, parts: list[bytes], depth: int, path: str) -> None:
 
 
 def _put_compound(x: Any, parts: list[bytes], depth: int, path: str) -> None:
-    if isinstance(x, (list, tuple)):
-        parts += [b"l" if isinstance(x, list) else b"u", _U32.pack(len(x))]
+    # exact types: a subclass (a namedtuple, a defaultdict) would be read back as the plain one
+    if type(x) in (list, tuple):
+        parts += [b"l" if type(x) is list else b"u", _U32.pack(len(x))]
         for k, v in enumerate(x):
             _put(v, parts, depth + 1, f"{path}[{k}]")
-    elif isinstance(x, dict):
+    elif type(x) is dict:
         parts += [b"d", _U32.pack(len(x))]
         for k, v in x.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
@@ -160,7 +165,12 @@ def decode(data: bytes) -> Any:
     r = _Reader(data)
     if bytes(r.take(len(MAGIC))) != MAGIC:
         raise CodecError("not a transformed-item payload (bad magic)")
-    x = _get(r, 0)
+    try:
+        x = _get(r, 0)
+    except CodecError:
+        raise
+    except (ValueError, OverflowError) as e:  # bad UTF-8, a dtype of no size, an image too large: all malformed
+        raise CodecError(f"malformed payload ({type(e).__name__}: {e})") from None
     if r.pos != len(r.mv):
         raise CodecError(f"{len(r.mv) - r.pos} stray bytes after the item")
     return x
@@ -176,7 +186,7 @@ def _get_array(r: _Reader) -> np.ndarray:
         raise CodecError("object arrays are never decoded")
     shape = tuple(r.unpack(_U64) for _ in range(r.take(1)[0]))
     nbytes = r.unpack(_U64)
-    if nbytes != int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize:
+    if nbytes != math.prod(shape) * dtype.itemsize:  # Python ints: a product cannot wrap round to match
         raise CodecError(f"array of shape {shape} and dtype {dt} cannot hold {nbytes} bytes")
     return np.frombuffer(r.take(nbytes), dtype=dtype).reshape(shape).copy()
 

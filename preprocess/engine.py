@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from .pool import WorkerDied, WorkerPool
@@ -53,6 +54,13 @@ class EpochPlan:
     exactly_once: bool = True  # False: the papers' bounded epochs (slow stragglers dropped)
     drop_last: bool = False    # a short last batch (items skipped or dropped) is not yielded
 
+    def __post_init__(self) -> None:
+        # a count below 1 would send no task (or build no batch): the epoch would wait for ever
+        for name in ("batch_size", "task_items", "prefetch_batches", "max_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, Integral) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
 
 class EpochRun:
     def __init__(self, pool: WorkerPool, batches: Iterator[list[int]], plan: EpochPlan, stats: PreprocessStats,
@@ -75,11 +83,13 @@ class EpochRun:
         self.measured: list[tuple[int, float]] = []  # (index, seconds of work)
         self.yielded: set[int] = set()
         self._meter = CpuMeter() if plan.adaptive else None
+        self._thread: threading.Thread | None = None
         self._next_control = time.monotonic() + CONTROL_EVERY
 
     # ---- consumer side --------------------------------------------------------
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
-        t = threading.Thread(target=self._dispatch_guarded, name="preprocess-dispatch", daemon=True)
+        self._take_pool()
+        t = self._thread = threading.Thread(target=self._dispatch_guarded, name="preprocess-dispatch", daemon=True)
         t.start()
         finished = False
         try:
@@ -98,9 +108,36 @@ class EpochRun:
                 yield batch
         finally:
             if not finished:
-                self.stop = True
-                t.join(10)
-                self.pool.drain_tasks()
+                self._stop_dispatch()
+            elif self.pool.epoch is self:
+                self.pool.epoch = None
+
+    def _take_pool(self) -> None:
+        """One epoch at a time runs on the workers: an earlier one whose iterator was kept,
+        neither run to its end nor closed, would take this one's messages and drop them."""
+        prev = self.pool.epoch
+        if prev is not None and prev is not self:
+            prev.abandon()
+        self.pool.epoch = self
+
+    def abandon(self) -> None:
+        """A later epoch started on the same workers: this one stops, and its iterator
+        raises if it is resumed (its batches to come would be lost)."""
+        with self.cond:
+            if self.error is None and not self.done:
+                self.error = RuntimeError(f"epoch {self.plan.epoch} was abandoned: a later epoch started on the "
+                                          f"same preprocessing workers before this one's iterator was finished")
+            self.cond.notify_all()
+        self._stop_dispatch()
+
+    def _stop_dispatch(self) -> None:
+        """Stop the dispatcher; drop the tasks queued for this epoch, never for a later one."""
+        self.stop = True
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.pool.epoch is self:
+            self.pool.drain_tasks()
+            self.pool.epoch = None
 
     # ---- dispatcher thread ----------------------------------------------------
     def _dispatch_guarded(self) -> None:

@@ -9,11 +9,18 @@ except those of workers that died: a late message of theirs must not be taken
 for a new worker's."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import pickletools
 import queue
 import signal
+import threading
 import time
-from typing import Any
+import traceback
+import weakref
+from collections.abc import Callable
+from numbers import Integral
+from typing import Any, TypeVar
 
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
@@ -38,6 +45,51 @@ def _context() -> Any:
 class WorkerDied(RuntimeError):
     """Preprocessing workers died (more than the scheduler replaces in an epoch); the
     message says how each died and which items it was running and held."""
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed (the loader's close()) while an epoch still used it."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _while_open(method: F) -> F:
+    """Run under the pool's lock, refused once it is closed: an epoch's dispatcher thread
+    may still be running when another thread closes the pool."""
+    @functools.wraps(method)
+    def guarded(self: WorkerPool, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            if self.closed:
+                raise PoolClosed("the preprocessing workers were stopped (the loader's close()) while an epoch "
+                                 "was still running; iterate a loader only before closing it")
+            return method(self, *args, **kwargs)
+    return guarded  # type: ignore[return-value]
+
+
+def _stop_workers(procs: dict[int, Any]) -> None:
+    """The pool was garbage-collected without close(): its workers go with it."""
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    for p in procs.values():
+        p.join(JOIN_SECONDS)
+
+
+def _message_head(frame: bytes, n: int = 4) -> list:
+    """The first n plain values of a message's pickle (kind, run, worker, item), read
+    without unpickling it; fewer where the pickle does not start so."""
+    head: list = []
+    try:
+        for op, arg, _ in pickletools.genops(frame):
+            if op.name in ("PROTO", "FRAME", "MARK", "MEMOIZE"):
+                continue
+            if arg is None or len(head) == n:
+                break
+            head.append(arg)
+    except Exception:  # a malformed pickle: as far as it went
+        pass
+    return head
 
 
 def exit_cause(exitcode: int | None) -> str:
@@ -73,20 +125,28 @@ class WorkerPool:
         # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
         # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
         self.handoff_cpu_s, self.handoff_items = 0.0, 0
+        self.lock, self.closed = threading.RLock(), False
+        self.epoch: Any = None  # the engine.EpochRun running on these workers: one at a time
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs)
 
     @property
     def size(self) -> int:
         """Workers that will keep taking tasks."""
         return len(self.procs) - len(self.stopping)
 
+    @_while_open
     def active(self) -> list[int]:
         return [w for w in self.procs if w not in self.stopping]
 
+    @_while_open
     def send(self, wid: int, task: tuple) -> None:
         self.queues[wid].put(task)
 
+    @_while_open
     def resize(self, n: int) -> None:
-        n = max(1, n)
+        if not isinstance(n, Integral) or isinstance(n, bool):
+            raise TypeError(f"the number of preprocessing workers must be an int, got {n!r}")
+        n = max(1, int(n))
         while self.size < n:
             free = set(range(MAX_IDS)) - set(self.procs) - self.retired
             if not free:
@@ -106,6 +166,7 @@ class WorkerPool:
             self.queues[wid].put(None)
             self.stopping.add(wid)
 
+    @_while_open
     def receive(self, timeout: float, decode: bool = True) -> list[tuple]:
         """The messages the workers have sent, waiting at most timeout seconds for one."""
         out: list[Any] = []
@@ -122,18 +183,33 @@ class WorkerPool:
 
     def _decode(self, wid: int, frame: bytes) -> tuple | None:
         """A worker's message; None for one a killed worker sent whose tensors went with
-        it (its items are re-run: dead()). Any other failure is raised."""
+        it (its items are re-run: dead()); a living worker's item that does not unpickle
+        here: that item's error."""
         try:
             return decode_frame(frame)
-        except Exception:
+        except Exception as e:
             p = self.procs[wid]
             p.join(DEATH_SECONDS)  # its shared memory is gone: it is dead or dying
             if p.exitcode is None:
-                raise
+                return self._undecodable(wid, frame, e)
             # status 0 too: a clean exit waits until all it sent is read, so this one died (dead())
             self.lost.add(wid)
             return None
 
+    def _undecodable(self, wid: int, frame: bytes, error: Exception) -> tuple:
+        """A living worker's item whose output pickled there but does not unpickle here (a
+        class whose __reduce__ does not give back what it takes): that item's error, as
+        one that cannot be pickled (worker._advance), so on_error applies and it is named."""
+        head = _message_head(frame)
+        if len(head) < 4 or head[0] != "done":
+            raise RuntimeError(f"a message from preprocessing worker {wid} cannot be unpickled in the "
+                               f"loader's process ({type(error).__name__}: {error})") from error
+        last = self.pipeline.order[-1]
+        text = "".join(traceback.format_exception(error)) + (
+            f"{type(error).__name__}: its output cannot be unpickled in the loader's process: {error}\n")
+        return ("error", head[1], wid, head[3], last, self.pipeline.steps[last].name, text, [])
+
+    @_while_open
     def exited(self, wid: int) -> None:
         if wid in self.lost:
             return  # its exit message came, but a message before it was dropped: dead() re-runs its items
@@ -143,6 +219,7 @@ class WorkerPool:
             p.join(JOIN_SECONDS)
         self.stopping.discard(wid)
 
+    @_while_open
     def dead(self) -> list[int]:
         """Workers gone without the exit handshake (killed, crashed, exited with any status
         without their exit message, their channel closed without it); forgotten. What
@@ -203,7 +280,12 @@ class WorkerPool:
 
     def drain_tasks(self) -> None:
         """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""
-        for wid, q in self.queues.items():
+        with self.lock:
+            if not self.closed:
+                self._drain_tasks()
+
+    def _drain_tasks(self) -> None:
+        for q in self.queues.values():
             for _ in range(100000):
                 try:
                     if q.get_nowait() is None:
@@ -214,7 +296,15 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker: a stop message, JOIN_SECONDS for them to finish (what they
-        still send is read and dropped undecoded, so none blocks on a full pipe), then terminate."""
+        still send is read and dropped undecoded, so none blocks on a full pipe), then terminate.
+        An epoch still running then fails with PoolClosed (its calls wait for the lock)."""
+        with self.lock:
+            if not self.closed:
+                self._close()
+                self.closed = True
+                self._finalizer()
+
+    def _close(self) -> None:
         for q in self.queues.values():
             q.put(None)
         deadline = time.monotonic() + JOIN_SECONDS

@@ -21,6 +21,7 @@ the process dies (a segfault in a decoder, the OOM killer) the scheduler names t
 item it died on (pool.WorkerPool.death)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import threading
@@ -34,6 +35,7 @@ from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 
 EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take it
+PARENT_CHECK_S = 1.0  # an idle worker checks this often that the scheduler's process still lives
 NO_TARGET = object()  # the item is not a (sample, target) pair
 NOT_RUNNING = -1  # a `running` slot between items
 MAIN, BACKGROUND = 0, 1  # the `running` slots
@@ -57,11 +59,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     bg.start()
     with_target = pairs(ds)
     while True:
-        try:
-            task = task_q.get_nowait()
-        except queue.Empty:
-            feed.idle()  # nothing to do: what the feed buffered goes out now
-            task = task_q.get()
+        task = _next_task(task_q, feed)
         if task is None:
             break
         _, run, epoch, order, t_out, items = task
@@ -87,6 +85,22 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     feed.close()
     out.send(("exit", wid, None))
     out.finish(EXIT_WAIT_S)  # the scheduler may still be unpickling our tensors: stay until it has read
+
+
+def _next_task(task_q: Any, feed: Any) -> tuple | None:
+    """The next task; None: stop, also once the scheduler's process is gone (killed: it
+    sent no stop, and our copy of the queue's write end means no end of file either)."""
+    try:
+        return task_q.get_nowait()
+    except queue.Empty:
+        feed.idle()  # nothing to do: what the feed buffered goes out now
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return task_q.get(timeout=PARENT_CHECK_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
 
 
 def _unpack(ds: Any, epoch: int, job_seed: int, i: int, f: Any, with_target: bool) -> tuple:
