@@ -335,7 +335,8 @@ class Digest:
 
     @property
     def meta(self) -> dict[str, str]:
-        """Creation metadata (created, tool, ...); informational only."""
+        """Creation metadata (created, tool, ...); informational, but for an HTTP digest's
+        tool (digest_paths.listed_names)."""
         return dict(self._meta)
 
     @property

@@ -10,6 +10,7 @@ loaded, by the same check (docs/security.md).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -51,11 +52,25 @@ def bad_path(strings: memoryview, offsets: np.ndarray) -> tuple[int, str, str] |
     return None
 
 
-def url_quoted(fs: Any) -> bool:
-    """Whether fsspec filesystem ``fs`` names files by URL (http, https), so that a digest's
-    entry (the file's name, as local, gs:// and s3:// digests record it) must be quoted."""
+# The meta 'tool' of digests that hold an HTTP listing's names as listed (percent-encoded):
+# tools/digest recorded them so until it recorded the files' names.
+LISTED_NAMES_TOOL = "mlcache tools/digest 1"
+
+
+def listed_names(meta: Mapping[str, str] | None) -> bool:
+    """Whether a digest with creation metadata ``meta`` holds an HTTP store's entries as
+    its listing spelled them, quoted already: read as they are, not quoted again."""
+    return meta is not None and meta.get("tool") == LISTED_NAMES_TOOL
+
+
+def url_quoted(fs: Any, digest: Any = None) -> bool:
+    """Whether fsspec filesystem ``fs`` names files by URL (http, https), so that an entry
+    of ``digest`` (the file's name, as local, gs:// and s3:// digests record it) must be
+    quoted: all but listed_names digests'."""
     protocol = getattr(fs, "protocol", ())
-    return "http" in ((protocol,) if isinstance(protocol, str) else protocol)
+    if "http" not in ((protocol,) if isinstance(protocol, str) else protocol):
+        return False
+    return digest is None or not listed_names(digest.meta)  # meta: a copy, made only here
 
 
 def store_path(base: str, rel: str, quoted: bool = False) -> str:

@@ -29,7 +29,7 @@ from clients.digest_scan import Scanned, check_range_support, probe_range_suppor
 from clients.digest_source import SourceFile, ToolError, is_local, list_source, open_source
 from clients.digest_verify import verify_digest
 
-TOOL = "mlcache tools/digest 1"
+TOOL = "mlcache tools/digest 2"  # 2: HTTP entries are names, quoted on read (digest_paths.listed_names)
 EXIT_FAIL = 1
 EXIT_USAGE = 2
 MAX_REPORTED = 50  # problems printed by verify before summarising

@@ -18,7 +18,7 @@ from clients.itemscan import REMOTE_BLOCK, SMALL_REMOTE, hash_stream
 def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) -> list[tuple[int, str]]:
     """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
     rel = digest.path(j)
-    full = store_path(base, rel, url_quoted(fs))
+    full = store_path(base, rel, url_quoted(fs, digest))
     problems: list[tuple[int, str]] = []
     col = digest.blake3  # format 3: clients check reads against it, so verify checks it too
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .digest import Digest
-from .digest_paths import store_path
+from .digest_paths import listed_names, store_path
 
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
@@ -99,11 +99,12 @@ class Samples:
     def assemble(self, digest: Digest, samples: Sequence[int], data: Sequence[bytes]) -> list[dict]:
         """Sample dicts from the bytes of flatten(samples), as webdataset yields them."""
         out, k = [], 0
+        quoted = digest.root.startswith(("http://", "https://")) and not listed_names(digest.meta)
         for s in samples:
             a, b = int(self.starts[s]), int(self.starts[s + 1])
             first = int(self.members[a])
-            d: dict = {"__key__": self.key(s), "__url__": store_path(digest.root, digest.location(first).path,
-                                                                  digest.root.startswith(("http://", "https://")))}
+            url = store_path(digest.root, digest.location(first).path, quoted)
+            d: dict = {"__key__": self.key(s), "__url__": url}
             for j in range(a, b):
                 d[self.ext_names[self.ext_codes[j]]] = data[k]
                 k += 1

@@ -72,7 +72,7 @@ def read_item(
         fs, _ = fsspec.core.url_to_fs(digest.root, **storage_options)
     # Not url_to_fs's path: it reads a root with '::' ('file:///data/x::y') as a chain.
     base = fs._strip_protocol(digest.root)
-    full, start, end = _item_range(digest, i, base, url_quoted(fs))
+    full, start, end = _item_range(digest, i, base, url_quoted(fs, digest))
     if start is not None and start == end:
         data = b""
     elif type(fs) is _local_fs():  # exactly it: a subclass may read differently
@@ -131,7 +131,7 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
                                                               for i in share], shares) for data in part]
         return [read_item(digest, i, fs, verify=verify, by_key=by_key) for i in indices]
     base = fs._strip_protocol(digest.root)
-    quoted = url_quoted(fs)
+    quoted = url_quoted(fs, digest)
     ranges = [_item_range(digest, i, base, quoted) for i in indices]
     want = [p for p, (_, s, e) in enumerate(ranges) if s is None or s != e]
     got = fs.cat_ranges([ranges[p][0] for p in want], [ranges[p][1] for p in want],

@@ -187,3 +187,47 @@ def test_file_items_index_as_item_tuples() -> None:
     assert items[-1] == items[1] and items.file(0) == range(2)
     with pytest.raises(IndexError):
         items[2]
+
+
+# -- 5. HTTP digests the tool wrote before it recorded names still read ------------------
+
+
+def test_http_digest_of_the_previous_tool_still_reads(tmp_path: Path) -> None:
+    """tools/digest 1 recorded an HTTP listing's names percent-encoded, as listed: a digest
+    of it read after names were recorded unencoded (and quoted on read) asked for
+    'a%2520b.jpg' (FileNotFoundError in read_item, read_items, CachedDataset, verify)."""
+    from clients.digest import DigestBuilder
+    from clients.samples import Samples
+
+    src = tmp_path / "src"
+    files = {"a b.jpg": b"one", "\u00fc#1.jpg": b"two", "q?+.jpg": b"three", "100%.jpg": b"four"}
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    with objstore.ObjectStore(src) as store:
+        # what tools/digest 1 wrote: the listing's names, its meta's tool
+        b = DigestBuilder(store.url, "files", {"created": "2026-01-01T00:00:00+00:00",
+                                               "tool": "mlcache tools/digest 1"})
+        listed = sorted(fsspec.filesystem("http").find(store.url))
+        for url in listed:
+            name = url[len(store.url) + 1:]
+            assert name not in files  # encoded, as the old tool recorded it
+            data = fsspec.filesystem("http").cat_file(url)
+            b.add(hashlib.sha256(data).digest(), len(data), name)
+        old = tmp_path / "old.dig"
+        b.build().save(old)
+        d = Digest.load(old)
+        want = [fsspec.filesystem("http").cat_file(f"{store.url}/{p}") for p in d.paths]
+        assert [read_item(d, i, verify=True) for i in range(len(d))] == want
+        assert read_items(d, range(len(d)), fsspec.filesystem("http"), verify=True) == want
+        assert main(["verify", str(old), "-q"]) == 0
+        # a new digest of the same store: names recorded, still quoted on read
+        new = tmp_path / "new.dig"
+        assert main([store.url, "-o", str(new), "-q"]) == 0
+        n = Digest.load(new)
+        assert n.paths == sorted(files) and [read_item(n, i, verify=True) for i in range(len(n))] == [
+            files[p] for p in n.paths]
+    # a WebDataset sample's __url__ from an old HTTP tar digest: the listed URL, not quoted again
+    t = DigestBuilder("http://h:1/shards", "tar", {"tool": "mlcache tools/digest 1"})
+    t.add(b"s" * 32, 3, "shard%200.tar", 512, name="k.jpg")
+    assert Samples(t.build()).assemble(t.build(), [0], [b"abc"])[0]["__url__"] == "http://h:1/shards/shard%200.tar"
