@@ -165,11 +165,15 @@ class SubstitutableBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Batches the next iteration yields: the epoch's, less those a resumed state had
-        delivered (the same on every rank, which a front end that leaves items out, a
-        transform's on_error="skip", keeps to: clients/loader.py)."""
-        items, batches = self.progress.resumed(self.epoch)
-        if batches is None:  # a state saved before batches were counted
+        """Batches the next iteration yields (after a resumed state's, _left)."""
+        return self._left(*self.progress.resumed(self.epoch))
+
+    def _left(self, items: int, batches: int | None) -> int:
+        """Batches of the epoch to come after `items` in `batches` were delivered. Under DDP
+        the epoch's, less those delivered (the same on every rank, which a front end that
+        leaves items out, a transform's on_error="skip", keeps to: clients/loader.py); alone
+        those the items left make, which the walk yields (skipped items are tried again)."""
+        if batches is None or self.share.world == 1:
             return self._batches(self.share.size - items)
         return max(0, self._batches(self.share.size) - batches)
 
@@ -194,7 +198,7 @@ class SubstitutableBatchSampler:
         into the next one, with or without workers, as torchdata's StatefulDataLoader."""
         st = self.progress.state(self.epoch)
         if st["delivered"] and (self._batches(self.share.size - st["items_delivered"]) == 0
-                                or st.get("batches_delivered", 0) >= self._batches(self.share.size)):
+                                or self._left(st["items_delivered"], st.get("batches_delivered")) == 0):
             st = {**st, "epoch": st["epoch"] + 1, "delivered": b"", "items_delivered": 0, "batches_delivered": 0}
         return {**self.share.describe(), **st, "batch_size": self.batch_size}
 
@@ -205,8 +209,11 @@ class SubstitutableBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iteration runs the saved epoch's other items."""
         self.share.check(state)
-        if state.get("batch_size") != self.batch_size:  # its batches are not ours: the items left say how many
-            state = {k: v for k, v in state.items() if k != "batches_delivered"}
+        if state.get("batch_size") != self.batch_size or "batches_delivered" not in state:
+            # its batches are not ours, or not counted (an older version's state): as many as its
+            # items make, from which the count goes on (a count from 0 padded DDP ranks with repeats)
+            n, items = self.share.size, int(state.get("items_delivered", 0))
+            state = {**state, "batches_delivered": self._batches(n) - self._batches(n - items)}
         self.epoch = self.progress.load(state)
 
     def epoch_items(self, epoch: int) -> list[int] | None:

@@ -62,3 +62,22 @@ def test_a_hung_server_costs_a_short_probe_per_try_and_is_used_again(tmp_path):
         for s in servers:
             os.kill(s.proc.pid, signal.SIGCONT)
             s.kill()
+
+
+def test_a_busy_server_keeps_the_short_backoff(tmp_path):
+    """A server that answers "busy" is alive: its back-off stays down_backoff, not doubled
+    per refusal as a hung one's (a loaded server would be all-miss for up to a minute)."""
+    from cacheserver import wire
+    s = cacheserver(str(tmp_path / "s"), "64MB", 0).start()
+    try:
+        with RingClient([s.address], down_backoff=0.5) as ring:
+            for _ in range(5):
+                ring._failed(s.address, wire.RemoteError(wire.UNAVAILABLE, "server busy: test"))
+                ring._down_until[s.address] = 0.0  # as if its back-off had passed
+            assert ring._fails[s.address] == 1
+            ring._failed(s.address, TimeoutError("timed out"))
+            ring._down_until[s.address] = 0.0
+            ring._failed(s.address, TimeoutError("timed out"))
+            assert ring._fails[s.address] == 3 and ring.backoff(3) == 2.0
+    finally:
+        s.kill()

@@ -133,7 +133,9 @@ class RingClient:
         with self._lock:
             self.errors += 1
             first = self._usable(node)
-            if first:  # calls in flight when it failed do not count again
+            if first and _answered(err):  # busy, or an error it sent: alive, so no growing back-off
+                self._fails[node] = 1
+            elif first:  # calls in flight when it failed do not count again
                 self._fails[node] = self._fails.get(node, 0) + 1
             period = self.backoff(self._fails.get(node, 1))
             self._down_until[node] = time.monotonic() + period
@@ -250,6 +252,15 @@ class RingClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _answered(err: Exception) -> bool:
+    """Whether the server itself answered with this error (busy, or failing a request):
+    it is alive, unlike one that timed out or refused the connection."""
+    if isinstance(err, wire.RemoteError):
+        return True
+    return isinstance(err, grpc.RpcError) and callable(getattr(err, "code", None)) and \
+        err.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
 
 
 def _hits(answer: bytes) -> list[bool]:
