@@ -16,6 +16,7 @@ from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
 from .getbound import bounded_get
 from .identity import PeerCounts, current_peer
+from .stallwrite import WriteStopped
 from .store import UNTAGGED, Store
 from .trust import WriteTrust
 from .vocab import FETCH, ID_LEN, PRESENT, WAIT, BadRequest, CacheMode, check_ids
@@ -170,13 +171,19 @@ class CacheCore:
             self.counters.add("put_replaced", len(items))
             self.replacers.add(current_peer(), len(items))
         pairs = [(k, v) for k, _, v in items]
-        if vouch:
-            since, written = self.trust.mark(), []
-            result = self.store.put_many(pairs, tag, replace, written)
-            self.trust.vouch(written, since)
-        else:
-            with self.trust.foreign_write([k for k, _ in pairs]):
-                result = self.store.put_many(pairs, tag, replace)
+        try:
+            if vouch:
+                since, written = self.trust.mark(), []
+                result = self.store.put_many(pairs, tag, replace, written)
+                self.trust.vouch(written, since)
+            else:
+                with self.trust.foreign_write([k for k, _ in pairs]):
+                    result = self.store.put_many(pairs, tag, replace)
+        except WriteStopped:  # the store logged why: refused as the puts after it are, not an internal
+            # error, which clients take as a failed server whose values they then stop reading too
+            held = self.store.held(k for k, _ in pairs)
+            self.counters.add_many({"rejected_disk_full": len(pairs) - held, "put_already": held})
+            result = (0, held, len(pairs) - held)
         self.claims.release([k for k, _, _ in items])  # stored, or refused: either way, not being read
         return result
 

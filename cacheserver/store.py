@@ -113,6 +113,9 @@ class Store(Recovery, Flushes):
         self._writers()
         self._flushing = 0  # flushes under way (close waits for them)
         self._writing: set[int] = set()  # first sequence numbers of puts being written
+        # id -> sequence of a put a write stop ended (put_many): its index record may be in without
+        # its value; deleted once writes go again (Flushes._drop_stranded), holding the durable mark
+        self._stranded: dict[bytes, int] = {}
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
         self._last_write = 0.0
@@ -202,7 +205,12 @@ class Store(Recovery, Flushes):
             for k in large:
                 wb.delete(k, self._large_cf)
             return wb
-        self._logged(batch)
+        try:
+            self._logged(batch)
+        except WriteStopped:  # their ids left the index (evicted, dropped): deleted once writes go again
+            for k in keys:
+                self._stranded.setdefault(k, self._seq)
+            raise
 
     # ---- public API -----------------------------------------------------
     def set_protector(self, protected: Callable[[Tag], bool]) -> None:
@@ -332,8 +340,9 @@ class Store(Recovery, Flushes):
             with self._lock:
                 self._reserved -= reserve
                 self._pending.difference_update(k for k, _, _ in accepted)
-                if not stopped:  # else its index records may be in, not its values: a restart checks them
-                    self._writing.discard(seq0)
+                self._writing.discard(seq0)
+                if stopped:  # its index records may be in, not its values (or a replaced id's old value)
+                    self._stranded.update((key, seq0 + i) for i, (key, _, _) in enumerate(accepted))
                 if written:
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)

@@ -36,10 +36,14 @@ class Flushes:
     def _flush(self, final: bool) -> None:
         if self.progress.stuck() is not None:
             return
+        if self._stranded:
+            self._drop_stranded()
         with self._lock:
             if self.closing and not final:
                 return
-            mark = min(self._writing) if self._writing else self._seq
+            # values from the mark on may not be written yet: those of puts under way, and the
+            # index records of puts a write stop ended (their ids not deleted yet)
+            mark = min((*self._writing, *self._stranded.values()), default=self._seq)
             self._dirty_since = None  # a write from here on marks it again
             self._flushing += 1
         try:
@@ -63,6 +67,21 @@ class Flushes:
             with self._lock:
                 self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
+
+    def _drop_stranded(self) -> None:
+        """Delete what is left on disk of the ids of puts a write stop ended (put_many): an
+        index record without its value, or a replaced value, that a restart would index, or
+        keep unaccounted. Ids put again since are held as put; ids being put wait."""
+        with self._lock:
+            stranded = self._stranded
+            gone = [k for k in stranded if k not in self._index and k not in self._pending]
+            try:
+                if gone:
+                    self._delete_keys(gone)
+            except Exception:  # stopped again, or a failed store (the flush records it): kept for later
+                return
+            for k in [k for k in stranded if k in self._index] + gone:
+                del stranded[k]
 
     def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
         """Flush the memtables (every column family, so the log can go) if they

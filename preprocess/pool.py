@@ -67,13 +67,18 @@ def _while_open(method: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
-def _stop_workers(procs: dict[int, Any]) -> None:
-    """The pool was garbage-collected without close(): its workers go with it."""
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-    for p in procs.values():
-        p.join(JOIN_SECONDS)
+def _stop_workers(procs: dict[int, Any], lock: Any, ended: threading.Event) -> None:
+    """The pool was garbage-collected, or the interpreter exits, without close(): its workers
+    go with it. Under the pool's lock, and closed first: an epoch's dispatcher still running
+    at exit fails with PoolClosed instead of replacing the workers it saw die, and holds the
+    lock no more (a daemon thread frozen at exit holding it hung the iterator's finalization)."""
+    with lock:
+        ended.set()
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(JOIN_SECONDS)
 
 
 def _message_head(frame: bytes, n: int = 4) -> list:
@@ -125,9 +130,13 @@ class WorkerPool:
         # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
         # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
         self.handoff_cpu_s, self.handoff_items = 0.0, 0
-        self.lock, self.closed = threading.RLock(), False
+        self.lock, self._ended = threading.RLock(), threading.Event()  # _ended: closed, or its workers stopped
         self.epoch: Any = None  # the engine.EpochRun running on these workers: one at a time
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.lock, self._ended)
+
+    @property
+    def closed(self) -> bool:
+        return self._ended.is_set()
 
     @property
     def size(self) -> int:
@@ -301,8 +310,7 @@ class WorkerPool:
         with self.lock:
             if not self.closed:
                 self._close()
-                self.closed = True
-                self._finalizer()
+                self._finalizer()  # closed from here on
 
     def _close(self) -> None:
         for q in self.queues.values():

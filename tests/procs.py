@@ -186,3 +186,12 @@ def without_features(client, *names: str):
 
     client.info = older
     return client
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

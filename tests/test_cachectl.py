@@ -16,7 +16,7 @@ import pytest
 
 from cacheserver.client.server_client import ServerClient
 from cacheserver.client.hashring import HashRing
-from procs import ROOT, cacheserver, free_port
+from procs import ROOT, cacheserver, free_port, pid_alive
 
 
 def cachectl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -31,14 +31,6 @@ def ident(i: int) -> bytes:
 def refused_port() -> int:
     """A loopback port nobody listens on (bound, then closed without listen)."""
     return free_port()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # ---- stats ---------------------------------------------------------------------------
@@ -208,7 +200,7 @@ class Cluster:
             self.proc.kill()
             self.proc.wait(10)
         for pid in self.pids:
-            if alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -218,7 +210,7 @@ def test_local_cluster_serves_and_stops_on_sigterm():
         addrs = c.wait_ready()
         assert len(addrs) == 3 and len(set(addrs)) == 3
         assert f"use: cache={','.join(addrs)}" in c.out
-        assert len(c.pids) == 3 and all(alive(p) for p in c.pids)
+        assert len(c.pids) == 3 and all(pid_alive(p) for p in c.pids)
         data_dir = c.data_dir
         assert os.path.isdir(data_dir)
         for i, addr in enumerate(addrs):
@@ -236,7 +228,7 @@ def test_local_cluster_serves_and_stops_on_sigterm():
         rc, out, err = c.finish()
         assert rc == 0, err
         assert "stopped 3 servers" in out
-        assert not [p for p in c.pids if alive(p)], "server processes left behind"
+        assert not [p for p in c.pids if pid_alive(p)], "server processes left behind"
         assert not os.path.exists(data_dir), "temporary data dir left behind"
         for addr in addrs:
             host, port = addr.rsplit(":", 1)
@@ -280,7 +272,7 @@ def test_local_cluster_reports_a_dead_server():
         assert rc == 1
         assert re.search(r"cachectl: server \d \(127\.0\.0\.1:\d+\) died with exit code -9", err), err
         assert "stopping the other servers" in err
-        assert not alive(survivor)
+        assert not pid_alive(survivor)
         assert not os.path.exists(c.data_dir)
     finally:
         c.kill()

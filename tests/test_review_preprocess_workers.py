@@ -28,6 +28,7 @@ from preprocess.engine import EpochPlan  # noqa: E402
 from preprocess.fingerprint import Uncacheable  # noqa: E402
 from preprocess.pool import PoolClosed, WorkerPool  # noqa: E402
 from preprocess_steps import SleepOn, index_of  # noqa: E402
+from procs import pid_alive  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,14 +55,6 @@ def _gone(procs, seconds):
     return [p.pid for p in procs if p.is_alive()]
 
 
-def _pid_alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def pool_parent(digest):
     """Run in a subprocess: a pool of two idle workers; prints their pids, then waits to be killed."""
     ds = CachedDataset(digest, cache=False)
@@ -85,18 +78,18 @@ def test_workers_exit_when_the_loaders_process_is_killed(tmp_path):
         line = parent.stdout.readline()
         assert line.startswith("PIDS "), line
         pids = [int(p) for p in line.split()[1:]]
-        assert len(pids) == 2 and all(map(_pid_alive, pids))
+        assert len(pids) == 2 and all(map(pid_alive, pids))
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 15
-        while any(map(_pid_alive, pids)) and time.monotonic() < deadline:
+        while any(map(pid_alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in pids if _pid_alive(p)], "workers outlived the killed loader"
+        assert not [p for p in pids if pid_alive(p)], "workers outlived the killed loader"
     finally:
         parent.kill()
         parent.wait(10)
         for p in pids:
-            if _pid_alive(p):
+            if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
