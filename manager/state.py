@@ -4,7 +4,7 @@ Layout::
 
     STATE_DIR/LOCK            flock: one manager per state directory
     STATE_DIR/snapshot.json   {"seq": S, "digest": sha256, "state": {...}}
-    STATE_DIR/journal.jsonl   one {"seq": n, "ev": {...}} per line, n > S
+    STATE_DIR/journal.jsonl   one {"crc": c, "ev": {...}, "seq": n} per line, n > S
 
 Every state change is an event (model.py). ``submit`` applies it, appends it
 to the journal and fsyncs *before* the caller answers the RPC, so whatever a
@@ -20,7 +20,10 @@ truncated; a crash between rename and truncation only leaves events the
 loader skips by sequence number. Loading = snapshot + re-applying the
 journal's events in order, which gives the identical state because the model
 is deterministic. A torn last line (crash mid-write: never acknowledged) is
-cut off; damage anywhere else stops the manager rather than guessing.
+cut off; damage anywhere else stops the manager rather than guessing. Each
+line carries the CRC-32 of its record (the line without "crc"), so a flipped
+byte that leaves valid JSON (a digit, a key) is damage too, not an event
+replayed with another value; lines written before the CRC have none.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -58,6 +62,24 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _record_line(seq: int, ev: Mapping[str, Any]) -> str:
+    """A journal line: the record, then the CRC-32 of its text (checked by _checked)."""
+    body = json.dumps({"seq": seq, "ev": ev}, sort_keys=True, separators=(",", ":"))
+    return f'{{"crc":{zlib.crc32(body.encode())},{body[1:]}\n'
+
+
+def _checked(rec: dict, path: str, lineno: int) -> dict:
+    """rec less its "crc", which must be that of the rest's text; StateError otherwise: a
+    complete line that parses is no torn write, and replaying it would diverge silently."""
+    crc = rec.pop("crc", None)
+    if crc is not None:
+        body = json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()
+        if crc != zlib.crc32(body):
+            raise StateError(f"{path}: event {rec.get('seq')} at line {lineno} is damaged (its checksum "
+                             f"does not match)")
+    return rec
+
+
 def _parse_journal(data: bytes, path: str) -> tuple[list[tuple[int, int, dict]], bytes]:
     """(records as (line number, seq, event), the bytes to keep). Unparseable
     lines are tolerated only at the end (a torn or zero-filled tail after a
@@ -73,6 +95,8 @@ def _parse_journal(data: bytes, path: str) -> tuple[list[tuple[int, int, dict]],
         if line:
             try:
                 rec = json.loads(line)
+                if isinstance(rec, dict):
+                    rec = _checked(rec, path, lineno)
                 item = (lineno, int(rec["seq"]), dict(rec["ev"]))
             except (ValueError, KeyError, TypeError):
                 if bad_at is None:
@@ -256,8 +280,7 @@ class StateStore:
 
     def _append(self, ev: Mapping[str, Any], sync: bool = True) -> None:
         assert self._journal_fd is not None, "state store is not open"
-        line = json.dumps({"seq": self.seq + 1, "ev": ev}, sort_keys=True, separators=(",", ":")) + "\n"
-        data = line.encode()
+        data = _record_line(self.seq + 1, ev).encode()
         written = os.write(self._journal_fd, data)
         if written != len(data):  # disk full: fail-stop rather than diverge
             raise OSError(f"short journal write ({written} of {len(data)} bytes)")

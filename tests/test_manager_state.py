@@ -137,6 +137,33 @@ def test_torn_tail_is_dropped_and_damage_elsewhere_refused(tmp_path):
         StateStore(str(tmp_path), CFG, fsync=False).open()
 
 
+def test_a_flipped_byte_that_keeps_json_valid_is_damage_not_another_value(tmp_path):
+    """Each journal line carries its record's CRC-32: a digit changed inside a complete line
+    (still valid JSON) stops the load naming the line, in the middle and at the end alike,
+    instead of replaying the event with another value."""
+    store = StateStore(str(tmp_path), CFG, fsync=False).open()
+    for t in range(3):
+        store.submit({"type": "tick", "now": 1e9 + t})
+    store.close(snapshot=False)
+    path = os.path.join(tmp_path, "journal.jsonl")
+    good = open(path, "rb").read()
+    lines = good.split(b"\n")
+    assert all(b'"crc":' in x for x in lines if x)
+    for k in (1, len([x for x in lines if x]) - 1):  # the middle, the last line
+        bad = list(lines)
+        bad[k] = bad[k].replace(b'"now":100000000', b'"now":900000000', 1)
+        assert bad[k] != lines[k] and json.loads(bad[k])
+        open(path, "wb").write(b"\n".join(bad))
+        with pytest.raises(StateError, match=f"at line {k + 1} is damaged"):
+            StateStore(str(tmp_path), CFG, fsync=False).open()
+    # lines written before the CRC (none) still load
+    open(path, "wb").write(b"\n".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "crc"}).encode()
+                                       if x else x for x in lines))
+    again = StateStore(str(tmp_path), CFG, fsync=False).open()
+    assert again.seq >= 3
+    again.close(snapshot=False)
+
+
 def test_a_torn_tail_is_cut_in_place_and_a_lost_newline_restored(tmp_path, monkeypatch):
     """The cut keeps the good records where they are (the file is never emptied first, so a
     crash during the cut loses nothing acknowledged)."""
