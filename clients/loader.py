@@ -165,6 +165,23 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"CachedDataset.loader() does not take {name}=: {instead}")
 
 
+# DataLoader options of its worker processes: with a transform= the per-sample scheduler runs
+# the workers (preprocess/) and the DataLoader none, so torch would ignore them (timeout) or
+# refuse them with num_workers=0 in its own words (persistent_workers, prefetch_factor).
+_DATALOADER_WORKER_OPTIONS = {"timeout": 0, "worker_init_fn": None, "prefetch_factor": None,
+                              "persistent_workers": False, "multiprocessing_context": None}
+
+
+def check_worker_options(kwargs: dict[str, Any]) -> None:
+    """With the per-sample scheduler, DataLoader worker options given: refused, naming them."""
+    given = sorted(k for k, default in _DATALOADER_WORKER_OPTIONS.items()
+                   if k in kwargs and kwargs[k] != default)
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of DataLoader worker processes, which do not run with a "
+                         f"transform= (the per-sample scheduler runs its own workers, num_workers= of them: "
+                         f"docs/preprocess.md); remove them, or pass scheduler='torch'")
+
+
 def check_picklable(ds, kwargs: dict[str, Any]) -> None:
     """Workers are spawned: what they run travels pickled. Say which callable fails, and
     why, before any worker starts (not a bare PicklingError from inside torch)."""
@@ -215,6 +232,8 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
     if autocache != "source" and not per_sample:
         raise ValueError(f"autocache={autocache!r}: caching modes other than 'source' need a transform= run by "
                          f"the per-sample scheduler (docs/preprocess.md, Autocache)")
+    if per_sample:
+        check_worker_options(kwargs)
     if per_sample or (num_workers or 0) > 0:
         check_picklable(ds, kwargs)
     rank, world_size = distributed_rank(rank, world_size)

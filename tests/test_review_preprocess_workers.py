@@ -254,3 +254,27 @@ def test_codec_calls_every_malformed_payload_a_codec_error():
     for payload in bad:
         with pytest.raises(CodecError):
             decode(payload)
+
+
+@pytest.mark.parametrize("option", [{"timeout": 5}, {"persistent_workers": True}, {"prefetch_factor": 4}])
+def test_dataloader_worker_options_with_a_transform_are_refused_by_name(tmp_path, option):
+    """With a transform the per-sample scheduler runs the workers: a DataLoader worker option
+    was ignored (timeout) or refused by torch in its own words (persistent_workers)."""
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False, transform=Pipeline([index_of]))
+    try:
+        with pytest.raises(ValueError, match=f"{next(iter(option))}: options of DataLoader worker processes"):
+            ds.loader(4, num_workers=1, cost_dir=False, **option)
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("option,why", [({"num_workers": "2"}, "num_workers must be an int"),
+                                        ({"task_items": 0}, "task_items must be an int >= 1"),
+                                        ({"task_items": "2"}, "task_items must be an int >= 1")])
+def test_scheduler_counts_are_checked_when_the_loader_is_made(tmp_path, option, why):
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=False, transform=Pipeline([index_of]))
+    try:
+        with pytest.raises(ValueError, match=why):
+            ds.loader(4, cost_dir=False, **{"num_workers": 1, **option})
+    finally:
+        ds.close()
