@@ -54,15 +54,23 @@ class PoolClosed(RuntimeError):
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+CLOSED_MESSAGE = ("the preprocessing workers were stopped (the loader's close()) while an epoch was still "
+                  "running; iterate a loader only before closing it")
+
+
 def _while_open(method: F) -> F:
     """Run under the pool's lock, refused once it is closed: an epoch's dispatcher thread
     may still be running when another thread closes the pool."""
     @functools.wraps(method)
     def guarded(self: WorkerPool, *args: Any, **kwargs: Any) -> Any:
+        # closed: the lock is never taken again. At exit a daemon thread (the dispatcher) can
+        # be frozen by the interpreter's finalization while it holds it; taking it then would
+        # hang the exit (the iterator's clean-up at teardown)
+        if self.closed:
+            raise PoolClosed(CLOSED_MESSAGE)
         with self.lock:
             if self.closed:
-                raise PoolClosed("the preprocessing workers were stopped (the loader's close()) while an epoch "
-                                 "was still running; iterate a loader only before closing it")
+                raise PoolClosed(CLOSED_MESSAGE)
             return method(self, *args, **kwargs)
     return guarded  # type: ignore[return-value]
 
@@ -289,6 +297,8 @@ class WorkerPool:
 
     def drain_tasks(self) -> None:
         """Drop queued tasks (an epoch abandoned by its consumer), keeping stop messages."""
+        if self.closed:  # no lock once closed (see _while_open)
+            return
         with self.lock:
             if not self.closed:
                 self._drain_tasks()
@@ -307,6 +317,8 @@ class WorkerPool:
         """Stop every worker: a stop message, JOIN_SECONDS for them to finish (what they
         still send is read and dropped undecoded, so none blocks on a full pipe), then terminate.
         An epoch still running then fails with PoolClosed (its calls wait for the lock)."""
+        if self.closed:  # no lock once closed (see _while_open)
+            return
         with self.lock:
             if not self.closed:
                 self._close()
