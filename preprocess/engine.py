@@ -23,10 +23,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
-from .pool import WorkerDied, WorkerPool
+from .pool import WorkerDied, WorkerPool, is_whole
 from .stats import PreprocessStats
 from .timeout import SlowTimeout
 from .workerctl import CpuMeter, next_workers
@@ -58,7 +57,7 @@ class EpochPlan:
         # a count below 1 would send no task (or build no batch): the epoch would wait for ever
         for name in ("batch_size", "task_items", "prefetch_batches", "max_workers"):
             v = getattr(self, name)
-            if not isinstance(v, Integral) or isinstance(v, bool) or v < 1:
+            if not is_whole(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 

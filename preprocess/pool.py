@@ -105,6 +105,11 @@ def _message_head(frame: bytes, n: int = 4) -> list:
     return head
 
 
+def is_whole(v: Any) -> bool:
+    """A count given as an int (numpy's too), not a bool (True would be 1), float or str."""
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
 def exit_cause(exitcode: int | None) -> str:
     """How a worker process ended, from its exit status (negative: the signal)."""
     if exitcode is None:
@@ -161,7 +166,7 @@ class WorkerPool:
 
     @_while_open
     def resize(self, n: int) -> None:
-        if not isinstance(n, Integral) or isinstance(n, bool):
+        if not is_whole(n):
             raise TypeError(f"the number of preprocessing workers must be an int, got {n!r}")
         n = max(1, int(n))
         while self.size < n:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator
-from numbers import Integral
 from typing import Any
 
 from .autoorder import choose_order, revise
@@ -18,7 +17,7 @@ from .feed import PlainFeed, run_item
 from .fingerprint import Uncacheable
 from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
-from .pool import WorkerPool
+from .pool import WorkerPool, is_whole
 from .profile import Trace, trace
 from .stats import PreprocessStats, StepStats
 from .timeout import SlowTimeout
@@ -28,11 +27,6 @@ ON_ERROR = ("raise", "skip")
 SAMPLE_ITEMS = 16
 
 
-
-def _whole(v: Any) -> bool:
-    """An int, not a bool (True would be 1 worker) nor a float or str."""
-    return isinstance(v, Integral) and not isinstance(v, bool)
-
 class Scheduler:
     def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
                  on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
@@ -40,12 +34,12 @@ class Scheduler:
                  exactly_once: bool = True, drop_last: bool = False, feed: Any = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if num_workers is not None and (not _whole(num_workers) or num_workers < 0):
+        if num_workers is not None and (not is_whole(num_workers) or num_workers < 0):
             raise ValueError(f"num_workers must be an int >= 0 or None (adaptive), got {num_workers!r}")
         # here, when the loader is made, not when its first epoch starts
-        if task_items is not None and (not _whole(task_items) or task_items < 1):
+        if task_items is not None and (not is_whole(task_items) or task_items < 1):
             raise ValueError(f"task_items must be an int >= 1 or None, got {task_items!r}")
-        if not _whole(prefetch_batches) or prefetch_batches < 1:
+        if not is_whole(prefetch_batches) or prefetch_batches < 1:
             raise ValueError(f"prefetch_batches must be an int >= 1, got {prefetch_batches!r}")
         pipeline.check_picklable()  # before any worker starts
         self.ds, self.pipeline, self.job_seed, self.on_error = ds, pipeline, job_seed, on_error

@@ -58,10 +58,22 @@ def _gone(procs, seconds):
 def pool_parent(digest):
     """Run in a subprocess: a pool of two idle workers; prints their pids, then waits to be killed."""
     ds = CachedDataset(digest, cache=False)
-    pool = WorkerPool(ds, Pipeline([index_of]), job_seed=0)
+    pipeline = Pipeline([index_of])
+    pool = WorkerPool(ds, pipeline, job_seed=0)
     pool.resize(2)
+    _both_working(pool, pipeline)  # idle in their task loop, not still starting, when killed
     print("PIDS", *[p.pid for p in pool.procs.values()], flush=True)
     time.sleep(120)
+
+
+def _both_working(pool, pipeline):
+    """Workers 0 and 1 each ran a task (started, and not still unpickling their arguments)."""
+    for wid in (0, 1):
+        pool.send(wid, ("task", 7, 0, pipeline.order, None, [(wid, False)]))
+    got, deadline = [], time.monotonic() + 60
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += pool.receive(0.1)
+    assert sorted(m[3] for m in got if m[0] == "done") == [0, 1]
 
 
 def test_workers_exit_when_the_loaders_process_is_killed(tmp_path):
@@ -102,13 +114,8 @@ def test_a_pool_dropped_without_close_stops_its_workers(tmp_path):
     pool.resize(2)
     procs = list(pool.procs.values())
     try:
-        for wid in (0, 1):  # both started and working (not still unpickling their arguments)
-            pool.send(wid, ("task", 7, 0, pipeline.order, None, [(wid, False)]))
-        got, deadline = [], time.monotonic() + 60
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += pool.receive(0.1)
-        assert sorted(m[3] for m in got if m[0] == "done") == [0, 1]
-        del pool, got
+        _both_working(pool, pipeline)
+        del pool
         gc.collect()
         assert _gone(procs, 10) == []
     finally:

@@ -81,6 +81,9 @@ def test_split_hostport_checks_the_port_range():
 @pytest.mark.parametrize("argv,says", [
     (["--metrics-port", "70000"], "argument --metrics-port: expected a port 0-65535, got '70000'"),
     (["--capacity", "10XB"], "argument --capacity: not a size: '10XB' (expected e.g. 200GB"),
+    # 0 started a server that answered every data-plane connection 'server busy': all misses
+    (["--max-connections", "0"], "argument --max-connections: must be positive, got 0"),
+    (["--max-connections", "-1"], "argument --max-connections: must be positive, got -1"),
 ])
 def test_bad_flag_values_are_named(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

@@ -133,7 +133,7 @@ class RingClient:
         with self._lock:
             self.errors += 1
             first = self._usable(node)
-            if first and _answered(err):  # busy, or an error it sent: alive, so no growing back-off
+            if first and _alive_error(err):  # busy, or an error it sent: alive, so no growing back-off
                 self._fails[node] = 1
             elif first:  # calls in flight when it failed do not count again
                 self._fails[node] = self._fails.get(node, 0) + 1
@@ -254,7 +254,7 @@ class RingClient:
         self.close()
 
 
-def _answered(err: Exception) -> bool:
+def _alive_error(err: Exception) -> bool:
     """Whether the server itself answered with this error (busy, or failing a request):
     it is alive, unlike one that timed out or refused the connection."""
     if isinstance(err, wire.RemoteError):
