@@ -115,7 +115,7 @@ class Scheduler:
         if self.pool is None:
             self.epochs_run += 1
             measured: list[tuple[int, float]] = []
-            yield from self._inline(batches, epoch, stats, measured)
+            yield from self._inline(batches, epoch, batch_size, stats, measured)
             self._after_epoch(measured, stats)
             return
         ds = self.ds
@@ -152,13 +152,16 @@ class Scheduler:
                 except Uncacheable as e:
                     self.uncacheable = str(e)
 
-    def _inline(self, batches: Iterable[list[int]], epoch: int, stats: PreprocessStats,
+    def _inline(self, batches: Iterable[list[int]], epoch: int, batch_size: int, stats: PreprocessStats,
                 measured: list[tuple[int, float]]) -> Iterator[tuple[list[int], list[Any]]]:
         """num_workers=0: every step in this process, batch by batch; each finished item's
-        seconds of work go to `measured`, as the workers report theirs (engine.EpochRun)."""
+        seconds of work go to `measured`, as the workers report theirs (engine.EpochRun).
+        Batches are regrouped as the workers' are, so a skipped item leaves no short batch
+        mid-epoch (and, with drop_last, none at its end either)."""
         with_target = pairs(self.ds)
+        done: list[int] = []
+        out: list[Any] = []
         for batch in batches:
-            done, out = [], []
             for i, f in zip(batch, self.feed.fetch(batch, epoch)):
                 records: list = []
                 x, tgt = f.item if with_target else (f.item, None)
@@ -176,6 +179,12 @@ class Scheduler:
                     if records:  # one no step ran on is no measurement (the workers never get those: feed.resolve)
                         measured.append((i, sum(r[1] for r in records)))
                 stats.add(records)
+            while len(done) >= batch_size:
+                yield done[:batch_size], out[:batch_size]
+                del done[:batch_size], out[:batch_size]
+        if done and self.drop_last:
+            stats.dropped += len(done)
+        elif done:
             yield done, out
         self.feed.idle()
 

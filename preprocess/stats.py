@@ -24,7 +24,7 @@ class PreprocessStats:
     order: str = ""                      # execution order and how it was chosen
     items: int = 0                       # items finished
     skipped: int = 0                     # items whose step raised, with on_error="skip"
-    dropped: int = 0                     # slow items left out with exactly_once=False
+    dropped: int = 0                     # left out: slow items (exactly_once=False), a last short batch (drop_last)
     rerun: int = 0                       # items sent again because their worker died
     moved: int = 0                       # items finished in the background (over the timeout, or known slow)
     known_slow_first: int = 0            # items started early because the cost memory knew them slow
@@ -43,6 +43,6 @@ class PreprocessStats:
     def line(self) -> str:
         per = ", ".join(f"{s.name} {1e3 * s.seconds / max(1, s.items):.2f} ms x{s.inflation:.2f}"
                         for s in self.steps.values())
-        dropped = f"{self.dropped} dropped (exactly_once=False), " if self.dropped else ""
+        dropped = f"{self.dropped} dropped, " if self.dropped else ""
         return (f"preprocess: {self.items} items, {self.moved} in background ({self.known_slow_first} known slow), "
                 f"{self.skipped} skipped, {dropped}workers {self.workers[-1] if self.workers else 0}; {per}")
