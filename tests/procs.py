@@ -195,3 +195,26 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def two_ranks(code: str, timeout: float = 240) -> list[tuple[str, str]]:
+    """(stdout, stderr) of `code` run as rank 0 and rank 1 (argv[1]) in two real processes
+    from the repository's root; both must exit 0."""
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return outs
+
+
+def tf_config_code(workers: int) -> str:
+    """Python that sets TF_CONFIG for a MultiWorkerMirroredStrategy of `workers` processes
+    on loopback, this one's index from argv[1] (as `r`); for two_ranks' code."""
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(workers)]
+    return ("import json, os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; r = int(sys.argv[1]); "
+            f"os.environ['TF_CONFIG'] = json.dumps({{'cluster': {{'worker': {addresses!r}}}, "
+            "'task': {'type': 'worker', 'index': r}}); ")

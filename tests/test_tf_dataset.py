@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 
 from clients import tf_dataset  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest_tool import main as digest_main  # noqa: E402
-from procs import cachemanager, cacheserver, wait_ring  # noqa: E402
+from procs import cachemanager, cacheserver, tf_config_code, two_ranks, wait_ring  # noqa: E402
 from tfexamples import digested_shards, parse, write_shards  # noqa: E402
 
 N = 240
@@ -362,20 +362,6 @@ def test_tar_shards_yield_their_members_not_samples(tmp_path):
         ds.mlcache.close()
 
 
-def _two_ranks(code: str) -> list[tuple[str, str]]:
-    """(stdout, stderr) of `code` run as rank 0 and rank 1 (argv[1]) in two real processes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    return outs
-
-
 @pytest.mark.timeout(300)
 def test_ranks_in_two_processes_share_each_epoch(shards, ring3):
     """rank/world_size (DDP, or tf.distribute's input pipelines): two real processes,
@@ -388,7 +374,7 @@ def test_ranks_in_two_processes_share_each_epoch(shards, ring3):
             "assert int(ds.cardinality()) == len(ds.mlcache.cached) // 2; "
             "[print(e, bytes(x).hex()) for e in range(2) for x in ds.as_numpy_iterator()]; "
             "ds.mlcache.close()")
-    outs = _two_ranks(code)
+    outs = two_ranks(code)
     for e in ("0", "1"):
         shares = [[bytes.fromhex(h) for ep, h in (ln.split() for ln in out.splitlines()) if ep == e]
                   for out, _ in outs]
@@ -402,18 +388,9 @@ def test_multi_worker_strategy_keeps_each_ranks_whole_share(shards):
     it) auto-shards a dataset with no files by element: on a rank's share that kept half
     of each share (60 of 120 per worker). The share must pass through whole."""
     import hashlib
-    import socket
 
     digest, _, records = shards
-    socks = [socket.socket() for _ in range(2)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    for s in socks:
-        s.close()
-    code = ("import json, os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; r = int(sys.argv[1]); "
-            f"os.environ['TF_CONFIG'] = json.dumps({{'cluster': {{'worker': {workers!r}}}, "
-            "'task': {'type': 'worker', 'index': r}}); "
+    code = (tf_config_code(2) +
             "import hashlib, tensorflow as tf; from clients import tf_dataset; "
             "strategy = tf.distribute.MultiWorkerMirroredStrategy(); "
             f"ds = tf_dataset({digest!r}, cache=False, seed=3, rank=r, world_size=2, read_batch=16); "
@@ -421,7 +398,7 @@ def test_multi_worker_strategy_keeps_each_ranks_whole_share(shards):
             "[print(hashlib.sha256(x).hexdigest()) for b in dist for t in strategy.experimental_local_results(b) "
             "for x in t.numpy()]; "
             "ds.mlcache.close()")
-    outs = _two_ranks(code)
+    outs = two_ranks(code)
     shares = [out.split() for out, _ in outs]  # item hashes: short lines, no pipe fills while the other waits
     assert [len(s) for s in shares] == [N // 2, N // 2]
     assert Counter(shares[0]) + Counter(shares[1]) == Counter(hashlib.sha256(r).hexdigest() for r in records)

@@ -17,7 +17,7 @@ from clients.digest_tool import main as digest_main  # noqa: E402
 from preprocess import Pipeline, PipelineError  # noqa: E402
 from preprocess.tf_fingerprint import UnfingerprintableChain, chain_fingerprint  # noqa: E402
 from preprocess.tf_map import TFMap  # noqa: E402
-from procs import cacheserver  # noqa: E402
+from procs import cacheserver, tf_config_code, two_ranks  # noqa: E402
 from tfexamples import digested_shards, parse, write_shards  # noqa: E402
 
 N = 240
@@ -152,6 +152,29 @@ def test_on_error_skip_leaves_out_failing_items_even_whole_batches(shards):
         assert st.complete and st.preprocess.skipped == N - N // 4
     finally:
         ds.mlcache.close()
+
+
+@pytest.mark.timeout(300)
+def test_skips_under_a_multi_worker_strategy_leave_ranks_uneven_and_nothing_waits(shards):
+    """With on_error="skip" ranks make different numbers of items (no cardinality is asserted),
+    and the PyTorch loader pads its ranks for DDP. tf.distribute needs no padding: a
+    MultiWorkerMirroredStrategy's distributed iterator hands a rank that has run out empty
+    batches while another still has items, so the per-step all-reduce below ends on both
+    (it would wait for ever on one were the ranks left to end apart)."""
+    digest, _, _ = shards
+    code = (tf_config_code(2) + "sys.path.insert(0, 'tests'); import tensorflow as tf; "
+            "from clients import tf_dataset; from test_tf_workers import _label_0_only; "
+            "strategy = tf.distribute.MultiWorkerMirroredStrategy(); "
+            f"ds = tf_dataset({digest!r}, cache=False, seed=3, rank=r, world_size=2, read_batch=8, "
+            "map_fn=_label_0_only, num_workers=0, on_error='skip', cost_dir=False); "
+            "dist = strategy.experimental_distribute_dataset(ds.batch(4)); "
+            "step = lambda b: strategy.reduce('SUM', strategy.run(lambda x: tf.shape(x)[0], args=(b,)), axis=None); "
+            "sizes = [int(step(b)) for b in dist]; "
+            "print(len(sizes), sum(sizes), ds.mlcache.epoch_stats[-1].items); ds.mlcache.close()")
+    outs = [[int(v) for v in out.split()] for out, _ in two_ranks(code)]
+    (steps0, total0, mine0), (steps1, total1, mine1) = outs
+    assert mine0 != mine1, "the seed should leave the ranks uneven"
+    assert steps0 == steps1 and total0 == total1 == mine0 + mine1 == N // 4
 
 
 def test_keys_are_the_tf_chains_fingerprint():
