@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import tempfile
 import time
@@ -30,20 +31,31 @@ DEFAULT_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # alone: such a client may still run, and would fail without its directory.
 PREFIX = f"mlcache-coalescing-{os.geteuid()}-"
 _swept: set[str] = set()  # roots swept by this process
+_warned = False  # whether a batch that could not claim its misses was logged
+log = logging.getLogger("clients.coalesce")
 
 
 class Claim:
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.first = True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(self.fd)
-                raise
-            self.first = False
+        self.path, self._owned = path, False  # _owned: the file at path is this claim's to unlink
+        for attempt in range(shareddir.ATTEMPTS):
+            self.fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(self.fd)
+                    raise
+                self.first = False
+                return
+            # A winner unlinks its file as it lets go: a lock got after that is on a file nobody
+            # else opens, while a newcomer makes a fresh one and wins too. Only the file at
+            # path is this claim's to unlink; the last attempt reads the item anyway.
+            self._owned = _same_file(self.fd, path)
+            if self._owned or attempt == shareddir.ATTEMPTS - 1:
+                self.first = True
+                return
+            os.close(self.fd)
 
     def wait(self, seconds: float) -> bool:
         """Wait until the winner released the item; False on time-out."""
@@ -60,7 +72,7 @@ class Claim:
     def release(self) -> None:
         if self.fd < 0:
             return
-        if self.first:
+        if self.first and self._owned:
             try:
                 os.unlink(self.path)  # the next miss of this item starts afresh
             except FileNotFoundError:
@@ -98,10 +110,14 @@ class BatchClaims:
         try:
             for k in keys if coalescer is not None else ():
                 self._claims.append(coalescer.claim(k))
+        except OSError as e:  # out of descriptors (each claim holds one), /dev/shm full: it is
+            self.release()    # best effort, so the batch reads every miss itself, not fails
+            self._claims = []
+            _warn_once(f"misses of a batch of {len(keys)} read without coalescing: {e}")
         except BaseException:
             self.release()
             raise
-        won = [c.first for c in self._claims] if coalescer is not None else [True] * len(keys)
+        won = [c.first for c in self._claims] if self._claims else [True] * len(keys)
         self.mine = [p for p, w in enumerate(won) if w]
         self.others = [p for p, w in enumerate(won) if not w]
 
@@ -127,6 +143,22 @@ class BatchClaims:
     def release(self) -> None:
         for c in self._claims:
             c.release()  # once: a released claim does nothing more
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("%s (warned once per process)", why)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether fd is the file at path now."""
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _sweep_once(root: str) -> None:

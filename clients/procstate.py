@@ -73,7 +73,10 @@ class ProcessState:
         self.hash_threads = 1 if worker_row() else HASH_THREADS
         self.hash_pool = (ThreadPoolExecutor(self.hash_threads - 1, thread_name_prefix="hash")
                           if self.hash_threads > 1 else None)
-        self.coalescer = _coalescer(ds.dataset_tag) if ds.coalesce else None
+        # only a process that inserts what it reads has others wait for it; one with no cache
+        # (cache=False) or insert=False would make them wait for nothing, then read anyway
+        self.coalescer = (_coalescer(ds.dataset_tag) if ds.coalesce and ds.insert and self.ring is not None
+                          else None)
         # values from a server that this process or another of the loader's checked once:
         # known again by a MAC (checked.py)
         self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))

@@ -75,3 +75,15 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """Same-host coalescing's directories (clients/coalesce.py) in a directory of the test's."""
+    from clients import coalesce
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setattr(coalesce, "DEFAULT_DIR", str(root))
+    monkeypatch.setattr(coalesce, "_swept", set())
+    return str(root)

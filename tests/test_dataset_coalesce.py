@@ -1,4 +1,4 @@
-"""Same-host coalescing through CachedDataset (claims off: cache=False has no servers):
+"""Same-host coalescing through CachedDataset (claims off, an embedded cache to insert into):
 every claim of a batch is let go whatever its store read does, and the dataset's
 coalescing directory goes when the dataset is closed."""
 import os
@@ -9,20 +9,9 @@ pytest.importorskip("torch")
 
 from test_dataset import make_dataset  # noqa: E402
 
-from clients import coalesce  # noqa: E402
 from clients.coalesce import PREFIX, HostCoalescer  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.digest import ItemMismatch  # noqa: E402
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    """The coalescing directories in a directory of the test's."""
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setattr(coalesce, "DEFAULT_DIR", str(root))
-    monkeypatch.setattr(coalesce, "_swept", set())
-    return str(root)
 
 
 def _fds() -> int:
@@ -33,7 +22,7 @@ def test_a_failed_store_read_lets_go_of_every_claim_of_its_batch(tmp_path, shm):
     """Item 1 is being read by another reader (its claim held) and item 0 has changed in the
     store: the batch raises, and neither its own claim nor its claim on item 1 stays open."""
     path, items = make_dataset(tmp_path / "ds", n=4)
-    ds = CachedDataset(path, cache=False, coalesce=True)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "cache"), coalesce=True, claims=False)
     try:
         assert ds.read([3]) == [items[3]]  # the process's state is open: it is no leak
         other = HostCoalescer(ds.dataset_tag)
@@ -58,7 +47,7 @@ def test_a_failed_store_read_lets_go_of_every_claim_of_its_batch(tmp_path, shm):
 
 def test_closing_the_dataset_removes_its_coalescing_directory(tmp_path, shm):
     path, items = make_dataset(tmp_path / "ds", n=4)
-    ds = CachedDataset(path, cache=False, coalesce=True)
+    ds = CachedDataset(path, cache_dir=str(tmp_path / "cache"), coalesce=True, claims=False)
     assert ds.read([0, 1]) == [items[0], items[1]]
     assert os.listdir(shm) == [PREFIX + ds.dataset_tag]
     ds.close()
