@@ -246,8 +246,10 @@ class Autocache:
                             keep=self.state == "measuring" and self.keep and bool(self.key))
 
     def start_epoch(self, engine: Any) -> None:
-        """AutoOrder may have changed the order after the first epoch: a new key."""
+        """AutoOrder may have changed the order after the first epoch: a new caching point
+        (a random step moved forward shortens the cacheable prefix) and key."""
         if engine.pipeline.order != self._order:
+            self.cut = engine.pipeline.caching_point()
             self._rekey(engine)
             if self.mode == "transformed" and not self.key:
                 self.mode = "source"
@@ -302,7 +304,9 @@ class Autocache:
         if self.state != "measuring":
             return
         stats = engine.last_stats
-        if stats is None or stats.items < self.threshold(epoch_items, batch_size):
+        # items skipped or left out are past too: counting only those finished, an epoch
+        # shorter than the threshold with one skipped would stay measuring for ever
+        if stats is None or stats.items + stats.skipped + stats.dropped < self.threshold(epoch_items, batch_size):
             return
         from .automeasure import measure
 
