@@ -57,25 +57,54 @@ def import_ray() -> Any:
     return ray
 
 
-def connect(address: str) -> tuple[Any, bool]:
+class _Joined:
+    """The Ray Client connection connect() made, shared by the pools that use it (two
+    loaders with remote=): the last to leave closes it, not the first. `generation`
+    tells a share of a connection since replaced (its cluster was lost) from one of
+    the live one. A connection the user made is never counted here, never closed."""
+    lock = threading.Lock()
+    generation = 0
+    users = 0
+
+
+def connect(address: str) -> tuple[Any, int | None]:
     """Connect this process as a Ray Client, or reuse its live connection: (the ray
-    module, whether this call made the connection). ClusterUnavailable when the head
-    cannot be reached."""
+    module, this pool's share of a connection made here, for leave(); None where the
+    user made the connection). ClusterUnavailable when the head cannot be reached."""
     ray = import_ray()
-    if ray.is_initialized():
-        return ray, False
-    host, _, port = address[len("ray://"):].rpartition(":")
-    try:  # a refused port fails here in milliseconds, not after Ray's minute of retries
-        socket.create_connection((host, int(port)), CHECK_TIMEOUT_S).close()
-    except OSError as e:
-        raise ClusterUnavailable(f"Ray cluster {address} cannot be reached: {e}") from None
-    os.environ.setdefault(GRACE_ENV, str(DEFAULT_GRACE_S))
-    disconnect(ray)  # a client whose cluster was lost stays half-connected until shut down
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except Exception as e:
-        raise ClusterUnavailable(f"Ray cluster {address}: {type(e).__name__}: {e}") from None
-    return ray, True
+    with _Joined.lock:
+        if ray.is_initialized():
+            if not _Joined.users:
+                return ray, None
+            _Joined.users += 1
+            return ray, _Joined.generation
+        host, _, port = address[len("ray://"):].rpartition(":")
+        try:  # a refused port fails here in milliseconds, not after Ray's minute of retries
+            socket.create_connection((host, int(port)), CHECK_TIMEOUT_S).close()
+        except OSError as e:
+            raise ClusterUnavailable(f"Ray cluster {address} cannot be reached: {e}") from None
+        os.environ.setdefault(GRACE_ENV, str(DEFAULT_GRACE_S))
+        disconnect(ray)  # a client whose cluster was lost stays half-connected until shut down
+        _Joined.users = 0  # shares of a lost connection are void
+        _Joined.generation += 1
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        except Exception as e:
+            raise ClusterUnavailable(f"Ray cluster {address}: {type(e).__name__}: {e}") from None
+        _Joined.users = 1
+        return ray, _Joined.generation
+
+
+def leave(ray: Any, share: int | None) -> None:
+    """A pool is done with its share of the connection: the last share closes it."""
+    if share is None:
+        return
+    with _Joined.lock:
+        if share != _Joined.generation or not _Joined.users:
+            return
+        _Joined.users -= 1
+        if not _Joined.users:  # under the lock: a pool connecting meanwhile makes a new one
+            disconnect(ray)
 
 
 def disconnect(ray: Any, timeout: float = 5.0) -> None:

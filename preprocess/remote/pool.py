@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import disconnect
+from .cluster import leave
 from .runner import FAILED, PrefixRunner, Report
 from .spec import WorkSpec
 
@@ -62,14 +62,14 @@ class PoolCounts:
 
 class RemotePool:
     def __init__(self, ray: Any, spec: WorkSpec, *, cpus: float = 1.0, max_replace: int = 8,
-                 owns_connection: bool = False) -> None:
+                 share: int | None = None) -> None:
         self.ray, self.spec = ray, spec
         self.actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, max_task_retries=0)(PrefixRunner)
         self.workers: dict[int, Worker] = {}
         self.tasks: dict[Any, Task] = {}
         self.target = 0
         self.max_replace, self.replaced = max_replace, 0
-        self.owns_connection = owns_connection
+        self.share = share  # of the connection cluster.connect() made; None: the user's, left open
         self.broken: str | None = None
         self.counts = PoolCounts()
         self._ids = itertools.count()
@@ -245,19 +245,22 @@ class RemotePool:
         self.workers.clear()
         warnings.warn(f"remote preprocessing workers lost ({self.broken}); the job goes on with local "
                       f"workers", RuntimeWarning, stacklevel=3)
-        if self.owns_connection:
-            disconnect(self.ray)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Give up this pool's share of the connection, once (another pool may hold one)."""
+        share, self.share = self.share, None
+        leave(self.ray, share)
 
     def close(self) -> None:
-        """Stop every worker (without waiting for their tasks) and leave the cluster if
-        this pool joined it."""
+        """Stop every worker (without waiting for their tasks) and give up this pool's
+        share of the connection (the last share leaves the cluster)."""
         if not self.broken and self.ray.is_initialized():
             for w in self.workers.values():
                 try:
                     self.ray.kill(w.handle)
                 except Exception:  # gone already
                     pass
-            if self.owns_connection:
-                disconnect(self.ray)
         self.workers.clear()
         self.tasks.clear()
+        self._leave()

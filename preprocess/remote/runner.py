@@ -34,6 +34,7 @@ class PrefixRunner:
         self.ds: Any = None
         self.items: TransformedItems | None = None
         self.done = 0
+        self.refused: str | None = None  # why the last spec could not be taken: its tasks say it
 
     def pid(self) -> int:
         return os.getpid()
@@ -42,20 +43,28 @@ class PrefixRunner:
         """Take (a new version of) the job's spec; returns its version."""
         if self.spec is not None and self.spec.version == spec.version:
             return spec.version
-        if self.ds is not None:
-            self.ds.close()
-        self.spec, self.ds = spec, open_dataset(spec)
-        ring = self.ds._proc().ring
+        self.close()
+        self.spec = self.items = None  # no half-taken spec: a task for it is refused, saying why
+        try:
+            ds = open_dataset(spec)  # the steps' modules must be importable here
+        except Exception as e:
+            self.refused = f"could not take spec version {spec.version}: {type(e).__name__}: {e}"
+            raise
+        ring = ds._proc().ring
         if ring is None:
+            ds.close()
+            self.refused = f"could not take spec version {spec.version}: no cache ring (cache=False given)"
             raise ValueError("remote workers need a cache ring to put transformed items into (cache=False given)")
-        self.items = TransformedItems(ring, self.ds.job, self.ds.dataset_tag, spec.fingerprint, spec.key_seed)
+        self.spec, self.ds, self.refused = spec, ds, None
+        self.items = TransformedItems(ring, ds.job, ds.dataset_tag, spec.fingerprint, spec.key_seed)
         return spec.version
 
     def run(self, version: int, epoch: int, indices: list[int]) -> Report:
         spec, ds = self.spec, self.ds
         if spec is None or spec.version != version:
+            why = f" (it {self.refused})" if self.refused else ""  # configure's error is not awaited
             raise SpecMismatch(f"task for spec version {version}, worker has "
-                               f"{None if spec is None else spec.version}")
+                               f"{None if spec is None else spec.version}{why}")
         Ks = [item_digest(ds, i) for i in indices]
         present = self.items.lookup(Ks)
         report: Report = [(i, 0.0, PRESENT) for i, p in zip(indices, present) if p]

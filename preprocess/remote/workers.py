@@ -13,7 +13,7 @@ from manager.policy.autoscale import AutoscaleConfig, Autoscaler
 from manager.policy.placement import Placement, PlacementConfig
 from preprocess.fingerprint import Uncacheable
 
-from .cluster import ClusterUnavailable, connect, resolve
+from .cluster import ClusterUnavailable, connect, leave, resolve
 from .control import Controller
 from .feeder import Feeder
 from .managed import ManagedPolicy, ask
@@ -108,15 +108,24 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
                       f"ray:// address); the job runs local workers only", RuntimeWarning, stacklevel=3)
         return None
     try:
-        ray, owned = connect(address)
+        ray, share = connect(address)
     except ClusterUnavailable as e:
         warnings.warn(f"{e}; the job runs local workers only", RuntimeWarning, stacklevel=3)
         return None
-    pool = RemotePool(ray, spec, cpus=cpus, owns_connection=owned)
-    policy: Autoscaler | Placement | ManagedPolicy = (
-        ManagedPolicy(managed[0], ds.job, kind, managed[1]) if managed else
-        Placement.start_with(placement) if kind == "placement" else Autoscaler.start(autoscale))
-    controller = Controller(pool, policy, set_local, every, fallback_local)
-    feeder = Feeder(pool, window=window, task_items=task_items, wait_limit=wait_limit, on_batch=controller)
+    pool = None
+    try:
+        pool = RemotePool(ray, spec, cpus=cpus, share=share)
+        policy: Autoscaler | Placement | ManagedPolicy = (
+            ManagedPolicy(managed[0], ds.job, kind, managed[1]) if managed else
+            Placement.start_with(placement) if kind == "placement" else Autoscaler.start(autoscale))
+        feeder = Feeder(pool, window=window, task_items=task_items, wait_limit=wait_limit)  # checks before
+        controller = Controller(pool, policy, set_local, every, fallback_local)          # workers start
+        feeder.on_batch = controller
+    except BaseException:  # a refused option (window=0, cpus=-1): no worker or connection stays behind
+        if pool is not None:
+            pool.close()
+        else:
+            leave(ray, share)
+        raise
     feeder.local_share = controller.local_share()
     return RemoteWorkers(pool, feeder, controller)

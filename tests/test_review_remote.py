@@ -1,0 +1,120 @@
+"""Review of the remote workers (preprocess/remote) on a real Ray head (loopback) and a
+real cacheserver: the Ray Client connection start() makes is shared by the pools that
+use it and left by the last one (a user's is never closed); an option refused after
+connecting leaves no connection behind; a worker that cannot load the job's pipeline
+says why in the task-failure warning."""
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+
+from clients.dataset import CachedDataset  # noqa: E402
+from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
+from preprocess import Pipeline  # noqa: E402
+from preprocess.remote import start  # noqa: E402
+from preprocess.remote import cluster  # noqa: E402
+from procs import cacheserver  # noqa: E402
+from rayhead import HEAD_ENV, RayHead, disconnect  # noqa: E402
+from remote_steps import Jitter, Slow, decode  # noqa: E402
+from test_preprocess_loader import indexed_items  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A head nobody is connected to: start() makes (and leaves) the connection."""
+    for k, v in HEAD_ENV.items():
+        os.environ.setdefault(k, v)
+    h = RayHead(cpus=2)
+    try:
+        h.connect()  # waits for the head to come up
+        disconnect(ray)
+        yield h
+    finally:
+        disconnect(ray)
+        cluster._Joined.users = 0  # a failed test's shares must not outlive this module
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = cacheserver(str(tmp_path_factory.mktemp("srv"))).start()
+    yield d
+    d.kill()
+
+
+def _refuse(n):
+    raise RuntimeError(f"set_local({n}) refused")
+
+
+def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, server, tmp_path):
+    pipe = Pipeline([decode, Slow(0.0), Jitter()])
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 16), cache=server.address, job="rv-share", transform=pipe)
+    a = b = None
+    try:
+        # an option refused once connected (or the caller's set_local raising once workers
+        # started) leaves no connection, so no worker, behind
+        with pytest.raises(ValueError, match="window >= 1"):
+            start(ds, pipe, 0, head.address, window=0, **ONE)
+        assert not ray.is_initialized()
+        with pytest.raises(RuntimeError, match="refused"):
+            start(ds, pipe, 0, head.address, set_local=_refuse)
+        assert not ray.is_initialized()
+        # two loaders' pools on one connection: the first closed leaves the other working
+        a, b = start(ds, pipe, 0, head.address, **ONE), start(ds, pipe, 0, head.address, **ONE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "remote preprocessing workers lost" would raise
+            a.close()
+            ref = b.pool.submit(0, [0, 1, 2])
+            assert ref is not None and b.pool.wait([ref], 60.0) == []
+        assert b.pool.broken is None and b.pool.counts.made == 3 and ray.is_initialized()
+        b.close()
+        assert not ray.is_initialized()                 # the last one left it
+        # the user's own connection: used, never closed, not even by a refused start
+        head.connect()
+        with pytest.raises(ValueError, match="window >= 1"):
+            start(ds, pipe, 0, head.address, window=0, **ONE)
+        rw = start(ds, pipe, 0, head.address, **ONE)
+        assert rw.pool.share is None
+        rw.close()
+        assert ray.is_initialized()
+    finally:
+        for rw in (a, b):
+            if rw is not None:
+                rw.close()
+        disconnect(ray)
+        ds.close()
+
+
+def test_a_worker_that_cannot_load_the_pipeline_says_why(head, server, tmp_path):
+    """A step whose module the Ray workers cannot import: the tasks fail (the trainer makes
+    their items) and the warning names the import error, not just a spec mismatch."""
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "rv_client_only_steps.py").write_text(
+        "class Twice:\n    def __call__(self, x):\n        return x * 2\n")
+    sys.path.insert(0, str(tmp_path / "mod"))  # here only: not on the workers' path
+    try:
+        from rv_client_only_steps import Twice
+    finally:
+        sys.path.remove(str(tmp_path / "mod"))
+    pipe = Pipeline([decode, Twice(), Jitter()])
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=server.address, job="rv-import", transform=pipe)
+    rw = start(ds, pipe, 0, head.address, **ONE)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = rw.pool.submit(0, [0, 1])
+            assert ref is not None and rw.pool.wait([ref], 60.0) == []
+        assert rw.pool.counts.failed == 2 and rw.pool.counts.made == 0 and rw.pool.broken is None
+        text = " ".join(str(w.message) for w in caught if "task failed" in str(w.message))
+        assert "No module named 'rv_client_only_steps'" in text, text
+    finally:
+        rw.close()
+        ds.close()
+        sys.modules.pop("rv_client_only_steps", None)
