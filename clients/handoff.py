@@ -16,6 +16,11 @@ Slot states (one byte each, at the head of the region): FREE -> FILLED when a wo
 takes one for a batch (under the handoff's lock, before writing it); FILLED -> FREE when
 the receiving process reads the worker's message: unpickling it copies the items out and
 frees the slot (SlotBatch), whether the batch is used or dropped (an epoch left early).
+FILLED is the loader's generation (1-255, a byte after the states) at the time: each epoch
+the loader starts a new one, and once torch's reset of its persistent workers has read
+every message of the epoch before (it does, to the workers' acknowledgements), a slot
+still filled by an older generation lost its message (a Ctrl-C between the pipe's read and
+the unpickling) and is freed: FILLED -> FREE (stale_freed).
 The lock's acquire and release order each side's copies against the other's. In torch's
 DataLoader a worker has at most prefetch_factor batches ahead and the main process reads
 one message at a time, so prefetch_factor + 1 slots each suffice. Nothing waits on the
@@ -37,7 +42,7 @@ from typing import Any
 
 from .shmregion import SHM, SharedRegion
 
-FREE, FILLED = 0, 1
+FREE, FILLED = 0, 1  # FILLED: the first generation (any state but FREE is filled)
 SLOT_CAP = 64 << 20  # a batch bigger than this goes down the pipe
 TOTAL_CAP = 1 << 30  # the whole region, all workers' slots
 MIN_SLOT = 1 << 20  # smaller slots are not worth the handoff: the pipe is cheap at that size
@@ -104,10 +109,12 @@ class Handoff:
     def __init__(self, workers: int, slots: int, slot: int, directory: str = SHM) -> None:
         self.workers, self.slots, self.slot = workers, slots, slot
         self.token = os.urandom(16)
-        self._base = -(-workers * slots // PAGE) * PAGE  # the states' page(s), then the slots
+        self._gen_at = workers * slots  # the generation's byte, after the states
+        self._base = -(-(self._gen_at + 1) // PAGE) * PAGE  # the states' page(s), then the slots
         self._region = SharedRegion(self._base + workers * slots * slot, directory)
         self._lock = multiprocessing.get_context("spawn").Lock()
         self._attach()
+        self._mem[self._gen_at] = FILLED
 
     def __getstate__(self) -> dict[str, Any]:
         """To the workers as they start (or a process started with the loader); nowhere else,
@@ -115,7 +122,8 @@ class Handoff:
         if get_spawning_popen() is None:
             raise RuntimeError("a loader's batch handoff (shared memory) goes only to processes as they "
                                "start; make a new loader in the other process instead")
-        return {k: self.__dict__[k] for k in ("workers", "slots", "slot", "token", "_base", "_region", "_lock")}
+        return {k: self.__dict__[k] for k in ("workers", "slots", "slot", "token", "_gen_at", "_base", "_region",
+                                              "_lock")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -164,7 +172,7 @@ class Handoff:
             for k in range(self.slots):
                 slot = worker * self.slots + (self._next + k) % self.slots
                 if self._mem[slot] == FREE:
-                    self._mem[slot] = FILLED
+                    self._mem[slot] = self._mem[self._gen_at]
                     self._next = (self._next + k + 1) % self.slots
                     return slot
         finally:
@@ -192,6 +200,32 @@ class Handoff:
             self.free(slot)
         self.handed += 1
         return items
+
+    def new_generation(self) -> None:
+        """Slots filled from now on belong to a new generation (the loader's next epoch)."""
+        if self._lock.acquire(timeout=FREE_WAIT_S):
+            try:
+                self._mem[self._gen_at] = self._mem[self._gen_at] % 255 + 1
+            finally:
+                self._lock.release()
+
+    def free_stale(self) -> int:
+        """Free the slots an older generation filled, whose messages were lost; call only once
+        every message of the older generations was read (how many were freed)."""
+        if not self._lock.acquire(timeout=FREE_WAIT_S):
+            return 0
+        try:
+            gen, stale = self._mem[self._gen_at], 0
+            for s in range(self.workers * self.slots):
+                if self._mem[s] not in (FREE, gen):
+                    self._mem[s] = FREE
+                    stale += 1
+        finally:
+            self._lock.release()
+        if stale:
+            log.info("batch handoff: %d slot(s) filled for batches never received (an interrupted epoch) freed",
+                     stale)
+        return stale
 
     def free_slots(self) -> int:
         """Slots FREE now (all of them once every batch sent was received)."""

@@ -70,8 +70,7 @@ class CachedLoader(DataLoader, EpochLog):
     def _batches(self) -> Iterator[tuple[Any, list[int] | None]]:
         """(batch, its item indices when regrouped by the preprocess scheduler, else None)."""
         if self.preprocess is None:
-            for batch in super().__iter__():
-                yield batch, None
+            yield from self._worker_batches()
             return
         sampler = self.batch_sampler
         epoch = sampler.epoch
@@ -94,6 +93,29 @@ class CachedLoader(DataLoader, EpochLog):
                 self.autocache.after_batch(self.preprocess, sampler.share.size, sampler.batch_size)
         if due is not None and made < due:
             yield from self._pad(due - made, epoch)
+
+    def _worker_batches(self) -> Iterator[tuple[Any, None]]:
+        """The DataLoader's own batches. An exception raised out of torch's iterator (a Ctrl-C
+        caught by a notebook, a worker's error) may leave its persistent workers mid-reset:
+        the next epoch read the reset's stray acknowledgements as batches (KeyError:
+        _ResumeIteration), or found workers a terminal's Ctrl-C had ended. Such an iterator
+        is shut down, and the next epoch starts workers afresh."""
+        if self.handoff is not None:
+            self.handoff.new_generation()
+        try:
+            batches = super().__iter__()  # persistent workers: torch's reset reads the last epoch's messages
+            if self.handoff is not None:  # so a slot still filled before lost its message (handoff.py)
+                self.handoff.free_stale()
+            for batch in batches:
+                yield batch, None
+        except GeneratorExit:  # the loop left the epoch early: torch's reset copes
+            raise
+        except BaseException:
+            it, self._iterator = getattr(self, "_iterator", None), None
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            raise
 
     def _pad(self, short: int, epoch: int) -> Iterator[tuple[Any, list[int]]]:
         """`short` full batches more, for a rank that made fewer than the others: as

@@ -97,3 +97,70 @@ def test_items_of_size_zero_travel_through_slots(tmp_path):
         assert loader.handoff.handed == 12 and loader.handoff.free_slots() == 6
     finally:
         ds.close()
+
+
+def test_a_batch_lost_to_a_ctrl_c_frees_its_slot_by_the_next_epoch(tmp_path, monkeypatch):
+    """A Ctrl-C between the pipe's read of a worker's message and its unpickling loses the
+    batch and left its slot filled for the loader's life (its worker's batches then went
+    down the pipe). The next epoch frees it once torch's reset has read the messages before."""
+    import clients.handoff as module
+
+    items = blobs(64, 150_000, 160_000)
+    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache=False)
+    loader = ds.loader(batch_size=8, num_workers=2)
+    try:
+        h, real, lost = loader.handoff, module._unpack, []
+        assert h is not None
+
+        def interrupted(token, slot, ends):
+            if not lost:
+                lost.append(slot)
+                raise KeyboardInterrupt  # where a Ctrl-C lands: the message read, its slot not yet copied out
+            return real(token, slot, ends)
+
+        monkeypatch.setattr(module, "_unpack", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+        monkeypatch.setattr(module, "_unpack", real)
+        assert lost and h._mem[lost[0]] != 0
+        for _ in range(2):
+            got = [x for b in loader for x in b]
+            assert sorted(got) == sorted(items)
+            assert h.free_slots() == h.workers * h.slots
+    finally:
+        loader.close()
+        ds.close()
+
+
+def test_a_ctrl_c_inside_torchs_reset_of_the_workers_costs_them_not_the_next_epoch(tmp_path, monkeypatch):
+    """A Ctrl-C (caught, as a notebook does) while torch's reset of persistent workers reads
+    the last epoch's batches left the reset half done: the next epoch took its stray
+    acknowledgements for batches (KeyError: _ResumeIteration). The loader now shuts such an
+    iterator down, and the next epoch starts its workers afresh, every item once."""
+    import clients.handoff as module
+
+    items = blobs(64, 150_000, 160_000)
+    ds = CachedDataset(write_files_digest(tmp_path / "ds", items), cache=False)
+    loader = ds.loader(batch_size=8, num_workers=2)
+    try:
+        for _ in loader:  # left early: the workers' batches ahead are read by the next reset
+            break
+        real, hits = module._unpack, []
+
+        def interrupted(token, slot, ends):
+            hits.append(slot)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(module, "_unpack", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            iter(loader).__next__()
+        monkeypatch.setattr(module, "_unpack", real)
+        assert hits
+        for _ in range(2):
+            got = [x for b in loader for x in b]
+            assert sorted(got) == sorted(items)
+            assert loader.handoff.free_slots() == loader.handoff.workers * loader.handoff.slots
+    finally:
+        loader.close()
+        ds.close()
