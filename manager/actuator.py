@@ -5,7 +5,8 @@ server in the order they were decided, and a slow or dead server delays only
 its own queue. Failures are logged and counted, never retried in place:
 ``reconcile`` (run by the decision loop, and on every worker's first contact)
 compares each server's Stats with the state and fixes what differs -- job
-modes, active chunks, chunks or datasets that must not be resident. That one
+modes, active chunks, chunks or datasets that must not be resident, chunks left
+active for datasets the state no longer knows. That one
 mechanism covers lost RPCs, servers that were down when a decision was made,
 servers that join later, and a manager restarted from its journal (whose
 replay deliberately performs no side effects).
@@ -16,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +41,13 @@ class Desired:
     option: dict[str, str] = field(default_factory=dict)           # dataset -> none/chunked/full
     resident: dict[str, set[int]] = field(default_factory=dict)    # chunked datasets: allowed chunks
     active: dict[str, int] = field(default_factory=dict)           # dataset -> active chunk
+    grace_s: float = 300.0  # how long a dataset unknown here may keep an active chunk on a server
 
 
 def desired_from(m: Any) -> Desired:
     """The servers' target state from a ManagerModel (call under the state lock)."""
-    d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode is CacheMode.BYPASS})
+    d = Desired(bypass={j for j, p in m.board.jobs.items() if p.mode is CacheMode.BYPASS},
+                grace_s=m.config.dataset_grace_s)
     for ds in m.datasets:
         d.option[ds] = m.option(ds).value
     for ds, buf in m.buffers.items():
@@ -70,12 +73,17 @@ def _apply(c: ServerClient, e: Effect) -> None:
 
 
 class _Worker:
-    def __init__(self, address: str, owner: "Actuator") -> None:
+    def __init__(self, address: str, owner: "Actuator", after: "_Worker | None" = None) -> None:
         self.address = address
         self.owner = owner
         self.q: queue.Queue[Any] = queue.Queue()
         self.client: ServerClient | None = None
         self.failing = False
+        self.unknown_since: dict[str, float] = {}  # dataset -> when reconcile first saw it unknown, pinned
+        # The retired worker of this address (its server left the ring and came back while
+        # a call of it was still in flight): that one ends first, so nothing lands after
+        # this worker's reconcile.
+        self.after = after
         self.thread = threading.Thread(target=self._run, name=f"actuator-{address}", daemon=True)
         self.thread.start()
 
@@ -90,11 +98,30 @@ class _Worker:
             self.client.close()
             self.client = None
 
+    def retire(self) -> int:
+        """Its server left the ring: the calls still queued are dropped (were it to come back,
+        the new worker's reconcile brings it up to date, and they would land after that),
+        and the thread ends after the call in flight. How many were dropped."""
+        dropped = 0
+        while True:
+            try:
+                item = self.q.get_nowait()
+            except queue.Empty:
+                break
+            self.q.task_done()
+            dropped += item is not None and item != "reconcile"
+        self.q.put(None)
+        return dropped
+
     def _run(self) -> None:
+        if self.after is not None:
+            self.after.thread.join()
+            self.after = None
         while True:
             item = self.q.get()
             try:
                 if item is None:
+                    self._drop_client()  # retired: its channel goes now, not when collected
                     return
                 if item == "reconcile":
                     self._reconcile()
@@ -140,12 +167,24 @@ class _Worker:
                 for chunk in sorted(chunks - want.resident.get(ds, set())):
                     if chunk >= 0:
                         fixes.append(EvictChunk(ds, chunk, True, "reconcile: not resident in the plan"))
-            # full: everything may stay; unknown datasets: not the manager's to judge
+            # full: everything may stay; unknown datasets: not the manager's to judge (but _unpin)
+        fixes += self._unpin(st.active_chunks, want)
         for e in fixes:
             log.info("reconcile %s: %s", self.address, e)
             _apply(c, e)
         self.owner.counters.add("reconcile_fixes", len(fixes))
         self.owner.counters.add("reconciles")
+
+    def _unpin(self, active: Mapping[str, int], want: Desired) -> list[Effect]:
+        """Active chunks of datasets the manager does not know, once unknown for a grace period.
+        Only a manager sets one, and it keeps the chunk's entries from eviction for ever: an
+        EvictDataset lost when the dataset was forgotten (the server out of the ring or not
+        answering then; the manager killed before the call) or a manager that lost its state
+        left it. A job registering the dataset meanwhile keeps it (it is known again)."""
+        now = time.monotonic()
+        self.unknown_since = {ds: self.unknown_since.get(ds, now) for ds in active if ds not in want.option}
+        return [EvictChunk(ds, active[ds], True, "reconcile: active chunk of a dataset the manager does not know")
+                for ds, since in sorted(self.unknown_since.items()) if now - since >= want.grace_s]
 
 
 class Actuator:
@@ -159,15 +198,23 @@ class Actuator:
         self.timeout = timeout
         self.counters = counters or Counters(MANAGER_COUNTERS)
         self._workers: dict[str, _Worker] = {}
+        self._retired: dict[str, _Worker] = {}  # left the ring, calls still queued
         self._lock = threading.Lock()
 
     def _sync_workers(self) -> list[_Worker]:
         want = set(self.addresses())
         with self._lock:
+            for addr in [a for a, w in self._retired.items() if not w.thread.is_alive()]:
+                del self._retired[addr]
             for addr in sorted(set(self._workers) - want):
-                self._workers.pop(addr).q.put(None)
+                w = self._retired[addr] = self._workers.pop(addr)
+                dropped = w.retire()
+                if dropped:
+                    log.info("actuator: %s left the ring; %d call(s) queued for it dropped", addr, dropped)
             for addr in sorted(want - set(self._workers)):
-                w = self._workers[addr] = _Worker(addr, self)
+                # One thread at a time per server: a retired worker's call in flight must
+                # not land after the new worker's reconcile and calls (decision order).
+                w = self._workers[addr] = _Worker(addr, self, after=self._retired.pop(addr, None))
                 w.q.put("reconcile")  # a (re)joining server catches up first
             return [self._workers[a] for a in sorted(want)]
 
@@ -209,8 +256,10 @@ class Actuator:
     def stop(self) -> None:
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
+            retired, self._retired = list(self._retired.values()), {}
         for w in workers:
             w.q.put(None)
+        workers += retired  # None queued already
         for w in workers:
             w.thread.join(self.timeout + 1)
             w._drop_client()

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
 from .jobtokens import journaled_hash
 from .membership import Registry
-from .pipelines import PipelineRecord, move_gains, pipeline_key
+from .pipelines import PipelineRecord, job_left, move_gains, pipeline_key
 from .pipelines import report as report_pipeline
 from .policy import (Activate, Action, AllocConfig, Allocation, Assign, Batch, BufferConfig,
                      CacheMode, DoubleBuffer, Evict, Option, Phase, ProbeBoard, ProbeConfig,
@@ -218,6 +218,7 @@ class ManagerModel:
         if rec is None:
             return []
         self.workers.pop(job, None)
+        job_left(self.pipelines, job)
         out: list[Effect] = [note("job unregistered", job=job, reason=ev.get("reason", ""))]
         probe = self.board.jobs.get(job)
         if probe is not None and probe.mode is CacheMode.BYPASS:

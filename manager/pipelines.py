@@ -16,7 +16,9 @@ and what it means for allocation.
   dataset to it, with the decision's projected benefit
   ``b = compute / transformed`` (their measured ``b`` is about source hits),
   so allocation counts its bytes and benefit against the same budget, and
-  the source items it no longer needs lose their claim.
+  the source items it no longer needs lose their claim. Only while the job's
+  registration that reported it lasts: a job registered again under the same
+  name reads its source dataset until it reports the pipeline again.
 
 State is plain data (JSON round trip); the model (model.py) journals the
 ``pipeline`` event that changes it.
@@ -42,6 +44,10 @@ class PipelineRecord:
     decision: dict[str, Any] | None = None                             # Decision as a dict
     decided_at: float = 0.0
     room_bytes: float | None = None                                    # None: unbounded
+    # Measured jobs whose registration ended since their report (sorted): their costs still
+    # count, but a job registered again under the name is a new run that has not chosen
+    # this pipeline (until it reports it again), so no transformed set takes its gain.
+    left: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -72,14 +78,18 @@ class PipelineRecord:
         return max(1.0, costs.get("compute", 0.0) / chosen) if chosen > 0 else 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "fingerprint": self.fingerprint,
-                "measured": {j: dict(c) for j, c in sorted(self.measured.items())},
-                "decision": self.decision, "decided_at": self.decided_at, "room_bytes": self.room_bytes}
+        d = {"dataset": self.dataset, "fingerprint": self.fingerprint,
+             "measured": {j: dict(c) for j, c in sorted(self.measured.items())},
+             "decision": self.decision, "decided_at": self.decided_at, "room_bytes": self.room_bytes}
+        if self.left:  # left out while empty: a state without it reads (and digests) as before
+            d["left"] = list(self.left)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PipelineRecord":
         return cls(d["dataset"], d["fingerprint"], {j: dict(c) for j, c in d.get("measured", {}).items()},
-                   d.get("decision"), float(d.get("decided_at", 0.0)), d.get("room_bytes"))
+                   d.get("decision"), float(d.get("decided_at", 0.0)), d.get("room_bytes"),
+                   sorted(str(j) for j in d.get("left", [])))
 
 
 def pipeline_key(dataset: str, fingerprint: str) -> str:
@@ -101,6 +111,7 @@ def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float,
         c = PipelineCosts(**{**costs_to_dict(c), "room_bytes": max(0.0, room)})
     d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
     rec.measured = measured
+    rec.left = [j for j in rec.left if j != job]  # this registration reported it
     if d is None:
         return False
     rec.decision = decision_to_dict(d)
@@ -109,7 +120,16 @@ def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float,
 
 
 def live_jobs(rec: PipelineRecord, jobs: Mapping[str, Any]) -> list[str]:
-    return sorted(j for j in rec.measured if j in jobs)
+    """Its measured jobs registered now, in the registration that reported it."""
+    return sorted(j for j in rec.measured if j in jobs and j not in rec.left)
+
+
+def job_left(pipelines: Mapping[str, PipelineRecord], job: str) -> None:
+    """``job``'s registration ended (in place): the pipelines it measured no longer count
+    it live, so the same name registered again reads its source dataset until it reports."""
+    for rec in pipelines.values():
+        if job in rec.measured and job not in rec.left:
+            rec.left = sorted([*rec.left, job])
 
 
 def move_gains(pipelines: Mapping[str, PipelineRecord], n_gpus: Mapping[str, int],
