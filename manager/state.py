@@ -157,6 +157,7 @@ class StateStore:
         self.snapshots = 0
         self._journal_fd: int | None = None
         self._lock_fd: int | None = None
+        self.broken: str | None = None  # why the durable state could not be reloaded: no change goes on
 
     @property
     def snapshot_path(self) -> str:
@@ -234,6 +235,7 @@ class StateStore:
         ev = dict(ev)
         ev.setdefault("now", self.clock())
         with self.lock:
+            self._check_usable()
             prev_now = self.model.now
             before = self._fingerprint() if only_if_changed else None
             try:
@@ -291,13 +293,28 @@ class StateStore:
         self.events_written += 1
 
     def _reload(self) -> None:
+        """Back to the durable state. If that fails, memory holds no state (an empty model at
+        sequence 0): the store stops taking changes and snapshots rather than journal events
+        under numbers used already, or write the empty model over the snapshot."""
         self.model = ManagerModel(self.config)
         self.seq = 0
         self.replayed = 0
-        self._load()
+        try:
+            self._load()
+        except BaseException as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            log.critical("state reload failed; no change is taken until cachemanager is restarted: %s",
+                         self.broken)
+            raise
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise StateError(f"{self.dir}: a reload of the durable state failed ({self.broken}); the state "
+                             f"takes no change until cachemanager is restarted (it then says what is wrong)")
 
     def snapshot(self) -> None:
         with self.lock:
+            self._check_usable()
             state = self.model.to_dict()
             doc = {"seq": self.seq, "digest": hashlib.sha256(canonical(state)).hexdigest(),
                    "written_at": time.time(), "state": state}
@@ -325,7 +342,7 @@ class StateStore:
 
     def close(self, snapshot: bool = True) -> None:
         with self.lock:
-            if snapshot and self._journal_fd is not None:
+            if snapshot and self._journal_fd is not None and self.broken is None:
                 self.snapshot()
             if self._journal_fd is not None:
                 os.close(self._journal_fd)

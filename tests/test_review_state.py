@@ -134,3 +134,23 @@ def test_a_failed_open_lets_go_of_the_state_dir(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == fds
     snap.write_bytes(good)
     StateStore(str(tmp_path), ManagerConfig(), fsync=False).open().close()
+
+
+def test_a_reload_that_fails_stops_the_store_and_never_snapshots_an_empty_state(tmp_path):
+    """An event that fails half-way reloads the durable state; when that reload failed too
+    (the journal damaged meanwhile), the store went on from an empty model at sequence 0:
+    later events were journaled under numbers already used, and close() wrote the empty
+    model over the snapshot. Now the store refuses every change, naming why, and keeps
+    the files as they were."""
+    store = StateStore(str(tmp_path), ManagerConfig(), fsync=False, snapshot_every=1000).open()
+    store.submit({"type": "server_join", "server_id": "s1", "address": "h:1", "capacity": 100, "now": 1000.0})
+    snap = (tmp_path / "snapshot.json").read_bytes()
+    journal = tmp_path / "journal.jsonl"
+    journal.write_bytes(journal.read_bytes().replace(b'"s1"', b'"s2"'))  # its CRC no longer matches
+    with pytest.raises(StateError, match="journal"):
+        store.submit({"type": "server_join", "now": 1001.0})  # fails in apply (no server_id): reloads
+    with pytest.raises(StateError, match="reload of the durable state failed"):
+        store.submit({"type": "server_join", "server_id": "s3", "address": "h:3", "capacity": 100, "now": 1002.0})
+    store.close()
+    assert (tmp_path / "snapshot.json").read_bytes() == snap
+    assert b"s3" not in journal.read_bytes()
