@@ -197,9 +197,11 @@ def sample_outputs(ac: Any, engine: Any) -> list[tuple[bytes, Any]]:
     return [(c.digest, x) for c, x in zip(tr.ctxs, tr.inputs[ac.cut])]
 
 
-def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[str, float]:
+def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]], fill: bool = True) -> dict[str, float]:
     """Per item: the store read, the cache read of the source and of the kept item at
-    the caching point (and its bytes), the decode; over sample items `idx`."""
+    the caching point (and its bytes), the decode; over sample items `idx`. `fill`: read
+    those not cached through the cache first (False where the epoch just read them so:
+    what is missing would not be inserted again, and the read would count in its stats)."""
     ds = ac.ds
     store, cached = _quiet(raw(reader(ds, cache=False))), _quiet(raw(reader(ds, cache=True)))
     try:
@@ -211,7 +213,7 @@ def read_costs(ac: Any, idx: list[int], kept: list[tuple[bytes, Any]]) -> dict[s
         if ds.decode is not None:
             out["decode_s"] = fastest_per_item(lambda: [ds._decode(i, None, x) for i, x in zip(idx, data)], len(idx), 1)
         missing = [i for i, p in zip(idx, ds.lookup(idx)) if not p]
-        if missing:  # not read through the cache yet, evicted since, or outside the manager's plan
+        if missing and fill:  # not read through the cache yet, evicted since, or outside the manager's plan
             ds.read(missing)
         out["cache_read_source_s"] = fastest_per_item(lambda: cached.read(idx), len(idx))
         out.update(marker_read(ac, kept))

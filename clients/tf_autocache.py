@@ -96,6 +96,7 @@ class TransformedEpochs:
 
     def epoch(self) -> Iterator[Any]:
         src = self.source
+        self.ac.refresh_plan()  # the manager's plan of the transformed set, before each epoch (as the loader)
         run = EpochRun(src.cached, src.sampler, src)
         complete = False
         try:
@@ -136,7 +137,9 @@ class TransformedEpochs:
             return
         idx = batch[:SAMPLE]
         kept = [(self.source.cached.digest.hashes[i].tobytes(), y) for i, y in zip(idx, out)] if ac.key else []
-        reads = read_costs(ac, idx, kept)
+        # fill=False: these items were just read through the cache in this epoch (measuring runs as
+        # source); any missing are ones it does not insert, and reading them again counted twice in its stats
+        reads = read_costs(ac, idx, kept, fill=False)
         ac.decide(costs(ac, reads, sampler.share.size, r.items, r.seconds / r.items, 0.0, 1))
 
 
