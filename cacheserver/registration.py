@@ -24,12 +24,46 @@ from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 log = logging.getLogger("cacheserver.registration")
 
 
-def advertised(address: str) -> str:
-    """The address others dial: a wildcard listen address is replaced by the host name."""
+def advertised(address: str, manager: str = "") -> str:
+    """The address others dial. A wildcard listen address is replaced by the host's name
+    where that resolves to an address other hosts can reach; else (a name that resolves
+    to loopback only, as where /etc/hosts maps it to 127.0.0.1: every server would join
+    the ring as the same "localhost") by this host's address on its route to the manager."""
     host, _, port = address.rpartition(":")
-    if host.strip("[]") in ("0.0.0.0", "::", ""):
-        host = socket.getfqdn()
-    return f"{host}:{port}"
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return address
+    name = socket.getfqdn()
+    if _beyond_loopback(name):
+        return f"{name}:{port}"
+    ip = _route_address(manager)
+    if ip is None:
+        log.warning("listening on %s: the host name %r resolves to loopback only; registering as it anyway "
+                    "(set --listen to the address clients dial)", address, name)
+        return f"{name}:{port}"
+    log.warning("listening on %s: the host name %r resolves to loopback only, so this server registers as "
+                "%s, its address on the route to the manager (set --listen to the address clients dial)",
+                address, name, ip)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _beyond_loopback(name: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except OSError:
+        return False
+    return any(not (a[4][0].startswith("127.") or a[4][0] == "::1") for a in infos)
+
+
+def _route_address(manager: str) -> str | None:
+    """This host's source address toward the manager (a UDP connect sends nothing)."""
+    host, _, port = manager.rpartition(":")
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return None
 
 
 class ManagerLink:
@@ -39,7 +73,7 @@ class ManagerLink:
         """``stats()`` -> (capacity, used, items); ``token``: the cluster token, which the
         manager asks of a server joining its ring (without TLS)."""
         self.manager = manager
-        self.address = advertised(address)
+        self.address = advertised(address, manager)
         self.server_id = server_id
         self.stats = stats
         self.interval = interval

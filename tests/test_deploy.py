@@ -4,7 +4,9 @@ systemd: the unit's ExecStart with the example env file substituted the way
 systemd does (`${VAR}` one argument, `$VAR` split at whitespace).
 Kubernetes: the DaemonSet container's args with `$(VAR)` taken from its env
 (ConfigMap keys). Both go through cacheserver.serverd.build_parser(), so an
-unknown or misspelt flag fails here, not on a node.
+unknown or misspelt flag fails here, not on a node. Then both command lines are
+run (addresses, ports and the store moved to loopback and tmp_path): they serve,
+and drain on SIGTERM within the supervisor's stop timeout.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import io
 import os
 import re
 import shlex
+import time
 
 import pytest
 
 from cacheserver.serverd import build_parser
+from procs import Daemon, cachemanager, free_port, wait_ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "deploy", "systemd", "cacheserver.service")
@@ -148,7 +152,7 @@ def manifests():
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
-def container_env(container: dict, manifests: dict) -> dict[str, str]:
+def container_env(container: dict, manifests: dict, host_ip: str = "10.0.0.11") -> dict[str, str]:
     env = {}
     for e in container.get("env", []):
         if "value" in e:
@@ -162,7 +166,7 @@ def container_env(container: dict, manifests: dict) -> dict[str, str]:
             assert ref["key"] in cm["data"], f"env {e['name']}: ConfigMap has no key {ref['key']}"
             env[e["name"]] = str(cm["data"][ref["key"]])
         elif "fieldRef" in src:
-            env[e["name"]] = "10.0.0.11"  # status.hostIP and friends
+            env[e["name"]] = host_ip  # status.hostIP and friends
         else:
             pytest.fail(f"env {e['name']}: unsupported source {src}")
     return env
@@ -195,6 +199,8 @@ def test_daemonset_args_are_accepted(manifests):
     assert all(p["hostPort"] == p["containerPort"] for p in c["ports"])
     assert spec["hostNetwork"] is True
     assert spec["terminationGracePeriodSeconds"] > args.drain_seconds
+    # A server registers with the manager under --listen (a wildcard one: the host name).
+    assert args.listen in args.peers.split(","), f"--listen {args.listen} is not this node's PEERS entry"
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
 
     # --data-dir is the hostPath volume.
@@ -249,3 +255,169 @@ def test_daemonset_tls_secret_is_readable_by_the_server(manifests):
     assert uid != 0
     group_reads = mode & 0o040 and pod.get("fsGroup") is not None
     assert group_reads or mode & 0o004, f"defaultMode {mode:o}, fsGroup {pod.get('fsGroup')}"
+
+
+# ---- the daemons, started as the files start them ---------------------------------
+# What names the machine (addresses, ports, the store's directory and size, TLS files) is
+# replaced by loopback, free ports and tmp_path; every other argument is the file's own.
+def _start(argv: list[str], log_dir) -> Daemon:
+    """`cacheserver` with a deploy file's arguments (its console script is serverd.main)."""
+    assert os.path.basename(argv[0]) == "cacheserver", argv[0]
+    return Daemon(["cacheserver.serverd", *argv[1:]], log_path=str(log_dir / "server.log")).start(timeout=60)
+
+
+def _health(address: str, tls=None, service: str = "") -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from cacheserver.tls import grpc_channel
+    with grpc_channel(address, tls) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                    timeout=10).status
+
+
+def _serves(d: Daemon, data_dir, metrics_port: int, tls=None) -> None:
+    """A put and a get round trip, SERVING health, data.sock in the data dir, metrics."""
+    import hashlib
+    import urllib.request
+    from grpc_health.v1 import health_pb2
+    from cacheserver.client.server_client import ServerClient
+    value = b"deploy" * 100
+    key = hashlib.sha256(value).digest()
+    with ServerClient(d.address, tls=tls) as c:
+        info = c.info()
+        assert info.tls == (tls is not None)
+        assert info.unix_socket == os.path.join(str(data_dir), "data.sock")
+        c.put([(key, value)])
+        assert bytes(c.get([key])[0]) == value
+    assert _health(d.address, tls) == health_pb2.HealthCheckResponse.SERVING
+    host = d.address.rsplit(":", 1)[0]
+    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as r:
+        assert b"mlcache_server_items 1.0" in r.read()
+
+
+def _stopped_within(d: Daemon, limit: float) -> None:
+    t0 = time.monotonic()
+    assert d.stop(timeout=limit + 30) == 0
+    took = time.monotonic() - t0
+    assert took < limit, f"SIGTERM took {took:.1f} s, the supervisor kills after {limit} s"
+
+
+def test_systemd_execstart_starts_serves_and_drains(unit, tmp_path):
+    """The unit's command line with the example env file, TLS on: it serves on LISTEN,
+    with metrics on METRICS_PORT and the store in DATA_DIR, and exits 0 on SIGTERM
+    within TimeoutStopSec."""
+    from cacheserver.certs import write_bundle
+    from cacheserver.tls import TlsFiles
+    b = write_bundle(tmp_path / "tls")
+    env = read_env_file(ENV)
+    assert env["TLS_CERT"] and env["METRICS_PORT"], "the example runs with TLS and metrics"
+    port, metrics, data = free_port(), free_port(), tmp_path / "data"
+    env.update(LISTEN=f"127.0.0.1:{port}", DATA_DIR=str(data), CAPACITY="256MB", PEERS=f"127.0.0.1:{port}",
+               METRICS_PORT=str(metrics), TLS_CERT=str(b.server_cert), TLS_KEY=str(b.server_key), TLS_CA=str(b.ca))
+    d = _start(systemd_argv(unit["Service"]["ExecStart"][0], env), tmp_path)
+    try:
+        assert d.address == env["LISTEN"]
+        _serves(d, data, metrics, TlsFiles(str(b.client_cert), str(b.client_key), str(b.ca)))
+    finally:
+        _stopped_within(d, float(unit["Service"]["TimeoutStopSec"][0]))
+
+
+def _daemonset(manifests, **env_over: str) -> tuple[dict, dict, list[str], dict[str, str]]:
+    """The pod spec, the container, its argv (env expanded; the node's IP is 127.0.0.1) and env."""
+    spec = manifests[("DaemonSet", "cacheserver")]["spec"]["template"]["spec"]
+    (c,) = [c for c in spec["containers"] if c["name"] == "cacheserver"]
+    env = {**container_env(c, manifests, host_ip="127.0.0.1"), **env_over}
+    return spec, c, [k8s_expand(a, env) for a in c["command"] + c["args"]], env
+
+
+def _relocated(argv: list[str], port: int, metrics: int, data_dir: str) -> list[str]:
+    """argv with the gRPC and metrics ports and --data-dir moved (`--flag=value` args)."""
+    out = []
+    for a in argv:
+        flag, _, value = a.partition("=")
+        if flag == "--listen":
+            a = f"--listen={value.rsplit(':', 1)[0]}:{port}"
+        elif flag == "--metrics-port":
+            a = f"--metrics-port={metrics}"
+        elif flag == "--data-dir":
+            a = f"--data-dir={data_dir}"
+        out.append(a)
+    return out
+
+
+def test_daemonset_args_start_serve_and_drain(manifests, tmp_path):
+    """The container's args: the probes' gRPC health answers SERVING on the probe port, the
+    store is in the volume mounted at --data-dir, and SIGTERM exits 0 within the pod's grace."""
+    port, metrics, data = free_port(), free_port(), tmp_path / "data"
+    peers = f"127.0.0.1:{port}"
+    spec, c, argv, _ = _daemonset(manifests, CAPACITY="256MB", PEERS=peers)
+    args = parse_flags(argv[1:])
+    d = _start(_relocated(argv, port, metrics, str(data)), tmp_path)
+    try:
+        assert d.address == peers
+        probe_ports = {c[p]["grpc"]["port"] for p in ("readinessProbe", "livenessProbe", "startupProbe")}
+        assert probe_ports == {int(args.listen.rsplit(":", 1)[1])}
+        _serves(d, data, metrics)
+    finally:
+        _stopped_within(d, float(spec["terminationGracePeriodSeconds"]))
+
+
+def test_daemonset_server_joins_the_manager_ring_under_its_peers_address(manifests, tmp_path):
+    """With MANAGER set, the ring the manager hands out (and the server's Info.peers) names
+    the server by its PEERS address. It listened on 0.0.0.0 and registered as
+    socket.getfqdn(): "localhost:7400" on a host whose /etc/hosts maps its name there,
+    the same ring member for every node."""
+    from cacheserver.client.server_client import ServerClient
+    from manager.manager_client import ManagerClient
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    try:
+        port, metrics = free_port(), free_port()
+        peers = f"127.0.0.1:{port}"
+        _, _, argv, _ = _daemonset(manifests, CAPACITY="256MB", PEERS=peers, MANAGER=m.address)
+        d = _start(_relocated(argv, port, metrics, str(tmp_path / "data")), tmp_path)
+        try:
+            wait_ring(m.address, 1)
+            with ManagerClient(m.address, timeout=5) as mc:
+                assert list(mc.get_ring().addresses) == [peers]
+            deadline = time.monotonic() + 10
+            with ServerClient(peers) as c:
+                while list(c.info().peers) != [peers] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert list(c.info().peers) == [peers]
+        finally:
+            assert d.stop() == 0
+    finally:
+        assert m.stop() == 0
+
+
+def test_a_wildcard_listen_address_joins_the_ring_as_an_address_others_can_dial(tmp_path, monkeypatch):
+    """The systemd default (LISTEN=0.0.0.0) with MANAGER: a wildcard listen address registered
+    as socket.getfqdn(), "localhost" where /etc/hosts maps the host name to 127.0.0.1 (as
+    here), so every node joined the ring as the same unreachable member. Such a name gives
+    way to the host's address on its route to the manager (here loopback)."""
+    import socket
+
+    from cacheserver import registration
+    from manager.manager_client import ManagerClient
+
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "localhost")
+    assert registration.advertised("0.0.0.0:7400", "127.0.0.1:9") == "127.0.0.1:7400"
+    assert registration.advertised("[::]:7400", "127.0.0.1:9") == "127.0.0.1:7400"
+    assert registration.advertised("10.1.2.3:7400", "127.0.0.1:9") == "10.1.2.3:7400"
+    m = cachemanager(str(tmp_path / "mgr")).start()
+    try:
+        port = free_port()
+        d = Daemon(["cacheserver.serverd", "--listen", f"0.0.0.0:{port}", "--data-dir", str(tmp_path / "data"),
+                    "--capacity", "256MB", "--manager", m.address, "--log-format", "text"],
+                   log_path=str(tmp_path / "server.log")).start()
+        try:
+            wait_ring(m.address, 1)
+            with ManagerClient(m.address, timeout=5) as mc:
+                (member,) = mc.get_ring().addresses
+            host, _, got_port = member.rpartition(":")
+            assert int(got_port) == port
+            infos = socket.getaddrinfo(host.strip("[]"), None)  # the real resolver, not the patched getfqdn
+            assert any(not (a[4][0].startswith("127.") or a[4][0] == "::1") for a in infos) or host == "127.0.0.1", member
+        finally:
+            assert d.stop() == 0
+    finally:
+        assert m.stop() == 0
