@@ -37,8 +37,11 @@ def read_token(path: str) -> bytes:
     if len(token) < MIN_TOKEN_BYTES:
         raise ValueError(f"--cluster-token-file {path}: the token has {len(token)} bytes, at least "
                          f"{MIN_TOKEN_BYTES} are needed (e.g. `head -c 32 /dev/urandom | base64 > {path}`)")
-    if os.stat(path).st_mode & 0o077:
-        raise ValueError(f"--cluster-token-file {path}: readable by others; chmod 600 it")
+    # a group may read it (Kubernetes mounts a Secret's files 0440, root's, in the pod's fsGroup),
+    # not write it; others may do neither
+    if os.stat(path).st_mode & 0o027:
+        raise ValueError(f"--cluster-token-file {path}: readable or writable by others; chmod 600 it (or 640 "
+                         f"for a group the server runs in)")
     check_printable(token, f"--cluster-token-file {path}")
     return token
 

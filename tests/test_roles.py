@@ -127,3 +127,22 @@ def test_under_mutual_tls_the_manager_role_comes_from_the_certificate(tmp_path):
             assert not public.job_modes and not public.active_chunks and public.items == 1
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.parametrize("mode,ok", [(0o600, True), (0o440, True), (0o640, True), (0o644, False), (0o660, False),
+                                     (0o604, False)])
+def test_a_token_file_may_be_read_by_a_group_as_kubernetes_mounts_secrets(tmp_path, mode, ok):
+    """A Secret's files in a pod are root's, mode 0440, in the pod's fsGroup: the server (its
+    own uid) reads the token through the group. Refused for 'readable by others' before, so
+    a DaemonSet had no way to pass a cluster token. Others reading it, or a group writing
+    it, stay refused."""
+    from cacheserver.roles import read_token
+
+    path = tmp_path / "token"
+    path.write_bytes(b"k" * 32)
+    path.chmod(mode)
+    if ok:
+        assert read_token(str(path)) == b"k" * 32
+    else:
+        with pytest.raises(ValueError, match="readable or writable by others"):
+            read_token(str(path))
