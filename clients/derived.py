@@ -17,8 +17,8 @@ users (a sweep computes once); a changed transform changes F and so every key.
 
 Unlike a source item, a transformed payload has no digest to check it against:
 the tag proves the value was made by a holder of K and F, not that the transform
-was run honestly. docs/security.md states this trust (every holder of the
-source's capability) and the `verify_transformed` spot check that recomputes.
+was run honestly. docs/security.md states this trust: every holder of the
+source's capability (nothing here recomputes a transform to check it).
 """
 from __future__ import annotations
 

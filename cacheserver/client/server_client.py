@@ -103,30 +103,52 @@ class ServerClient:
                 f"cache this client was made for")
         self._features = features
         self._max_values = info.max_batch_bytes or DEFAULT_MAX_VALUES
-        self.transport = "grpc"
-        if not self._use_dataplane:
-            return
-        if self._prefer_unix and info.unix_socket and os.path.exists(info.unix_socket):
-            try:
-                s = self._connect(("unix", info.unix_socket))
-                if self.plain and peer_uid(s, info.unix_socket) != os.geteuid():
-                    s.close()  # values read unhashed come only from this user's own processes
-                    raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
-                                          f"is another user's, not this user's embedded cache")
-                s.settimeout(self._probe_timeout)
-                if self._ping(s) == info.instance:  # same server, not a namesake path
-                    s.settimeout(self.timeout)
-                    self._target, self.transport = ("unix", info.unix_socket), "unix"
-                    self._pool.put(s)
-                    self._open_local(info.db_path)
-                    return
-                s.close()
-            except OSError:
-                pass
-        if info.data_address:
+        try:
+            self._pick_transport(info)
+        except BaseException:  # unresolved still: the next call asks again, never falls back to gRPC
+            self._features, self._target, self.transport = None, None, "unresolved"
+            raise
+
+    def _pick_transport(self, info: pb.InfoResponse) -> None:
+        """The Unix socket, else the TCP data plane, else gRPC; a plain store's values only over
+        the Unix socket."""
+        if self.plain:  # values read unhashed: never over TCP or gRPC, which anyone on the host may answer
+            if not self._try_unix(info):
+                raise RecordsMismatch(
+                    f"cache server {self.address} announces plaintext records but no Unix socket of this "
+                    f"user's that answers as it ({info.unix_socket or 'none announced'}): an embedded cache's "
+                    f"values are taken only over its owner's socket, not over TCP or gRPC")
+        elif self._use_dataplane and not (self._prefer_unix and self._try_unix(info)) and info.data_address:
             _, port = info.data_address.rsplit(":", 1)
             host = self.address.rsplit(":", 1)[0].strip("[]")
             self._target, self.transport = ("tcp", (host, int(port))), "tcp"
+        if self._target is None:
+            self.transport = "grpc"
+
+    def _try_unix(self, info: pb.InfoResponse) -> bool:
+        """Take the server's Unix socket if it answers as this server (for a plain store: and
+        is this user's, else RecordsMismatch); an OSError is raised for a plain store only."""
+        if not (info.unix_socket and os.path.exists(info.unix_socket)):
+            return False
+        try:
+            s = self._connect(("unix", info.unix_socket))
+            if self.plain and peer_uid(s, info.unix_socket) != os.geteuid():
+                s.close()  # values read unhashed come only from this user's own processes
+                raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
+                                      f"is another user's, not this user's embedded cache")
+            s.settimeout(self._probe_timeout)
+            if self._ping(s) != info.instance:  # a namesake path, not this server
+                s.close()
+                return False
+            s.settimeout(self.timeout)
+            self._target, self.transport = ("unix", info.unix_socket), "unix"
+            self._pool.put(s)
+            self._open_local(info.db_path)
+            return True
+        except OSError:
+            if self.plain:  # this user's socket failed: the ring takes the server as down
+                raise
+            return False
 
     def _open_local(self, db_path: str) -> None:
         if not (self._local_read and db_path and os.access(db_path, os.R_OK | os.X_OK)):
