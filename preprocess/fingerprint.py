@@ -1,16 +1,18 @@
 """Structural fingerprints of transform steps: the key of transformed items.
 
 A step's fingerprint covers its class (module, name, library version; for a
-class of no installed library also its methods and plain class attributes) and
+class of no installed library, or of an editable install, whose code changes under
+one version, also its methods and plain class attributes) and
 its parameters (the instance's attributes; an object with a `__fingerprint__()`
 method is keyed by what that returns; a bound method's object; a tensor's or an
 array's data; a subclass of a builtin container or of ndarray also by its class and
 what it holds besides its items: a defaultdict's default_factory, an OrderedDict's
 order (of 2 items or more), a masked array's mask and fill value, instance
 attributes), and for
-functions their bytecode, constants, defaults, closures and the globals they
-reference, recursively (a user's own module by its source file and the attributes
-the code names). Two steps with equal fingerprints compute the same function of
+functions their bytecode (with the argument names and, from 3.11, the exception
+table), constants, defaults, attributes, closures and the globals they reference,
+recursively (a user's own module by its source file and the attributes the code
+names). Two steps with equal fingerprints compute the same function of
 their input (given equal library versions). What cannot be fingerprinted (an open
 file, a lock, a C object without state we can read) raises Uncacheable with the
 path to it: fail closed, never a random or partial key."""
@@ -20,6 +22,7 @@ import collections
 import functools
 import hashlib
 import importlib.metadata
+import os
 import re
 import struct
 import sys
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 
 MAX_DEPTH = 40
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))  # x[..., 0]
 _BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.MethodWrapperType, np.ufunc)
 # Containers keyed by their items alone (a subclass adds its class and state: container_subclass).
@@ -55,10 +58,30 @@ def library_version(module: str) -> str:
     dists = importlib.metadata.packages_distributions().get(top) or []
     for d in dists:
         try:
-            return f"{d}-{importlib.metadata.version(d)}"
+            dist = importlib.metadata.distribution(d)
         except importlib.metadata.PackageNotFoundError:
             continue
+        # an editable install's version does not stand for its code (edited in place): keyed as a user's
+        return f"{d}-{dist.version}" if _installed_copy(dist, module) else ""
     return ""
+
+
+def _installed_copy(dist: importlib.metadata.Distribution, module: str) -> bool:
+    """Is the loaded module's file the distribution's installed copy, beside its metadata and
+    not in a project's tree? An editable install (pip install -e) puts the metadata in
+    site-packages and leaves the code in the project, or (setup.py develop) puts an .egg-info
+    in the project beside its pyproject.toml/setup.py: either is edited under one version."""
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if file is None:  # not loaded, or no file of its own (a namespace package): as its version says
+        return True
+    try:
+        root = os.path.realpath(dist.locate_file(""))
+    except (NotImplementedError, TypeError, ValueError):  # a finder's distribution without files on disk
+        return True
+    path = os.path.realpath(file)
+    if os.path.commonpath([root, path]) != root:
+        return False
+    return not any(os.path.exists(os.path.join(root, f)) for f in ("pyproject.toml", "setup.py", "setup.cfg"))
 
 
 class _Hasher:
@@ -101,6 +124,9 @@ class _Hasher:
             self.put("npscalar", _dtype_tag(x.dtype).encode() + x.tobytes())
         elif isinstance(x, np.dtype):
             self.put("npdtype", _dtype_tag(x).encode())
+        elif isinstance(x, (slice, range)):  # C objects without __dict__: their three fields are all their state
+            self.put(type(x).__name__)
+            self.value((x.start, x.stop, x.step), path, d)
         elif isinstance(x, re.Pattern):  # a C object without __dict__: its pattern and flags are all its state
             self.put("regex")
             self.value((x.pattern, x.flags), path, d)
@@ -199,6 +225,8 @@ class _Hasher:
             except ValueError:  # an empty cell (a name bound later)
                 content = None
             self.value(content, f"{path}.__closure__[{k}]", d)
+        if f.__dict__:  # attributes the code may read (scale.factor = 2); none: the key stays as it was
+            self.value(dict(f.__dict__), f"{path}.__dict__", d)
         g = f.__globals__
         names = _global_names(f.__code__)
         for name in sorted(names):
@@ -260,6 +288,10 @@ class _Hasher:
 
     def code(self, c: types.CodeType, path: str, d: int) -> None:
         self.put("code", c.co_code + repr((c.co_names, c.co_argcount, c.co_kwonlyargcount, c.co_flags)).encode())
+        # outside co_code but part of what runs: the names arguments bind by (a partial's keywords,
+        # which of them are positional-only) and, from 3.11, which instructions a try covers
+        self.put("code-binding", repr((c.co_varnames, c.co_posonlyargcount)).encode()
+                 + getattr(c, "co_exceptiontable", b""))
         for k, const in enumerate(c.co_consts):
             self.value(const, f"{path}.co_consts[{k}]", d)
 

@@ -4,14 +4,24 @@ whether reads yield (sample, target) pairs (the pipeline then transforms the sam
 and the target passes through, as torchvision's transform and target_transform)."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 
 def item_digest(ds: Any, i: int) -> bytes:
-    """SHA-256 of dataset index i's content (a WebDataset sample's: its first member's)."""
+    """SHA-256 of dataset index i's content. A WebDataset sample's covers all its members:
+    its first member alone (often a class label, the same in many samples) gave samples
+    of other content one seed, and so the same draws."""
     samples = getattr(ds, "samples", None)
-    j = samples.first_member(i) if samples is not None else i
-    return ds.digest.hashes[j].tobytes()
+    if samples is None:
+        return ds.digest.hashes[i].tobytes()
+    members = samples.flatten([i])
+    if len(members) == 1:
+        return ds.digest.hashes[members[0]].tobytes()
+    h = hashlib.sha256(b"mlcache-sample/1")
+    for m in members:
+        h.update(ds.digest.hashes[m].tobytes())
+    return h.digest()
 
 
 def describe(ds: Any, i: int) -> str:

@@ -27,3 +27,17 @@ def seed_globals(seed: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+
+
+def generator_states() -> dict[str, object]:
+    """The states of the generators seed_globals seeds, comparable with ==: a step that
+    draws from one of them changes its state."""
+    out: dict[str, object] = {"random": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, key, *rest = np.random.get_state()
+        out["numpy"] = (name, key.tobytes(), *rest)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = torch.get_rng_state().numpy().tobytes()
+    return out

@@ -66,7 +66,8 @@ RANDOM_OPS = frozenset({
     # the n-th output is not the n-th item's)
     "RandomDataset", "RandomDatasetV2", "ExperimentalRandomDataset", "ShuffleDataset", "ShuffleDatasetV2",
     "ShuffleDatasetV3", "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2", "GlobalShuffleDataset",
-    "AnonymousRandomSeedGenerator", "AnonymousSeedGenerator"})
+    "AnonymousRandomSeedGenerator", "AnonymousSeedGenerator",
+    "NonDeterministicInts"})  # fresh entropy per call (a seed for stateless ops)
 # parallel interleaves whose `sloppy` is an input tensor, not an attr: taken as unordered
 SLOPPY_INPUT_OPS = frozenset({"ParallelInterleaveDataset", "ExperimentalParallelInterleaveDataset"})
 
