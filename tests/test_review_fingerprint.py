@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 import tarfile
-import time
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from filedigest import write_files_digest  # noqa: E402
 from preprocess import Pipeline, step  # noqa: E402
 from preprocess.fingerprint import fingerprint, library_version  # noqa: E402
+from test_autocache import wait_kept  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 N, B = 24, 8
@@ -55,16 +55,6 @@ def _epoch(loader) -> list:
     return sorted(x for batch in loader for x in batch)
 
 
-def _wait_kept(ds, loader, limit: float = 20.0) -> None:
-    """Puts are asynchronous: wait (bounded) until every transformed item is stored."""
-    t = loader.autocache.transformed()
-    keys = [ds.digest.hashes[i].tobytes() for i in range(N)]
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and not all(t.lookup(keys)):
-        time.sleep(0.05)
-    assert all(t.lookup(keys)), "transformed items were not all stored"
-
-
 def _job(path, cache_dir, transform, opened: list) -> tuple[list, dict]:
     """One epoch in transformed mode, its puts waited for; the dataset stays open (in
     `opened`) so that the next job shares its embedded cache."""
@@ -73,7 +63,7 @@ def _job(path, cache_dir, transform, opened: list) -> tuple[list, dict]:
     loader = ds.loader(B, num_workers=0, seed=1, autocache="transformed", cost_dir=False)
     try:
         out = _epoch(loader)
-        _wait_kept(ds, loader)
+        wait_kept(ds, loader, N)
         return out, dict(loader.epoch_stats[-1].transformed)
     finally:
         loader.close()
