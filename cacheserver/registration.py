@@ -9,6 +9,7 @@ the server, and the next heartbeat simply continues.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -19,6 +20,7 @@ import grpc
 from .proto import manager_pb2 as mpb
 from .proto import manager_pb2_grpc as mpb_grpc
 from .roles import metadata
+from .runtime import join_hostport, split_hostport
 from .tls import FAST_RECONNECT, TlsFiles, grpc_channel
 
 log = logging.getLogger("cacheserver.registration")
@@ -34,16 +36,16 @@ def advertised(address: str, manager: str = "") -> str:
         return address
     name = socket.getfqdn()
     if _beyond_loopback(name):
-        return f"{name}:{port}"
+        return join_hostport(name, int(port))
     ip = _route_address(manager)
     if ip is None:
         log.warning("listening on %s: the host name %r resolves to loopback only; registering as it anyway "
                     "(set --listen to the address clients dial)", address, name)
-        return f"{name}:{port}"
+        return join_hostport(name, int(port))
     log.warning("listening on %s: the host name %r resolves to loopback only, so this server registers as "
                 "%s, its address on the route to the manager (set --listen to the address clients dial)",
                 address, name, ip)
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    return join_hostport(ip, int(port))
 
 
 def _beyond_loopback(name: str) -> bool:
@@ -51,14 +53,14 @@ def _beyond_loopback(name: str) -> bool:
         infos = socket.getaddrinfo(name, None)
     except OSError:
         return False
-    return any(not (a[4][0].startswith("127.") or a[4][0] == "::1") for a in infos)
+    return any(not ipaddress.ip_address(a[4][0].split("%")[0]).is_loopback for a in infos)
 
 
 def _route_address(manager: str) -> str | None:
     """This host's source address toward the manager (a UDP connect sends nothing)."""
-    host, _, port = manager.rpartition(":")
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+        host, port = split_hostport(manager, "--manager")
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(sockaddr)
             return s.getsockname()[0]

@@ -51,7 +51,7 @@ class Claim:
             # A winner unlinks its file as it lets go: a lock got after that is on a file nobody
             # else opens, while a newcomer makes a fresh one and wins too. Only the file at
             # path is this claim's to unlink; the last attempt reads the item anyway.
-            self._owned = _same_file(self.fd, path)
+            self._owned = shareddir.same_file(self.fd, path)
             if self._owned or attempt == shareddir.ATTEMPTS - 1:
                 self.first = True
                 return
@@ -150,15 +150,6 @@ def _warn_once(why: str) -> None:
     if not _warned:
         _warned = True
         log.warning("%s (warned once per process)", why)
-
-
-def _same_file(fd: int, path: str) -> bool:
-    """Whether fd is the file at path now."""
-    try:
-        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _sweep_once(root: str) -> None:

@@ -63,7 +63,7 @@ def _join(path: str) -> int:
         try:
             _check_mine(fd, path)  # before the lock: another user's could be held for good
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a remover: it holds the lock only to rename
-            if _is(fd, lock):
+            if same_file(fd, lock):
                 return fd
         except FileNotFoundError:  # renamed away by a remover since the open: join afresh
             pass
@@ -109,7 +109,7 @@ def remove_unused(path: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # in use
-        if not _is(fd, lock):
+        if not same_file(fd, lock):
             return False  # removed, and maybe made again, between the open and the lock
         root, name = os.path.split(path)
         gone = os.path.join(root, f".{name}-old-{secrets.token_hex(6)}")
@@ -162,7 +162,7 @@ def _check_mine(fd: int, path: str) -> None:
                                             f"may write to: not used")
 
 
-def _is(fd: int, path: str) -> bool:
+def same_file(fd: int, path: str) -> bool:
     """Whether fd is the file at path now."""
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)

@@ -84,10 +84,16 @@ SNAPSHOT_DAMAGE = {
 }
 
 
+@pytest.fixture
+def state(state_dir, tmp_path):
+    """A copy of state_dir, for a test to damage."""
+    copy = str(tmp_path / "s")
+    shutil.copytree(state_dir, copy)
+    return copy
+
+
 @pytest.mark.parametrize("damage", sorted(SNAPSHOT_DAMAGE))
-def test_an_unreadable_snapshot_stops_the_manager_naming_the_file(state_dir, tmp_path, damage):
-    state = str(tmp_path / "s")
-    shutil.copytree(state_dir, state)
+def test_an_unreadable_snapshot_stops_the_manager_naming_the_file(state, damage):
     snap = os.path.join(state, "snapshot.json")
     SNAPSHOT_DAMAGE[damage](snap)
     r = _start(state)
@@ -95,9 +101,7 @@ def test_an_unreadable_snapshot_stops_the_manager_naming_the_file(state_dir, tmp
     assert "Traceback" not in r.stderr and f"cachemanager: error: {snap}: " in r.stderr, r.stderr[-2000:]
 
 
-def test_a_journal_event_missing_its_fields_stops_the_manager_naming_the_file(state_dir, tmp_path):
-    state = str(tmp_path / "s")
-    shutil.copytree(state_dir, state)
+def test_a_journal_event_missing_its_fields_stops_the_manager_naming_the_file(state):
     journal = os.path.join(state, "journal.jsonl")
     with open(journal, "rb") as f:
         lines = f.read().splitlines(keepends=True)
@@ -109,10 +113,8 @@ def test_a_journal_event_missing_its_fields_stops_the_manager_naming_the_file(st
     assert "Traceback" not in r.stderr and f"{journal}: event " in r.stderr, r.stderr[-2000:]
 
 
-def test_the_undamaged_state_is_back(state_dir, tmp_path):
+def test_the_undamaged_state_is_back(state):
     """The copies above were damaged, not the original: both jobs come back."""
-    state = str(tmp_path / "s")
-    shutil.copytree(state_dir, state)
     m = cachemanager(state).start()
     try:
         with ManagerClient(m.address, timeout=5) as mc:
