@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from .vocab import BadRequest
 
+STATE_KEY = "chunks"  # the table's key in the store's server-wide state
+
 
 class UnknownChunk(LookupError):
     """A chunk call named a chunk this server has no record of."""
@@ -98,6 +100,11 @@ class ChunkTable:
             for key in [k for k in self.refs if k[0] == dataset]:
                 del self.refs[key]
             self._persist()
+
+    @classmethod
+    def persisted(cls, load: Callable[[], bytes | None]) -> "ChunkTable":
+        """The table as last saved, read-only (a store's recovery: CacheCore loads its own later)."""
+        return cls(load, lambda raw: None)
 
     def is_protected(self, tag: tuple[str, int]) -> bool:
         """Referenced or active chunks are kept by the fallback eviction policy."""

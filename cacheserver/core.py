@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from .chunkrefs import ChunkTable
+from .chunkrefs import STATE_KEY, ChunkTable
 from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
 from .getbound import bounded_get
@@ -43,8 +43,8 @@ class CacheCore:
         self.counters = counters
         self.replacers = PeerCounts()  # replaces by client identity (identity.py)
         self.limits = limits
-        self.chunks = ChunkTable(lambda: store.get_state("chunks"),
-                                 lambda raw: store.put_state("chunks", raw))
+        self.chunks = ChunkTable(lambda: store.get_state(STATE_KEY),
+                                 lambda raw: store.put_state(STATE_KEY, raw))
         store.set_protector(self.chunks.is_protected)
         self._modes: dict[str, int] = {}
         self._modes_lock = threading.Lock()

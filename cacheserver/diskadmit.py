@@ -76,7 +76,7 @@ class DiskAdmission:
     def refused(self, items: Items, need_new: int, spare_only: bool) -> tuple[int, int, int] | None:
         """put_many's answer when the file system has no room (refused_disk_full); else None, once
         the files on disk leave room within the capacity for ``need_new`` bytes (make_room)."""
-        refused = self.refused_disk_full(items)
+        refused = self.refused_disk_full(items, need_new)
         if refused is None and need_new:
             self.make_room(need_new, spare_only)
         return refused
@@ -135,10 +135,10 @@ class DiskAdmission:
             self.compactor.nudge(whole=self._lsm_small(disk))
         return moved > 0
 
-    def refused_disk_full(self, items: Items) -> tuple[int, int, int] | None:
-        """put_many's answer when the file system has no room for the batch (diskroom.py), or
-        RocksDB's writes stay stopped (stallwrite.Progress.refusing)."""
-        need = sum(len(v) + self.store.overhead for _, v in items)
+    def refused_disk_full(self, items: Items, need: int) -> tuple[int, int, int] | None:
+        """put_many's answer when the file system has no room for the batch's ``need`` bytes not
+        held yet (diskroom.py; ids held are not written again), or RocksDB's writes stay stopped
+        (stallwrite.Progress.refusing)."""
         unflushed = self.unflushed()
         if self.room.put_problem(need, unflushed) is None and self.store.progress.refusing() is None:
             self._keep_flushable(need, unflushed)

@@ -36,14 +36,19 @@ class DiskRoom:
         self.reserve = reserve_size(capacity)
         self.state = "ok"
         self._why = ""
+        self._released = False  # before_flush gave the reserve up: made again once there is room
         self.ensure_reserve()
 
     def free(self) -> int:
         return shutil.disk_usage(self.data_dir).free
 
     def ensure_reserve(self) -> None:
-        """Create the reserve file when there is room for it (at start, and when room is back)."""
-        if os.path.exists(self.reserve_path) or self.free() < self.reserve + MARGIN:
+        """Create the reserve file when there is room for it (at start, when room is back, and after
+        a flush gave it up: before_flush)."""
+        if os.path.exists(self.reserve_path):
+            self._released = False
+            return
+        if self.free() < self.reserve + MARGIN:
             return
         try:
             fd = os.open(self.reserve_path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -51,6 +56,7 @@ class DiskRoom:
                 os.posix_fallocate(fd, 0, self.reserve)
             finally:
                 os.close(fd)
+            self._released = False
         except OSError as e:
             log.warning("cannot create the disk reserve %s: %s", self.reserve_path, e)
             try:
@@ -68,6 +74,10 @@ class DiskRoom:
                 self.state = "ok"
                 log.info("disk has room again (%s free): puts are accepted", format_size(free))
                 self.ensure_reserve()
+            elif self._released and free >= need + unflushed + MARGIN + self.reserve:
+                # given up for a flush while puts went on: without it the next disk that
+                # something else fills fails a flush, and RocksDB stays read-only
+                self.ensure_reserve()
             return None
         why = (f"disk full: {format_size(free)} free on the file system of {self.data_dir}, a put needs "
                f"{format_size(need + unflushed + MARGIN)} (with what is not flushed yet); puts are refused "
@@ -82,6 +92,7 @@ class DiskRoom:
         if self.free() >= unflushed + MARGIN or not os.path.exists(self.reserve_path):
             return
         os.unlink(self.reserve_path)
+        self._released = True
         log.warning("disk nearly full: released the %s reserve so that acknowledged puts can be flushed",
                     format_size(self.reserve))
 

@@ -50,7 +50,7 @@ class Recovery:
         if check_all:
             self._drop_orphans()
         if self.used > self.capacity:  # capacity lowered since last run
-            self.evict_for(self.used - self.capacity)
+            self.evict_to_capacity()
 
     def _recover_unflushed(self: Any, entries: list, check_all: bool = False) -> list:
         """Drop index entries whose value a killed process never flushed (flusher.lost_values)."""
