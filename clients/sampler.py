@@ -134,9 +134,11 @@ class SubstitutableBatchSampler:
                  miss_seed: int | None = None, walk: bool = False,
                  on_epoch: Callable[[Sequence[int] | None], None] | None = None,
                  rank: int = 0, world_size: int = 1, dataset: str = "") -> None:
-        n_items, batch_size, lookahead, rank, world_size = (
+        # ints, not numpy's or torch's: the state holds the seed and epoch (torch.load(weights_only=True))
+        n_items, batch_size, lookahead, rank, world_size, seed = (
             whole(k, v) for k, v in (("n_items", n_items), ("batch_size", batch_size), ("lookahead", lookahead),
-                                     ("rank", rank), ("world_size", world_size)))
+                                     ("rank", rank), ("world_size", world_size), ("seed", seed)))
+        drop_last = bool(drop_last)
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
@@ -162,7 +164,7 @@ class SubstitutableBatchSampler:
         self._salt = int.from_bytes(os.urandom(8), "little") if miss_seed is None else miss_seed
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch = whole("epoch", epoch)
 
     def __len__(self) -> int:
         """Batches the next iteration yields (after a resumed state's, _left)."""
@@ -215,6 +217,10 @@ class SubstitutableBatchSampler:
             n, items = self.share.size, int(state.get("items_delivered", 0))
             state = {**state, "batches_delivered": self._batches(n) - self._batches(n - items)}
         self.epoch = self.progress.load(state)
+        if self.progress.resumed(self.epoch)[0] and len(self) == 0:
+            # what it left makes no batch here (drop_last, a larger batch_size): that epoch is over, as
+            # state_dict() says of one saved at its last batch; not an empty epoch
+            self.epoch = self.progress.load({"epoch": self.epoch + 1})
 
     def epoch_items(self, epoch: int) -> list[int] | None:
         """This epoch's items for the walk, None for all: the rank's share, less what a

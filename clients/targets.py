@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 DIR = "dir"  # --targets dir: the class is the item's top-level directory
+INT64 = (-2**63, 2**63 - 1)  # the range of integer labels (the digest stores targets as int64)
 
 
 class TargetError(ValueError):
@@ -81,6 +82,10 @@ def from_labels(paths: Sequence[str], labels: Mapping[str, str | int],
     values = [labels[p] for p in paths]
     ints = _as_ints(values)
     if ints is not None:
+        big = next((p for p, t in zip(paths, ints) if not INT64[0] <= t <= INT64[1]), None)
+        if big is not None:  # the digest's target column is int64: say so before any hashing, not after
+            raise TargetError(f"{source}: label {labels[big]!r} of {big!r} is an integer outside the 64-bit range "
+                              "that targets are stored in")
         return ints, []
     names = [str(v) for v in values]
     classes = sorted(set(names))
