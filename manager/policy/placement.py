@@ -30,8 +30,10 @@ States and transitions (each change sets ``settle_left = settle``; the next
       end of an iteration: counts as at its start -------------------> CONVERGED
                            else a new iteration -------------------> ADD_LOCAL
     CONVERGED, every recheck_every measurements:
-      -- batch time > bpt_conv x (1 + T) --> add a remote worker, Cachew's rule
+      -- batch time > ref x (1 + T) -------> add a remote worker, Cachew's rule
                                              again from this count          (REMOTE)
+         (ref: bpt_conv, or the batch time at the converged counts where the guard
+          kept a removal slower than bpt_conv, at most the guard above it)
 
 Pecan adds local workers until one slows batches (or max_local) and only then
 removes remote ones. On a host with many spare cores no local worker slows
@@ -116,6 +118,7 @@ class Placement:
     ref_cost: float | None = None
     start: tuple[int, int] = (1, 0)   # (remote, local) when the iteration began
     since_check: int = 0
+    settled: float | None = None      # batch time at the counts it converged on (CONVERGED)
 
     @classmethod
     def start_with(cls, config: PlacementConfig | None = None) -> "Placement":
@@ -179,7 +182,7 @@ class Placement:
         guard = self.config.slowdown_guard
         cost = self.cost(m)
         if cost <= self.ref_cost and (guard is None or relative(m.batch_time, self.bpt_conv) <= guard):
-            self.ref_cost = cost
+            self.ref_cost, self.good = cost, m  # good: the last measurement at counts it keeps
             if self._may_remove_remote(self.local):
                 return self._change(-1, 0, "batch cost did not rise: remove another remote worker")
             return self._end_iteration(0, 0, "")
@@ -199,6 +202,8 @@ class Placement:
         change = self._change(remote_delta, local_delta, why) if (remote_delta or local_delta) else None
         if after == self.start:
             self.phase, self.since_check = PlacePhase.CONVERGED, 0
+            # good was measured at `after` (every caller): what the re-check compares against
+            self.settled = None if self.good is None else self.good.batch_time
         else:
             self._begin_iteration(*after)
         return change
@@ -212,11 +217,22 @@ class Placement:
         if self.since_check < self.config.recheck_every:
             return None
         self.since_check = 0
-        if relative(m.batch_time, self.bpt_conv) <= self.config.threshold:
+        if relative(m.batch_time, self._recheck_ref()) <= self.config.threshold:
             return None
         self.phase, self.scaler.workers = PlacePhase.REMOTE, self.remote
         c = self.scaler.regrow(m)
         return None if c is None else self._change(c.remote_delta, 0, c.reason)
+
+    def _recheck_ref(self) -> float:
+        """The batch time a re-check compares against: bpt_conv, or the batch time it converged
+        at where the guard let the cost rule keep a slower count (at most the guard above
+        bpt_conv). Judged against bpt_conv, a count kept 3-5% slower (T 3%, guard 5%) re-ran
+        the climb at every re-check, for ever. Pecan's pure rule (no guard) keeps bpt_conv."""
+        assert self.bpt_conv is not None
+        guard = self.config.slowdown_guard
+        if guard is None or self.settled is None:
+            return self.bpt_conv
+        return max(self.bpt_conv, min(self.settled, self.bpt_conv * (1.0 + guard)))
 
     def _change(self, remote_delta: int, local_delta: int, reason: str) -> Change:
         self.remote += remote_delta
@@ -237,4 +253,4 @@ class Placement:
         return cls(PlacementConfig(**d["config"]), Autoscaler.from_dict(d["scaler"]), d["remote"],
                    d["local"], PlacePhase(d["phase"]), d["settle_left"], d["bpt_conv"],
                    None if good is None else Measurement(**good), d["ref_cost"],
-                   tuple(d["start"]), d["since_check"])
+                   tuple(d["start"]), d["since_check"], d.get("settled"))  # None: from before it

@@ -86,6 +86,11 @@ from .regression import regress_benefit
 #: dataset measured to benefit clearly, but can still take spare space and be probed.
 DEFAULT_PRIOR_BENEFIT = 1.1
 
+#: A reported mini-batch longer than this (11.6 days) is a broken report, not a
+#: measurement; it is dropped: far larger ones (the manager accepts any finite
+#: value) overflowed the statistics (OverflowError, or an infinite phase time).
+MAX_BATCH_S = 1e6
+
 
 class Phase(str, Enum):
     NEW = "new"
@@ -389,7 +394,7 @@ class JobProbe:
         """Feed reported batches (any order); returns the transitions they caused."""
         out: list[Transition] = []
         for bt in sorted(batches, key=lambda x: x.end):
-            if not bt.duration > 0 or math.isinf(bt.duration):
+            if not 0 < bt.duration <= MAX_BATCH_S:
                 continue  # a broken report must not poison the statistics
             if self.phase_since is not None and bt.end - bt.duration < self.phase_since:
                 continue  # started under the previous mode
@@ -439,8 +444,14 @@ class JobProbe:
             self.known_benefit = est.benefit
             self.inconclusive_probes = 0
         note = "" if seen else f", a lower bound: {high:.0%} of batches missed >= {cfg.passive_high_miss:.0%}"
-        return self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
-                                            f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%}{note})")
+        since = self.phase_since
+        t = self._go(Phase.DECIDED, now, f"b={est.benefit:.3f} from {est.n} batches (regression, "
+                                         f"miss spread {est.spread:.2f}, t_miss +-{est.rel_stderr:.0%}{note})")
+        # No mode switch (normal before and after): the batches after this one in the report,
+        # and those in flight, were measured as they are. Dropping them as "started before the
+        # switch" kept 25 pairs a report however many it carried.
+        self.phase_since = since
+        return t
 
     def _watch_drift(self, bt: Batch, now: float, cfg: ProbeConfig) -> Transition | None:
         self.recent.append(bt.duration)
