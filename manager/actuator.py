@@ -8,8 +8,12 @@ compares each server's Stats with the state and fixes what differs -- job
 modes, active chunks, chunks or datasets that must not be resident, chunks left
 active for datasets the state no longer knows. That one
 mechanism covers lost RPCs, servers that were down when a decision was made,
-servers that join later, and a manager restarted from its journal (whose
-replay deliberately performs no side effects).
+servers that join later (or restart: RegisterServer asks for their reconcile at
+once), and a manager restarted from its journal (whose replay deliberately
+performs no side effects). An EvictDataset a server missed is the exception, as
+Stats cannot tell a re-planned dataset's old chunk tags from the new plan's: it is
+remembered (in memory: not across a manager restart) and repeated first by the
+server's next reconcile.
 """
 from __future__ import annotations
 
@@ -109,6 +113,7 @@ class _Worker:
             except queue.Empty:
                 break
             self.q.task_done()
+            self.owner.owe([self.address], item)
             dropped += item is not None and item != "reconcile"
         self.q.put(None)
         return dropped
@@ -128,10 +133,13 @@ class _Worker:
                 else:
                     _apply(self._client(), item)
                     self.owner.counters.add("server_calls")
+                    if isinstance(item, EvictDataset):
+                        self.owner.paid(self.address, item.dataset)
                 if self.failing:
                     log.info("server %s reachable again", self.address)
                     self.failing = False
             except grpc.RpcError as e:
+                self.owner.owe([self.address], item)
                 self.owner.counters.add("server_call_failures")
                 if not self.failing:  # once per outage: reconcile retries every decision round
                     what = "reconcile" if item == "reconcile" else type(item).__name__
@@ -139,6 +147,7 @@ class _Worker:
                     self.failing = True
                 self._drop_client()  # a restarted server is a new connection
             except Exception:
+                self.owner.owe([self.address], item)
                 self.owner.counters.add("server_call_failures")
                 log.exception("server %s: %r failed", self.address, item)
             finally:
@@ -146,6 +155,10 @@ class _Worker:
 
     def _reconcile(self) -> None:
         c = self._client()
+        for ds in self.owner.owed(self.address):  # before Stats: the fixes below re-set the active chunk
+            log.info("reconcile %s: EvictDataset %s, which it missed", self.address, ds)
+            c.evict_dataset(ds)
+            self.owner.paid(self.address, ds)
         st = c.stats()  # Stats first, then the state: the state is the newer of the two
         want = self.owner.desired()
         fixes: list[Effect] = []
@@ -200,6 +213,32 @@ class Actuator:
         self._workers: dict[str, _Worker] = {}
         self._retired: dict[str, _Worker] = {}  # left the ring, calls still queued
         self._lock = threading.Lock()
+        # EvictDatasets a server missed (the call failed or was dropped, or it was out of the
+        # ring), by address: a re-plan's old chunk tags stay on it, and reconcile cannot tell
+        # them from the new plan's (same numbers), so it repeats the eviction first. Its own
+        # lock: a worker retired under self._lock records what it drops.
+        self._owed: dict[str, set[str]] = {}
+        self._owed_lock = threading.Lock()
+        self._known: set[str] = set()  # every address that had a worker
+
+    def owe(self, addresses: list[str], item: Any) -> None:
+        """Record that ``item``, if an EvictDataset, did not reach the servers at ``addresses``."""
+        if isinstance(item, EvictDataset):
+            with self._owed_lock:
+                for addr in addresses:
+                    self._owed.setdefault(addr, set()).add(item.dataset)
+
+    def owed(self, address: str) -> list[str]:
+        with self._owed_lock:
+            return sorted(self._owed.get(address, ()))
+
+    def paid(self, address: str, dataset: str) -> None:
+        with self._owed_lock:
+            left = self._owed.get(address)
+            if left is not None:
+                left.discard(dataset)
+                if not left:
+                    del self._owed[address]
 
     def _sync_workers(self) -> list[_Worker]:
         want = set(self.addresses())
@@ -216,6 +255,7 @@ class Actuator:
                 # not land after the new worker's reconcile and calls (decision order).
                 w = self._workers[addr] = _Worker(addr, self, after=self._retired.pop(addr, None))
                 w.q.put("reconcile")  # a (re)joining server catches up first
+                self._known.add(addr)
             return [self._workers[a] for a in sorted(want)]
 
     def submit(self, effects: list[Effect]) -> None:
@@ -234,14 +274,22 @@ class Actuator:
         changed = any(isinstance(e, RingChanged) for e in effects)
         if not calls and not changed:
             return
-        for w in self._sync_workers():
+        workers = self._sync_workers()
+        with self._lock:
+            away = sorted(self._known - {w.address for w in workers})
+        for e in calls:
+            self.owe(away, e)  # servers out of the ring get it when they are back
+        for w in workers:
             for e in calls:
                 w.q.put(e)
 
-    def reconcile(self) -> None:
+    def reconcile(self, address: str | None = None) -> None:
+        """Reconcile every server, or only the one at ``address``: a server that registered
+        (it started) lost its job modes, and with a new data dir its active chunks too; its
+        address may be in the ring already, so no ring change brings it up to date."""
         for w in self._sync_workers():
-            if w.q.qsize() < 4:  # a stuck server must not pile up reconcile rounds
-                w.q.put("reconcile")
+            if (address is None or w.address == address) and w.q.qsize() < 4:  # a stuck server
+                w.q.put("reconcile")                                             # must not pile them up
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every queued call has been tried (tests, shutdown)."""

@@ -88,7 +88,8 @@ class ManagerDaemon:
                                 options=[("grpc.so_reuseport", 0)])
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
                                       decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
-                                      roles=Roles(token, tls=cfg.tls is not None), job_timeout_s=cfg.job_timeout_s)
+                                      roles=Roles(token, tls=cfg.tls is not None), job_timeout_s=cfg.job_timeout_s,
+                                      on_server_start=self.actuator.reconcile)
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -74,8 +74,11 @@ def _mode(m: ManagerModel, job: str) -> int:
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
                  counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None,
-                 job_timeout_s: float = 900.0) -> None:
+                 job_timeout_s: float = 900.0, on_server_start: Callable[[str], None] | None = None) -> None:
         self.store = store
+        # Called with a server's address when it registers (a server registers when it starts):
+        # the actuator brings it up to date at once, not at the next reconcile round.
+        self.on_server_start = on_server_start
         self.roles = roles or Roles(None)  # the manager's role: full Status, ReportLoaded without a job
         self.scaling = scaling or WorkerScaling()
         self.scaling.attach(StoreJournal(store))
@@ -146,8 +149,11 @@ class ManagerService(mpb_grpc.ManagerServicer):
             self.liveness.beat(request.server_id, now, request.used)
             self._join_if_needed(request.server_id, request.address, request.capacity, now)
             reg = self.store.model.registry
-            return mpb.RegisterServerResponse(ring_version=reg.version, heartbeat_seconds=self.heartbeat_s,
-                                              addresses=reg.addresses())
+            answer = mpb.RegisterServerResponse(ring_version=reg.version, heartbeat_seconds=self.heartbeat_s,
+                                                addresses=reg.addresses())
+        if self.on_server_start is not None:
+            self.on_server_start(request.address)
+        return answer
 
     @_rpc
     def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
@@ -243,7 +249,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
     def UnregisterJob(self, request: mpb.UnregisterJobRequest, context) -> mpb.UnregisterJobResponse:
         with self.store.lock:  # RegisterJob touches under it: a registration right after keeps its contact
             self._act_as(request.job, context)
-            self.store.submit({"type": "job_unregister", "job": request.job, "reason": "unregistered by client"})
+            if request.job in self.store.model.jobs:  # else nothing to journal (another rank's, a retry)
+                self.store.submit({"type": "job_unregister", "job": request.job,
+                                   "reason": "unregistered by client"})
             if request.job not in self.store.model.jobs:
                 self.liveness.forget_job(request.job)
         return mpb.UnregisterJobResponse()

@@ -112,6 +112,17 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
                   log_path=os.path.join(state_dir, "manager.log"))
 
 
+def wait_until(cond: Callable[[], object], what: str, timeout: float = 8.0) -> object:
+    """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def wait_ring(address: str, n: int, timeout: float = 30.0) -> None:
     """Wait until the manager at `address` lists `n` cache servers in its ring (they register
     after they start); fails the test if it does not within `timeout` seconds."""

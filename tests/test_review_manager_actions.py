@@ -105,14 +105,6 @@ def test_a_job_registered_again_is_not_counted_in_the_pipeline_its_last_run_repo
 
 # ------------------------------------------------------------- a dataset forgotten while a server was away
 
-def _wait(cond, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_a_dataset_forgotten_while_its_server_was_away_does_not_stay_pinned_there(tmp_path):
@@ -122,28 +114,28 @@ def test_a_dataset_forgotten_while_its_server_was_away_does_not_stay_pinned_ther
     fix the server, back in the ring, kept the dataset's entries pinned for ever (reconcile
     left datasets it does not know alone): room the budget counts as free, lost."""
     from manager.manager_client import ManagerClient
-    from procs import cachemanager, cacheserver
+    from procs import cachemanager, cacheserver, wait_until
 
     ds = "ab" * 32
     m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "10MB", "--dataset-grace-seconds", "1").start()
     s = cacheserver(str(tmp_path / "s"), "16MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
     try:
         with ManagerClient(m.address) as mc, ServerClient(s.address) as sc:
-            _wait(lambda: len(mc.get_ring().addresses) == 1, "the server in the ring")
+            wait_until(lambda: len(mc.get_ring().addresses) == 1, "the server in the ring", 15.0)
             assert mc.register_job("j", ds, 1_000_000, 10).plan.option == "full"
             keys = [bytes([i]) * 32 for i in range(10)]
             sc.put([(k, b"x" * 1000) for k in keys], job="j", dataset=ds, chunk=0)
             mc.report_loaded(ds, 0, 1.0)
-            _wait(lambda: sc.stats().active_chunks.get(ds) == 0, "the active chunk on the server")
+            wait_until(lambda: sc.stats().active_chunks.get(ds) == 0, "the active chunk on the server", 15.0)
             os.kill(s.pid, signal.SIGSTOP)
             try:
-                _wait(lambda: not mc.get_ring().addresses, "the stopped server to leave the ring")
+                wait_until(lambda: not mc.get_ring().addresses, "the stopped server to leave the ring", 15.0)
                 mc.unregister_job("j")
-                _wait(lambda: not mc.status_dict().get("datasets"), "the dataset forgotten")
+                wait_until(lambda: not mc.status_dict().get("datasets"), "the dataset forgotten", 15.0)
             finally:
                 os.kill(s.pid, signal.SIGCONT)
-            _wait(lambda: len(mc.get_ring().addresses) == 1, "the server back in the ring")
-            _wait(lambda: ds not in sc.stats().active_chunks, "the forgotten dataset's chunk unpinned", 8.0)
+            wait_until(lambda: len(mc.get_ring().addresses) == 1, "the server back in the ring", 15.0)
+            wait_until(lambda: ds not in sc.stats().active_chunks, "the forgotten dataset's chunk unpinned", 8.0)
             assert sc.lookup(keys) == b"\0" * 10
     finally:
         s.kill()

@@ -1,0 +1,124 @@
+"""The manager service outside its policies (manager/service.py, actuator.py, managerd.py):
+defects found in review, each reproduced with a real cachemanager and real cache servers."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+
+from cacheserver.client.server_client import ServerClient
+from manager.actuator import Actuator, Desired
+from manager.effects import EvictDataset, RingChanged
+from manager.manager_client import ManagerClient
+from procs import cachemanager, cacheserver, free_port, wait_ring, wait_until
+
+A, B = "a1" * 16, "b2" * 16
+
+
+
+
+def _keys(n: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(32) for _ in range(n)]
+
+
+def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_again(tmp_path):
+    """A FULL dataset's entries (chunk 0, active: protected) are on a server that does not
+    answer when a second job re-plans the dataset FULL -> CHUNKED: its EvictDataset times
+    out. Reconcile sees chunk 0 resident in the new plan too, so before the fix the server
+    kept the whole dataset pinned (200 kB where the plan allows 40 kB of it) until chunk 0
+    turned over."""
+    m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "300kB", "--chunk-size", "100kB",
+                     "--heartbeat-misses", "100", "--server-timeout", "0.5").start()
+    s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    keys = _keys(20, 1)
+    try:
+        wait_ring(m.address, 1)
+        with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
+            assert mc.register_job("j1", A, 200_000, 20).plan.option == "full"
+            sc.put([(k, b"v" * 10_000) for k in keys], dataset=A, chunk=0)
+            mc.report_loaded(A, 0, 1.0)
+            wait_until(lambda: sc.stats().active_chunks.get(A) == 0, "the active chunk on the server")
+            os.kill(s.pid, signal.SIGSTOP)
+            try:
+                mc.register_job("j2", B, 250_000, 25, n_gpus=8)
+                assert mc.get_plan(A, "j1").option == "chunked"
+                log = str(tmp_path / "m" / "manager.log")
+                wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
+            finally:
+                os.kill(s.pid, signal.SIGCONT)
+            wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted")
+    finally:
+        s.kill()
+        m.kill()
+
+
+def test_an_eviction_decided_while_a_server_was_out_of_the_ring_reaches_it_when_back(server):
+    """The server is out of the ring when a dataset is re-planned (no call reaches it);
+    back, its old entries of the dataset go before it is brought to the new plan."""
+    ring = [server.address]
+    want = Desired(option={A: "chunked"}, resident={A: {0}}, active={A: 0})
+    act = Actuator(lambda: want, lambda: list(ring), timeout=2.0)
+    keys = _keys(5, 2)
+    try:
+        with ServerClient(server.address, use_dataplane=False) as sc:
+            sc.put([(k, b"v" * 100) for k in keys], dataset=A, chunk=0)
+            act.reconcile()
+            assert act.drain(5) and sc.stats().active_chunks.get(A) == 0
+            ring.clear()
+            act.submit([RingChanged(2, ()), EvictDataset(A, "re-plan full -> chunked")])
+            assert sc.lookup(keys) == b"\1" * 5  # not reached
+            ring.append(server.address)
+            act.submit([RingChanged(3, (server.address,))])
+            assert act.drain(5)
+            wait_until(lambda: sc.lookup(keys) == b"\0" * 5, "the missed eviction")
+            assert sc.stats().active_chunks.get(A) == 0  # and then the current plan
+            assert act.owed(server.address) == []
+    finally:
+        act.stop()
+
+
+def test_a_restarted_cache_server_gets_the_plan_at_once(tmp_path):
+    """A cache server restarts on its address with a new data dir (a new server id): it
+    knows no job mode nor active chunk. Its registration is a join, but the ring's addresses
+    do not change; before the fix it waited for the next reconcile round (here 60 s), a probed
+    job's batches hitting the cache there meanwhile."""
+    m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--bypass-probes", "--budget", "300kB",
+                     "--chunk-size", "100kB", "--reconcile-seconds", "60").start()
+    port, data = free_port(), str(tmp_path / "s")
+    s = cacheserver(data, "64MB", port, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    try:
+        wait_ring(m.address, 1)
+        with ManagerClient(m.address) as mc:
+            mc.register_job("j1", A, 200_000, 20)
+            mc.report_loaded(A, 0, 1.0)
+        with ServerClient(s.address, use_dataplane=False) as sc:
+            wait_until(lambda: (st := sc.stats()).job_modes and st.active_chunks, "the plan on the server")
+        s.kill()
+        shutil.rmtree(data)
+        s = cacheserver(data, "64MB", port, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+        with ServerClient(s.address, use_dataplane=False) as sc:
+            st = wait_until(lambda: (st := sc.stats()).job_modes and st.active_chunks and st, "the plan again", 6.0)
+            assert dict(st.job_modes) == {"j1": 1} and dict(st.active_chunks) == {A: 0}
+    finally:
+        s.kill()
+        m.kill()
+
+
+def test_unregistering_a_job_the_manager_does_not_know_journals_nothing(tmp_path):
+    """Every rank of a job, a retry or a confused client unregistering a job that is gone:
+    before the fix each call journaled (and fsynced) an event that changed nothing."""
+    m = cachemanager(str(tmp_path / "m"), 0, "--decision-seconds", "60").start()  # no ticks journaled
+    try:
+        with ManagerClient(m.address) as mc:
+            mc.register_job("j", A, 1000, 10)
+            seq = mc.status().journal_seq
+            mc.unregister_job("j")
+            assert mc.status().journal_seq == seq + 1 and not mc.status().jobs
+            for _ in range(20):
+                mc.unregister_job("j")
+                mc.unregister_job("nobody")
+            assert mc.status().journal_seq == seq + 1
+    finally:
+        m.stop()
