@@ -490,9 +490,12 @@ class ManagerModel:
         """DoubleBuffer actions -> effects (Assign/StartLoading are only logged: clients
         learn them from their plan)."""
         out: list[Effect] = []
+        reloaded = _reloaded_at_once(actions)
         for a in actions:
             if isinstance(a, Activate):
                 out.append(ActivateChunk(a.dataset, a.chunk))
+            elif isinstance(a, Evict) and (a.dataset, a.chunk) in reloaded:
+                out.append(note("chunk kept: it starts loading again at once", dataset=a.dataset, chunk=a.chunk))
             elif isinstance(a, Evict):
                 self._count("chunk_evictions_forced" if a.forced else "chunk_evictions")
                 out.append(EvictChunk(a.dataset, a.chunk, a.forced, a.reason))
@@ -595,6 +598,23 @@ def _keep_full(shares: dict[str, Share], sizes: Mapping[str, int], allocs: Mappi
         if sum(x.bytes for x in out.values()) - s.bytes + sizes[name] <= budget:
             out[name] = Share(name, sizes[name], s.value, f"kept full: a partial share would evict what its "
                                                           f"jobs read now; {s.reason}")
+    return out
+
+
+def _reloaded_at_once(actions: list[Action]) -> set[tuple[str, int]]:
+    """Chunks evicted and then started loading again by the same event (k == 2: the marked
+    chunk is always the next one). Their EvictChunk is not sent: the reload puts back the
+    very same entries (same plan, content-addressed), and the call reaches the servers
+    after the clients have the new plan, so it deleted the reload's first puts (a server
+    cannot tell them from the old ones: same tag) -- and with few items all of them,
+    leaving the chunk empty when it became active."""
+    evicted: set[tuple[str, int]] = set()
+    out: set[tuple[str, int]] = set()
+    for a in actions:
+        if isinstance(a, Evict):
+            evicted.add((a.dataset, a.chunk))
+        elif isinstance(a, StartLoading) and (a.dataset, a.chunk) in evicted:
+            out.add((a.dataset, a.chunk))
     return out
 
 
