@@ -4,6 +4,7 @@ and the errors both can meet."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import re
@@ -91,8 +92,8 @@ def _not_a_file(path: str, info: Mapping[str, Any]) -> str | None:
         return f"not a regular file ({info.get('type')})"
     try:
         st = os.stat(path)  # fsspec reports links only on the local filesystem
-    except OSError:
-        return "a broken symlink"
+    except OSError as e:  # a loop is no broken link: its target names exist
+        return "a symlink loop" if e.errno == errno.ELOOP else "a broken symlink"
     if stat.S_ISREG(st.st_mode):
         return None
     return "a symlink to a directory (not followed)" if stat.S_ISDIR(st.st_mode) else "a symlink to a special file"
@@ -129,14 +130,19 @@ def _url_name(rel: str, src: str) -> str:
 
 def _local_listing(base: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(path, info) of each entry but directories under the local directory `base`, as
-    fs.find(base, detail=True) gives them (unreadable directories skipped, as there),
-    without find's info dict per file held to the end: about 600 bytes a file, most of
-    the tool's memory on millions of small files."""
+    fs.find(base, detail=True) gives them, without find's info dict per file held to the
+    end: about 600 bytes a file, most of the tool's memory on millions of small files.
+    A directory that cannot be listed comes as type "unlisted" (find skips it: its
+    files would be missing from the digest unnoticed)."""
     todo = [base]
     while todo:
+        where = todo.pop()
         try:
-            it = os.scandir(todo.pop())
-        except OSError:
+            it = os.scandir(where)
+        except FileNotFoundError:  # gone since listed
+            continue
+        except OSError as e:
+            yield where, {"type": "unlisted", "error": e.strerror or str(e)}
             continue
         with it:
             for e in it:
@@ -171,6 +177,17 @@ def _listing(fs: Any, base: str, src: str) -> tuple[str, Iterable[tuple[str, Map
     return base, found.items()
 
 
+def _check_unlisted(path: str, prefix: str, error: str, excludes: Sequence[str], src: str) -> None:
+    """Refuse a local directory that cannot be listed, unless --exclude covers its files."""
+    if not path.startswith(prefix):  # SRC itself
+        raise ToolError(f"cannot list {src}: {error}")
+    rel = path[len(prefix):]
+    if any(fnmatch.fnmatchcase(rel + "/", pat) for pat in excludes):
+        return
+    raise ToolError(f"cannot list {rel}/: {error}; its files would be missing from the digest: "
+                    f"fix its permissions or pass --exclude '{rel}/*'")
+
+
 def list_source(
     fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
 ) -> tuple[str, list[SourceFile]]:
@@ -186,6 +203,9 @@ def list_source(
     for path, info in found:
         kind = info.get("type", "file")
         if kind == "directory":
+            continue
+        if kind == "unlisted":
+            _check_unlisted(path, prefix, info["error"], excludes, src)
             continue
         listed = True
         if not path.startswith(prefix):

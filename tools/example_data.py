@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--classes", a.classes), ("--per-class", a.per_class), ("--size", a.size)):
         if value < 1:  # else a traceback (--size 0) or "wrote -9 images" (--per-class -3)
             p.error(f"{flag} must be at least 1, not {value}")
-    n = write(Path(a.dir), a.classes, a.per_class, a.size)
+    try:
+        n = write(Path(a.dir), a.classes, a.per_class, a.size)
+    except OSError as e:  # DIR under a file, read-only, a full disk: say so, not a traceback
+        print(f"example_data: error: cannot write {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"example_data: wrote {n} images in {a.classes} classes under {a.dir}", file=sys.stderr)
     return 0
 
