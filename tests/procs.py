@@ -112,6 +112,28 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
                   log_path=os.path.join(state_dir, "manager.log"))
 
 
+def procs_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether `pid` is gone or a zombie (exited, not reaped): not a process left running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def wait_until(cond: Callable[[], object], what: str, timeout: float = 8.0) -> object:
     """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

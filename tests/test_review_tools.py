@@ -3,8 +3,6 @@ leaves behind."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import shutil
 import signal
@@ -16,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import is_zombie, procs_naming
 
 REPO = Path(__file__).resolve().parents[1]
 DIGEST = REPO / "tools" / "digest"
@@ -69,79 +68,6 @@ def test_digest_names_an_unreadable_source(locked: Path, tmp_path: Path) -> None
     r = _digest(str(locked), "-o", str(tmp_path / "o.dig"))
     assert r.returncode == 1, r.stderr
     assert f"cannot list {locked}: Permission denied" in r.stderr, r.stderr
-
-
-# -- tools/demo ----------------------------------------------------------------------
-
-DEMO = REPO / "tools" / "demo"
-
-
-def _procs_naming(text: str) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
-
-
-@pytest.mark.timeout(240)
-def test_demo_ctrl_c_mid_row_is_not_blamed_on_the_daemons(tmp_path: Path) -> None:
-    # Ctrl-C reaches the demo's whole process group; the daemons, draining after SIGINT,
-    # were ended by the demo's SIGTERM, and the demo replaced the interrupt with
-    # "demo: a daemon did not stop cleanly" (exit 1).
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    demo = subprocess.Popen([sys.executable, str(DEMO), "--items", "30", "--jobs", "1", "--no-baselines"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 150
-        while not list(tmp_path.glob("mlcache-demo-*/lru0-job0.log")) and time.monotonic() < deadline:
-            assert demo.poll() is None, "the demo ended before its LRU row"
-            time.sleep(0.1)
-        time.sleep(1.0)  # the row's job under way
-        assert demo.poll() is None, "the demo ended before the interrupt"
-        os.killpg(demo.pid, signal.SIGINT)
-        _, err = demo.communicate(timeout=60)
-        assert "did not stop cleanly" not in err, err[-2000:]
-        assert "KeyboardInterrupt" in err and demo.returncode == -signal.SIGINT, err[-2000:]
-        time.sleep(0.5)
-        assert _procs_naming(str(tmp_path)) == [] and list(tmp_path.iterdir()) == []
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait(10)
-        for pid in _procs_naming(str(tmp_path)):  # what a failed run left
-            os.kill(pid, signal.SIGKILL)
-
-
-def _load_demo():
-    loader = importlib.machinery.SourceFileLoader("mlcache_demo_review", str(DEMO))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-@pytest.mark.timeout(60)
-def test_demo_row_keeps_its_own_error_over_a_daemons_exit(tmp_path: Path) -> None:
-    # A daemon that does not exit 0 (http.server dies of the SIGTERM) fails a row that
-    # ran, but must not replace the error a failing row is already raising.
-    demo = _load_demo()
-    daemons = demo.Daemons(str(tmp_path))
-    rows = demo.CachedRows(str(tmp_path), daemons, None, None, None, 1, 1)
-    for failing in (True, False):
-        daemons.spawn("d0", "http.server", "0", "--bind", "127.0.0.1")
-        with pytest.raises(KeyboardInterrupt if failing else SystemExit) as e:
-            with rows._stopping(["d0"], []):
-                if failing:
-                    raise KeyboardInterrupt
-        assert daemons.procs == {}
-        assert failing or "d0 (exit -15" in str(e.value)
 
 
 # -- tools/accuracy, tools/example_data.py -----------------------------------------
@@ -261,19 +187,13 @@ def test_bench_autoscale_on_ray_leaves_no_cluster_or_session_dir(short_tmp: Path
         rc, out = _ctrl_c_after(cmd, tmp_path, "ideal workers", 3.0)
         assert rc == -signal.SIGINT and "KeyboardInterrupt" in out, out[-2000:]
         time.sleep(2.0)
-        left = [p for p in _procs_naming(str(tmp_path)) if not _zombie(p)]
+        left = [p for p in procs_naming(str(tmp_path)) if not is_zombie(p)]
         assert left == [] and list(tmp_path.iterdir()) == [], (left, list(tmp_path.rglob("*"))[:5])
     finally:
-        for p in _procs_naming(str(tmp_path)):  # Ray's processes that outlived the bench
+        for p in procs_naming(str(tmp_path)):  # Ray's processes that outlived the bench
             os.kill(p, signal.SIGKILL)
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.mark.timeout(120)
@@ -307,9 +227,9 @@ def test_bench_managed_removes_its_datasets_and_servers_files(tmp_path: Path) ->
         assert rc == -signal.SIGINT, out[-2000:]
         time.sleep(1.0)
         assert list(tmp_path.iterdir()) == []
-        assert [p for p in _procs_naming(str(tmp_path)) if not _zombie(p)] == []  # jobs, daemons
+        assert [p for p in procs_naming(str(tmp_path)) if not is_zombie(p)] == []  # jobs, daemons
     finally:
-        for p in _procs_naming(str(tmp_path)):
+        for p in procs_naming(str(tmp_path)):
             os.kill(p, signal.SIGKILL)
 
 
@@ -348,7 +268,7 @@ def test_bench_tfdata_stops_its_cold_jobs_when_one_times_out(short_tmp: Path) ->
         rc = p.wait(240)
         assert rc != 0 and "TimeoutExpired" in log.read_text(), log.read_text()[-2000:]
         time.sleep(0.5)
-        assert [x for x in _procs_naming(str(tmp_path)) if not _zombie(x)] == []
+        assert [x for x in procs_naming(str(tmp_path)) if not is_zombie(x)] == []
         assert list(tmp_path.iterdir()) == []
     finally:
         _kill_session(p.pid)
