@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import rocksdict
 
-from .chunkrefs import STATE_KEY, ChunkTable
 from .counters import Counters
 from .datadir import DataDirBusy, PlaintextDir, claim_records, lock_dir
 from .diskadmit import DiskAdmission
@@ -135,9 +134,6 @@ class Store(Recovery, Flushes):
         self._seq = 0
         self.admit = DiskAdmission(self, path)
         self.room = self.admit.room
-        # The chunks the server's table (chunkrefs.py) keeps, until set_protector: recovery
-        # evicts for a lowered capacity before a CacheCore loads that table.
-        self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY)).is_protected
         self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
@@ -567,18 +563,6 @@ class Store(Recovery, Flushes):
             self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
                                     "evicted_items": len(victims), "evicted_bytes": freed})
         return freed
-
-    def evict_to_capacity(self) -> None:
-        """Evict down to the capacity (a restart lowered it), the chunks the server's table
-        protects last: held past the capacity, they would leave no room for any put."""
-        while self.used > self.capacity and self.evict_for(self.used - self.capacity):
-            pass  # again: one pass walks at most LRUPolicy.MAX_SCAN protected entries
-        if self.used > self.capacity:
-            protected, self._protected = self._protected, lambda tag: False
-            try:
-                self.evict_for(self.used - self.capacity)
-            finally:
-                self._protected = protected
 
     def _remove_victim(self, key: bytes, victims: list[bytes], large: list[bytes]) -> int:
         charge = self._index_remove(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from .chunkrefs import STATE_KEY, ChunkTable
 from .flusher import lost_values
 from .stallwrite import puts
 
@@ -27,6 +28,9 @@ class Recovery:
     overhead: int
 
     def _recover(self: Any, check_all: bool = False) -> None:
+        # The chunks the server's table (chunkrefs.py) keeps, until set_protector: a lowered
+        # capacity is evicted for below, before a CacheCore loads that table.
+        self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY)).is_protected
         entries = []
         for key, meta in self._meta.items():
             try:
@@ -50,7 +54,19 @@ class Recovery:
         if check_all:
             self._drop_orphans()
         if self.used > self.capacity:  # capacity lowered since last run
-            self.evict_to_capacity()
+            self._evict_to_capacity()
+
+    def _evict_to_capacity(self: Any) -> None:
+        """Evict down to the capacity (a restart lowered it), the chunks the server's table
+        protects last: held past the capacity, they would leave no room for any put."""
+        while self.used > self.capacity and self.evict_for(self.used - self.capacity):
+            pass  # again: one pass walks at most LRUPolicy.MAX_SCAN protected entries
+        if self.used > self.capacity:
+            protected, self._protected = self._protected, lambda tag: False
+            try:
+                self.evict_for(self.used - self.capacity)
+            finally:
+                self._protected = protected
 
     def _recover_unflushed(self: Any, entries: list, check_all: bool = False) -> list:
         """Drop index entries whose value a killed process never flushed (flusher.lost_values)."""

@@ -45,6 +45,14 @@ def server(tmp_path):
     d.kill()
 
 
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory):
+    """One cacheserver process shared by a module's tests (those around a Ray head)."""
+    d = cacheserver(str(tmp_path_factory.mktemp("srv"))).start()
+    yield d
+    d.kill()
+
+
 @pytest.fixture
 def logged_server(tmp_path):
     """A cacheserver that logs every write (--durability process): its followers

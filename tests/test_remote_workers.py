@@ -20,7 +20,7 @@ from preprocess import Pipeline  # noqa: E402
 from preprocess.items import item_digest  # noqa: E402
 from preprocess.remote import start  # noqa: E402
 from preprocess.remote.managed import ManagedPolicy  # noqa: E402
-from procs import cacheserver, manager_with_server  # noqa: E402
+from procs import manager_with_server  # noqa: E402
 from rayhead import RayHead, disconnect  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
@@ -36,13 +36,6 @@ def head():
     finally:
         disconnect(ray)  # also after a lost cluster, when Ray no longer counts itself initialized
         h.close()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = cacheserver(str(tmp_path_factory.mktemp("srv"))).start()
-    yield d
-    d.kill()
 
 
 def trainer_epoch(ds, pipe, rw, feed, n, B, seed, epoch=0):
@@ -79,11 +72,11 @@ def expected(ds, pipe, n):
     return {i: _prefix(pipe, x) for i, x in zip(range(n), ds.read(list(range(n))))}
 
 
-def test_remote_workers_put_what_the_trainer_reads_as_hits(head, server, tmp_path):
+def test_remote_workers_put_what_the_trainer_reads_as_hits(head, module_server, tmp_path):
     n, B = 48, 8
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.0), Jitter()])
-    ds = CachedDataset(path, cache=server.address, job="remote-hits", transform=pipe)
+    ds = CachedDataset(path, cache=module_server.address, job="remote-hits", transform=pipe)
     rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
                wait_limit=60.0, task_items=4)
     try:
@@ -107,11 +100,11 @@ def test_remote_workers_put_what_the_trainer_reads_as_hits(head, server, tmp_pat
         ds.close()
 
 
-def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, server, tmp_path):
+def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, module_server, tmp_path):
     n, B = 96, 8
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.03), Jitter()])
-    ds = CachedDataset(path, cache=server.address, job="remote-kill", transform=pipe)
+    ds = CachedDataset(path, cache=module_server.address, job="remote-kill", transform=pipe)
     rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
                wait_limit=60.0, task_items=4, window=4)
     killed = []
@@ -139,11 +132,11 @@ def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, server, tmp_pat
         ds.close()
 
 
-def test_a_removed_worker_drains_its_queued_tasks_first(head, server, tmp_path):
+def test_a_removed_worker_drains_its_queued_tasks_first(head, module_server, tmp_path):
     n = 32
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.02), Jitter()])
-    ds = CachedDataset(path, cache=server.address, job="remote-drain", transform=pipe)
+    ds = CachedDataset(path, cache=module_server.address, job="remote-drain", transform=pipe)
     rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
     pool = rw.pool
     try:
@@ -166,14 +159,14 @@ def test_a_removed_worker_drains_its_queued_tasks_first(head, server, tmp_path):
         ds.close()
 
 
-def test_loader_remote_option_reads_what_remote_workers_made(head, server, tmp_path):
+def test_loader_remote_option_reads_what_remote_workers_made(head, module_server, tmp_path):
     """ds.loader(remote=...): the loader's own workers find what the remote workers made as
     transformed hits (no source read, no prefix step here) and make the rest; every item
     once, the same outputs as computing everything locally."""
     n, B = 48, 8
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.0), Jitter()])
-    ds = CachedDataset(path, cache=server.address, job="remote-loader", transform=pipe)
+    ds = CachedDataset(path, cache=module_server.address, job="remote-loader", transform=pipe)
     opts = dict(autoscale=AutoscaleConfig(min_workers=2, max_workers=2), wait_limit=60.0, task_items=4)
     loader = ds.loader(B, num_workers=1, seed=4, cost_dir=False, remote=head[0].address, remote_options=opts)
     ref = CachedDataset(path, cache=False, transform=pipe).loader(B, num_workers=1, seed=4, cost_dir=False,
@@ -220,13 +213,13 @@ def test_loader_remote_auto_takes_the_cluster_and_the_counts_from_the_manager(he
         assert "job remote-auto workers: remote 2, local 0" in f.read()
 
 
-def test_loader_remote_option_errors(server, tmp_path):
+def test_loader_remote_option_errors(module_server, tmp_path):
     path = indexed_items(tmp_path / "ds", 8)
-    ds = CachedDataset(path, cache=server.address, transform=Pipeline([decode, Jitter()]))
+    ds = CachedDataset(path, cache=module_server.address, transform=Pipeline([decode, Jitter()]))
     with pytest.raises(ValueError, match="autocache='transformed'"):
         ds.loader(4, remote="ray://127.0.0.1:1", autocache="compute")
     with pytest.raises(ValueError, match="ray://HOST:PORT"):
         ds.loader(4, remote="127.0.0.1:1")
     with pytest.raises(ValueError, match="transform="):
-        CachedDataset(path, cache=server.address).loader(4, remote="ray://127.0.0.1:1")
+        CachedDataset(path, cache=module_server.address).loader(4, remote="ray://127.0.0.1:1")
     ds.close()

@@ -17,7 +17,6 @@ from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
 from preprocess.remote import cluster  # noqa: E402
-from procs import cacheserver  # noqa: E402
 from rayhead import HEAD_ENV, RayHead, disconnect  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
@@ -42,20 +41,13 @@ def head():
         h.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = cacheserver(str(tmp_path_factory.mktemp("srv"))).start()
-    yield d
-    d.kill()
-
-
 def _refuse(n):
     raise RuntimeError(f"set_local({n}) refused")
 
 
-def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, server, tmp_path):
+def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, module_server, tmp_path):
     pipe = Pipeline([decode, Slow(0.0), Jitter()])
-    ds = CachedDataset(indexed_items(tmp_path / "ds", 16), cache=server.address, job="rv-share", transform=pipe)
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 16), cache=module_server.address, job="rv-share", transform=pipe)
     a = b = None
     try:
         # an option refused once connected (or the caller's set_local raising once workers
@@ -92,7 +84,7 @@ def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, server
         ds.close()
 
 
-def test_a_worker_that_cannot_load_the_pipeline_says_why(head, server, tmp_path):
+def test_a_worker_that_cannot_load_the_pipeline_says_why(head, module_server, tmp_path):
     """A step whose module the Ray workers cannot import: the tasks fail (the trainer makes
     their items) and the warning names the import error, not just a spec mismatch."""
     (tmp_path / "mod").mkdir()
@@ -104,7 +96,7 @@ def test_a_worker_that_cannot_load_the_pipeline_says_why(head, server, tmp_path)
     finally:
         sys.path.remove(str(tmp_path / "mod"))
     pipe = Pipeline([decode, Twice(), Jitter()])
-    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=server.address, job="rv-import", transform=pipe)
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=module_server.address, job="rv-import", transform=pipe)
     rw = start(ds, pipe, 0, head.address, **ONE)
     try:
         with warnings.catch_warnings(record=True) as caught:
