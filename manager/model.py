@@ -333,7 +333,8 @@ class ManagerModel:
         kept, sizes = self._grace(gains, now)
         budget = self.budget()
         given_up = self._give_up_grace(kept, sizes, gains, budget)
-        new = self._allocate(demands(gains, sizes), max(0, budget - sum(a.bytes for a in kept.values())))
+        items = {ds: self.datasets[ds].n_items for ds in sizes if ds in self.datasets}
+        new = self._allocate(demands(gains, sizes, items), max(0, budget - sum(a.bytes for a in kept.values())))
         self._admit(new, gains, now)
         for ds in given_up:
             new[ds] = replace(new[ds], reason=f"idle: gave up its space before its grace period ended: the budget "

@@ -254,3 +254,35 @@ def test_near_optimal_on_random_instances():
             worst = min(worst, got / opt)
     assert worst >= 0.5            # the guarantee; in practice much closer:
     assert worst >= 0.8, worst
+
+
+# ------------------------------------------------------------- few items
+
+def test_a_dataset_of_few_items_is_charged_the_chunks_it_gets():
+    # 10% chunks of a 4-item dataset: the buffer can cut it into 4 chunks at most
+    # (policy/chunks.num_chunks), each a quarter of it; two of them are what a
+    # chunked plan holds, not two tenths.
+    d = DatasetDemand("few", 100 * GB, (JobGain("a", 1, 4.0), JobGain("b", 1, 4.0)), n_items=4)
+    assert chunk_size_for(d.size_bytes, AllocConfig(), d.n_items) == 25 * GB
+    assert chunk_size_for(d.size_bytes, AllocConfig(), 1000) == 10 * GB  # enough items: unchanged
+    a = allocate([d], 60 * GB)["few"]
+    assert a.option is Option.CHUNKED and a.bytes == 50 * GB and a.chunk_size == 25 * GB
+    # a budget the tenths would fit but the quarters do not: nothing, not an overrun
+    assert allocate([d], 30 * GB)["few"].option is Option.NONE
+
+
+def test_a_dataset_of_few_items_is_held_within_its_allocation():
+    from manager.model import ManagerConfig, ManagerModel
+    from manager.policy import Phase
+    m = ManagerModel(ManagerConfig(budget=600_000, alloc=AllocConfig(mechanism="chunks")))
+    m.apply({"type": "server_join", "server_id": "a", "address": "h:a", "capacity": 10_000_000, "now": 1.0})
+    for j in ("j1", "j2"):
+        m.apply({"type": "job_register", "job": j, "dataset": "few", "dataset_bytes": 1_000_000,
+                 "n_items": 4, "n_gpus": 1, "now": 1.0})
+        p = m.board.jobs[j]
+        p.benefit = p.known_benefit = 4.0
+        p.phase, p.next_probe_at = Phase.DECIDED, 1e9
+    m.apply({"type": "tick", "now": 2.0})
+    a, buf = m.allocs["few"], m.buffers["few"]
+    assert a.option is Option.CHUNKED and buf.k == 4
+    assert a.bytes >= 2 * -(-1_000_000 // buf.k)  # the two resident chunks fit what was charged

@@ -60,6 +60,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from cacheserver.vocab import Option
 
+from .chunks import num_chunks
 from .probing import DEFAULT_PRIOR_BENEFIT, JobGain, dataset_gain
 
 GB = 10**9
@@ -74,6 +75,7 @@ class DatasetDemand:
     size_bytes: int
     jobs: tuple[JobGain, ...] = ()
     measured: bool | None = None
+    n_items: int | None = None  # chunks are runs of whole items: with few items, fewer, larger chunks
 
     def is_measured(self) -> bool:
         if self.measured is not None:
@@ -81,12 +83,16 @@ class DatasetDemand:
         return any(j.benefit is not None and not j.lower_bound for j in self.jobs)
 
 
-def demands(job_gains: Mapping[str, Iterable[JobGain]], sizes: Mapping[str, int]) -> list[DatasetDemand]:
-    """Join per-dataset job gains (ProbeBoard.job_gains()) with dataset sizes.
-    Datasets in ``sizes`` without jobs are included (they get NONE); datasets
-    with jobs but no known size are left out (they cannot be allocated yet)."""
+def demands(job_gains: Mapping[str, Iterable[JobGain]], sizes: Mapping[str, int],
+            items: Mapping[str, int] | None = None) -> list[DatasetDemand]:
+    """Join per-dataset job gains (ProbeBoard.job_gains()) with dataset sizes (and
+    item counts, where known). Datasets in ``sizes`` without jobs are included (they
+    get NONE); datasets with jobs but no known size are left out (they cannot be
+    allocated yet)."""
     names = sorted(set(sizes) | set(job_gains))
-    return [DatasetDemand(n, int(sizes[n]), tuple(job_gains.get(n, ()))) for n in names if n in sizes]
+    items = items or {}
+    return [DatasetDemand(n, int(sizes[n]), tuple(job_gains.get(n, ())), n_items=items.get(n))
+            for n in names if n in sizes]
 
 
 @dataclass(frozen=True)
@@ -160,9 +166,14 @@ def budget_from_capacities(capacities: Iterable[int], reserve_fraction: float = 
     return int(total * (1.0 - reserve_fraction))
 
 
-def chunk_size_for(size_bytes: int, cfg: AllocConfig = AllocConfig()) -> int:
-    """min(chunk_bytes, chunk_fraction * size), at least 1 byte."""
-    return max(1, min(cfg.chunk_bytes, int(size_bytes * cfg.chunk_fraction)))
+def chunk_size_for(size_bytes: int, cfg: AllocConfig = AllocConfig(), n_items: int | None = None) -> int:
+    """min(chunk_bytes, chunk_fraction * size), at least 1 byte; with ``n_items``, at
+    least a chunk's share of the dataset when there are fewer items than chunks of
+    that size (the buffer's k is capped at the item count: policy/chunks.num_chunks)."""
+    chunk = max(1, min(cfg.chunk_bytes, int(size_bytes * cfg.chunk_fraction)))
+    if n_items is not None and n_items > 0 and size_bytes > 0:
+        chunk = max(chunk, -(-size_bytes // num_chunks(size_bytes, chunk, n_items)))
+    return chunk
 
 
 def benefits(d: DatasetDemand, cfg: AllocConfig) -> list[tuple[int, float]]:
@@ -218,7 +229,7 @@ def _plans(datasets: Sequence[DatasetDemand], cfg: AllocConfig,
             continue
         v_c, v_f = option_values(d, cfg)
         cost_f = d.size_bytes
-        cost_c = 2 * chunk_size_for(d.size_bytes, cfg)
+        cost_c = 2 * chunk_size_for(d.size_bytes, cfg, d.n_items)
         if cost_c >= cost_f:
             v_c = 0.0  # two chunks cost as much as the whole: FULL is strictly better
         cur = current.get(d.name, Option.NONE)
