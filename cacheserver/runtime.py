@@ -56,7 +56,13 @@ def run_until_signal(start: Callable[[], None], stop: Callable[[], None], addres
     while not stopping.wait(0.5):
         pass
     log.info("signal received, draining")
-    stop()
+    stop()  # a second signal meanwhile only sets `stopping` again
+    # Drained and flushed: a late signal has nothing left to stop. Ignored, not left to the
+    # interpreter, which restores the default action of handled signals as it exits: Ctrl-C
+    # (SIGINT to the whole process group) then `make demo`'s or a supervisor's SIGTERM
+    # killed the exiting daemon (exit -15, read as an unclean stop).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 

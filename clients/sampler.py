@@ -85,6 +85,7 @@ from typing import Any
 
 from cacheserver.vocab import HIT, PENDING
 
+from .ddpseed import check_same_seed
 from .epochshare import Progress, Share
 from .frontwalk import FrontWalk
 
@@ -143,6 +144,7 @@ class SubstitutableBatchSampler:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
         self.share = Share(n_items, seed, rank, world_size, drop_last, dataset)
+        check_same_seed(dataset, seed, rank, world_size)  # under torch.distributed: ddpseed.py
         self.progress = Progress(n_items)
         self.n_items = n_items
         self.batch_size = batch_size

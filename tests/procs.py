@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import signal
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,3 +254,28 @@ def tf_config_code(workers: int) -> str:
     return ("import json, os, sys; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; r = int(sys.argv[1]); "
             f"os.environ['TF_CONFIG'] = json.dumps({{'cluster': {{'worker': {addresses!r}}}, "
             "'task': {'type': 'worker', 'index': r}}); ")
+
+
+def load_script(path: str, name: str) -> Any:
+    """A script without a .py suffix (tools/demo, tools/bench/*) imported as module `name`."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 150.0) -> None:
+    """`fn(rank, *args)` in `nprocs` spawned processes (as torchrun's ranks); asserts each
+    exited 0, and kills one that hangs (a rank waiting in a collective) rather than leave it."""
+    import torch.multiprocessing
+    ctx = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        for p in ctx.processes:
+            p.join(timeout)
+        assert [p.exitcode for p in ctx.processes] == [0] * nprocs
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)

@@ -4,8 +4,6 @@ mid-run stops its daemons and removes its directory."""
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import importlib.util
 import os
 import signal
 import subprocess
@@ -15,18 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import is_zombie, procs_naming
+from procs import is_zombie, load_script, procs_naming
 
 pytestmark = pytest.mark.timeout(60)
 DEMO = Path(__file__).resolve().parents[1] / "tools" / "demo"
 
 
 def load_demo():
-    loader = importlib.machinery.SourceFileLoader("mlcache_demo_tool", str(DEMO))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script(DEMO, "mlcache_demo_tool")
 
 
 def job(code: str) -> subprocess.Popen:

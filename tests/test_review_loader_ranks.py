@@ -18,7 +18,7 @@ from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from filedigest import write_files_digest  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess_steps import index_of  # noqa: E402
-from procs import free_port  # noqa: E402
+from procs import free_port, run_ranks as spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 B, W = 5, 2
@@ -75,17 +75,7 @@ def test_ddp_ranks_yield_as_many_batches_when_the_transform_skips_items(tmp_path
     in all_reduce for ever. Now rank 0 pads, as DistributedSampler pads a share."""
     path = indexed_items(tmp_path / "ds", n)
     bad = [share(n, 0, drop_last=drop_last)[0]]
-    ctx = torch.multiprocessing.start_processes(_ddp_rank, args=(free_port(), path, bad, drop_last, str(tmp_path)),
-                                                nprocs=W, join=False, start_method="spawn")
-    try:
-        for p in ctx.processes:
-            p.join(150)
-        assert [p.exitcode for p in ctx.processes] == [0, 0]
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():  # a hung rank: stop it rather than leave it behind
-                p.kill()
-                p.join(10)
+    spawn_ranks(_ddp_rank, (free_port(), path, bad, drop_last, str(tmp_path)), W)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(W)]
     want = (n // W) // B if drop_last else -(-(-(-n // W)) // B)
     assert [len(r["sizes"]) for r in ranks] == [want, want] == [r["len"] for r in ranks]

@@ -1,0 +1,59 @@
+"""DDP ranks that pass different seeds, found where they already meet: the key-value store of
+torch.distributed's default process group.
+
+Each rank's share of an epoch is its part of a permutation seeded by (seed, epoch)
+(epochshare.py): ranks with different seeds split different permutations, so some items
+are read twice in an epoch and others never, silently. A rank's sampler records its seed
+in the store with one compare-and-set under a key for the dataset and the how-many-th
+sampler of it this process makes (ranks run one script: the k-th of each rank belong
+together); the first rank's value stays, and every later rank whose seed differs raises,
+naming both. Nothing waits on another rank (no collective: ranks that make their loaders at
+different times, or a rank that makes one the others do not, cannot deadlock). Only the
+default group's own split is checked (rank and world size equal to its): ranks given by
+hand may be a sub-group's (data-parallel ranks under tensor parallelism), whose groups
+may differ legitimately. torch is looked up, never imported: a process that has not
+imported torch.distributed has not initialised it.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("mlcache.client")
+_made: dict[tuple[str, int], int] = {}  # samplers checked in this process, per (dataset, world size)
+
+
+def _default_store(rank: int, world_size: int):
+    """The default group's store when ranks (rank, world_size) are that group's, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if world_size < 2 or dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):  # a torch without it: no check
+        return None
+
+
+def check_same_seed(dataset: str, seed: int, rank: int, world_size: int) -> None:
+    """ValueError if another rank of this DDP job made its matching sampler with another seed."""
+    store = _default_store(rank, world_size)
+    if store is None:
+        return
+    k = _made.get((dataset, world_size), 0)
+    _made[(dataset, world_size)] = k + 1
+    try:
+        first = store.compare_set(f"mlcache/seed/{dataset}/{world_size}/{k}", "", f"{seed}/{rank}")
+        first_seed, first_rank = (int(x) for x in bytes(first).decode().split("/"))
+    except Exception as e:  # a check only: the store's own trouble fails the job's collectives anyway
+        log.debug("DDP seed check skipped: %s", e)
+        return
+    if first_seed != seed:
+        what = f"dataset {dataset}" if dataset else "the dataset"
+        raise ValueError(
+            f"DDP ranks passed different seeds for {what}: rank {rank} seed={seed}, rank {first_rank} "
+            f"seed={first_seed}. Every rank must pass the same seed: each takes its share of a "
+            f"permutation seeded by it, and with different seeds the shares overlap (items read twice "
+            f"in an epoch, others never)")
