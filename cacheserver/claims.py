@@ -10,6 +10,9 @@ claimed items as PENDING, prefers other misses in the first place.
 
 A claim expires after `ttl` seconds, so a claimant that died or stalled
 delays the others by at most that long (they then read the item themselves).
+A claimant that will not insert an item (its store read failed, its put was
+refused before it reached the store, it skipped the put) gives its claim up
+(`give_up`), so the others read it themselves at once instead of waiting.
 The table is bounded: at `max_entries` expired claims are swept, and if none
 have expired new claims are granted without being recorded (duplicate reads
 are the worst case; correctness never depends on claims).
@@ -85,6 +88,21 @@ class ClaimTable:
         with self._lock:
             for k in ids:
                 self._claims.pop(k, None)
+
+    def give_up(self, job: str, ids: Sequence[bytes]) -> bytes:
+        """The claimant `job` will not insert these items: drop its claims on them, and
+        only its own (another job's claim on an id is kept). 1 per id whose claim was dropped."""
+        out = bytearray(len(ids))
+        if not self._claims:
+            return bytes(out)
+        with self._lock:
+            claims = self._claims
+            for n, k in enumerate(ids):
+                held = claims.get(k)
+                if held is not None and held[1] == job:
+                    del claims[k]
+                    out[n] = 1
+        return bytes(out)
 
     def _sweep(self, now: float) -> bool:
         """Drop expired claims (lock held); True if there is room afterwards."""

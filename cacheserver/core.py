@@ -86,6 +86,15 @@ class CacheCore:
                                 "claims_present": out.count(PRESENT)})
         return out
 
+    def give_up(self, job: str, ids: Sequence[bytes]) -> bytes:
+        """The job will not insert these claimed misses (its store read failed, its put
+        never reached a store): its own claims on them end now, so that the jobs told
+        WAIT read them themselves instead of waiting out the claims' ttl. 1 per id released."""
+        self._check_ids(ids)
+        out = self.claims.give_up(job, ids)
+        self.counters.add("claims_released", out.count(1))
+        return out
+
     def _get_bypassed(self, job: str, n: int) -> bool:
         """True (and counted as n missed gets) if the job is in bypass mode."""
         if not self.bypassed(job):

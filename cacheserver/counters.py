@@ -19,7 +19,7 @@ SERVER_COUNTERS = (
     "evicted_items", "evicted_bytes", "evicted_by_policy", "evicted_spare", "chunk_evictions",
     "dataset_evictions", "corrupt_dropped", "bad_requests", "dataplane_requests",
     "grpc_requests", "recovered_items", "local_reads", "put_replaced",
-    "claims_granted", "claims_waited", "claims_present", "follower_flushes", "put_retagged",
+    "claims_granted", "claims_waited", "claims_present", "claims_released", "follower_flushes", "put_retagged",
     "adopted", "local_inline", "flushes", "recovered_unflushed_dropped",
     # issue 12: salvage, disk full, bounded answers, accept errors, admission control
     "salvage_orphans_dropped", "rejected_disk_full", "get_cut_for_size", "accept_errors",

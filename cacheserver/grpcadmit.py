@@ -37,7 +37,7 @@ from .vocab import BODY_BYTES_HEADER
 
 log = logging.getLogger("cacheserver.grpc")
 SERVICE = "/mlcache.v1.Cache/"  # the calls admitted here; health keeps its own handlers
-BULK = frozenset(f"{SERVICE}{m}" for m in ("Put", "Lookup", "Claim", "Adopt", "Get"))
+BULK = frozenset(f"{SERVICE}{m}" for m in ("Put", "Lookup", "Claim", "ReleaseClaims", "Adopt", "Get"))
 CONTROL_BYTES = 1 << 20
 
 

@@ -10,15 +10,16 @@ CacheCore its method, and add its messages and rpc to cache.proto (then
 tools/gen_proto.py).
 
 Frames (wire.py): every request body is job[aux_len] + the op's own part.
-  LOOKUP, GET, GET_LOCAL, CLAIM   count x 32-byte ids
+  LOOKUP, GET, GET_LOCAL, CLAIM, RELEASE   count x 32-byte ids
   PUT     u16 dataset_len + dataset + i32 chunk + count x (32-byte id + u64 size)
           + the values, concatenated
   ADOPT   u16 dataset_len + dataset + i32 chunk (>= 0) + count x 32-byte ids
   PING, OPEN_FOLLOWER   nothing
-Answers: LOOKUP, CLAIM, ADOPT and plain GET_LOCAL one byte per id (vocab.py
-codes); GET and GET_LOCAL with FLAG_INLINE count x u32 size (MISS, or LOCAL:
-read it from the store files) + the values; PUT 3 x u32 stored, already,
-rejected_full; PING the server's instance id; OPEN_FOLLOWER 1 byte, 1 if flushed.
+Answers: LOOKUP, CLAIM, RELEASE, ADOPT and plain GET_LOCAL one byte per id
+(vocab.py codes; RELEASE 1 where the caller's claim was dropped); GET and
+GET_LOCAL with FLAG_INLINE count x u32 size (MISS, or LOCAL: read it from the
+store files) + the values; PUT 3 x u32 stored, already, rejected_full; PING
+the server's instance id; OPEN_FOLLOWER 1 byte, 1 if flushed.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Core(Protocol):
     """What the operations call on the server (cacheserver/core.py's CacheCore)."""
     def lookup(self, job: str, ids: Sequence[bytes], pending: bool = ..., not_spare: bool = ...) -> bytes: ...
     def claim(self, job: str, ids: Sequence[bytes]) -> bytes: ...
+    def give_up(self, job: str, ids: Sequence[bytes]) -> bytes: ...
     def adopt(self, job: str, ids: Sequence[bytes], dataset: str, chunk: int) -> bytes: ...
     def get(self, job: str, ids: Sequence[bytes], count: bool = ...) -> list: ...
     def get_local(self, job: str, ids: Sequence[bytes]) -> bytes: ...
@@ -134,6 +136,25 @@ class Claim(Op):
 
     def serve_grpc(self, core, request):
         return pb.ClaimResponse(codes=core.claim(request.job, split_ids(request.ids)))
+
+
+class Release(Op):
+    """A claimant that will not put items it claimed (its store read failed, its put was
+    refused before reaching the store) gives up its own claims on them (claims.py)."""
+    name, code, rpc, feature = "release", 9, "ReleaseClaims", "claim_release"
+
+    def unserved(self, n: int) -> bytes:
+        return bytes(n)  # a server from before it: the claims lapse after its --claim-ttl
+
+    def grpc(self, stub, keys, job, timeout) -> bytes:
+        return sized_call(stub.ReleaseClaims, pb.ReleaseClaimsRequest(job=job, ids=b"".join(keys)),
+                          timeout).released
+
+    def serve(self, core, job, flags, count, body):
+        return count, [core.give_up(job, split_counted(body, count))]
+
+    def serve_grpc(self, core, request):
+        return pb.ReleaseClaimsResponse(released=core.give_up(request.job, split_ids(request.ids)))
 
 
 class Adopt(Op):
@@ -266,8 +287,9 @@ class Ping(Op):
 
 
 LOOKUP, CLAIM, ADOPT, GET, GET_LOCAL, PUT = Lookup(), Claim(), Adopt(), Get(), GetLocal(), Put()
-OPEN_FOLLOWER, PING = OpenFollower(), Ping()
-TABLE: dict[int, Op] = {op.code: op for op in (LOOKUP, CLAIM, ADOPT, GET, GET_LOCAL, PUT, OPEN_FOLLOWER, PING)}
+RELEASE, OPEN_FOLLOWER, PING = Release(), OpenFollower(), Ping()
+TABLE: dict[int, Op] = {op.code: op for op in (LOOKUP, CLAIM, RELEASE, ADOPT, GET, GET_LOCAL, PUT, OPEN_FOLLOWER,
+                                               PING)}
 UNARY_RPCS = tuple(op for op in TABLE.values() if op.rpc and op is not GET)  # Get streams its answer
 # What a server announces in Info: the features of its operations and of their flags.
 FEATURES = frozenset(op.feature for op in TABLE.values() if op.feature) | FLAG_FEATURES

@@ -38,6 +38,7 @@ from typing import Any
 
 from cacheserver import inproc
 from cacheserver.client.ring_client import RingClient, parse_spec
+from cacheserver.client.server_client import RecordsMismatch
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
@@ -466,7 +467,14 @@ class CachedDataset(_TorchDataset):
             codes[p] = c
         items: list[bytes | None] = [None] * n
         mine = [p for p in range(n) if codes[p] == FETCH]
-        store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned)
+        claimed = {p for p in ask if codes[p] == FETCH}  # ours: released by our puts, else given up
+        unput: list[int] = []
+        try:
+            store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned, unput)
+        except Exception:  # a store read failed: nobody is reading these now, say so before raising
+            self._give_up(st, [ids[p] for p in claimed])
+            raise
+        self._give_up(st, [ids[p] for p in unput if p in claimed])  # the puts that never reached a store
         waited = [p for p in range(n) if codes[p] != FETCH]
         bad = self._await_inserts(st, indices, ids, waited, items)
         late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
@@ -475,13 +483,29 @@ class CachedDataset(_TorchDataset):
                            inserted=inserted + late_inserted, poisoned=len(bad))
 
     def _read_insert(self, st: ProcessState, indices: list[int], items: list[bytes | None],
-                     positions: list[int], replace: list[bool]) -> tuple[int, int]:
+                     positions: list[int], replace: list[bool], unput: list[int] | None = None
+                     ) -> tuple[int, int]:
         """Read items[p] for these positions from the store and insert them (replacing
-        where replace[p]: a poisoned value). Returns (store bytes, inserted)."""
+        where replace[p]: a poisoned value). Returns (store bytes, inserted); `unput`
+        gets the positions whose put reached no server (_insert)."""
         for p, data in zip(positions, self._read_store(st, [indices[p] for p in positions])):
             items[p] = data
-        inserted = self._insert(st, [(indices[p], items[p], replace[p]) for p in positions])
+        missed: list[int] = []
+        inserted = self._insert(st, [(indices[p], items[p], replace[p]) for p in positions], missed)
+        if unput is not None:
+            unput.extend(positions[k] for k in missed)
         return sum(len(items[p]) for p in positions), inserted
+
+    def _give_up(self, st: ProcessState, ids: list[bytes]) -> None:
+        """Release this job's claims on misses it will not insert: the jobs told WAIT for them
+        read them at once instead of waiting out the claims' ttl (cacheserver/claims.py).
+        Best effort: a server that does not answer keeps them until then."""
+        if not ids:
+            return
+        try:
+            st.ring.release(ids, self.job)
+        except Exception as e:  # never in the way of the batch, nor of the error being raised
+            log.debug("could not release %d claims: %s", len(ids), e)
 
     def _await_inserts(self, st: ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
                        items: list[bytes | None]) -> set[int]:
@@ -512,36 +536,60 @@ class CachedDataset(_TorchDataset):
         return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
                           concurrency=st.read_threads, pool=st.pool)
 
-    def _insert(self, st: ProcessState, entries: list[tuple[int, bytes, bool]]) -> int:
-        """Seal and insert (index, item, replace) entries; returns how many were sent."""
+    def _insert(self, st: ProcessState, entries: list[tuple[int, bytes, bool]],
+                unput: list[int] | None = None) -> int:
+        """Seal and insert (index, item, replace) entries; returns how many were sent.
+        `unput` gets the positions of entries that reached no server's store: skipped,
+        refused before the store, or their server down."""
         if not self.insert or st.ring is None or not entries:
             return 0
         groups: dict[tuple[int, bool], list] = {}
+        where: dict[tuple[int, bool], list[int]] = {}  # each group's positions in entries
         put: list[int] = []  # the indices of what goes into `groups`, in the order of `sealed`
         sealed: list[tuple[bytes, capability.Buffer]] = []
-        for i, item, was_poisoned in entries:
+        for k, (i, item, was_poisoned) in enumerate(entries):
             chunk = self.plan.insert_chunk(i)
             if chunk is None:  # the manager gives this part of the dataset no cache space now
+                if unput is not None:
+                    unput.append(k)
                 continue
             # _read_store checked the item against the digest (its BLAKE3 or SHA-256).
             stored = capability.stored(item, self.digest.sha256(i), self.plain_records)
             groups.setdefault((chunk, was_poisoned), []).append(stored)
+            where.setdefault((chunk, was_poisoned), []).append(k)
             put.append(i)
             sealed.append(stored)
         if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
             st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed, self._expected(put))],
                                 [value for _, value in sealed])
         for (chunk, replace), items in groups.items():
-            if st.core is None:
-                st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace)
-                continue
-            try:  # sealed from checked items: the in-process server vouches for them (a plain one needs not)
-                inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=not self.plain_records)
-            except ValueError:  # a malformed put: ours to fix, not the store's
-                raise
-            except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss
-                log.warning("embedded cache refused a put of %d items: %s", len(items), e)
+            missed = self._put_group(st, items, chunk, replace)
+            if unput is not None:
+                unput.extend(where[chunk, replace][m] for m in missed)
         return sum(map(len, groups.values()))
+
+    def _put_group(self, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
+        """Put sealed items under one chunk; the positions of those no server's store took."""
+        if st.core is None:
+            unsent: list[int] = []
+            try:
+                st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace, unsent=unsent)
+            except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
+                raise
+            except ValueError as e:  # refused whole (over its --max-item-size or --max-batch-size):
+                # not cached, as a full cache; training goes on from the store
+                _warn_once("put refused", f"a cache server refused a put of {len(items)} items, "
+                                          f"which stay uncached: {e}")
+                return list(range(len(items)))
+            return unsent
+        try:  # sealed from checked items: the in-process server vouches for them (a plain one needs not)
+            inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=not self.plain_records)
+        except ValueError:  # a malformed put: ours to fix, not the store's
+            raise
+        except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss
+            log.warning("embedded cache refused a put of %d items: %s", len(items), e)
+            return list(range(len(items)))
+        return []
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch and insert items ahead of need (the loading chunk); not counted as reads.
@@ -599,6 +647,16 @@ class CachedDataset(_TorchDataset):
         if self.embedded is not None:
             self.embedded.release()  # closed when no other dataset of this process shares it
             self.embedded = None
+
+
+_warned: set[str] = set()  # what this process has warned about
+
+
+def _warn_once(what: str, message: str) -> None:
+    """Log `message` the first time `what` comes up in this process (not once per batch)."""
+    if what not in _warned:
+        _warned.add(what)
+        log.warning("%s (said once per process)", message)
 
 
 def _as_pipeline(transform: Any) -> Any:

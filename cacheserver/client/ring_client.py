@@ -11,11 +11,12 @@ then costs a few percent of an epoch, where a 30 s wait every 2 s cost 15 times 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,6 +89,7 @@ class RingClient:
         self.clients = {a: ServerClient(a, plain=plain, **client_kw) for a in self.ring.nodes}
         self._down_until: dict[str, float] = {}
         self._fails: dict[str, int] = {}  # failures in a row, per server
+        self._answering: set[str] = set()  # down for an error the server itself answered (busy): reachable
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(2, 2 * len(self.clients)), thread_name_prefix="ring")
         self.down_backoff = down_backoff
@@ -133,6 +135,10 @@ class RingClient:
         with self._lock:
             self.errors += 1
             first = self._usable(node)
+            if _alive_error(err):
+                self._answering.add(node)
+            else:
+                self._answering.discard(node)
             if first and _alive_error(err):  # busy, or an error it sent: alive, so no growing back-off
                 self._fails[node] = 1
             elif first:  # calls in flight when it failed do not count again
@@ -170,10 +176,11 @@ class RingClient:
             self._failed(node, e)
 
     def ask(self, op: ops.Op, keys: Sequence, job: str = "", down: Any = None,
-            per_key: Callable[[Any], list] = list, **opts: Any) -> list:
+            per_key: Callable[[Any], Iterable] = list, answering: bool = False, **opts: Any) -> list:
         """Run `op` (cacheserver/ops.py) on every server for its share of `keys`:
         the answers per key, `per_key` turning a server's answer into its keys'
-        values; a server that is down answers `down` for each of its keys.
+        values; a server that is down answers `down` for each of its keys
+        (with `answering`, one down for an error it answered itself, busy, is asked too).
 
         Each data-plane server gets its request on the wire (ServerClient.start)
         before any answer is read, so they work in parallel without a thread
@@ -191,7 +198,7 @@ class RingClient:
         futures = []
         try:
             for node, idx in self.ring.route(op.ids_of(keys)).items():
-                if not self._usable(node):
+                if not self._usable(node) and not (answering and node in self._answering):
                     continue
                 client, started = self.clients[node], []
                 self._guarded(node, lambda c=client, idx=idx: started.append(c.start(op, share(idx), job, **opts)))
@@ -221,6 +228,14 @@ class RingClient:
         """FETCH / WAIT / PRESENT per id (vocab.py); a server that is down answers FETCH."""
         return self.ask(ops.CLAIM, ids, job, FETCH)
 
+    def release(self, ids: Sequence[bytes], job: str = "") -> list[bool]:
+        """Give up this job's claims on ids it will not put (ops.RELEASE), so the jobs told
+        WAIT read them at once instead of waiting out the claims' ttl. True per id whose
+        claim was dropped. Servers down only for being busy (the usual reason a put did
+        not reach them) are asked too; one that is unreachable, or older, keeps the claims
+        until their ttl."""
+        return self.ask(ops.RELEASE, ids, job, False, _hits, answering=True)
+
     def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> list[bool]:
         """Spare entries join chunk `chunk` where they lie (ServerClient.adopt):
         True per id held other than as spare now; a server that is down answers False."""
@@ -230,16 +245,21 @@ class RingClient:
         return self.ask(ops.GET, ids, job, None)
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], job: str = "",
-            dataset: str = "", chunk: int = -1, replace: bool = False) -> int:
-        """Insert; returns how many were newly stored (failures are not errors: it's a cache)."""
+            dataset: str = "", chunk: int = -1, replace: bool = False,
+            unsent: list[int] | None = None) -> int:
+        """Insert; returns how many were newly stored (failures are not errors: it's a cache).
+        `unsent` gets the positions of items whose server took no put (down, busy, failed):
+        their claims, if the caller holds any, were not released by a put."""
         stored = [0]
 
-        def count(result: tuple[int, int, int]) -> list:
+        def count(result: tuple[int, int, int]) -> Iterable[bool]:
             with self._lock:  # gRPC-only servers add theirs from pool threads
                 stored[0] += result[0]
-            return []
+            return itertools.repeat(True)  # every item of that server's share was answered
 
-        self.ask(ops.PUT, items, job, None, count, dataset=dataset, chunk=chunk, replace=replace)
+        taken = self.ask(ops.PUT, items, job, False, count, dataset=dataset, chunk=chunk, replace=replace)
+        if unsent is not None:
+            unsent.extend(p for p, t in enumerate(taken) if not t)
         return stored[0]
 
     def close(self) -> None:

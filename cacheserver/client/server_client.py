@@ -307,6 +307,11 @@ class ServerClient:
         """Claim misses before reading them from the store: FETCH / WAIT / PRESENT per id."""
         return self.ask(ops.CLAIM, ids, job)
 
+    def release(self, ids: Sequence[bytes], job: str = "") -> bytes:
+        """Give up this job's claims on ids it will not put: 1 per id whose claim was dropped
+        (a server from before the operation is not asked: all 0, its claims lapse by ttl)."""
+        return self.ask(ops.RELEASE, ids, job)
+
     def adopt(self, ids: Sequence[bytes], job: str, dataset: str, chunk: int) -> bytes:
         """Take ids held as spare entries into chunk `chunk` of `dataset` where
         their values lie: one byte per id, 1 held other than as spare now, 0 absent."""

@@ -94,6 +94,11 @@ class CacheStub:
                 request_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.ReleaseClaims = channel.unary_unary(
+                '/mlcache.v1.Cache/ReleaseClaims',
+                request_serializer=cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsRequest.SerializeToString,
+                response_deserializer=cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsResponse.FromString,
+                _registered_method=True)
         self.Adopt = channel.unary_unary(
                 '/mlcache.v1.Cache/Adopt',
                 request_serializer=cacheserver_dot_proto_dot_cache__pb2.AdoptRequest.SerializeToString,
@@ -177,6 +182,13 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseClaims(self, request, context):
+        """A claimant that will not put what it claimed gives its claims up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Adopt(self, request, context):
         """Spare entries join the chunk being loaded (cacheserver/store.py, adopt).
         """
@@ -246,6 +258,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.FromString,
                     response_serializer=cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.SerializeToString,
+            ),
+            'ReleaseClaims': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClaims,
+                    request_deserializer=cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsRequest.FromString,
+                    response_serializer=cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsResponse.SerializeToString,
             ),
             'Adopt': grpc.unary_unary_rpc_method_handler(
                     servicer.Adopt,
@@ -577,6 +594,33 @@ class Cache:
             '/mlcache.v1.Cache/Claim',
             cacheserver_dot_proto_dot_cache__pb2.ClaimRequest.SerializeToString,
             cacheserver_dot_proto_dot_cache__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClaims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlcache.v1.Cache/ReleaseClaims',
+            cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsRequest.SerializeToString,
+            cacheserver_dot_proto_dot_cache__pb2.ReleaseClaimsResponse.FromString,
             options,
             channel_credentials,
             insecure,
