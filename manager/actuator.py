@@ -12,8 +12,9 @@ servers that join later (or restart: RegisterServer asks for their reconcile at
 once), and a manager restarted from its journal (whose replay deliberately
 performs no side effects). An EvictDataset a server missed is the exception, as
 Stats cannot tell a re-planned dataset's old chunk tags from the new plan's: it is
-remembered (in memory: not across a manager restart) and repeated first by the
-server's next reconcile.
+remembered, journaled (evictledger.py: a manager restart keeps it), and repeated
+first by the server's next reconcile. An EvictChunk of a chunk that started loading
+again while the call waited in the queue is not sent (_Worker._send).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from cacheserver.vocab import CacheMode, Option
 
 from .metrics import MANAGER_COUNTERS
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, SetMode
+from .evictledger import StoreLedger
 
 log = logging.getLogger("manager.actuator")
 
@@ -113,7 +115,7 @@ class _Worker:
             except queue.Empty:
                 break
             self.q.task_done()
-            self.owner.owe([self.address], item)
+            self.owner.owe([self.address], item, save=False)  # under the actuator's lock: saved after it
             dropped += item is not None and item != "reconcile"
         self.q.put(None)
         return dropped
@@ -130,8 +132,7 @@ class _Worker:
                     return
                 if item == "reconcile":
                     self._reconcile()
-                else:
-                    _apply(self._client(), item)
+                elif self._send(self._client(), item):
                     self.owner.counters.add("server_calls")
                     if isinstance(item, EvictDataset):
                         self.owner.paid(self.address, item.dataset)
@@ -184,9 +185,26 @@ class _Worker:
         fixes += self._unpin(st.active_chunks, want)
         for e in fixes:
             log.info("reconcile %s: %s", self.address, e)
-            _apply(c, e)
+            self._send(c, e)
         self.owner.counters.add("reconcile_fixes", len(fixes))
         self.owner.counters.add("reconciles")
+
+    def _send(self, c: ServerClient, e: Effect) -> bool:
+        """Carry ``e`` out on this server, except an EvictChunk of a chunk that is resident in the
+        state again, read now, just before the call: its chunk started loading again (the same
+        plan: the same entries, content-addressed; a re-plan evicts the whole dataset after it)
+        while the call waited in this queue (a slow server; k >= 3 a whole pass behind; the last
+        job leaving and the next registering), and the clients' puts of the reload, which the
+        server cannot tell from the old entries (same tag), may be there already. Only a call
+        already on its way when the reload is decided can still land after those puts. Whether
+        it was sent."""
+        if isinstance(e, EvictChunk) and e.chunk in self.owner.desired().resident.get(e.dataset, ()):
+            log.info("server %s: EvictChunk(%s, %d) not sent: the chunk is resident in the plan again",
+                     self.address, e.dataset, e.chunk)
+            self.owner.counters.add("chunk_evictions_skipped")
+            return False
+        _apply(c, e)
+        return True
 
     def _unpin(self, active: Mapping[str, int], want: Desired) -> list[Effect]:
         """Active chunks of datasets the manager does not know, once unknown for a grace period.
@@ -219,14 +237,30 @@ class Actuator:
         # lock: a worker retired under self._lock records what it drops.
         self._owed: dict[str, set[str]] = {}
         self._owed_lock = threading.Lock()
-        self._known: set[str] = set()  # every address that had a worker
+        self._known: set[str] = set()  # every address that had a worker (or the state knows: restore)
+        self.ledger: StoreLedger | None = None  # journals _owed (restore); None: memory only
 
-    def owe(self, addresses: list[str], item: Any) -> None:
-        """Record that ``item``, if an EvictDataset, did not reach the servers at ``addresses``."""
-        if isinstance(item, EvictDataset):
+    def restore(self, ledger: StoreLedger) -> None:
+        """After a (re)start, before any call: the missed EvictDatasets the state kept, and every
+        server address it knows (one out of the ring now gets what is decided while it is away);
+        from now on ``ledger`` journals each change of them."""
+        saved, known = ledger.saved(), ledger.known_addresses()
+        with self._owed_lock:
+            for addr, datasets in saved.items():
+                self._owed.setdefault(addr, set()).update(datasets)
+        with self._lock:
+            self._known |= known
+        self.ledger = ledger
+
+    def owe(self, addresses: list[str], item: Any, save: bool = True) -> None:
+        """Record that ``item``, if an EvictDataset, did not reach the servers at ``addresses``
+        (``save``: journal it now; not while holding self._lock, taken under the state's)."""
+        if isinstance(item, EvictDataset) and addresses:
             with self._owed_lock:
                 for addr in addresses:
                     self._owed.setdefault(addr, set()).add(item.dataset)
+            if save:
+                self.save_owed()
 
     def owed(self, address: str) -> list[str]:
         with self._owed_lock:
@@ -235,17 +269,34 @@ class Actuator:
     def paid(self, address: str, dataset: str) -> None:
         with self._owed_lock:
             left = self._owed.get(address)
-            if left is not None:
-                left.discard(dataset)
-                if not left:
-                    del self._owed[address]
+            if left is None or dataset not in left:
+                return
+            left.discard(dataset)
+            if not left:
+                del self._owed[address]
+        self.save_owed()
+
+    def _owed_copy(self) -> dict[str, set[str]]:
+        with self._owed_lock:
+            return {addr: set(datasets) for addr, datasets in self._owed.items()}
+
+    def save_owed(self) -> None:
+        """Journal the missed EvictDatasets, if a ledger was given. A failure (the journal not
+        writable) is logged: memory still holds them, and the next change saves them again."""
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.save(self._owed_copy)
+        except Exception:
+            log.warning("actuator: the EvictDatasets servers missed could not be journaled", exc_info=True)
 
     def _sync_workers(self) -> list[_Worker]:
         want = set(self.addresses())
         with self._lock:
             for addr in [a for a, w in self._retired.items() if not w.thread.is_alive()]:
                 del self._retired[addr]
-            for addr in sorted(set(self._workers) - want):
+            leaving = sorted(set(self._workers) - want)
+            for addr in leaving:
                 w = self._retired[addr] = self._workers.pop(addr)
                 dropped = w.retire()
                 if dropped:
@@ -256,7 +307,10 @@ class Actuator:
                 w = self._workers[addr] = _Worker(addr, self, after=self._retired.pop(addr, None))
                 w.q.put("reconcile")  # a (re)joining server catches up first
                 self._known.add(addr)
-            return [self._workers[a] for a in sorted(want)]
+            workers = [self._workers[a] for a in sorted(want)]
+        if leaving:
+            self.save_owed()  # what the retired workers dropped
+        return workers
 
     def submit(self, effects: list[Effect]) -> None:
         """Log every effect; queue the server calls for every server in the ring.
@@ -278,7 +332,9 @@ class Actuator:
         with self._lock:
             away = sorted(self._known - {w.address for w in workers})
         for e in calls:
-            self.owe(away, e)  # servers out of the ring get it when they are back
+            self.owe(away, e, save=False)  # servers out of the ring get it when they are back
+        if away and any(isinstance(e, EvictDataset) for e in calls):
+            self.save_owed()
         for w in workers:
             for e in calls:
                 w.q.put(e)

@@ -31,6 +31,7 @@ from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
 from .actuator import Actuator, desired_from
 from .decisions import DecisionLoop
+from .evictledger import StoreLedger
 from .membership import Liveness
 from .metrics import MANAGER_COUNTERS, gather, serve_metrics
 from .model import ManagerConfig
@@ -82,6 +83,7 @@ class ManagerDaemon:
         self.store = StateStore(cfg.state_dir, cfg.model, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync,
                                 clock=self.clock, on_effects=self.actuator.submit)
         self.store.open()
+        self.actuator.restore(StoreLedger(self.store))  # EvictDatasets servers missed before a restart
         self.liveness = Liveness(self.clock())
         self._grpc_pool = futures.ThreadPoolExecutor(32, thread_name_prefix="grpc")
         self.grpc = grpc.server(self._grpc_pool,

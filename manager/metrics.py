@@ -20,7 +20,7 @@ from cacheserver.vocab import CacheMode, Option
 # The manager process's own counters (cacheserver/counters.py): one per RPC, and
 # its calls to the servers.
 MANAGER_COUNTERS = ("server_calls", "server_call_failures", "reconciles", "reconcile_fixes", "job_token_refused",
-                    "server_refused",
+                    "server_refused", "chunk_evictions_skipped",
                     *(f"rpc_{m.name}" for m in mpb.DESCRIPTOR.services_by_name["Manager"].methods))
 
 # Decision counters kept in the state (model.counters), always exported.

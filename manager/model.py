@@ -17,6 +17,7 @@ Events (dicts; ``type`` and ``now`` always present):
   tick {}                                      configure {config}
   pipeline {job, dataset, fingerprint, costs}  (autocache: pipelines.py)
   workers {job, kind, state}                   (a job's worker-scaling policy: workerstate.py)
+  evictions_owed {owed}                        (EvictDatasets servers missed: evictledger.py)
 
 A request the model refuses raises ``Rejected`` before anything is mutated,
 so refused requests are never journaled.
@@ -30,6 +31,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
+from .evictledger import Owed, checked as checked_owed
 from .jobtokens import journaled_hash
 from .membership import Registry
 from .pipelines import PipelineRecord, job_left, move_gains, pipeline_key
@@ -123,6 +125,7 @@ class ManagerModel:
     pipelines: dict[str, PipelineRecord] = field(default_factory=dict)  # autocache, by pipeline_key
     admission: AdmissionBoard = field(default_factory=AdmissionBoard)   # who inserts into the shared LRU
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)   # job -> its journaled scaling policy
+    owed: Owed = field(default_factory=dict)  # server address -> datasets whose EvictDataset it missed
     # Plan versions of a dataset created now start here: above every version a forgotten
     # dataset handed out, so a name forgotten and registered again never goes back (a
     # client keeps the newer of two plans it holds).
@@ -291,6 +294,13 @@ class ManagerModel:
         job = self._job(str(ev["job"])).job
         try:
             self.workers[job] = checked_policy({"kind": ev.get("kind"), "state": ev.get("state")})
+        except ValueError as e:
+            raise Rejected("INVALID_ARGUMENT", str(e)) from None
+        return []
+
+    def _on_evictions_owed(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        try:
+            self.owed = checked_owed(ev["owed"])
         except ValueError as e:
             raise Rejected("INVALID_ARGUMENT", str(e)) from None
         return []
@@ -491,13 +501,10 @@ class ManagerModel:
         """DoubleBuffer actions -> effects (Assign/StartLoading are only logged: clients
         learn them from their plan)."""
         out: list[Effect] = []
-        reloaded = _reloaded_at_once(actions)
         for a in actions:
             if isinstance(a, Activate):
                 out.append(ActivateChunk(a.dataset, a.chunk))
-            elif isinstance(a, Evict) and (a.dataset, a.chunk) in reloaded:
-                out.append(note("chunk kept: it starts loading again at once", dataset=a.dataset, chunk=a.chunk))
-            elif isinstance(a, Evict):
+            elif isinstance(a, Evict):  # not sent if it loads again meanwhile: actuator._send
                 self._count("chunk_evictions_forced" if a.forced else "chunk_evictions")
                 out.append(EvictChunk(a.dataset, a.chunk, a.forced, a.reason))
             elif isinstance(a, StartLoading):
@@ -559,6 +566,8 @@ class ManagerModel:
             out["workers"] = {k: dict(v) for k, v in sorted(self.workers.items())}
         if self.plan_floor:
             out["plan_floor"] = self.plan_floor
+        if self.owed:
+            out["owed"] = {k: list(v) for k, v in sorted(self.owed.items())}
         return out
 
     @classmethod
@@ -577,6 +586,7 @@ class ManagerModel:
             admission=AdmissionBoard.from_dict(d.get("admission", {})),
             workers={k: dict(v) for k, v in d.get("workers", {}).items()},
             plan_floor=int(d.get("plan_floor", 0)),
+            owed=checked_owed(d.get("owed", {})),
         )
 
     def digest(self) -> str:
@@ -599,23 +609,6 @@ def _keep_full(shares: dict[str, Share], sizes: Mapping[str, int], allocs: Mappi
         if sum(x.bytes for x in out.values()) - s.bytes + sizes[name] <= budget:
             out[name] = Share(name, sizes[name], s.value, f"kept full: a partial share would evict what its "
                                                           f"jobs read now; {s.reason}")
-    return out
-
-
-def _reloaded_at_once(actions: list[Action]) -> set[tuple[str, int]]:
-    """Chunks evicted and then started loading again by the same event (k == 2: the marked
-    chunk is always the next one). Their EvictChunk is not sent: the reload puts back the
-    very same entries (same plan, content-addressed), and the call reaches the servers
-    after the clients have the new plan, so it deleted the reload's first puts (a server
-    cannot tell them from the old ones: same tag) -- and with few items all of them,
-    leaving the chunk empty when it became active."""
-    evicted: set[tuple[str, int]] = set()
-    out: set[tuple[str, int]] = set()
-    for a in actions:
-        if isinstance(a, Evict):
-            evicted.add((a.dataset, a.chunk))
-        elif isinstance(a, StartLoading) and (a.dataset, a.chunk) in evicted:
-            out.add((a.dataset, a.chunk))
     return out
 
 

@@ -2,10 +2,13 @@
 defects found in review, each reproduced with a real cachemanager and real cache servers."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import signal
+
+import pytest
 
 from cacheserver.client.server_client import ServerClient
 from manager.actuator import Actuator, Desired
@@ -23,14 +26,18 @@ def _keys(n: int, seed: int) -> list[bytes]:
     return [rng.randbytes(32) for _ in range(n)]
 
 
-def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_again(tmp_path):
+@pytest.mark.parametrize("restart", [False, True])
+def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_again(tmp_path, restart):
     """A FULL dataset's entries (chunk 0, active: protected) are on a server that does not
     answer when a second job re-plans the dataset FULL -> CHUNKED: its EvictDataset times
     out. Reconcile sees chunk 0 resident in the new plan too, so before the fix the server
     kept the whole dataset pinned (200 kB where the plan allows 40 kB of it) until chunk 0
-    turned over."""
-    m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "300kB", "--chunk-size", "100kB",
-                     "--heartbeat-misses", "100", "--server-timeout", "0.5").start()
+    turned over. With `restart`, the manager is killed (kill -9) and started again before
+    the server answers: the missed eviction is journaled (manager/evictledger.py)."""
+    args = ("--chunks", "--budget", "300kB", "--chunk-size", "100kB", "--heartbeat-misses", "100",
+            "--server-timeout", "0.5")
+    port = free_port()
+    m = cachemanager(str(tmp_path / "m"), port, *args).start()
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
     keys = _keys(20, 1)
     try:
@@ -46,9 +53,16 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
                 assert mc.get_plan(A, "j1").option == "chunked"
                 log = str(tmp_path / "m" / "manager.log")
                 wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
+                if restart:
+                    m.kill()
+                    m = cachemanager(str(tmp_path / "m"), port, *args).start()
             finally:
                 os.kill(s.pid, signal.SIGCONT)
-            wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted")
+            wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
+        if restart:
+            assert m.stop() == 0  # paid is journaled too: the state written at exit owes nothing
+            with open(tmp_path / "m" / "snapshot.json") as f:
+                assert "owed" not in json.load(f)["state"]
     finally:
         s.kill()
         m.kill()
