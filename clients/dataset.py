@@ -38,12 +38,11 @@ from typing import Any
 
 from cacheserver import inproc
 from cacheserver.client.ring_client import RingClient, parse_spec
-from cacheserver.client.server_client import RecordsMismatch
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
 
-from . import capability, checked, itemview
+from . import capability, checked, inserts, itemview
 from .coalesce import BatchClaims
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
@@ -398,7 +397,7 @@ class CachedDataset(_TorchDataset):
         items = capability.open_values(keys, ids, values, sizes)
         if self.verify_hash:
             todo = [j for j, item in enumerate(items) if item is not None and not (vouched and vouched[j])]
-            pairs = list(zip(self._expected([indices[j] for j in todo]), [items[j] for j in todo]))
+            pairs = list(zip(self.expected_hashes([indices[j] for j in todo]), [items[j] for j in todo]))
             todo, pairs, memo, known = checked.unknown(st.checked, ids, values, todo, pairs)
             if known:  # checked before as these very bytes: as good as vouched
                 self.counters.add(_worker_row(), vouched=known)
@@ -414,7 +413,7 @@ class CachedDataset(_TorchDataset):
                 inproc.vouch(st.core, [read[0][j] for j in todo if items[j] is not None], read[1])
         return items
 
-    def _expected(self, indices: Sequence[int]) -> list[bytes]:
+    def expected_hashes(self, indices: Sequence[int]) -> list[bytes]:
         """The hash each item is checked against (step 4): its BLAKE3 where the digest
         carries it, else its SHA-256 (K)."""
         b3 = self.digest.blake3
@@ -472,9 +471,9 @@ class CachedDataset(_TorchDataset):
         try:
             store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned, unput)
         except Exception:  # a store read failed: nobody is reading these now, say so before raising
-            self._give_up(st, [ids[p] for p in claimed])
+            inserts.give_up(self, st, [ids[p] for p in claimed])
             raise
-        self._give_up(st, [ids[p] for p in unput if p in claimed])  # the puts that never reached a store
+        inserts.give_up(self, st, [ids[p] for p in unput if p in claimed])  # the puts that never reached a store
         waited = [p for p in range(n) if codes[p] != FETCH]
         bad = self._await_inserts(st, indices, ids, waited, items)
         late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
@@ -487,25 +486,14 @@ class CachedDataset(_TorchDataset):
                      ) -> tuple[int, int]:
         """Read items[p] for these positions from the store and insert them (replacing
         where replace[p]: a poisoned value). Returns (store bytes, inserted); `unput`
-        gets the positions whose put reached no server (_insert)."""
+        gets the positions whose put reached no server (inserts.insert)."""
         for p, data in zip(positions, self._read_store(st, [indices[p] for p in positions])):
             items[p] = data
         missed: list[int] = []
-        inserted = self._insert(st, [(indices[p], items[p], replace[p]) for p in positions], missed)
+        inserted = inserts.insert(self, st, [(indices[p], items[p], replace[p]) for p in positions], missed)
         if unput is not None:
             unput.extend(positions[k] for k in missed)
         return sum(len(items[p]) for p in positions), inserted
-
-    def _give_up(self, st: ProcessState, ids: list[bytes]) -> None:
-        """Release this job's claims on misses it will not insert: the jobs told WAIT for them
-        read them at once instead of waiting out the claims' ttl (cacheserver/claims.py).
-        Best effort: a server that does not answer keeps them until then."""
-        if not ids:
-            return
-        try:
-            st.ring.release(ids, self.job)
-        except Exception as e:  # never in the way of the batch, nor of the error being raised
-            log.debug("could not release %d claims: %s", len(ids), e)
 
     def _await_inserts(self, st: ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
                        items: list[bytes | None]) -> set[int]:
@@ -535,61 +523,6 @@ class CachedDataset(_TorchDataset):
         only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids."""
         return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
                           concurrency=st.read_threads, pool=st.pool)
-
-    def _insert(self, st: ProcessState, entries: list[tuple[int, bytes, bool]],
-                unput: list[int] | None = None) -> int:
-        """Seal and insert (index, item, replace) entries; returns how many were sent.
-        `unput` gets the positions of entries that reached no server's store: skipped,
-        refused before the store, or their server down."""
-        if not self.insert or st.ring is None or not entries:
-            return 0
-        groups: dict[tuple[int, bool], list] = {}
-        where: dict[tuple[int, bool], list[int]] = {}  # each group's positions in entries
-        put: list[int] = []  # the indices of what goes into `groups`, in the order of `sealed`
-        sealed: list[tuple[bytes, capability.Buffer]] = []
-        for k, (i, item, was_poisoned) in enumerate(entries):
-            chunk = self.plan.insert_chunk(i)
-            if chunk is None:  # the manager gives this part of the dataset no cache space now
-                if unput is not None:
-                    unput.append(k)
-                continue
-            # _read_store checked the item against the digest (its BLAKE3 or SHA-256).
-            stored = capability.stored(item, self.digest.sha256(i), self.plain_records)
-            groups.setdefault((chunk, was_poisoned), []).append(stored)
-            where.setdefault((chunk, was_poisoned), []).append(k)
-            put.append(i)
-            sealed.append(stored)
-        if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
-            st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed, self._expected(put))],
-                                [value for _, value in sealed])
-        for (chunk, replace), items in groups.items():
-            missed = self._put_group(st, items, chunk, replace)
-            if unput is not None:
-                unput.extend(where[chunk, replace][m] for m in missed)
-        return sum(map(len, groups.values()))
-
-    def _put_group(self, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
-        """Put sealed items under one chunk; the positions of those no server's store took."""
-        if st.core is None:
-            unsent: list[int] = []
-            try:
-                st.ring.put(items, self.job, self.dataset_tag, chunk, replace=replace, unsent=unsent)
-            except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
-                raise
-            except ValueError as e:  # refused whole (over its --max-item-size or --max-batch-size):
-                # not cached, as a full cache; training goes on from the store
-                _warn_once("put refused", f"a cache server refused a put of {len(items)} items, "
-                                          f"which stay uncached: {e}")
-                return list(range(len(items)))
-            return unsent
-        try:  # sealed from checked items: the in-process server vouches for them (a plain one needs not)
-            inproc.put(st.core, self.job, items, self.dataset_tag, chunk, replace, vouch=not self.plain_records)
-        except ValueError:  # a malformed put: ours to fix, not the store's
-            raise
-        except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss
-            log.warning("embedded cache refused a put of %d items: %s", len(items), e)
-            return list(range(len(items)))
-        return []
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch and insert items ahead of need (the loading chunk); not counted as reads.
@@ -647,16 +580,6 @@ class CachedDataset(_TorchDataset):
         if self.embedded is not None:
             self.embedded.release()  # closed when no other dataset of this process shares it
             self.embedded = None
-
-
-_warned: set[str] = set()  # what this process has warned about
-
-
-def _warn_once(what: str, message: str) -> None:
-    """Log `message` the first time `what` comes up in this process (not once per batch)."""
-    if what not in _warned:
-        _warned.add(what)
-        log.warning("%s (said once per process)", message)
 
 
 def _as_pipeline(transform: Any) -> Any:

@@ -1,0 +1,100 @@
+"""A dataset's misses into the cache: sealed (or, for a plain store, as they are), grouped by
+the chunk the plan puts them in, and put; and the claims of those no server's store took,
+given up.
+
+A miss read from the store was checked against the digest there (storeread.py), so what is
+put is known good: its sealed value is remembered in the loader's table of checked values
+(checked.py) and, in the embedded process, vouched for. A put that reaches no store (skipped:
+the plan gives the item no space; refused before the store: busy, or over the server's size
+limits; its server down) leaves the item uncached, as a full cache would; the job's claims on
+such items are given up (cacheserver/claims.py) so the jobs told to WAIT read them at once.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cacheserver import inproc
+from cacheserver.client.server_client import RecordsMismatch
+
+from . import capability, checked
+from .procstate import ProcessState
+
+log = logging.getLogger("clients.dataset")
+_warned: set[str] = set()  # what this process has warned about
+
+
+def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
+           unput: list[int] | None = None) -> int:
+    """Seal and insert `ds`'s (index, item, replace) entries; returns how many were sent.
+    `unput` gets the positions of entries that reached no server's store: skipped,
+    refused before the store, or their server down."""
+    if not ds.insert or st.ring is None or not entries:
+        return 0
+    groups: dict[tuple[int, bool], list] = {}
+    where: dict[tuple[int, bool], list[int]] = {}  # each group's positions in entries
+    put: list[int] = []  # the indices of what goes into `groups`, in the order of `sealed`
+    sealed: list[tuple[bytes, capability.Buffer]] = []
+    for k, (i, item, was_poisoned) in enumerate(entries):
+        chunk = ds.plan.insert_chunk(i)
+        if chunk is None:  # the manager gives this part of the dataset no cache space now
+            if unput is not None:
+                unput.append(k)
+            continue
+        # read_items checked the item against the digest (its BLAKE3 or SHA-256).
+        stored = capability.stored(item, ds.digest.sha256(i), ds.plain_records)
+        groups.setdefault((chunk, was_poisoned), []).append(stored)
+        where.setdefault((chunk, was_poisoned), []).append(k)
+        put.append(i)
+        sealed.append(stored)
+    if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
+        st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed, ds.expected_hashes(put))],
+                            [value for _, value in sealed])
+    for (chunk, replace), items in groups.items():
+        missed = put_group(ds, st, items, chunk, replace)
+        if unput is not None:
+            unput.extend(where[chunk, replace][m] for m in missed)
+    return sum(map(len, groups.values()))
+
+
+def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
+    """Put sealed items under one chunk; the positions of those no server's store took."""
+    if st.core is None:
+        unsent: list[int] = []
+        try:
+            st.ring.put(items, ds.job, ds.dataset_tag, chunk, replace=replace, unsent=unsent)
+        except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
+            raise
+        except ValueError as e:  # refused whole (over its --max-item-size or --max-batch-size):
+            # not cached, as a full cache; training goes on from the store
+            _warn_once("put refused", f"a cache server refused a put of {len(items)} items, "
+                                      f"which stay uncached: {e}")
+            return list(range(len(items)))
+        return unsent
+    try:  # sealed from checked items: the in-process server vouches for them (a plain one needs not)
+        inproc.put(st.core, ds.job, items, ds.dataset_tag, chunk, replace, vouch=not ds.plain_records)
+    except ValueError:  # a malformed put: ours to fix, not the store's
+        raise
+    except Exception as e:  # RocksDB failed the write: as the ring takes a failed server, a miss
+        log.warning("embedded cache refused a put of %d items: %s", len(items), e)
+        return list(range(len(items)))
+    return []
+
+
+def give_up(ds: Any, st: ProcessState, ids: list[bytes]) -> None:
+    """Release `ds`'s job's claims on misses it will not insert: the jobs told WAIT for them
+    read them at once instead of waiting out the claims' ttl (cacheserver/claims.py).
+    Best effort: a server that does not answer keeps them until then."""
+    if not ids:
+        return
+    try:
+        st.ring.release(ids, ds.job)
+    except Exception as e:  # never in the way of the batch, nor of the error being raised
+        log.debug("could not release %d claims: %s", len(ids), e)
+
+
+def _warn_once(what: str, message: str) -> None:
+    """Log `message` the first time `what` comes up in this process (not once per batch)."""
+    if what not in _warned:
+        _warned.add(what)
+        log.warning("%s (said once per process)", message)
