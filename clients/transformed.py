@@ -10,11 +10,13 @@ Transformed items are inserted under their own dataset name,
 and benefit against the dataset's budget apart from its source items."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cacheserver.client.ring_client import RingClient
+from cacheserver.client.server_client import RecordsMismatch
 from cacheserver.vocab import transformed_tag
 from preprocess.codec import CodecError, decode, encode
 from preprocess.fingerprint import Uncacheable
@@ -22,6 +24,7 @@ from preprocess.fingerprint import Uncacheable
 from .capability import PoisonedValue
 from .derived import derived_id, derived_key, open_derived, open_plain_derived, plain_derived, seal_derived
 
+log = logging.getLogger("clients.transformed")
 MAX_PAYLOAD = 1 << 30  # a value this large is refused on read: no dataset item is
 __all__ = ["MAX_PAYLOAD", "TransformedCounts", "TransformedItems", "transformed_tag"]
 
@@ -35,6 +38,7 @@ class TransformedCounts:
     bytes_read: int = 0
     bytes_put: int = 0
     uncacheable: list[str] = field(default_factory=list)  # first reasons an output could not be encoded
+    refused: int = 0  # puts a server refused whole (their items over its size limits)
 
 
 class TransformedItems:
@@ -108,6 +112,18 @@ class TransformedItems:
             self.counts.bytes_put += len(sealed.value)
         if not batch:
             return 0
-        stored = self.ring.put(batch, self.job, self.tag, chunk, replace=replace)
+        try:
+            stored = self.ring.put(batch, self.job, self.tag, chunk, replace=replace)
+        except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
+            raise
+        except ValueError as e:  # refused whole (over a server's --max-item-size or --max-batch-size):
+            # uncached, as by a full cache; the loader goes on with the items it made
+            self._refused(f"a cache server refused a put of {len(batch)} transformed items: {e}")
+            return 0
         self.counts.inserted += stored
         return stored
+
+    def _refused(self, why: str) -> None:
+        if not self.counts.refused:
+            log.warning("%s; they stay uncached (said once per dataset and prefix)", why)
+        self.counts.refused += 1

@@ -492,3 +492,26 @@ def test_hits_with_no_step_after_the_point_need_no_worker(tmp_path, server):
         assert loader.preprocess.last_run.measured == [] and st.preprocess.items == N  # taken in this process
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("mode", ["transformed", "auto"])
+def test_transformed_items_a_server_refuses_for_their_size_leave_the_epoch_whole(tmp_path, mode):
+    """2 MiB transformed items against a server whose --max-item-size is 1 MB: its refusal
+    (INVALID_ARGUMENT, the whole put) raised out of TransformedItems.put_payloads: autocache
+    "auto" failed as it measured its put probe. Now those items stay uncached, as by a full
+    cache, said once, and every item is delivered."""
+    from procs import cacheserver
+    srv = cacheserver(str(tmp_path / "srv"), "256MB", 0, "--max-item-size", "1MB").start()
+    try:
+        path = make_items(tmp_path / "ds", n=16)
+        ds = CachedDataset(path, cache=srv.address, transform=Pipeline([as_array, blow_up, autocache, head]))
+        loader = ds.loader(4, num_workers=0, seed=1, autocache=mode, cost_dir=False)
+        try:
+            got = [x for batch in loader for x in batch]
+            assert len(got) == 16
+            t = loader.autocache.transformed()
+            assert not any(t.lookup([ds.digest.hashes[i].tobytes() for i in range(16)]))
+        finally:
+            loader.close()
+    finally:
+        srv.kill()
