@@ -22,6 +22,7 @@ from .procstate import ProcessState
 
 log = logging.getLogger("clients.dataset")
 _warned: set[str] = set()  # what this process has warned about
+PUT_BYTES = 64 << 20  # a put's values at most: a quarter of a server's default --max-batch-size
 
 
 def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
@@ -58,7 +59,39 @@ def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
 
 
 def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
-    """Put sealed items under one chunk; the positions of those no server's store took."""
+    """Put sealed items under one chunk, in puts of at most PUT_BYTES (a batch of large items
+    would pass a server's --max-batch-size, refused whole); the positions of those no
+    server's store took."""
+    if st.core is not None:  # the embedded server's own limits are known: an item over them stays out
+        big = [p for p, (_, v) in enumerate(items) if len(v) > st.core.limits.max_item_bytes]
+        if big:
+            _warn_once("item over the limit", f"{len(big)} items over the embedded cache's item limit "
+                                              f"({st.core.limits.max_item_bytes} bytes) stay uncached")
+    else:
+        big = []
+    missed, out = list(big), set(big)
+    for part in split_by_bytes([p for p in range(len(items)) if p not in out], items, PUT_BYTES):
+        missed += [part[m] for m in _put_part(ds, st, [items[p] for p in part], chunk, replace)]
+    return missed
+
+
+def split_by_bytes(positions: list[int], items: list, limit: int) -> list[list[int]]:
+    """`positions` of (id, value) items in runs whose values total at most `limit` (an item
+    larger than that alone)."""
+    out: list[list[int]] = []
+    size = limit + 1
+    for p in positions:
+        n = len(items[p][1])
+        if size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
+
+
+def _put_part(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
+    """One put; the positions of the items no server's store took."""
     if st.core is None:
         unsent: list[int] = []
         try:
