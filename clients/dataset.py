@@ -57,6 +57,7 @@ log = logging.getLogger("clients.dataset")
 # Longest wait for another job's insert of an item it claimed; a claim expires
 # sooner (claims.DEFAULT_TTL), after which the item is read here.
 CLAIM_WAIT_LIMIT = 30.0
+GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server answers up to its --max-batch-size
 
 try:  # torch is an extra: the rest of the package works without it
     from torch.utils.data import Dataset as _TorchDataset
@@ -318,7 +319,16 @@ class CachedDataset(_TorchDataset):
         return j
 
     def _read(self, indices: list[int]) -> list[bytes]:
-        """Digest items' bytes: from the cache, else the store (inserted), verified."""
+        """Digest items' bytes: from the cache, else the store (inserted), verified. A batch of
+        large items is read in parts: a get's answer past a server's --max-batch-size (256 MiB
+        by default) is cut, and the items cut off would be misses every epoch."""
+        n = len(indices)
+        if n > 1 and int(self.digest.sizes[indices].sum()) > GET_BYTES:
+            parts = inserts.split_by_bytes(list(range(n)), self.digest.sizes[indices].tolist(), GET_BYTES)
+            return [x for part in parts for x in self._read_part([indices[j] for j in part])]
+        return self._read_part(indices)
+
+    def _read_part(self, indices: list[int]) -> list[bytes]:
         st = self._proc()
         n = len(indices)
         ids = self.ids_for(indices)

@@ -70,18 +70,19 @@ def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool)
     else:
         big = []
     missed, out = list(big), set(big)
-    for part in split_by_bytes([p for p in range(len(items)) if p not in out], items, PUT_BYTES):
+    sizes = [len(v) for _, v in items]
+    for part in split_by_bytes([p for p in range(len(items)) if p not in out], sizes, PUT_BYTES):
         missed += [part[m] for m in _put_part(ds, st, [items[p] for p in part], chunk, replace)]
     return missed
 
 
-def split_by_bytes(positions: list[int], items: list, limit: int) -> list[list[int]]:
-    """`positions` of (id, value) items in runs whose values total at most `limit` (an item
-    larger than that alone)."""
+def split_by_bytes(positions: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """`positions` (into `sizes`) in runs whose sizes total at most `limit` (an item larger
+    than that alone)."""
     out: list[list[int]] = []
     size = limit + 1
     for p in positions:
-        n = len(items[p][1])
+        n = sizes[p]
         if size + n > limit:
             out.append([])
             size = 0

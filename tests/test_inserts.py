@@ -17,9 +17,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_split_by_bytes_keeps_each_put_under_the_limit_and_a_larger_item_alone():
-    items = [(b"k", b"x" * n) for n in (4, 4, 3, 10, 1, 1)]
-    assert inserts.split_by_bytes(list(range(6)), items, 8) == [[0, 1], [2], [3], [4, 5]]
-    assert inserts.split_by_bytes([], items, 8) == []
+    sizes = [4, 4, 3, 10, 1, 1]
+    assert inserts.split_by_bytes(list(range(6)), sizes, 8) == [[0, 1], [2], [3], [4, 5]]
+    assert inserts.split_by_bytes([1, 3], sizes, 8) == [[1], [3]]
+    assert inserts.split_by_bytes([], sizes, 8) == []
 
 
 def test_a_batch_over_the_servers_batch_limit_is_put_in_parts(tmp_path, monkeypatch):
@@ -48,3 +49,25 @@ def test_an_item_over_the_embedded_caches_item_limit_stays_uncached(tmp_path):
         assert ds.lookup([0, 1, 2]) == [True, False, True]
     finally:
         ds.close()
+
+
+def test_a_batch_over_the_servers_batch_limit_is_read_in_parts(tmp_path, monkeypatch):
+    # All 8 items of 300 kB cached: a get of the batch (2.4 MB) from a server with
+    # --max-batch-size 1MB was cut after 3 items, and the other 5 were misses every epoch.
+    import clients.dataset
+    from cacheserver.client.server_client import ServerClient
+    monkeypatch.setattr(inserts, "PUT_BYTES", 1_000_000)
+    monkeypatch.setattr(clients.dataset, "GET_BYTES", 1_000_000)
+    srv = cacheserver(str(tmp_path / "s"), "64MB", 0, "--max-batch-size", "1MB").start()
+    path = write_files_digest(tmp_path / "ds", (os.urandom(300_000) for _ in range(8)))
+    ds = CachedDataset(path, cache=srv.address)
+    try:
+        first = ds.__getitems__(list(range(8)))
+        with ServerClient(srv.address) as c:
+            puts = c.stats().counters["puts"]
+            assert ds.__getitems__(list(range(8))) == first
+            counters = c.stats().counters
+        assert counters["get_cut_for_size"] == 0 and counters["puts"] == puts, counters  # all hits
+    finally:
+        ds.close()
+        srv.kill()
