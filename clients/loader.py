@@ -173,7 +173,8 @@ class CachedLoader(DataLoader, EpochLog):
 
 
 # Loader arguments for preprocess.Scheduler (docs/preprocess.md).
-PREPROCESS_OPTIONS = ("auto_order", "on_error", "cost_dir", "task_items", "exactly_once")
+PREPROCESS_OPTIONS = ("auto_order", "on_error", "cost_dir", "task_items", "exactly_once", "step_warning",
+                      "step_timeout")
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:
@@ -199,9 +200,10 @@ def check_worker_options(kwargs: dict[str, Any]) -> None:
     given = sorted(k for k, default in _DATALOADER_WORKER_OPTIONS.items()
                    if k in kwargs and kwargs[k] != default)
     if given:
+        hint = " (a step stuck on an item: step_warning=, step_timeout=)" if "timeout" in given else ""
         raise ValueError(f"{', '.join(given)}: options of DataLoader worker processes, which do not run with a "
                          f"transform= (the per-sample scheduler runs its own workers, num_workers= of them: "
-                         f"docs/preprocess.md); remove them, or pass scheduler='torch'")
+                         f"docs/preprocess.md); remove them{hint}, or pass scheduler='torch'")
 
 
 def check_picklable(ds, kwargs: dict[str, Any]) -> None:
@@ -319,6 +321,8 @@ def _remote(ds, engine: Any, ac: Any, remote: str, options: dict[str, Any]) -> A
     (one warning) when there is no cluster: the loader's own workers do everything."""
     from preprocess.remote import start
 
+    # the loader's stuck-step limits hold for its remote workers too, unless remote_options say otherwise
+    options = {"step_warning": engine.step_warning, "step_timeout": engine.step_timeout, **options}
     try:
         return start(ds, engine.pipeline, engine.job_seed, remote, key=ac.key, prefix=ac.cut, key_seed=ac.seed,
                      **options)

@@ -170,8 +170,8 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     `read_parallel` batches at once (TicketFeed, tf_batches.py; docs/client.md says when it pays).
     `map_fn` (a function of TF ops on one item, or a preprocess.tf_map.TFMap) runs in
     `num_workers` preprocessing worker processes (None: adaptive, 0: in this process);
-    the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`,
-    `exactly_once` are the scheduler's, docs/preprocess.md); `autocache` then decides
+    the dataset then yields its outputs (`on_error`, `cost_dir`, `task_items`, `exactly_once`,
+    `step_warning`, `step_timeout` are the scheduler's, docs/preprocess.md); `autocache` then decides
     whether the outputs are kept, as for the PyTorch loader's transform. `rank`/`world_size` give this
     process its share of every epoch, as DistributedSampler (with tf.distribute:
     `input_context.input_pipeline_id` and `num_input_pipelines`).

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 # tf_dataset options passed on to preprocess.Scheduler (docs/preprocess.md)
-SCHEDULER_OPTIONS = ("on_error", "cost_dir", "task_items", "exactly_once")
+SCHEDULER_OPTIONS = ("on_error", "cost_dir", "task_items", "exactly_once", "step_warning", "step_timeout")
 
 
 def make_engine(cached: Any, map_fn: Callable[[Any], Any], num_workers: int | None, seed: int,

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .pool import WorkerDied, WorkerPool, is_whole
+from .stall import STEP_WARNING_S, StallWatch, every, log
 from .stats import PreprocessStats
 from .timeout import SlowTimeout
+from .worker import MAIN
 from .workerctl import CpuMeter, next_workers
 
 TICK = 0.05          # longest wait for a result before checking the workers
@@ -37,6 +39,11 @@ CONTROL_EVERY = 1.0  # seconds between worker-count decisions
 
 class PipelineError(RuntimeError):
     """A step raised on an item (with on_error="raise"); names the item and the step."""
+
+
+class StepTimeout(PipelineError):
+    """A step ran on an item for longer than step_timeout (with on_error="raise"); names
+    the item and the step. Its worker process was stopped (docs/preprocess.md)."""
 
 
 @dataclass
@@ -52,6 +59,8 @@ class EpochPlan:
     max_workers: int = 1
     exactly_once: bool = True  # False: the papers' bounded epochs (slow stragglers dropped)
     drop_last: bool = False    # a short last batch (items skipped or dropped) is not yielded
+    step_warning: float | None = STEP_WARNING_S  # seconds in one step on one item before a warning
+    step_timeout: float | None = None  # seconds after which the item fails, its worker stopped
 
     def __post_init__(self) -> None:
         # a count below 1 would send no task (or build no batch): the epoch would wait for ever
@@ -84,6 +93,10 @@ class EpochRun:
         self._meter = CpuMeter() if plan.adaptive else None
         self._thread: threading.Thread | None = None
         self._next_control = time.monotonic() + CONTROL_EVERY
+        self.stalls = StallWatch(plan.step_warning, plan.step_timeout, lambda j: pool.pipeline.steps[j].name,
+                                 lambda i: f"{i} ({describe(i)})", self._where)
+        self.timed_out: dict[int, tuple[int, int, float]] = {}  # worker stopped -> (item, step, seconds)
+        self._next_watch = 0.0
 
     # ---- consumer side --------------------------------------------------------
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
@@ -163,6 +176,7 @@ class EpochRun:
                 return
             for msg in self.pool.receive(TICK):
                 self._handle(msg)
+            self._watch()    # after the messages: an item answered is not stuck
             self._recover()  # after the messages: what a dead worker finished before dying counts
             self._control()
 
@@ -231,18 +245,62 @@ class EpochRun:
 
     def _recover(self) -> None:
         """A worker that died is replaced and the items it held go back to the front
-        of the queue (they were not yielded: exactly once holds)."""
+        of the queue (they were not yielded: exactly once holds). One stopped for a step
+        over step_timeout is no death: its stuck item fails, the others run again."""
         for wid in self.pool.dead():
             lost = self.held.pop(wid, {})
-            self.deaths.append(self._death(wid, lost))
-            if len(self.deaths) > RESTARTS:
-                raise WorkerDied(f"{len(self.deaths)} preprocessing workers died this epoch; giving up. "
-                                 + "; ".join(self.deaths))
+            stuck = self.timed_out.pop(wid, None)
+            mine = stuck is not None and stuck[0] in lost
+            if stuck is None:
+                self.deaths.append(self._death(wid, lost))
+                if len(self.deaths) > RESTARTS:
+                    raise WorkerDied(f"{len(self.deaths)} preprocessing workers died this epoch; giving up. "
+                                     + "; ".join(self.deaths))
+            elif mine:  # fails below, after the others are queued again
+                self.pending -= 1
+                self.in_background -= lost.pop(stuck[0])
             self.pending -= len(lost)
             self.in_background -= sum(lost.values())
             self.upcoming.extendleft(reversed(list(lost)))
             self.stats.rerun += len(lost)
             self.pool.resize(self.pool.size + 1)
+            if stuck is not None:
+                self._timed_out(wid, *stuck, of_this_epoch=mine)
+
+    def _watch(self) -> None:
+        """Steps stuck on an item (stall.py): warned about; one over step_timeout has its
+        worker stopped (a thread cannot be), and _recover fails its item."""
+        now = time.monotonic()
+        if not self.stalls.active or now < self._next_watch:
+            return
+        self._next_watch = now + every(self.stalls)
+        for ((wid, _), i, j, _), secs in self.stalls.check(self.pool.progress()):
+            if wid not in self.timed_out:
+                self.timed_out[wid] = (i, j, secs)
+                self.pool.kill(wid)
+        self.stats.stalled = self.stalls.warned
+
+    def _where(self, who: tuple[int, int]) -> str:
+        wid, k = who
+        return f"worker {wid}, pid {self.pool.pid(wid)}, its {'main' if k == MAIN else 'background'} thread"
+
+    def _timed_out(self, wid: int, i: int, j: int, secs: float, of_this_epoch: bool) -> None:
+        """Item i's step j ran past step_timeout: the item fails as on_error says (one
+        an earlier epoch left behind, exactly_once=False, is only reported)."""
+        what = (f"item {i} ({self.describe(i)}): step {j} ({self.pool.pipeline.steps[j].name}) ran for "
+                f"{secs:.1f} s, over step_timeout={self.plan.step_timeout:g} s; its worker process ({wid}) was "
+                f"stopped, the other items it held run again")
+        if not of_this_epoch:
+            log.warning("preprocessing: %s (the item was dropped from an earlier epoch)", what)
+            return
+        self.stats.timed_out += 1
+        if self.plan.on_error == "skip":
+            self.stats.skipped += 1
+            if len(self.stats.errors) < 10:
+                self.stats.errors.append(what)
+            log.warning("preprocessing: %s; the item is skipped (on_error='skip')", what)
+            return
+        raise StepTimeout(what)
 
     def _death(self, wid: int, held: dict[int, bool]) -> str:
         """How worker wid died, naming the items it was running (the likeliest cause: a

@@ -15,6 +15,7 @@ from typing import Any
 from .fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
 from .measure import nbytes
 from .seeding import item_seed, seed_globals
+from .stall import bound
 from .steps import Step, as_step
 
 _SEEDED = threading.Lock()  # one seeded random step at a time per process
@@ -119,6 +120,9 @@ class Pipeline:
         """Step j (written position) on x, seeded if it is random and ctx is given;
         raises StepError."""
         s = self.steps[j]
+        slot = bound()  # marks which step runs since when, for the stuck-step watcher (stall.py)
+        if slot is not None:
+            slot.at(j, ctx)
         try:
             if ctx is not None and self.is_random(j):
                 # the generators are global: a worker's background thread must not re-seed them
@@ -130,6 +134,9 @@ class Pipeline:
             return s.fn(x)
         except Exception as e:
             raise StepError(j, s.name, e) from e
+        finally:
+            if slot is not None:
+                slot.out()
 
     def apply(self, x: Any, ctx: ItemContext | None = None) -> Any:
         """All steps on one item, in the current order. Without ctx random steps are not

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
-from .worker import NOT_RUNNING, worker_main
+from .stall import NOT_RUNNING, Running, Slot
+from .worker import BACKGROUND, MAIN, SLOTS, worker_main
 
 JOIN_SECONDS = 5.0
 DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
@@ -177,7 +178,7 @@ class WorkerPool:
             wid = min(free)
             q = self.ctx.Queue()
             reader, w = channel(self.ctx)
-            running = self.ctx.RawArray("q", [NOT_RUNNING, NOT_RUNNING])  # read after its death: no lock
+            running = self.ctx.RawArray("q", [NOT_RUNNING] * SLOTS)  # read after its death: no lock
             p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
                                  args=(wid, n, self.ds, self.pipeline, self.job_seed, q, w, self.feed, running))
             p.start()
@@ -259,14 +260,43 @@ class WorkerPool:
             how = exit_cause(None if killed else p.exitcode)
             if wid in self.lost and not killed:
                 how += "; a message it sent could not be read (its shared memory went with it)"
-            running = self.running.get(wid) or ()
-            self.deaths[wid] = (how, [i for i in running if i != NOT_RUNNING])
+            self.deaths[wid] = (how, self._items_running(wid))
             self.procs.pop(wid)
             self._forget(wid)
             self.stopping.discard(wid)
             self.retired.add(wid)
             out.append(wid)
         return out
+
+    def _items_running(self, wid: int) -> list[int]:
+        running = self.running.get(wid)
+        if running is None:
+            return []
+        return [i for i in (Slot(running, k).current() for k in (MAIN, BACKGROUND)) if i != NOT_RUNNING]
+
+    @_while_open
+    def progress(self) -> list[Running]:
+        """The steps the workers' threads run: ((worker, thread), item, step, started)."""
+        out = []
+        for wid, running in self.running.items():
+            for k in (MAIN, BACKGROUND):
+                r = Slot(running, k).read()
+                if r is not None:
+                    out.append(((wid, k), *r))
+        return out
+
+    @_while_open
+    def kill(self, wid: int) -> None:
+        """End worker wid at once (a step of its over step_timeout: a thread cannot be
+        stopped, its process can); dead() then reports it and its items."""
+        p = self.procs.get(wid)
+        if p is not None and p.is_alive():
+            p.kill()
+            p.join(JOIN_SECONDS)
+
+    def pid(self, wid: int) -> int | None:
+        p = self.procs.get(wid)
+        return None if p is None else p.pid
 
     def death(self, wid: int) -> str:
         """How worker wid died and the items it was running then (dead() has returned it)."""

@@ -19,6 +19,7 @@ from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 from .pool import WorkerPool, is_whole
 from .profile import Trace, trace
+from .stall import STEP_WARNING_S, StallWatch, Watchdog, bind, bound, check_limits, local_slot
 from .stats import PreprocessStats, StepStats
 from .timeout import SlowTimeout
 from .workerctl import max_workers
@@ -31,7 +32,8 @@ class Scheduler:
     def __init__(self, ds: Any, pipeline: Pipeline, *, num_workers: int | None, job_seed: int = 0,
                  on_error: str = "raise", auto_order: bool | None = None, cost_dir: str | None | bool = None,
                  task_items: int | None = None, prefetch_batches: int = 4, sample_items: int = SAMPLE_ITEMS,
-                 exactly_once: bool = True, drop_last: bool = False, feed: Any = None) -> None:
+                 exactly_once: bool = True, drop_last: bool = False, feed: Any = None,
+                 step_warning: float | None = STEP_WARNING_S, step_timeout: float | None = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if num_workers is not None and (not is_whole(num_workers) or num_workers < 0):
@@ -41,6 +43,11 @@ class Scheduler:
             raise ValueError(f"task_items must be an int >= 1 or None, got {task_items!r}")
         if not is_whole(prefetch_batches) or prefetch_batches < 1:
             raise ValueError(f"prefetch_batches must be an int >= 1, got {prefetch_batches!r}")
+        check_limits(step_warning, step_timeout)
+        if step_timeout is not None and num_workers == 0:
+            raise ValueError("step_timeout= needs worker processes (num_workers >= 1 or None): a step stuck in "
+                             "the loader's own process cannot be stopped (a Python thread cannot be killed); "
+                             "step_warning= still names it")
         pipeline.check_picklable()  # before any worker starts
         self.ds, self.pipeline, self.job_seed, self.on_error = ds, pipeline, job_seed, on_error
         self.feed = PlainFeed(ds) if feed is None else feed  # where items come from (feed.py)
@@ -51,6 +58,7 @@ class Scheduler:
         self.workers = min(2, self.max_workers) if num_workers is None else num_workers
         self.task_items, self.prefetch_batches, self.sample_items = task_items, prefetch_batches, sample_items
         self.exactly_once, self.drop_last = exactly_once, drop_last
+        self.step_warning, self.step_timeout = step_warning, step_timeout
         self.cost_dir = default_dir() if cost_dir is None else (cost_dir or None)
         self.pool: WorkerPool | None = None
         self.memory: CostMemory | None = None
@@ -86,14 +94,7 @@ class Scheduler:
         raw = self.feed.read(idx)
         if pairs(ds):
             raw = [x for x, _ in raw]
-        try:
-            tr = trace(self.pipeline, raw, ctxs)
-            check_declared(self.pipeline, tr)
-            if self.auto_order:
-                choose_order(self.pipeline, tr)
-                tr = trace(self.pipeline, tr.inputs[0], tr.ctxs)  # the items that got through, with their own contexts
-        except StepError as e:
-            raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+        tr = self._trace_sample(raw, ctxs, idx)
         self.sample = tr
         try:
             self.fingerprint = self.pipeline.fingerprint()
@@ -122,7 +123,8 @@ class Scheduler:
         plan = EpochPlan(run=self.epochs_run, epoch=epoch, batch_size=batch_size, order=self.pipeline.order,
                          on_error=self.on_error, task_items=self.task_items or max(1, batch_size // (2 * self.pool.size)),
                          prefetch_batches=self.prefetch_batches, adaptive=self.adaptive, max_workers=self.max_workers,
-                         exactly_once=self.exactly_once, drop_last=self.drop_last)
+                         exactly_once=self.exactly_once, drop_last=self.drop_last,
+                         step_warning=self.step_warning, step_timeout=self.step_timeout)
         # MinatoLoader profiles offline for its first timeout: we have the sample's times
         timeout = SlowTimeout(list(self.known.values()) or self.sample.item_seconds)
         run = EpochRun(self.pool, iter(batches), plan, stats, timeout,
@@ -157,39 +159,86 @@ class Scheduler:
         """num_workers=0: every step in this process, batch by batch; each finished item's
         seconds of work go to `measured`, as the workers report theirs (engine.EpochRun).
         Batches are regrouped as the workers' are, so a skipped item leaves no short batch
-        mid-epoch (and, with drop_last, none at its end either)."""
-        with_target = pairs(self.ds)
+        mid-epoch (and, with drop_last, none at its end either). A watchdog thread warns
+        about a step stuck on an item (stall.py)."""
         done: list[int] = []
         out: list[Any] = []
-        for batch in batches:
-            for i, f in zip(batch, self.feed.fetch(batch, epoch)):
-                records: list = []
-                x, tgt = f.item if with_target else (f.item, None)
-                ctx = ItemContext(self.job_seed, epoch, item_digest(self.ds, i))
+        slot = local_slot()
+        watch = self._stall_watch(lambda i: f"{i} ({self._describe(i)})")
+        with Watchdog(watch, {"inline": slot}):
+            for batch in batches:
+                prev = bound()  # bound per batch: the generator may be resumed from another thread
+                bind(slot)
                 try:
-                    y = run_item(self.pipeline, self.feed, f.keep, f.token, x, ctx, f.start, None, records)[0]
-                except StepError as e:
-                    if self.on_error == "raise":
-                        raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
-                    stats.skipped += 1
-                else:
-                    done.append(i)
-                    out.append((y, tgt) if with_target else y)
-                    stats.items += 1
-                    if records:  # one no step ran on is no measurement (the workers never get those: feed.resolve)
-                        measured.append((i, sum(r[1] for r in records)))
-                stats.add(records)
-            while len(done) >= batch_size:
-                yield done[:batch_size], out[:batch_size]
-                del done[:batch_size], out[:batch_size]
+                    for i, f in zip(batch, self.feed.fetch(batch, epoch)):
+                        slot.item(i)
+                        self._inline_item(i, f, epoch, stats, measured, done, out)
+                        slot.idle()
+                finally:
+                    bind(prev)
+                    stats.stalled = watch.warned
+                while len(done) >= batch_size:
+                    yield done[:batch_size], out[:batch_size]
+                    del done[:batch_size], out[:batch_size]
         if done and self.drop_last:
             stats.dropped += len(done)
         elif done:
             yield done, out
         self.feed.idle()
 
+    def _inline_item(self, i: int, f: Any, epoch: int, stats: PreprocessStats, measured: list[tuple[int, float]],
+                     done: list[int], out: list[Any]) -> None:
+        """Run item i (fed as f) in this process: appended to done/out, or skipped."""
+        records: list = []
+        x, tgt = f.item if pairs(self.ds) else (f.item, None)
+        ctx = ItemContext(self.job_seed, epoch, item_digest(self.ds, i))
+        try:
+            y = run_item(self.pipeline, self.feed, f.keep, f.token, x, ctx, f.start, None, records)[0]
+        except StepError as e:
+            if self.on_error == "raise":
+                raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
+            stats.skipped += 1
+        else:
+            done.append(i)
+            out.append((y, tgt) if pairs(self.ds) else y)
+            stats.items += 1
+            if records:  # one no step ran on is no measurement (the workers never get those: feed.resolve)
+                measured.append((i, sum(r[1] for r in records)))
+        stats.add(records)
+
     def _describe(self, i: int) -> str:
         return describe(self.ds, i)
+
+    def _trace_sample(self, raw: list[Any], ctxs: list[ItemContext], idx: list[int]) -> Trace:
+        """Profile the pipeline on the sample (determinism check, AutoOrder) in this process,
+        a step stuck there named by the watchdog (the steps mark their item by its context)."""
+        names = {c.digest: i for c, i in zip(ctxs, idx)}
+
+        def item_name(c: Any) -> str:
+            i = names.get(getattr(c, "digest", None))
+            return "?" if i is None else f"{i} ({self._describe(i)}; a sample item, run before the first epoch)"
+
+        slot, prev = local_slot(by_context=True), bound()
+        bind(slot)
+        try:
+            with Watchdog(self._stall_watch(item_name), {"profile": slot}):
+                tr = trace(self.pipeline, raw, ctxs)
+                check_declared(self.pipeline, tr)
+                if self.auto_order:
+                    choose_order(self.pipeline, tr)
+                    tr = trace(self.pipeline, tr.inputs[0], tr.ctxs)  # the items that got through, with their own contexts
+        except StepError as e:
+            raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+        finally:
+            bind(prev)
+        return tr
+
+    def _stall_watch(self, item_name: Any) -> StallWatch:
+        """Warnings about a step stuck in this process (before the first epoch, and with
+        num_workers=0): no timeout here, a thread cannot be stopped (stall.py)."""
+        return StallWatch(self.step_warning, None, lambda j: self.pipeline.steps[j].name, item_name,
+                          lambda _: "in the loader's own process", "a step that never returns holds up the "
+                          "loader, and a thread cannot be stopped (step_timeout= applies in worker processes)")
 
     def yielded(self) -> set[int]:
         """Items of the current (or last) epoch handed to the training loop so far."""

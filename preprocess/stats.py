@@ -29,6 +29,8 @@ class PreprocessStats:
     moved: int = 0                       # items finished in the background (over the timeout, or known slow)
     known_slow_first: int = 0            # items started early because the cost memory knew them slow
     timeout: float | None = None         # the slow-item timeout at epoch end (seconds)
+    stalled: int = 0                     # steps warned about as stuck on an item (step_warning)
+    timed_out: int = 0                   # items failed for a step over step_timeout (their worker stopped)
     workers: list[int] = field(default_factory=list)  # worker counts the epoch ran with, in order
     errors: list[str] = field(default_factory=list)   # what was skipped (first few)
 
@@ -44,5 +46,6 @@ class PreprocessStats:
         per = ", ".join(f"{s.name} {1e3 * s.seconds / max(1, s.items):.2f} ms x{s.inflation:.2f}"
                         for s in self.steps.values())
         dropped = f"{self.dropped} dropped, " if self.dropped else ""
+        stuck = f"{self.stalled} stuck steps, {self.timed_out} timed out, " if self.stalled or self.timed_out else ""
         return (f"preprocess: {self.items} items, {self.moved} in background ({self.known_slow_first} known slow), "
-                f"{self.skipped} skipped, {dropped}workers {self.workers[-1] if self.workers else 0}; {per}")
+                f"{self.skipped} skipped, {dropped}{stuck}workers {self.workers[-1] if self.workers else 0}; {per}")

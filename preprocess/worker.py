@@ -15,10 +15,12 @@ item failed otherwise (its output cannot be pickled, ...), ("fatal", run, wid,
 indices, text) when reading the items failed, ("moved", run, wid, index) when an
 item goes to the background, ("exit", wid, None) on a clean stop.
 
-`running` (shared memory, two slots: the main thread's, the background thread's)
-holds the index of the item each thread is running, NOT_RUNNING between items: if
-the process dies (a segfault in a decoder, the OOM killer) the scheduler names the
-item it died on (pool.WorkerPool.death)."""
+`running` (shared memory, two stall.Slots: the main thread's, the background
+thread's) holds the index of the item each thread is running (NOT_RUNNING between
+items), the step running on it and since when: if the process dies (a segfault in a
+decoder, the OOM killer) the scheduler names the item it died on
+(pool.WorkerPool.death), and it warns about a step stuck on an item, or stops the
+process once the step is over step_timeout (engine.py, stall.py)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -33,12 +35,13 @@ from .channel import ChannelWriter
 from .feed import PlainFeed, run_item
 from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
+from .stall import FIELDS, NOT_RUNNING, Slot, bind
 
 EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take it
 PARENT_CHECK_S = 1.0  # an idle worker checks this often that the scheduler's process still lives
 NO_TARGET = object()  # the item is not a (sample, target) pair
-NOT_RUNNING = -1  # a `running` slot between items
 MAIN, BACKGROUND = 0, 1  # the `running` slots
+SLOTS = 2 * FIELDS  # the size of `running`
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
 # [(index, to_background), ...]); None: stop
@@ -50,7 +53,9 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     channel (channel.py); feed: where items come from (preprocess/feed.py; default: ds.read);
     running: the two slots of the items in flight (shared memory; None: not kept)."""
     out = ChannelWriter(results)
-    running = [NOT_RUNNING, NOT_RUNNING] if running is None else running
+    running = [NOT_RUNNING] * SLOTS if running is None else running
+    slot = Slot(running, MAIN)
+    bind(slot)  # the steps this thread runs mark their progress in it (Pipeline.call_step)
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
     bgq: queue.Queue = queue.Queue()
@@ -77,9 +82,9 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
             if to_bg:
                 bgq.put(job)
                 continue
-            running[MAIN] = i
+            slot.item(i)
             _advance(wid, pipeline, job, t_out, out, bgq, feed)
-            running[MAIN] = NOT_RUNNING
+            slot.idle()
     bgq.put(None)
     bg.join()
     feed.close()
@@ -151,14 +156,16 @@ def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: 
 
 
 def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
+    slot = Slot(running, BACKGROUND)
+    bind(slot)
     while True:
         job = bgq.get()
         if job is None:
             return
         try:
-            running[BACKGROUND] = job[1]
+            slot.item(job[1])
             _advance(wid, pipeline, job, None, out, None, feed)
-            running[BACKGROUND] = NOT_RUNNING
+            slot.idle()
         except BaseException:  # only the channel failing gets here (_advance sends every item's error)
             os._exit(1)  # this worker can no longer report: dying has the scheduler re-run its items
 

@@ -90,3 +90,18 @@ class HalveBut:
     def __call__(self, item):
         i, v = item
         return item if i in self.indices else (i, v[::2])
+
+
+class HangOn:
+    """Sleeps `secs` on the given indices (a step stuck on an item: the stall tests), only
+    in pool workers unless `everywhere` (not while the loader profiles the sample in-process)."""
+
+    def __init__(self, indices, secs, everywhere=False):
+        self.indices, self.secs, self.everywhere = frozenset(indices), secs, everywhere
+
+    def __call__(self, i):
+        import multiprocessing
+        here = self.everywhere or multiprocessing.current_process().name.startswith("preprocess-")
+        if here and i in self.indices:
+            time.sleep(self.secs)
+        return i

@@ -50,3 +50,18 @@ class Tint:
 def decode_entry(data: bytes, entry) -> np.ndarray:
     """A decode given the entry (its path, its target) besides the bytes."""
     return decode(data)
+
+
+class HangElsewhere:
+    """Deterministic; sleeps `secs` on items whose decode starts with one of `firsts`
+    (remote_steps.decode: twice the index, for indices under 128), except in the process
+    `home` (the test's own, where the trainer side makes the items it is left)."""
+
+    def __init__(self, firsts, secs: float, home: int) -> None:
+        self.firsts, self.secs, self.home = frozenset(firsts), secs, home
+
+    def __call__(self, x):
+        import os
+        if os.getpid() != self.home and int(x[0]) in self.firsts:
+            time.sleep(self.secs)
+        return x * 2

@@ -1,9 +1,13 @@
 """Remote preprocessing workers on a real Ray head (loopback), a real cacheserver and
 real files: workers put transformed items, the trainer side reads them as hits; a
-worker killed with SIGKILL mid-epoch loses and doubles nothing."""
+worker killed with SIGKILL mid-epoch loses and doubles nothing; a step stuck on an item
+is logged by its worker, which past step_timeout ends itself (Ray cannot cancel a running
+actor task): its items are made on the trainer's side long before the feeder's wait_limit."""
+import glob
 import os
 import signal
 import sys
+import time
 from collections import Counter
 
 import numpy as np
@@ -22,7 +26,7 @@ from preprocess.remote import start  # noqa: E402
 from preprocess.remote.managed import ManagedPolicy  # noqa: E402
 from procs import manager_with_server  # noqa: E402
 from rayhead import RayHead, disconnect  # noqa: E402
-from remote_steps import Jitter, Slow, decode  # noqa: E402
+from remote_steps import HangElsewhere, Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -223,3 +227,53 @@ def test_loader_remote_option_errors(module_server, tmp_path):
     with pytest.raises(ValueError, match="transform="):
         CachedDataset(path, cache=module_server.address).loader(4, remote="ray://127.0.0.1:1")
     ds.close()
+
+
+HANG_S = 300.0   # the stuck step: never waited out
+WAIT_LIMIT = 120.0  # the feeder's: a batch handed on sooner was freed by the timeout
+
+
+def worker_logs(h, needle, seconds=30.0):
+    """Lines of the Ray workers' log files containing needle (they are written as they come)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        lines = []
+        for path in glob.glob(os.path.join(h.tmp, "**", "worker-*"), recursive=True):
+            with open(path, errors="replace") as f:
+                lines += [line for line in f if needle in line]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def test_a_stuck_remote_step_is_logged_and_its_worker_ends_itself_past_step_timeout(head, module_server,
+                                                                                     tmp_path):
+    n, B, seed = 16, 4, 1
+    sampler = SubstitutableBatchSampler(n, B, None, seed=seed)
+    sampler.set_epoch(0)
+    stuck = next(iter(sampler))[0]  # in the first task: a worker takes one until it answers one
+    path = indexed_items(tmp_path / "ds", n)
+    pipe = Pipeline([decode, HangElsewhere({2 * stuck}, HANG_S, os.getpid()), Jitter()])
+    ds = CachedDataset(path, cache=module_server.address, job="remote-stall", transform=pipe)
+    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=1, max_workers=1),
+               wait_limit=WAIT_LIMIT, task_items=n, window=4, step_warning=0.5, step_timeout=3.0)
+    try:
+        assert rw is not None
+        rw.feeder.local_share = 0.0
+        t0 = time.monotonic()
+        seen, out, counts, computed = trainer_epoch(ds, pipe, rw, rw.batches, n, B, seed=seed)
+        took = time.monotonic() - t0
+        assert Counter(seen) == Counter(range(n))                      # nothing lost, nothing doubled
+        want = expected(ds, pipe, n)
+        assert all(np.array_equal(out[i], want[i]) for i in range(n))
+        assert took < WAIT_LIMIT / 2, took                              # freed by the timeout
+        assert rw.pool.counts.deaths >= 1 and computed > 0              # it ended itself; made here
+        what = f"item {stuck} ({stuck:05d} @ 0+32): step 1 (HangElsewhere)"
+        warned = worker_logs(head[0], what + " has run for")
+        assert warned and "remote worker, pid" in warned[0], warned
+        ended = worker_logs(head[0], what + " ran for")
+        assert ended and "over step_timeout=3 s" in ended[0] and "ends itself" in ended[0], ended
+    finally:
+        if rw is not None:
+            rw.close()
+        ds.close()

@@ -4,7 +4,12 @@ item the cache already holds, read the others through the dataset's read path
 (the ring, else the store, verified), run the cacheable prefix on them and put
 the results into the ring under their transformed keys (clients/transformed.py).
 The trainer then finds them as hits. Nothing but a small report goes back:
-per item (index, seconds, status)."""
+per item (index, seconds, status).
+
+A step stuck on an item is logged by a watchdog thread of the worker's (Ray passes
+its workers' logs on to the driver): Ray cannot cancel a running task of an actor
+like this one, so past the spec's step_timeout the worker ends its own process,
+and the trainer makes the items of its tasks (pool.py: a dead worker)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +19,9 @@ from typing import Any
 
 from clients.transformed import TransformedItems
 
-from ..items import item_digest, pairs
+from ..items import describe, item_digest, pairs
 from ..pipeline import ItemContext, StepError
+from ..stall import Running, StallWatch, Watchdog, bind, local_slot, log, seconds
 from .spec import WorkSpec, open_dataset
 
 # statuses in a report
@@ -35,6 +41,8 @@ class PrefixRunner:
         self.items: TransformedItems | None = None
         self.done = 0
         self.refused: str | None = None  # why the last spec could not be taken: its tasks say it
+        self.slot = local_slot()  # the item and step the task runs (stall.py)
+        self.watchdog: Watchdog | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -57,7 +65,23 @@ class PrefixRunner:
             raise ValueError("remote workers need a cache ring to put transformed items into (cache=False given)")
         self.spec, self.ds, self.refused = spec, ds, None
         self.items = TransformedItems(ring, ds.job, ds.dataset_tag, spec.fingerprint, spec.key_seed)
+        self._watch(spec, ds)
         return spec.version
+
+    def _watch(self, spec: WorkSpec, ds: Any) -> None:
+        """One watchdog thread per spec taken (not per task or item)."""
+        watch = StallWatch(spec.step_warning, spec.step_timeout, lambda j: ds.transform.steps[j].name,
+                           lambda i: f"{i} ({describe(ds, i)})", lambda _: f"remote worker, pid {os.getpid()}")
+        self.watchdog = Watchdog(watch, {"task": self.slot}, self._timed_out)
+        self.watchdog.__enter__()
+
+    def _timed_out(self, r: Running, secs: float) -> None:
+        """A step over step_timeout: Ray cannot stop a running actor task, this process can
+        end itself; its tasks fail as a dead worker's, and the trainer makes their items."""
+        log.error("preprocessing: %s ran for %s, over step_timeout=%g s; this remote worker (pid %s) ends "
+                  "itself, the trainer makes its items", self.watchdog.watch.what(r[1], r[2]), seconds(secs),
+                  self.spec.step_timeout, os.getpid())
+        os._exit(1)
 
     def run(self, version: int, epoch: int, indices: list[int]) -> Report:
         spec, ds = self.spec, self.ds
@@ -79,13 +103,17 @@ class PrefixRunner:
             return report + [(i, 0.0, f"{FAILED}: reading: {text}") for i, _ in todo]
         read_share = (time.perf_counter() - t0) / len(todo)
         outs, keys = [], []
+        bind(self.slot)  # per task: Ray may run them on any thread
         for (i, K), x in zip(todo, raw):
             t1 = time.perf_counter()
+            self.slot.item(i)
             try:
                 y = self._prefix(x[0] if pairs(ds) else x, ItemContext(spec.job_seed, epoch, K))
             except StepError as e:  # the trainer runs it again and reports it as on_error says
                 report.append((i, read_share + time.perf_counter() - t1, f"{FAILED}: {e}"))
                 continue
+            finally:
+                self.slot.idle()
             outs.append(y)
             keys.append(K)
             report.append((i, read_share + time.perf_counter() - t1, MADE))
@@ -101,6 +129,9 @@ class PrefixRunner:
         return x
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self.ds is not None:
             self.ds.close()
             self.ds = None

@@ -10,6 +10,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from ..stall import STEP_WARNING_S, check_limits
+
 
 @dataclass(frozen=True)
 class WorkSpec:
@@ -19,6 +21,8 @@ class WorkSpec:
     fingerprint: str      # what their outputs are keyed by (clients/derived.py): the trainer's key, or default_key
     job_seed: int
     key_seed: int | None = None  # the derived key's seed (a kept step that draws random numbers)
+    step_warning: float | None = STEP_WARNING_S  # a step stuck on an item this long is logged (stall.py)
+    step_timeout: float | None = None  # ... this long: the worker ends itself, the trainer makes its items
 
 
 def prefix_of(pipeline: Any) -> int:
@@ -29,14 +33,17 @@ def prefix_of(pipeline: Any) -> int:
 
 
 def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int, *, key: str | None = None,
-              prefix: int | None = None, key_seed: int | None = None) -> WorkSpec:
+              prefix: int | None = None, key_seed: int | None = None, step_warning: float | None = STEP_WARNING_S,
+              step_timeout: float | None = None) -> WorkSpec:
     """The spec of a prepared pipeline. `key`, `prefix`, `key_seed`: what the trainer side
     keys its transformed items by, after how many steps, under which seed (the loader's
     autocache). Without `key` both are derived as the loader's autocache derives them
     (default_key). Raises Uncacheable naming why there is nothing a remote worker could
-    make that the trainer would find: no cacheable prefix, or outputs that cannot be keyed."""
+    make that the trainer would find: no cacheable prefix, or outputs that cannot be keyed.
+    `step_warning`, `step_timeout`: what the workers do about a step stuck on an item (stall.py)."""
     from preprocess.fingerprint import Uncacheable
 
+    check_limits(step_warning, step_timeout)
     n = prefix_of(pipeline) if prefix is None else prefix
     if n == 0:
         raise Uncacheable("the pipeline has no cacheable prefix (its first step is random)")
@@ -47,7 +54,7 @@ def make_spec(ds: Any, pipeline: Any, job_seed: int, version: int, *, key: str |
         key, key_seed = default_key(ds, pipeline, n, job_seed)
     elif not key:
         raise Uncacheable("the trainer keys no transformed items (its autocache keeps none)")
-    return WorkSpec(version, ds.remote_copy(pipeline), n, key, job_seed, key_seed)
+    return WorkSpec(version, ds.remote_copy(pipeline), n, key, job_seed, key_seed, step_warning, step_timeout)
 
 
 def default_key(ds: Any, pipeline: Any, n: int, job_seed: int) -> tuple[str, int | None]:

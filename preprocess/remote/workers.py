@@ -12,6 +12,7 @@ from typing import Any
 from manager.policy.autoscale import AutoscaleConfig, Autoscaler
 from manager.policy.placement import Placement, PlacementConfig
 from preprocess.fingerprint import Uncacheable
+from preprocess.stall import STEP_WARNING_S
 
 from .cluster import ClusterUnavailable, connect, leave, resolve
 from .control import Controller
@@ -44,16 +45,16 @@ class RemoteWorkers:
         the new order cannot be keyed, nothing the workers make would be read: they are
         stopped (one warning) and the local workers make every item until an order that
         can be keyed comes back."""
+        old = self.pool.spec
         try:
-            spec = make_spec(ds, pipeline, job_seed, self.pool.spec.version + 1, key=key, prefix=prefix,
-                             key_seed=key_seed)
+            spec = make_spec(ds, pipeline, job_seed, old.version + 1, key=key, prefix=prefix, key_seed=key_seed,
+                             step_warning=old.step_warning, step_timeout=old.step_timeout)
         except Uncacheable as e:
             if not self.controller.paused:
                 warnings.warn(f"remote workers stopped: the reordered pipeline {pipeline!r} cannot be made "
                               f"remotely ({e}); local workers make every item", RuntimeWarning, stacklevel=3)
                 self.controller.pause()
         else:
-            old = self.pool.spec
             if (spec.fingerprint, spec.prefix, spec.key_seed) != (old.fingerprint, old.prefix, old.key_seed):
                 self.pool.set_spec(spec)
             self.controller.resume()
@@ -74,7 +75,8 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
           autoscale: AutoscaleConfig | None = None, set_local: Callable[[int], None] | None = None,
           window: int = 4, task_items: int = 8, wait_limit: float = 10.0, every: int = 20,
           cpus: float = 1.0, fallback_local: int = 1, key: str | None = None,
-          prefix: int | None = None, key_seed: int | None = None) -> RemoteWorkers | None:
+          prefix: int | None = None, key_seed: int | None = None, step_warning: float | None = STEP_WARNING_S,
+          step_timeout: float | None = None) -> RemoteWorkers | None:
     """Remote workers for a prepared pipeline. With a `placement` config (prices) or
     `set_local` (the local worker count), AutoPlacement sizes both kinds (the local
     count sets the share of each batch left to local workers); else Cachew's
@@ -89,29 +91,25 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
     random numbers. So two jobs over the same files decoded otherwise, or seeded otherwise,
     do not share items; jobs whose items would be equal do. A dataset whose outputs are
     not a function of the item's content (WebDataset samples, a decode of the entry) gets
-    no remote workers (one warning). `rw.key`, `rw.key_seed`: what the trainer reads by."""
+    no remote workers (one warning). `rw.key`, `rw.key_seed`: what the trainer reads by.
+    `step_warning`, `step_timeout`: a step stuck on an item is logged by its worker, which
+    ends itself past step_timeout (docs/preprocess.md, "Stuck steps")."""
     kind = "placement" if placement is not None or set_local is not None else "autoscale"
     if getattr(ds, "embedded", None) is not None or getattr(ds, "cache_spec", None) is None:
         raise ValueError("remote workers put their outputs into the cache ring: pass cache='host:port,...' "
                          "(servers they can reach) or a manager, not the embedded cache or cache=False")
     try:
-        spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix, key_seed=key_seed)
+        spec = make_spec(ds, pipeline, job_seed, 1, key=key, prefix=prefix, key_seed=key_seed,
+                         step_warning=step_warning, step_timeout=step_timeout)
     except Uncacheable as e:
         warnings.warn(f"remote={remote!r}: nothing of the pipeline {pipeline!r} can run remotely: {e}; "
                       f"local workers only", RuntimeWarning, stacklevel=3)
         return None
     managed = ask(ds, kind)
-    address = resolve(remote, managed[1].ray_address if managed else None)
-    if address is None:
-        where = f"the cache manager {ds.manager} knows none (cachemanager --ray)" if managed else "no cache manager"
-        warnings.warn(f"remote='auto': no Ray cluster to run remote workers on ({where}, and RAY_ADDRESS names no "
-                      f"ray:// address); the job runs local workers only", RuntimeWarning, stacklevel=3)
+    joined = _join(ds, remote, managed)
+    if joined is None:
         return None
-    try:
-        ray, share = connect(address)
-    except ClusterUnavailable as e:
-        warnings.warn(f"{e}; the job runs local workers only", RuntimeWarning, stacklevel=3)
-        return None
+    ray, share = joined
     pool = None
     try:
         pool = RemotePool(ray, spec, cpus=cpus, share=share)
@@ -129,3 +127,19 @@ def start(ds: Any, pipeline: Any, job_seed: int, remote: str, *, placement: Plac
         raise
     feeder.local_share = controller.local_share()
     return RemoteWorkers(pool, feeder, controller)
+
+
+def _join(ds: Any, remote: str, managed: Any) -> tuple[Any, int | None] | None:
+    """(ray, this pool's share of the connection) of the cluster `remote` names (or the
+    manager's, for 'auto'); None, with one warning, where there is none to reach."""
+    address = resolve(remote, managed[1].ray_address if managed else None)
+    if address is None:
+        where = f"the cache manager {ds.manager} knows none (cachemanager --ray)" if managed else "no cache manager"
+        warnings.warn(f"remote='auto': no Ray cluster to run remote workers on ({where}, and RAY_ADDRESS names no "
+                      f"ray:// address); the job runs local workers only", RuntimeWarning, stacklevel=4)
+        return None
+    try:
+        return connect(address)
+    except ClusterUnavailable as e:
+        warnings.warn(f"{e}; the job runs local workers only", RuntimeWarning, stacklevel=4)
+        return None
