@@ -390,6 +390,11 @@ class Digest:
         return int(self._sizes.sum(dtype=np.uint64))
 
     @cached_property
+    def largest(self) -> int:
+        """The largest item's size in bytes (0 for no items)."""
+        return int(self._sizes.max()) if len(self._sizes) else 0
+
+    @cached_property
     def fingerprint(self) -> bytes:
         """Dataset identity: SHA-256(domain || d_0 || ... || d_{n-1}).
 
