@@ -323,10 +323,11 @@ class CachedDataset(_TorchDataset):
         large items is read in parts: a get's answer past a server's --max-batch-size (256 MiB
         by default) is cut, and the items cut off would be misses every epoch."""
         n = len(indices)
-        if n > 1 and n * self.digest.largest > GET_BYTES and int(self.digest.sizes[indices].sum()) > GET_BYTES:
-            parts = inserts.split_by_bytes(list(range(n)), self.digest.sizes[indices].tolist(), GET_BYTES)
-            return [x for part in parts for x in self._read_part([indices[j] for j in part])]
-        return self._read_part(indices)
+        sizes = self.digest.sizes[indices] if n > 1 and n * self.digest.largest > GET_BYTES else None
+        if sizes is None or int(sizes.sum()) <= GET_BYTES:  # the usual batch: one get
+            return self._read_part(indices)
+        parts = inserts.split_by_bytes(list(range(n)), sizes.tolist(), GET_BYTES)
+        return [x for part in parts for x in self._read_part([indices[j] for j in part])]
 
     def _read_part(self, indices: list[int]) -> list[bytes]:
         st = self._proc()

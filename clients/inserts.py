@@ -32,10 +32,8 @@ def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
     refused before the store, or their server down."""
     if not ds.insert or st.ring is None or not entries:
         return 0
-    groups: dict[tuple[int, bool], list] = {}
-    where: dict[tuple[int, bool], list[int]] = {}  # each group's positions in entries
-    put: list[int] = []  # the indices of what goes into `groups`, in the order of `sealed`
-    sealed: list[tuple[bytes, capability.Buffer]] = []
+    groups: dict[tuple[int, bool], list[int]] = {}  # positions in entries, per (chunk, replace)
+    sealed: dict[int, tuple[bytes, capability.Buffer]] = {}  # position in entries -> (id, value)
     for k, (i, item, was_poisoned) in enumerate(entries):
         chunk = ds.plan.insert_chunk(i)
         if chunk is None:  # the manager gives this part of the dataset no cache space now
@@ -43,35 +41,32 @@ def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
                 unput.append(k)
             continue
         # read_items checked the item against the digest (its BLAKE3 or SHA-256).
-        stored = capability.stored(item, ds.digest.sha256(i), ds.plain_records)
-        groups.setdefault((chunk, was_poisoned), []).append(stored)
-        where.setdefault((chunk, was_poisoned), []).append(k)
-        put.append(i)
-        sealed.append(stored)
-    if st.checked is not None and put:  # sealed from checked items: known when read back as these bytes
-        st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed, ds.expected_hashes(put))],
-                            [value for _, value in sealed])
-    for (chunk, replace), items in groups.items():
-        missed = put_group(ds, st, items, chunk, replace)
+        sealed[k] = capability.stored(item, ds.digest.sha256(i), ds.plain_records)
+        groups.setdefault((chunk, was_poisoned), []).append(k)
+    if st.checked is not None and sealed:  # sealed from checked items: known when read back as these bytes
+        expected = ds.expected_hashes([entries[k][0] for k in sealed])
+        st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed.values(), expected)],
+                            [value for _, value in sealed.values()])
+    for (chunk, replace), ks in groups.items():
+        missed = put_group(ds, st, [sealed[k] for k in ks], chunk, replace)
         if unput is not None:
-            unput.extend(where[chunk, replace][m] for m in missed)
-    return sum(map(len, groups.values()))
+            unput.extend(ks[m] for m in missed)
+    return len(sealed)
 
 
 def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
     """Put sealed items under one chunk, in puts of at most PUT_BYTES (a batch of large items
     would pass a server's --max-batch-size, refused whole); the positions of those no
     server's store took."""
-    if st.core is not None:  # the embedded server's own limits are known: an item over them stays out
-        big = [p for p, (_, v) in enumerate(items) if len(v) > st.core.limits.max_item_bytes]
-        if big:
-            _warn_once("item over the limit", f"{len(big)} items over the embedded cache's item limit "
-                                              f"({st.core.limits.max_item_bytes} bytes) stay uncached")
-    else:
-        big = []
-    missed, out = list(big), set(big)
     sizes = [len(v) for _, v in items]
-    for part in split_by_bytes([p for p in range(len(items)) if p not in out], sizes, PUT_BYTES):
+    # the embedded server's own item limit is known: an item over it stays out (a server's, only it knows)
+    limit = st.core.limits.max_item_bytes if st.core is not None else None
+    missed = [p for p, z in enumerate(sizes) if limit is not None and z > limit]
+    if missed:
+        _warn_once("item over the limit", f"{len(missed)} items over the embedded cache's item limit "
+                                          f"({limit} bytes) stay uncached")
+    fit = [p for p, z in enumerate(sizes) if limit is None or z <= limit]
+    for part in split_by_bytes(fit, sizes, PUT_BYTES):
         missed += [part[m] for m in _put_part(ds, st, [items[p] for p in part], chunk, replace)]
     return missed
 

@@ -2,6 +2,7 @@
 ClaimTable.give_up), so the jobs told WAIT read those items at once instead of waiting
 out the claims' ttl. Real cache servers and real CachedDataset jobs on loopback; the
 servers run with a long --claim-ttl so that a wait for the ttl cannot pass for prompt."""
+import contextlib
 import os
 import shutil
 import socket
@@ -92,6 +93,18 @@ def _claims_granted(address: str) -> int:
         return c.stats().counters["claims_granted"]
 
 
+@contextlib.contextmanager
+def jobs_a_and_b(server_address: str, digest_a: str, digest_b: str):
+    """Jobs A and B on one server (no same-host coalescing: only the server's claims join them)."""
+    a = CachedDataset(digest_a, cache=server_address, job="A", coalesce=False)
+    b = CachedDataset(digest_b, cache=server_address, job="B", coalesce=False)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def _read_timed(ds, idx):
     t = time.monotonic()
     got = ds.__getitems__(idx)
@@ -107,9 +120,7 @@ def test_a_claimant_whose_store_read_fails_lets_the_waiting_job_read_at_once(tmp
         d = Digest.load(bad)
         d.root = store.url  # A reads the damaged copy slowly, so that B waits on A's claims
         d.save(bad)
-        a = CachedDataset(bad, cache=server.address, job="A", coalesce=False)
-        b = CachedDataset(digest, cache=server.address, job="B", coalesce=False)
-        try:
+        with jobs_a_and_b(server.address, bad, digest) as (a, b):
             idx, failed = [0, 1, 2, 3, 4], []
             t = threading.Thread(target=lambda: failed.append(_raises(a.__getitems__, idx)))
             t.start()
@@ -121,9 +132,6 @@ def test_a_claimant_whose_store_read_fails_lets_the_waiting_job_read_at_once(tmp
             assert waited < PROMPT, f"job B waited {waited:.1f} s for claims job A gave up (ttl {TTL} s)"
             with ServerClient(server.address) as c:
                 assert c.stats().counters["claims_waited"] >= 1  # B did wait on A's claims
-        finally:
-            a.close()
-            b.close()
 
 
 def _raises(fn, *args) -> str:
@@ -139,17 +147,15 @@ def test_a_put_refused_for_its_size_neither_fails_training_nor_holds_the_waiters
     on (its items stay uncached) and releases its claims; the next job reads at once."""
     digest, items = make_dataset(tmp_path / "ds", n=10, lo=2000, hi=4000)
     srv = cacheserver(str(tmp_path / "s"), "64MB", 0, "--claim-ttl", str(TTL), "--max-item-size", "1KB").start()
-    jobs = [CachedDataset(digest, cache=srv.address, job=j, coalesce=False) for j in "AB"]
     try:
-        idx = [0, 1, 2, 3, 4]
-        assert jobs[0].__getitems__(idx) == [items[i] for i in idx]  # not a ValueError
-        assert _claims_granted(srv.address) == 5
-        assert jobs[1].lookup_codes(idx) == [0] * 5  # not PENDING: the sampler may pick them
-        got, waited = _read_timed(jobs[1], idx)
-        assert got == [items[i] for i in idx] and waited < PROMPT, waited
+        with jobs_a_and_b(srv.address, digest, digest) as (a, b):
+            idx = [0, 1, 2, 3, 4]
+            assert a.__getitems__(idx) == [items[i] for i in idx]  # not a ValueError
+            assert _claims_granted(srv.address) == 5
+            assert b.lookup_codes(idx) == [0] * 5  # not PENDING: the sampler may pick them
+            got, waited = _read_timed(b, idx)
+            assert got == [items[i] for i in idx] and waited < PROMPT, waited
     finally:
-        for ds in jobs:
-            ds.close()
         srv.kill()
 
 
@@ -159,26 +165,24 @@ def test_a_put_refused_busy_releases_the_claims_on_that_server(tmp_path):
     digest, items = make_dataset(tmp_path / "ds", n=10)
     srv = cacheserver(str(tmp_path / "s"), "64MB", 0, "--claim-ttl", str(TTL),
                       "--max-inflight-bytes", "64KB").start()
-    jobs = [CachedDataset(digest, cache=srv.address, job=j, coalesce=False) for j in "AB"]
     try:
-        with ServerClient(srv.address) as c:
-            host, port = c.info().data_address.rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as stall:
-            stall.sendall(wire.pack_header(ops.LOOKUP.code, 0, 0, 60_000))  # a body that never comes
-            time.sleep(0.3)  # admitted: 60 KB in flight, room for a claim, not for a put
-            idx = [0, 1, 2, 3, 4]
-            assert jobs[0].__getitems__(idx) == [items[i] for i in idx]
-        with ServerClient(srv.address) as c:
-            s = c.stats().counters
-            assert s["busy_refused"] >= 1 and s["claims_granted"] == 5, s  # claims taken, the put refused
-            # once the staller's bytes are let go (a look-up is admitted): none of A's claims is left
-            codes = wait_until(lambda: _admitted(c, jobs[0].ids_for(idx)), "a look-up admitted")
-            assert codes == bytes(5), codes
-        got, waited = _read_timed(jobs[1], idx)
-        assert got == [items[i] for i in idx] and waited < PROMPT, waited
+        with jobs_a_and_b(srv.address, digest, digest) as (a, b):
+            with ServerClient(srv.address) as c:
+                host, port = c.info().data_address.rsplit(":", 1)
+            with socket.create_connection((host, int(port))) as stall:
+                stall.sendall(wire.pack_header(ops.LOOKUP.code, 0, 0, 60_000))  # a body that never comes
+                time.sleep(0.3)  # admitted: 60 KB in flight, room for a claim, not for a put
+                idx = [0, 1, 2, 3, 4]
+                assert a.__getitems__(idx) == [items[i] for i in idx]
+            with ServerClient(srv.address) as c:
+                s = c.stats().counters
+                assert s["busy_refused"] >= 1 and s["claims_granted"] == 5, s  # claims taken, the put refused
+                # once the staller's bytes are let go (a look-up is admitted): none of A's claims is left
+                codes = wait_until(lambda: _admitted(c, a.ids_for(idx)), "a look-up admitted")
+                assert codes == bytes(5), codes
+            got, waited = _read_timed(b, idx)
+            assert got == [items[i] for i in idx] and waited < PROMPT, waited
     finally:
-        for ds in jobs:
-            ds.close()
         srv.kill()
 
 
@@ -200,20 +204,17 @@ def test_a_waiter_reads_itself_promptly_when_the_store_refuses_the_claimants_put
         slow.root = store.url
         slow_digest = str(tmp_path / "slow.digest")
         slow.save(slow_digest)
-        a = CachedDataset(slow_digest, cache=srv.address, job="A", coalesce=False)
-        b = CachedDataset(digest, cache=srv.address, job="B", coalesce=False)
         try:
-            idx = [0, 1, 2]
-            t = threading.Thread(target=a.__getitems__, args=(idx,))
-            t.start()
-            wait_until(lambda: _claims_granted(srv.address) >= 3, "job A's claims", timeout=20)
-            got, waited = _read_timed(b, idx)
-            t.join(30)
-            assert got == [items[i] for i in idx] and waited < PROMPT, waited
-            with ServerClient(srv.address) as c:
-                s = c.stats().counters
-                assert s["claims_waited"] >= 1 and s["rejected_full"] >= 3, s
+            with jobs_a_and_b(srv.address, slow_digest, digest) as (a, b):
+                idx = [0, 1, 2]
+                t = threading.Thread(target=a.__getitems__, args=(idx,))
+                t.start()
+                wait_until(lambda: _claims_granted(srv.address) >= 3, "job A's claims", timeout=20)
+                got, waited = _read_timed(b, idx)
+                t.join(30)
+                assert got == [items[i] for i in idx] and waited < PROMPT, waited
+                with ServerClient(srv.address) as c:
+                    s = c.stats().counters
+                    assert s["claims_waited"] >= 1 and s["rejected_full"] >= 3, s
         finally:
-            a.close()
-            b.close()
             srv.kill()
