@@ -402,6 +402,8 @@ def test_chunk_reference_counting_and_eviction(server):
 @pytest.mark.parametrize("call,code,msg", [
     (lambda s: s.Lookup(pb.LookupRequest(ids=b"x" * 33)), "INVALID_ARGUMENT", "33 bytes is not a whole number"),
     (lambda s: list(s.Get(pb.GetRequest(ids=b"x" * 31))), "INVALID_ARGUMENT", "31 bytes"),
+    (lambda s: s.ReleaseClaims(pb.ReleaseClaimsRequest(job="j", ids=b"x" * 33)), "INVALID_ARGUMENT",
+     "33 bytes is not a whole number"),
     (lambda s: s.Put(pb.PutRequest(items=[pb.PutItem(id=b"i" * 32, size=5, value=b"abc")])),
      "INVALID_ARGUMENT", "declared size 5 but value has 3"),
     (lambda s: s.Put(pb.PutRequest(items=[pb.PutItem(id=b"i" * 31, size=1, value=b"a")])),
@@ -448,6 +450,8 @@ def test_malformed_data_plane_frames(server):
     with _raw(server.address) as s:  # id count mismatch: refused, connection stays usable
         s.sendall(wire.pack_header(ops.GET.code, 0, 3, 64) + b"i" * 64)
         assert _reply(s) == (wire.BAD_REQUEST, "3 ids need 96 bytes, frame has 64")
+        s.sendall(wire.pack_header(ops.RELEASE.code, 0, 2, 32) + b"i" * 32)
+        assert _reply(s) == (wire.BAD_REQUEST, "2 ids need 64 bytes, frame has 32")
         s.sendall(wire.pack_header(ops.PUT.code, 0, 10**6, 64) + b"i" * 64)  # refused before parsing
         assert _reply(s) == (wire.BAD_REQUEST, "batch of 1000000 items exceeds the limit of 100000")
         body = b"\0\0" + struct.pack("<i", -1) + ops.PUT_ENTRY.pack(b"k" * 32, 10) + b"short"
