@@ -9,10 +9,11 @@ is told to wait for that insert instead, and its sampler, whose look-ups see
 claimed items as PENDING, prefers other misses in the first place.
 
 A claim expires after `ttl` seconds, so a claimant that died or stalled
-delays the others by at most that long (they then read the item themselves).
-A claimant that will not insert an item (its store read failed, its put was
-refused before it reached the store, it skipped the put) gives its claim up
-(`give_up`), so the others read it themselves at once instead of waiting.
+delays the others by at most that long. A claimant that will not insert an
+item (its store read failed, its put was refused before it reached the store,
+it skipped the put) gives its claim up (`give_up`), so the others go on at once
+instead of waiting. Either way the waiters, seeing the item neither present nor
+pending, claim it anew: one of them reads it, the rest wait for its insert.
 The table is bounded: at `max_entries` expired claims are swept, and if none
 have expired new claims are granted without being recorded (duplicate reads
 are the worst case; correctness never depends on claims).

@@ -54,8 +54,9 @@ from .stats import SharedCounters
 from .stats import worker_row as _worker_row
 
 log = logging.getLogger("clients.dataset")
-# Longest wait for another job's insert of an item it claimed; a claim expires
-# sooner (claims.DEFAULT_TTL), after which the item is read here.
+# Longest wait for other jobs' inserts of items they claimed; a claim expires
+# sooner (claims.DEFAULT_TTL), after which the item is claimed anew, and what is
+# still awaited after this long is read here.
 CLAIM_WAIT_LIMIT = 30.0
 GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server answers up to its --max-batch-size
 
@@ -477,20 +478,35 @@ class CachedDataset(_TorchDataset):
             codes[p] = c
         items: list[bytes | None] = [None] * n
         mine = [p for p in range(n) if codes[p] == FETCH]
-        claimed = {p for p in ask if codes[p] == FETCH}  # ours: released by our puts, else given up
+        store_bytes, inserted = self._read_claimed(st, indices, ids, items, mine, set(ask), poisoned)
+        waited = [p for p in range(n) if codes[p] != FETCH]
+        todo, bad, won = waited, set(), set()
+        deadline = time.monotonic() + CLAIM_WAIT_LIMIT
+        while todo:  # each round reads what it claimed anew, or is the last
+            todo, ours = self._await_inserts(st, indices, ids, todo, items, bad, deadline)
+            if not ours:
+                break
+            more_bytes, more_inserted = self._read_claimed(st, indices, ids, items, ours, set(ours), poisoned)
+            store_bytes, inserted = store_bytes + more_bytes, inserted + more_inserted
+            won.update(ours)
+        late = [p for p in waited if items[p] is None]  # poisoned, no claims to be had, or waited too long
+        late_bytes, late_inserted = self._read_insert(st, indices, items, late, [p in bad for p in range(n)])
+        return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late) - len(won),
+                           inserted=inserted + late_inserted, poisoned=len(bad))
+
+    def _read_claimed(self, st: ProcessState, indices: list[int], ids: list[bytes], items: list[bytes | None],
+                      positions: list[int], claimed: set[int], replace: list[bool]) -> tuple[int, int]:
+        """_read_insert for positions of which `claimed` are this job's claims: those it
+        does not put (a store read failed, the put reached no store) are given up, so
+        that the jobs waiting on them go on at once."""
         unput: list[int] = []
         try:
-            store_bytes, inserted = self._read_insert(st, indices, items, mine, poisoned, unput)
+            got = self._read_insert(st, indices, items, positions, replace, unput)
         except Exception:  # a store read failed: nobody is reading these now, say so before raising
-            inserts.give_up(self, st, [ids[p] for p in claimed])
+            inserts.give_up(self, st, [ids[p] for p in positions if p in claimed])
             raise
-        inserts.give_up(self, st, [ids[p] for p in unput if p in claimed])  # the puts that never reached a store
-        waited = [p for p in range(n) if codes[p] != FETCH]
-        bad = self._await_inserts(st, indices, ids, waited, items)
-        late = [p for p in waited if items[p] is None]  # the claimant failed, or it was evicted again
-        late_bytes, late_inserted = self._read_insert(st, indices, items, late, [p in bad for p in range(n)])
-        return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late),
-                           inserted=inserted + late_inserted, poisoned=len(bad))
+        inserts.give_up(self, st, [ids[p] for p in unput if p in claimed])
+        return got
 
     def _read_insert(self, st: ProcessState, indices: list[int], items: list[bytes | None],
                      positions: list[int], replace: list[bool], unput: list[int] | None = None
@@ -507,11 +523,13 @@ class CachedDataset(_TorchDataset):
         return sum(len(items[p]) for p in positions), inserted
 
     def _await_inserts(self, st: ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
-                       items: list[bytes | None]) -> set[int]:
-        """Take items from the cache as their claimants insert them; gives up on an
-        item once nobody holds its claim (claims expire). Returns poisoned positions."""
-        bad: set[int] = set()
-        deadline, delay = time.monotonic() + CLAIM_WAIT_LIMIT, 0.002
+                       items: list[bytes | None], bad: set[int], deadline: float) -> tuple[list[int], list[int]]:
+        """Take items from the cache as their claimants insert them, adding poisoned
+        positions to `bad`. An item nobody holds a claim on any more (given up, lapsed)
+        is claimed anew: one waiter wins it and the others wait on, where each used to
+        read it. Returns (still awaited, won) as soon as it wins any: the caller reads
+        those now, as others wait for them; ([], []) when done, (todo, []) at the deadline."""
+        delay = 0.002
         while todo:
             codes = st.ring.lookup_pending([ids[p] for p in todo], self.job)
             ready = [p for p, c in zip(todo, codes) if c == HIT]
@@ -521,12 +539,19 @@ class CachedDataset(_TorchDataset):
                         items[p] = self._open(indices[p], v)
                         if items[p] is None:
                             bad.add(p)
-            todo = [p for p, c in zip(todo, codes) if c == PENDING and items[p] is None]
+            free = [p for p, c in zip(todo, codes) if c != PENDING and items[p] is None and p not in bad]
+            todo = [p for p, c in zip(todo, codes) if c == PENDING]
+            if free and time.monotonic() < deadline:
+                again = st.ring.claim([ids[p] for p in free], self.job)
+                todo += [p for p, c in zip(free, again) if c != FETCH]  # WAIT, or PRESENT: got next round
+                won = [p for p, c in zip(free, again) if c == FETCH]
+                if won:
+                    return todo, won
             if not todo or time.monotonic() >= deadline:
                 break
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-        return bad
+        return todo, []
 
     def _read_store(self, st: ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, always checked against the digest (ItemMismatch
