@@ -27,7 +27,8 @@ PUT_BYTES = 64 << 20  # a put's values at most: a quarter of a server's default 
 
 def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
            unput: list[int] | None = None) -> int:
-    """Seal and insert `ds`'s (index, item, replace) entries; returns how many were sent.
+    """Seal and insert `ds`'s (index, item, replace) entries; returns how many reached a
+    server's store (the `inserted` counter: not those refused for their size, nor skipped).
     `unput` gets the positions of entries that reached no server's store: skipped,
     refused before the store, or their server down."""
     if not ds.insert or st.ring is None or not entries:
@@ -47,11 +48,13 @@ def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
         expected = ds.expected_hashes([entries[k][0] for k in sealed])
         st.checked.remember([checked.key(ident, e) for (ident, _), e in zip(sealed.values(), expected)],
                             [value for _, value in sealed.values()])
+    reached = len(sealed)
     for (chunk, replace), ks in groups.items():
         missed = put_group(ds, st, [sealed[k] for k in ks], chunk, replace)
+        reached -= len(missed)
         if unput is not None:
             unput.extend(ks[m] for m in missed)
-    return len(sealed)
+    return reached
 
 
 def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:

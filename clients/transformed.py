@@ -21,11 +21,13 @@ from cacheserver.vocab import transformed_tag
 from preprocess.codec import CodecError, decode, encode
 from preprocess.fingerprint import Uncacheable
 
+from . import inserts
 from .capability import PoisonedValue
 from .derived import derived_id, derived_key, open_derived, open_plain_derived, plain_derived, seal_derived
 
 log = logging.getLogger("clients.transformed")
 MAX_PAYLOAD = 1 << 30  # a value this large is refused on read: no dataset item is
+MAX_GET_ROUNDS = 64  # gets of a batch's ids a server cut from its answer, at most (_get_uncut)
 __all__ = ["MAX_PAYLOAD", "TransformedCounts", "TransformedItems", "transformed_tag"]
 
 
@@ -67,7 +69,7 @@ class TransformedItems:
         (poisoned ones are counted, and their positions appended to `poisoned`: put
         them again with replace=True)."""
         keys = [self.key(K) for K in Ks]
-        values = self.ring.get([derived_id(k) for k in keys], self.job)
+        values = self._get_uncut([derived_id(k) for k in keys])
         out: list[Any | None] = [None] * len(keys)
         c = self.counts
         for j, (k, v) in enumerate(zip(keys, values)):
@@ -85,6 +87,22 @@ class TransformedItems:
             c.hits += 1
             c.bytes_read += len(v)
         return out
+
+    def _get_uncut(self, ids: list[bytes]) -> list[Any]:
+        """ring.get, asking again for the ids answered as misses while an answer was large: a
+        server answers the ids past its --max-batch-size as misses (getbound.py), and unlike a
+        digest's items, transformed items' sizes are not known to ask in parts. A server takes
+        puts of inserts.PUT_BYTES, so an answer it cut holds over half that (unless the next
+        item alone is larger); a smaller answer's misses are misses."""
+        values = answer = self.ring.get(ids, self.job)
+        for _ in range(MAX_GET_ROUNDS):
+            rest = [j for j, v in enumerate(values) if v is None]
+            if not rest or sum(len(v) for v in answer if v is not None) <= inserts.PUT_BYTES // 2:
+                break
+            answer = self.ring.get([ids[j] for j in rest], self.job)
+            for j, v in zip(rest, answer):
+                values[j] = v
+        return values
 
     def put(self, Ks: Sequence[bytes], items: Sequence[Any], chunk: int = 0, replace: bool = False) -> int:
         """Encode, seal and insert; an item the codec cannot store is skipped (its reason
@@ -104,14 +122,19 @@ class TransformedItems:
 
     def put_payloads(self, Ks: Sequence[bytes], payloads: Sequence[bytes], chunk: int = 0,
                      replace: bool = False) -> int:
-        """put() of items encoded already (encode()); returns how many were newly stored."""
+        """put() of items encoded already (encode()); returns how many were newly stored.
+        Put in parts of at most inserts.PUT_BYTES: a batch of large items would pass a
+        server's --max-batch-size and be refused whole, every item uncached every epoch."""
         batch = []
         for K, payload in zip(Ks, payloads):
             sealed = self._seal(self.key(K), payload)
             batch.append((sealed.id, sealed.value))
-            self.counts.bytes_put += len(sealed.value)
-        if not batch:
-            return 0
+        sizes = [len(v) for _, v in batch]
+        parts = inserts.split_by_bytes(list(range(len(batch))), sizes, inserts.PUT_BYTES)
+        return sum(self._put_part([batch[p] for p in part], chunk, replace) for part in parts)
+
+    def _put_part(self, batch: list[tuple[bytes, Any]], chunk: int, replace: bool) -> int:
+        """One put; how many it newly stored (0 where refused: those stay uncached)."""
         try:
             stored = self.ring.put(batch, self.job, self.tag, chunk, replace=replace)
         except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
@@ -121,6 +144,7 @@ class TransformedItems:
             self._refused(f"a cache server refused a put of {len(batch)} transformed items: {e}")
             return 0
         self.counts.inserted += stored
+        self.counts.bytes_put += sum(len(v) for _, v in batch)
         return stored
 
     def _refused(self, why: str) -> None:

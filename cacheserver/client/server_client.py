@@ -265,6 +265,9 @@ class ServerClient:
         self._check(op, keys)
         if not self.serves(op):
             return Call.done(op.unserved(len(keys)))
+        refused = self._too_big(op, keys)
+        if refused:  # answered as the server would, after the ring has sent the other servers theirs
+            return Call.failed(wire.RemoteError(wire.BAD_REQUEST, refused))
         return Call(self, self._steps(op, keys, job, opts))
 
     def ask(self, op: ops.Op, keys: Sequence, job: str = "", **opts: Any) -> Any:
@@ -274,7 +277,11 @@ class ServerClient:
         self._check(op, keys)
         if not self.serves(op):
             return op.unserved(len(keys))
-        if self._dataplane():
+        dataplane = self._dataplane()  # resolved: the server's batch limit is known
+        refused = self._too_big(op, keys)
+        if refused:
+            raise wire.RemoteError(wire.BAD_REQUEST, refused)
+        if dataplane:
             return Call(self, self._steps(op, keys, job, opts)).result()
         return op.grpc(self.stub, keys, job, self.timeout, **opts)
 
@@ -282,6 +289,19 @@ class ServerClient:
     def _check(op: ops.Op, keys: Sequence) -> None:
         # struct's "32s" would silently pad or cut a wrong-sized id: refuse it here.
         check_ids(op.ids_of(keys), ValueError)
+
+    def _too_big(self, op: ops.Op, keys: Sequence) -> str:
+        """Why the server would refuse this put for its size ("" if it would not): refused
+        here, unsent, as the server refuses it. Sent, a frame past its limit is cut off unread
+        (a broken pipe; over gRPC RESOURCE_EXHAUSTED), which the ring takes for a failed
+        server: all-miss for its back-off, over one item too large to cache."""
+        if op is not ops.PUT:
+            return ""
+        total = sum(len(v) for _, v in keys)
+        if total <= self._max_values:
+            return ""
+        return (f"cache server {self.address}: batch of {total} bytes exceeds the limit of "
+                f"{self._max_values} (its --max-batch-size)")
 
     def _steps(self, op: ops.Op, keys: Sequence, job: str, opts: dict[str, Any]) -> Steps:
         """Generators that yield each request (op, job, count, parts, flags) and are
@@ -476,7 +496,7 @@ class Call:
 
     def __init__(self, client: ServerClient | None, steps: Steps | None) -> None:
         self._client, self._steps, self._sock = client, steps, None
-        self._done, self._value = False, None
+        self._done, self._value, self._error = False, None, None
         if steps is None:
             return
         self._meanwhile = None
@@ -501,8 +521,17 @@ class Call:
         c._done, c._value = True, value
         return c
 
+    @classmethod
+    def failed(cls, err: Exception) -> "Call":
+        """A call answered, unsent, with the error the server would have answered."""
+        c = cls.done(None)
+        c._error = err
+        return c
+
     def result(self) -> Any:
         if self._done:
+            if self._error is not None:
+                raise self._error
             return self._value
         client, steps = self._client, self._steps
         sock, self._sock = self._sock, None
