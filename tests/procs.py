@@ -279,3 +279,12 @@ def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float 
             if p.is_alive():
                 p.kill()
                 p.join(10)
+
+
+def raised(fn: Callable[..., Any], *args: Any) -> str:
+    """The name of the exception fn(*args) raised ("" if none): for calls made in threads."""
+    try:
+        fn(*args)
+    except Exception as e:
+        return type(e).__name__
+    return ""

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from procs import cacheserver, wait_until, without_features
+from procs import cacheserver, raised, wait_until, without_features
 
 from cacheserver import ops, wire
 from cacheserver.claims import ClaimTable
@@ -122,7 +122,7 @@ def test_a_claimant_whose_store_read_fails_lets_the_waiting_job_read_at_once(tmp
         d.save(bad)
         with jobs_a_and_b(server.address, bad, digest) as (a, b):
             idx, failed = [0, 1, 2, 3, 4], []
-            t = threading.Thread(target=lambda: failed.append(_raises(a.__getitems__, idx)))
+            t = threading.Thread(target=lambda: failed.append(raised(a.__getitems__, idx)))
             t.start()
             wait_until(lambda: _claims_granted(server.address) >= 5, "job A's claims", timeout=20)
             got, waited = _read_timed(b, idx)
@@ -132,14 +132,6 @@ def test_a_claimant_whose_store_read_fails_lets_the_waiting_job_read_at_once(tmp
             assert waited < PROMPT, f"job B waited {waited:.1f} s for claims job A gave up (ttl {TTL} s)"
             with ServerClient(server.address) as c:
                 assert c.stats().counters["claims_waited"] >= 1  # B did wait on A's claims
-
-
-def _raises(fn, *args) -> str:
-    try:
-        fn(*args)
-    except Exception as e:
-        return type(e).__name__
-    return ""
 
 
 def test_a_put_refused_for_its_size_neither_fails_training_nor_holds_the_waiters(tmp_path):

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from procs import cacheserver, wait_until
+from procs import cacheserver, raised, wait_until
 
 from cacheserver.client.server_client import ServerClient
 from cacheserver.vocab import FETCH
@@ -120,7 +120,7 @@ def test_after_a_claimant_job_fails_its_store_read_the_waiting_jobs_read_each_it
         jobs = _waiters(server.address, digest, 3)
         try:
             failed: list[str] = []
-            t = threading.Thread(target=lambda: failed.append(_raises(a.__getitems__, IDX)), daemon=True)
+            t = threading.Thread(target=lambda: failed.append(raised(a.__getitems__, IDX)), daemon=True)
             t.start()
             wait_until(lambda: _counter(server.address, "claims_granted") >= 5, "job A's claims", 60)
             ts, out = _read_in_threads(jobs, IDX)
@@ -150,11 +150,3 @@ def test_after_a_claim_lapses_on_a_server_without_release_one_waiter_reads_each_
             for ds in jobs:
                 ds.close()
             srv.kill()
-
-
-def _raises(fn, *args) -> str:
-    try:
-        fn(*args)
-    except Exception as e:
-        return type(e).__name__
-    return ""
