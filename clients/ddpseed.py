@@ -6,17 +6,18 @@ Each rank's share of an epoch is its part of a permutation seeded by (seed, epoc
 are read twice in an epoch and others never, silently. A rank's sampler records its seed
 in the store with one compare-and-set under a key for the dataset and the how-many-th
 sampler of it this process makes (ranks run one script: the k-th of each rank belong
-together); the first rank's value stays, and every later rank whose seed differs raises,
-naming both. Nothing waits on another rank (no collective: ranks that make their loaders at
-different times, or a rank that makes one the others do not, cannot deadlock). Only the
-default group's own split is checked (rank and world size equal to its): ranks given by
-hand may be a sub-group's (data-parallel ranks under tensor parallelism), whose groups
+together), per torchrun restart; the first rank's value stays, and every later rank whose
+seed differs raises, naming both. Nothing waits on another rank (no collective: ranks
+that make their loaders at different times, or a rank that makes one the others do not,
+cannot deadlock). Only the default group's own split is checked (rank and world size
+equal to its): ranks given by hand may be a sub-group's (data-parallel ranks under tensor parallelism), whose groups
 may differ legitimately. torch is looked up, never imported: a process that has not
 imported torch.distributed has not initialised it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 log = logging.getLogger("mlcache.client")
@@ -44,8 +45,11 @@ def check_same_seed(dataset: str, seed: int, rank: int, world_size: int) -> None
         return
     k = _made.get((dataset, world_size), 0)
     _made[(dataset, world_size)] = k + 1
+    # torchrun's restarted ranks join the same store (its agent's), which still holds the
+    # last attempt's seeds: keyed by attempt, a run that passes another seed is no mismatch
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        first = store.compare_set(f"mlcache/seed/{dataset}/{world_size}/{k}", "", f"{seed}/{rank}")
+        first = store.compare_set(f"mlcache/seed/{attempt}/{dataset}/{world_size}/{k}", "", f"{seed}/{rank}")
         first_seed, first_rank = (int(x) for x in bytes(first).decode().split("/"))
     except Exception as e:  # a check only: the store's own trouble fails the job's collectives anyway
         log.debug("DDP seed check skipped: %s", e)

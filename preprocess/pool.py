@@ -5,8 +5,7 @@ worker holds and can hand them to another if it dies, and its own result channel
 (channel.py), so a worker killed mid-message blocks nobody. Shrinking sends a stop message, which a worker takes after its queued
 tasks, finishing its background items first. Worker ids are reused lowest first
 (a worker's statistics row in the dataset's shared counters is its id + 1),
-except those of workers that died: a late message of theirs must not be taken
-for a new worker's."""
+those of workers that died only once no other is left."""
 from __future__ import annotations
 
 import functools
@@ -136,7 +135,7 @@ class WorkerPool:
         self.queues: dict[int, Any] = {}
         self.results: dict[int, ChannelReader] = {}
         self.stopping: set[int] = set()  # sent a stop message, not yet exited
-        self.retired: set[int] = set()   # died: ids not given out again
+        self.retired: set[int] = set()   # died: ids given out again only once no other is left
         self.lost: set[int] = set()      # exited, a message of theirs dropped (_decode): dead whatever it said
         self.exited_at: dict[int, float] = {}  # first seen exited with status 0, no exit message yet
         self.running: dict[int, Any] = {}  # the items each worker's two threads run (worker.py)
@@ -170,12 +169,10 @@ class WorkerPool:
         if not is_whole(n):
             raise TypeError(f"the number of preprocessing workers must be an int, got {n!r}")
         n = max(1, int(n))
+        if n > MAX_IDS:
+            raise ValueError(f"at most {MAX_IDS} preprocessing workers (a row of statistics each), got {n}")
         while self.size < n:
-            free = set(range(MAX_IDS)) - set(self.procs) - self.retired
-            if not free:
-                raise WorkerDied(f"{len(self.retired)} preprocessing workers died; not starting more "
-                                 f"(the last {self.death(max(self.retired))})")
-            wid = min(free)
+            wid = self._free_id()
             q = self.ctx.Queue()
             reader, w = channel(self.ctx)
             running = self.ctx.RawArray("q", [NOT_RUNNING] * SLOTS)  # read after its death: no lock
@@ -188,6 +185,16 @@ class WorkerPool:
         for wid in sorted(self.active(), reverse=True)[:max(0, self.size - n)]:
             self.queues[wid].put(None)
             self.stopping.add(wid)
+
+    def _free_id(self) -> int:
+        """The lowest id neither in use nor retired; once none is left, the lowest retired
+        one: dead() forgot a dead worker's channel and slots, so nothing of its can be taken
+        for its successor's (workers ended for step_timeout retire theirs too: over a long
+        job they would run out, and the pool with them)."""
+        free = set(range(MAX_IDS)) - set(self.procs)
+        wid = min(free - self.retired or free)
+        self.retired.discard(wid)
+        return wid
 
     @_while_open
     def receive(self, timeout: float, decode: bool = True) -> list[tuple]:

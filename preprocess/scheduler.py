@@ -6,6 +6,7 @@ stream. Duck-typed on the dataset: `read(indices)` (items before the transform),
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from .feed import PlainFeed, run_item
 from .fingerprint import Uncacheable
 from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
-from .pool import WorkerPool, is_whole
+from .pool import MAX_IDS, WorkerPool, is_whole
 from .profile import Trace, trace
 from .stall import STEP_WARNING_S, StallWatch, Watchdog, bind, bound, check_limits, local_slot
 from .stats import PreprocessStats, StepStats
@@ -54,7 +55,7 @@ class Scheduler:
         self.sample_indices: list[int] = []
         self.auto_order = pipeline.auto_order if auto_order is None else auto_order
         self.adaptive = num_workers is None
-        self.max_workers = max_workers()
+        self.max_workers = min(max_workers(), MAX_IDS)  # adaptive: never past the pool's ids
         self.workers = min(2, self.max_workers) if num_workers is None else num_workers
         self.task_items, self.prefetch_batches, self.sample_items = task_items, prefetch_batches, sample_items
         self.exactly_once, self.drop_last = exactly_once, drop_last
@@ -69,6 +70,7 @@ class Scheduler:
         self.epochs_run = 0
         self.last_run: EpochRun | None = None
         self.last_stats: PreprocessStats | None = None
+        self._watchdogs: weakref.WeakSet[Watchdog] = weakref.WeakSet()  # of in-process epochs (_inline)
 
     # ---- before the first epoch ---------------------------------------------------
     def prepare(self, start_workers: bool = True) -> None:
@@ -165,7 +167,9 @@ class Scheduler:
         out: list[Any] = []
         slot = local_slot()
         watch = self._stall_watch(lambda i: f"{i} ({self._describe(i)})")
-        with Watchdog(watch, {"inline": slot}):
+        dog = Watchdog(watch, {"inline": slot})
+        self._watchdogs.add(dog)  # close() stops it: an iterator kept past close() keeps its thread
+        with dog:
             for batch in batches:
                 prev = bound()  # bound per batch: the generator may be resumed from another thread
                 bind(slot)
@@ -245,6 +249,9 @@ class Scheduler:
         return set(self.last_run.yielded) if self.last_run else set()
 
     def close(self) -> None:
+        for dog in list(self._watchdogs):
+            dog.stop()
+        self._watchdogs.clear()
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -114,7 +114,10 @@ class StallWatch:
         return f"item {self.item_name(item)}: step {j} ({self.step_name(j)})"
 
     def check(self, running: Iterable[Running], now_ns: int | None = None) -> list[tuple[Running, float]]:
-        """The steps over the timeout, with their seconds; warns about the others due."""
+        """The steps over the timeout, with their seconds; warns about the others due.
+        `now_ns` is best taken before `running` was read: a watcher held up after reading
+        (preempted, the GIL held elsewhere) would count the delay as time in a step that
+        may have ended meanwhile, and end it although it ran within the timeout."""
         now = time.monotonic_ns() if now_ns is None else now_ns
         seen, over = set(), []
         for r in running:
@@ -137,6 +140,12 @@ class StallWatch:
             log.warning("preprocessing: %s went on after %s or more", self.what(r[1], r[2]),
                         seconds((now - r[3]) / 1e9))
         return over
+
+    def forget(self, gone: Callable[[Any], bool]) -> None:
+        """Threads that are gone (`gone(who)`: their worker died or was ended): their steps
+        did not go on, whatever the caller says of their items."""
+        for r in [r for r in self.next if gone(r[0])]:
+            del self.next[r]
 
 
 def seconds(secs: float) -> str:
@@ -173,7 +182,8 @@ class Watchdog:
         period = every(self.watch)
         while not self._stop.wait(period):
             try:
-                for r, secs in self.watch.check(self.running()):
+                now = time.monotonic_ns()  # before the slots are read (StallWatch.check)
+                for r, secs in self.watch.check(self.running(), now):
                     if self.on_timeout is not None:
                         self.on_timeout(r, secs)
             except Exception:  # a watcher must never end the work it watches
