@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .pool import WorkerDied, WorkerPool, is_whole
+from .pool import CLOSED_MESSAGE, PoolClosed, WorkerDied, WorkerPool, is_whole
 from .stall import STEP_WARNING_S, StallWatch, every, log
 from .stats import PreprocessStats
 from .timeout import SlowTimeout
@@ -109,6 +109,9 @@ class EpochRun:
                 with self.cond:
                     while not self.out and not self.done and self.error is None:
                         self.cond.wait(0.5)
+                    if self.error is None and not self.done and self.pool.closed:
+                        # batches made before close() would come out, then the error: fail at once
+                        self.error = PoolClosed(CLOSED_MESSAGE)
                     if self.error is not None:
                         raise self.error
                     if not self.out:
@@ -248,6 +251,7 @@ class EpochRun:
         of the queue (they were not yielded: exactly once holds). One stopped for a step
         over step_timeout is no death: its stuck item fails, the others run again."""
         for wid in self.pool.dead():
+            self.stalls.forget(lambda who: who[0] == wid)  # its steps ended with it: none "went on"
             lost = self.held.pop(wid, {})
             stuck = self.timed_out.pop(wid, None)
             mine = stuck is not None and stuck[0] in lost
@@ -274,7 +278,8 @@ class EpochRun:
         if not self.stalls.active or now < self._next_watch:
             return
         self._next_watch = now + every(self.stalls)
-        for ((wid, _), i, j, _), secs in self.stalls.check(self.pool.progress()):
+        now_ns = time.monotonic_ns()  # before the slots are read (StallWatch.check)
+        for ((wid, _), i, j, _), secs in self.stalls.check(self.pool.progress(), now_ns):
             if wid not in self.timed_out:
                 self.timed_out[wid] = (i, j, secs)
                 self.pool.kill(wid)

@@ -134,7 +134,7 @@ def test_close_while_an_epoch_runs_stops_the_workers_and_fails_the_epoch_clearly
     """Before: close() raced the epoch's dispatcher thread: close() itself could raise
     OSError('handle is closed') (leaving workers running), and the kept iterator raised
     OSError on a closed or reused descriptor."""
-    ds, loader = _loader(tmp_path, 64, [SleepOn(set(range(64)), 0.02)])
+    ds, loader = _loader(tmp_path, 64, [SleepOn(set(range(64)), 0.2)])  # 6 s of work: outlasts a pause before close()
     procs = list(loader.preprocess.pool.procs.values())
     try:
         it = iter(loader)
