@@ -321,13 +321,17 @@ class CachedDataset(_TorchDataset):
 
     def _read(self, indices: list[int]) -> list[bytes]:
         """Digest items' bytes: from the cache, else the store (inserted), verified. A batch of
-        large items is read in parts: a get's answer past a server's --max-batch-size (256 MiB
-        by default) is cut, and the items cut off would be misses every epoch."""
+        large items is read in parts of GET_BYTES, or of a server's smaller --max-batch-size:
+        a get's answer past it is cut, and the items cut off would be misses every epoch.
+        Their values are sealed: capability.OVERHEAD bytes each beyond the item."""
         n = len(indices)
-        sizes = self.digest.sizes[indices] if n > 1 and n * self.digest.largest > GET_BYTES else None
-        if sizes is None or int(sizes.sum()) <= GET_BYTES:  # the usual batch: one get
+        st = self._proc()
+        limit = inserts.batch_bytes(st.ring, GET_BYTES, st.core) if n > 1 else GET_BYTES
+        per = capability.OVERHEAD
+        sizes = self.digest.sizes[indices] + per if n > 1 and n * (self.digest.largest + per) > limit else None
+        if sizes is None or int(sizes.sum()) <= limit:  # the usual batch: one get
             return self._read_part(indices)
-        parts = inserts.split_by_bytes(list(range(n)), sizes.tolist(), GET_BYTES)
+        parts = inserts.split_by_bytes(list(range(n)), sizes.tolist(), limit)
         return [x for part in parts for x in self._read_part([indices[j] for j in part])]
 
     def _read_part(self, indices: list[int]) -> list[bytes]:

@@ -58,9 +58,9 @@ def insert(ds: Any, st: ProcessState, entries: list[tuple[int, bytes, bool]],
 
 
 def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool) -> list[int]:
-    """Put sealed items under one chunk, in puts of at most PUT_BYTES (a batch of large items
-    would pass a server's --max-batch-size, refused whole); the positions of those no
-    server's store took."""
+    """Put sealed items under one chunk, in puts of at most PUT_BYTES, or of a server's
+    smaller --max-batch-size (a batch of large items would pass it, refused whole); the
+    positions of those no server's store took."""
     sizes = [len(v) for _, v in items]
     # the embedded server's own item limit is known: an item over it stays out (a server's, only it knows)
     limit = st.core.limits.max_item_bytes if st.core is not None else None
@@ -69,9 +69,20 @@ def put_group(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool)
         _warn_once("item over the limit", f"{len(missed)} items over the embedded cache's item limit "
                                           f"({limit} bytes) stay uncached")
     fit = [p for p, z in enumerate(sizes) if limit is None or z <= limit]
-    for part in split_by_bytes(fit, sizes, PUT_BYTES):
+    for part in split_by_bytes(fit, sizes, batch_bytes(st.ring, PUT_BYTES, st.core)):
         missed += [part[m] for m in _put_part(ds, st, [items[p] for p in part], chunk, replace)]
     return missed
+
+
+def batch_bytes(ring: Any, most: int, core: Any = None) -> int:
+    """`most`, or less where a server takes less: the embedded server's (`core`, in this
+    process) --max-batch-size, else the smallest one `ring`'s servers announce. A put of
+    more is refused whole, and a get's answer past it is cut (the rest answered as misses)."""
+    if core is not None:
+        return min(most, core.limits.max_batch_bytes)
+    limit = getattr(ring, "batch_limit", None)  # None: no ring, or one wrapped without it
+    known = limit() if limit is not None else None
+    return min(most, known) if known else most
 
 
 def split_by_bytes(positions: list[int], sizes: list[int], limit: int) -> list[list[int]]:

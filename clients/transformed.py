@@ -91,13 +91,14 @@ class TransformedItems:
     def _get_uncut(self, ids: list[bytes]) -> list[Any]:
         """ring.get, asking again for the ids answered as misses while an answer was large: a
         server answers the ids past its --max-batch-size as misses (getbound.py), and unlike a
-        digest's items, transformed items' sizes are not known to ask in parts. A server takes
-        puts of inserts.PUT_BYTES, so an answer it cut holds over half that (unless the next
-        item alone is larger); a smaller answer's misses are misses."""
+        digest's items, transformed items' sizes are not known to ask in parts. Puts go in
+        parts within every server's limit (put_payloads), so an answer a server cut holds over
+        half of such a part (unless the next item alone is larger); a smaller answer's misses
+        are misses."""
         values = answer = self.ring.get(ids, self.job)
         for _ in range(MAX_GET_ROUNDS):
             rest = [j for j, v in enumerate(values) if v is None]
-            if not rest or sum(len(v) for v in answer if v is not None) <= inserts.PUT_BYTES // 2:
+            if not rest or sum(len(v) for v in answer if v is not None) <= self._part_bytes() // 2:
                 break
             answer = self.ring.get([ids[j] for j in rest], self.job)
             for j, v in zip(rest, answer):
@@ -123,15 +124,19 @@ class TransformedItems:
     def put_payloads(self, Ks: Sequence[bytes], payloads: Sequence[bytes], chunk: int = 0,
                      replace: bool = False) -> int:
         """put() of items encoded already (encode()); returns how many were newly stored.
-        Put in parts of at most inserts.PUT_BYTES: a batch of large items would pass a
-        server's --max-batch-size and be refused whole, every item uncached every epoch."""
+        Put in parts of at most inserts.PUT_BYTES, or a server's smaller --max-batch-size: a
+        batch of large items would pass it and be refused whole, uncached every epoch."""
         batch = []
         for K, payload in zip(Ks, payloads):
             sealed = self._seal(self.key(K), payload)
             batch.append((sealed.id, sealed.value))
         sizes = [len(v) for _, v in batch]
-        parts = inserts.split_by_bytes(list(range(len(batch))), sizes, inserts.PUT_BYTES)
+        parts = inserts.split_by_bytes(list(range(len(batch))), sizes, self._part_bytes())
         return sum(self._put_part([batch[p] for p in part], chunk, replace) for part in parts)
+
+    def _part_bytes(self) -> int:
+        """The most bytes a put sends: inserts.PUT_BYTES, or less where a server takes less."""
+        return inserts.batch_bytes(self.ring, inserts.PUT_BYTES)
 
     def _put_part(self, batch: list[tuple[bytes, Any]], chunk: int, replace: bool) -> int:
         """One put; how many it newly stored (0 where refused: those stay uncached)."""

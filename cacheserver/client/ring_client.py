@@ -86,7 +86,10 @@ class RingClient:
             check_address(a)
         self.ring = HashRing(addresses, vnodes)
         self._client_kw = client_kw
-        self.clients = {a: ServerClient(a, plain=plain, **client_kw) for a in self.ring.nodes}
+        # each server's --max-batch-size, as its Info last said (kept when its client is replaced)
+        self._limits: dict[str, int] = {}
+        self._batch_limit: int | None = None  # the smallest of them
+        self.clients = {a: ServerClient(a, plain=plain, on_limit=self._heard, **client_kw) for a in self.ring.nodes}
         self._down_until: dict[str, float] = {}
         self._fails: dict[str, int] = {}  # failures in a row, per server
         self._answering: set[str] = set()  # down for an error the server itself answered (busy): reachable
@@ -151,13 +154,30 @@ class RingClient:
         # Retired, not closed: another thread may be in a call on it (a prefetch beside the loader).
         old = self.clients[node]
         self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw,
-                                          probe_timeout=PROBE_TIMEOUT_S)
+                                          probe_timeout=PROBE_TIMEOUT_S, on_limit=self._heard)
         old.retire()
 
     def _answered(self, node: str) -> None:
         if self._fails.get(node):
             with self._lock:
                 self._fails.pop(node, None)
+
+    # ---- batch limits ---------------------------------------------------
+    def _heard(self, node: str, limit: int) -> None:
+        with self._lock:
+            self._limits[node] = limit
+            self._batch_limit = min(self._limits.values())
+
+    def batch_limit(self) -> int | None:
+        """The smallest --max-batch-size the ring's servers announce (None while none has
+        answered): a put of more bytes is refused, and a get's answer is cut there, by the
+        server that has it. Servers not heard from yet are asked for their Info first (what
+        their first call reads anyway; one that fails is down, as in a call); after that, an
+        attribute read."""
+        if len(self._limits) < len(self.clients):
+            for node in [n for n in self.clients if n not in self._limits and self._usable(n)]:
+                self._guarded(node, self.clients[node].resolve)
+        return self._batch_limit
 
     # ---- fan-out --------------------------------------------------------
     def _guarded(self, node: str, fn: Callable[[], None], answer: bool = False) -> None:

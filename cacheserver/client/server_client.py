@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from .. import inproc, ops, wire
@@ -52,7 +52,8 @@ class ServerClient:
     def __init__(self, address: str, *, tls: TlsFiles | None = None, prefer_unix: bool = True,
                  timeout: float = 30.0, use_dataplane: bool = True, local_read: bool = True,
                  control_token: bytes | None = None, plain: bool = False,
-                 probe_timeout: float | None = None) -> None:
+                 probe_timeout: float | None = None,
+                 on_limit: Callable[[str, int], None] | None = None) -> None:
         self.address = address
         self.plain = plain  # records of an embedded cache's plain store expected (datadir.py)
         self._md = metadata(control_token)  # the manager's role for control calls (roles.py)
@@ -73,6 +74,9 @@ class ServerClient:
         self._features: frozenset[str] | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._max_values = DEFAULT_MAX_VALUES  # bytes of values one answer may hold (Info)
+        # told (address, limit) each time the server's Info gives its --max-batch-size: the ring
+        # splits batches by the smallest of its servers' (RingClient.batch_limit)
+        self._on_limit = on_limit
         self._target: tuple[str, object] | None = None  # ("unix", path) | ("tcp", (host, port))
         self.transport = "unresolved"
         self._read_ahead = True  # same-host gets read the follower while the server answers
@@ -108,6 +112,14 @@ class ServerClient:
         except BaseException:  # unresolved still: the next call asks again, never falls back to gRPC
             self._features, self._target, self.transport = None, None, "unresolved"
             raise
+        if self._on_limit is not None:
+            self._on_limit(self.address, self._max_values)
+
+    def resolve(self) -> None:
+        """Read the server's Info now if no call has yet (its first call would): what it serves,
+        the transport, and its batch limit."""
+        if self.transport == "unresolved":
+            self._resolve()
 
     def _pick_transport(self, info: pb.InfoResponse) -> None:
         """The Unix socket, else the TCP data plane, else gRPC; a plain store's values only over
@@ -251,8 +263,7 @@ class ServerClient:
         return wire.recv_exact(s, body_len or aux_len).decode(errors="replace")
 
     def _dataplane(self) -> bool:
-        if self.transport == "unresolved":
-            self._resolve()
+        self.resolve()
         return self._target is not None
 
     # ---- operations (cacheserver/ops.py) --------------------------------------
