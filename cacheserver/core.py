@@ -141,16 +141,16 @@ class CacheCore:
             return [None] * len(ids)
         present, late = self.store.touch_split(ids)
         out: list[memoryview | bool | None] = [True if p else None for p in present]
-        inline = 0
+        inline = cut = 0
         if late:
-            inline_values, _ = bounded_get(self.store.get_many, [ids[i] for i in late], self.limits.max_batch_bytes)
+            inline_values, cut = bounded_get(self.store.get_many, [ids[i] for i in late], self.limits.max_batch_bytes)
             for i, v in zip(late, inline_values):
                 out[i] = v  # None: evicted since the look: a miss
                 inline += len(v) if v is not None else 0
         hits = sum(1 for v in out if v is not None)
         self.counters.add_many({"gets": len(ids), "get_hits": hits, "get_misses": len(ids) - hits,
                                 "local_reads": present.count(1) - len(late), "local_inline": len(late),
-                                "get_bytes": inline})
+                                "get_bytes": inline, "get_cut_for_size": cut})
         return out
 
     def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],

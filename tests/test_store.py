@@ -513,3 +513,21 @@ def test_large_values_are_in_blob_files_a_follower_never_reads(tmp_path):
         assert [None if v is None else bytes(v) for v in got] == [values[small[0]], None, values[small[1]], None]
     finally:
         s.close()
+
+
+def test_a_same_host_get_cut_for_its_size_is_counted(tmp_path):
+    """Values only in the memtable go inline in a same-host get, bounded by --max-batch-size;
+    those past it are answered as misses. Before: counted as misses only, not get_cut_for_size
+    (an operator saw no cuts where a get over the socket counted them)."""
+    from cacheserver.core import CacheCore, Limits
+
+    s = Store(str(tmp_path / "st"), 1 << 30, make_policy("lru"), Counters())
+    try:
+        keys = ids(8, seed=5)
+        s.put_many([(k, os.urandom(300_000)) for k in keys])  # not flushed: inline
+        core = CacheCore(s, s.counters, Limits(max_batch_bytes=1_000_000))
+        got = core.get_local_inline("j", keys)
+        cut = sum(1 for v in got if v is None)
+        assert cut == 5 and s.counters.snapshot()["get_cut_for_size"] == cut
+    finally:
+        s.close()
