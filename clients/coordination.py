@@ -46,12 +46,17 @@ MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
 RELEASE_BACKOFF_S = 2.0  # after a failed chunk release, the first wait before the next try
 MAX_RELEASE_BACKOFF_S = 60.0
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
+_READ_TRIES = 10_000  # SharedPlan reads of a plan being written before giving up
 
 
 class SharedPlan:
-    """The current plan in shared memory: [version, option, k, n_items, n_chunks, chunks...].
+    """The current plan in shared memory: [seq, option, k, n_items, n_chunks, chunks...].
 
-    Without a manager it stays at version 0 = "full, one chunk": insert everything."""
+    ``seq`` is 0 until the first plan ("full, one chunk": insert everything without a
+    manager), odd while ``publish`` writes, even otherwise: a reader (a DataLoader worker,
+    or a thread of this process) takes the fields only between two equal even reads of it
+    (a seqlock), so it never mixes two plans' chunking and chunk lists, nor reads a plan
+    half written (an item tagged under a chunk it is not in)."""
 
     def __init__(self) -> None:
         self._arr = multiprocessing.get_context("spawn").RawArray("q", 5 + MAX_CHUNKS)
@@ -63,14 +68,29 @@ class SharedPlan:
         if plan.loading is not None:
             chunks.append(plan.loading)  # the chunk being loaded is inserted into too
         chunks = sorted(set(chunks))[:MAX_CHUNKS]
-        a = self._arr
-        a[0] = 0  # readers seeing a version of 0 mid-update fall back to "insert all"
-        option = Option(plan.option)
+        option = Option(plan.option)  # before the writing starts: nothing raises half-way
         code = _SPARE if option is Option.NONE and plan.spare else _CODES[option]
+        a = self._arr
+        a[0] += 1  # odd: being written
         a[1], a[2], a[3], a[4] = code, max(1, plan.k), plan.n_items, len(chunks)
         for j, c in enumerate(chunks):
             a[5 + j] = c
-        a[0] = plan.version or 1
+        a[0] += 1
+
+    def _read(self) -> tuple[int, int, int, list[int]] | None:
+        """(option, k, n_items, chunks) of one publication; None if none could be read
+        whole in a bounded wait (a writer stopped mid-way)."""
+        a = self._arr
+        for attempt in range(_READ_TRIES):
+            seq = a[0]
+            if not seq % 2:
+                option, k, n, m = a[1], a[2], a[3], a[4]
+                chunks = a[5:5 + m]
+                if a[0] == seq:
+                    return option, k, n, chunks
+            if attempt:
+                time.sleep(0)  # let a writer in this process (a thread) finish
+        return None
 
     def insert_chunk(self, i: int) -> int | None:
         """Chunk tag to insert item i under, or None if the plan says not to insert it.
@@ -80,16 +100,18 @@ class SharedPlan:
         keep such entries only in room no chunk needs (evicted first, evicting only
         each other), so jobs still share their misses there while the chunks turn
         over slower than the jobs read (cacheserver/store.py, is_spare)."""
-        a = self._arr
-        option, k, n = a[1], a[2], a[3]
-        if a[0] == 0 or option == _CODES[Option.FULL]:
+        got = self._read()
+        if got is None:
+            return None  # no plan to go by: insert nothing rather than under a wrong tag
+        option, k, n, chunks = got
+        if option == _CODES[Option.FULL]:
             return 0
         if option == _CODES[Option.NONE]:
             return None
         if option == _SPARE:  # no room of its own: share misses in the room nobody needs
             return SPARE
         c = chunk_of(i, n, k)
-        return c if c in a[5:5 + a[4]] else SPARE
+        return c if c in chunks else SPARE
 
     def loading_first(self, i: int, loading: int | None) -> bool:
         return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading

@@ -10,10 +10,11 @@ active for datasets the state no longer knows. That one
 mechanism covers lost RPCs, servers that were down when a decision was made,
 servers that join later (or restart: RegisterServer asks for their reconcile at
 once), and a manager restarted from its journal (whose replay deliberately
-performs no side effects). An EvictDataset a server missed is the exception, as
-Stats cannot tell a re-planned dataset's old chunk tags from the new plan's: it is
-remembered, journaled (evictledger.py: a manager restart keeps it), and repeated
-first by the server's next reconcile. An EvictChunk of a chunk that started loading
+performs no side effects). An EvictDataset is the exception, as Stats cannot tell a
+re-planned dataset's old chunk tags from the new plan's: it is owed to every server
+until its call succeeds, journaled (evictledger.py: a manager killed while it waits
+in a queue keeps it), and repeated first by the next reconcile of a server that
+missed it. An EvictChunk of a chunk that started loading
 again while the call waited in the queue is not sent (_Worker._send).
 """
 from __future__ import annotations
@@ -253,8 +254,8 @@ class Actuator:
         self.ledger = ledger
 
     def owe(self, addresses: list[str], item: Any, save: bool = True) -> None:
-        """Record that ``item``, if an EvictDataset, did not reach the servers at ``addresses``
-        (``save``: journal it now; not while holding self._lock, taken under the state's)."""
+        """Record that ``item``, if an EvictDataset, has not reached the servers at ``addresses``
+        (yet; ``save``: journal it now; not while holding self._lock, taken under the state's)."""
         if isinstance(item, EvictDataset) and addresses:
             with self._owed_lock:
                 for addr in addresses:
@@ -330,10 +331,14 @@ class Actuator:
             return
         workers = self._sync_workers()
         with self._lock:
-            away = sorted(self._known - {w.address for w in workers})
+            everyone = sorted(self._known)  # the ring's (each had a worker) and those away
+        # An EvictDataset is owed to every server until its call succeeds (paid), and journaled
+        # before it is queued: one out of the ring gets it when back, and one whose call still
+        # waits in its queue when the manager is killed gets it at its first reconcile after the
+        # restart (reconcile cannot tell the old plan's chunk tags from the new one's).
         for e in calls:
-            self.owe(away, e, save=False)  # servers out of the ring get it when they are back
-        if away and any(isinstance(e, EvictDataset) for e in calls):
+            self.owe(everyone, e, save=False)
+        if any(isinstance(e, EvictDataset) for e in calls):
             self.save_owed()
         for w in workers:
             for e in calls:

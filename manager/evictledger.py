@@ -1,8 +1,8 @@
 """EvictDatasets a cache server missed, kept across a manager restart.
 
-The actuator remembers, per server address, the datasets whose EvictDataset did not
-reach that server (the call failed or was dropped, or the server was out of the ring),
-and repeats them first at the server's next reconcile: Stats cannot tell a re-planned
+The actuator remembers, per server address, the datasets whose EvictDataset has not
+reached that server (the call is queued, failed or was dropped, or the server was out of
+the ring), and repeats them first at the server's next reconcile: Stats cannot tell a re-planned
 dataset's old chunk tags from the new plan's. That memory is journaled here: the model
 keeps it as ``owed`` (address -> sorted datasets), set only by ``evictions_owed`` events
 that carry the whole map as it stands, as ``workers`` events carry a job's whole policy.

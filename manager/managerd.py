@@ -82,8 +82,9 @@ class ManagerDaemon:
                                  token=token)
         self.store = StateStore(cfg.state_dir, cfg.model, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync,
                                 clock=self.clock, on_effects=self.actuator.submit)
-        self.store.open()
-        self.actuator.restore(StoreLedger(self.store))  # EvictDatasets servers missed before a restart
+        # EvictDatasets servers missed before a restart, and the servers the state knows: before
+        # a re-plan by changed flags (a configure event as the state opens) is carried out
+        self.store.open(on_loaded=lambda: self.actuator.restore(StoreLedger(self.store)))
         self.liveness = Liveness(self.clock())
         self._grpc_pool = futures.ThreadPoolExecutor(32, thread_name_prefix="grpc")
         self.grpc = grpc.server(self._grpc_pool,

@@ -168,7 +168,10 @@ class StateStore:
         return os.path.join(self.dir, "journal.jsonl")
 
     # ---------------------------------------------------------------- open / load
-    def open(self) -> "StateStore":
+    def open(self, on_loaded: Callable[[], None] | None = None) -> "StateStore":
+        """Lock, load and compact the state. ``on_loaded`` runs once it is loaded, before a
+        ``configure`` event for changed flags: their effects (a re-plan's EvictDatasets)
+        go to an ``on_effects`` that already knows what the state kept (actuator.restore)."""
         os.makedirs(self.dir, exist_ok=True)
         self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -180,6 +183,8 @@ class StateStore:
             with self.lock:
                 self._load()
                 self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if on_loaded is not None:
+                    on_loaded()
                 if self.model.config != self.config:
                     # Flags changed since the state was written: the change is an
                     # event like any other, so replay stays exact.
