@@ -42,7 +42,7 @@ from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
 from cacheserver.vocab import FETCH, HIT, PENDING
 
-from . import capability, checked, inserts, itemview
+from . import capability, checked, inserts, itemview, readwatch
 from .coalesce import BatchClaims
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
@@ -76,8 +76,11 @@ class CachedDataset(_TorchDataset):
                  cache_dir: str | None = None, capacity: int | str = DEFAULT_CAPACITY,
                  verify_hash: bool = True, insert: bool = True, fetch_threads: int = 16,
                  coalesce: bool = True, claims: bool = True, down_backoff: float = 2.0,
-                 n_gpus: int = 1, keep_freed_memory: bool = True, transform: Any = None) -> None:
+                 n_gpus: int = 1, keep_freed_memory: bool = True, transform: Any = None,
+                 read_warning: float | None = readwatch.READ_WARNING_S) -> None:
         _not_while_spawning()
+        readwatch.check(read_warning)
+        self.read_warning = read_warning  # seconds a store read may hang before a warning (readwatch.py)
         # absolute: workers reload it from there, whatever their working directory
         self._digest_path = None if isinstance(digest, Digest) else os.path.abspath(os.fspath(digest))
         self.digest = digest if isinstance(digest, Digest) else Digest.load(digest)
@@ -560,9 +563,16 @@ class CachedDataset(_TorchDataset):
     def _read_store(self, st: ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, always checked against the digest (ItemMismatch
         names a changed item: stale data never reaches training). verify_hash
-        only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids."""
-        return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
-                          concurrency=st.read_threads, pool=st.pool)
+        only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids.
+        Marked in flight meanwhile: a read that hangs is warned about (readwatch.py)."""
+        warn = self.read_warning
+        key = readwatch.WATCH.begin(warn, self.digest, indices) if warn is not None and indices else None
+        try:
+            return read_items(self.digest, indices, st.fs, verify=True, by_key=self.plain_records and self.insert,
+                              concurrency=st.read_threads, pool=st.pool)
+        finally:
+            if key is not None:
+                readwatch.WATCH.end(key)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch and insert items ahead of need (the loading chunk); not counted as reads.

@@ -36,8 +36,22 @@ Running = tuple[Any, Any, int, int]
 
 def check_limits(step_warning: float | None, step_timeout: float | None) -> None:
     for name, v in (("step_warning", step_warning), ("step_timeout", step_timeout)):
-        if v is not None and (not isinstance(v, Real) or isinstance(v, bool) or not v > 0):
-            raise ValueError(f"{name} must be a number of seconds > 0, or None (off), got {v!r}")
+        check_seconds(name, v)
+
+
+def check_seconds(name: str, v: Any) -> None:
+    """A limit in seconds: a number > 0, or None (off); else a ValueError naming it."""
+    if v is not None and (not isinstance(v, Real) or isinstance(v, bool) or not v > 0):
+        raise ValueError(f"{name} must be a number of seconds > 0, or None (off), got {v!r}")
+
+
+def due(next_at: dict[Any, float], key: Any, secs: float, warn_s: float) -> bool:
+    """Whether `key`, stuck for `secs`, is due a warning: first at `warn_s`, then at twice
+    the time of its last one (kept in next_at: a key there has been warned about)."""
+    if secs < next_at.get(key, warn_s):
+        return False
+    next_at[key] = 2 * secs
+    return True
 
 
 class Slot:
@@ -128,12 +142,13 @@ class StallWatch:
                     self.ended.add(r)
                     self.next.pop(r, None)
                     over.append((r, secs))
-            elif self.warn_s and secs >= self.next.get(r, self.warn_s):
-                self.warned += r not in self.next
-                self.next[r] = 2 * secs
-                end = f"it fails at step_timeout={self.timeout_s:g} s" if self.timeout_s else self.advice
-                log.warning("preprocessing: %s has run for %s (%s); %s", self.what(r[1], r[2]), seconds(secs),
-                            self.where(r[0]), end)
+            elif self.warn_s:
+                first = r not in self.next
+                if due(self.next, r, secs, self.warn_s):
+                    self.warned += first
+                    end = f"it fails at step_timeout={self.timeout_s:g} s" if self.timeout_s else self.advice
+                    log.warning("preprocessing: %s has run for %s (%s); %s", self.what(r[1], r[2]),
+                                seconds(secs), self.where(r[0]), end)
         self.ended &= seen
         for r in [r for r in self.next if r not in seen]:
             del self.next[r]
@@ -155,7 +170,12 @@ def seconds(secs: float) -> str:
 def every(watch: StallWatch) -> float:
     """How often to look: a fraction of the shortest limit (bounded)."""
     limits = [s for s in (watch.warn_s, watch.timeout_s) if s]
-    return min(1.0, max(0.02, min(limits) / 10)) if limits else 1.0
+    return look_every(min(limits)) if limits else 1.0
+
+
+def look_every(shortest: float) -> float:
+    """A watcher's period for its shortest limit: a tenth of it, within 0.02-1 s."""
+    return min(1.0, max(0.02, shortest / 10))
 
 
 class Watchdog:
