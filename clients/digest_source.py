@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
-from clients.digest_paths import url_quoted
+from clients.digest_paths import path_problem, url_quoted
 
 class ToolError(Exception):
     """A runtime failure, reported as 'digest: error: ...' with exit code 1."""
@@ -108,6 +108,15 @@ def _check_utf8(rel: str) -> None:
         raw = rel.encode("utf-8", "surrogateescape")
         raise ToolError(f"cannot digest {raw!r}: its name is not valid UTF-8; rename it "
                         "or pass --exclude") from None
+
+
+def _check_entry(rel: str) -> None:
+    """A name the digest would refuse as an entry (a backslash makes '\\x' absolute and
+    '..\\x' escaping, as a Windows reader would take them), refused before the hashing,
+    not by DigestBuilder after it."""
+    why = path_problem(rel)
+    if why:
+        raise ToolError(f"cannot digest {rel!r}: as a digest path it {why}; rename it or pass --exclude")
 
 
 def _url_name(rel: str, src: str) -> str:
@@ -216,6 +225,7 @@ def list_source(
         if any(fnmatch.fnmatchcase(rel, pat) for pat in excludes):
             continue
         _check_utf8(rel)
+        _check_entry(rel)
         if kind != "file":
             what = _not_a_file(path, info)
             if what:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
-import fnmatch
 import json
 import os
 import random
@@ -174,12 +173,12 @@ def _without_output(files: list[SourceFile], out: Path) -> list[SourceFile]:
     """files less the digest being written and Digest.save's temp files, when SRC holds
     them: a second run would digest the first one's output, which it then replaces."""
     where = os.path.realpath(out.parent)
-    temp = f".{out.name}.*.tmp"
+    prefix = f".{out.name}."  # mkstemp's: not a glob, which '[' in the name would make a class
 
     def ours(f: SourceFile) -> bool:
         name = os.path.basename(f.path)
-        return ((name == out.name or fnmatch.fnmatchcase(name, temp))
-                and os.path.realpath(os.path.dirname(f.path)) == where)
+        temp = name.startswith(prefix) and name.endswith(".tmp") and len(name) > len(prefix) + 4
+        return (name == out.name or temp) and os.path.realpath(os.path.dirname(f.path)) == where
     return [f for f in files if not ours(f)]
 
 
