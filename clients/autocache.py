@@ -26,7 +26,9 @@ A loader's autocache state (`state`), its transitions:
     found                         auto: the transformed items of items spread over the
                                   dataset (outside the sample, which the probe puts) were in
                                   the cache already (another job ran this pipeline):
-                                  transformed at once, nothing measured (Cachew §4.4 too)
+                                  transformed at once, nothing measured (Cachew §4.4 too);
+                                  under a manager the probes are still reported, so that
+                                  it counts this job on the set (its decision holds)
 The caching point is the user's marker (preprocess.autocache / cache_at=) or the end of
 the cacheable prefix. Nothing is kept when it is 0 (the first step is random), when
 the key cannot be made (a step or decode that cannot be fingerprinted, a decode that
@@ -270,6 +272,25 @@ class Autocache:
             self.mode, self.state = "transformed", "found"
             self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} items' transformed "
                                                         f"items were cached already (another job)")
+            self._report_found(engine)
+
+    def _report_found(self, engine: Any) -> None:
+        """Found, under a manager: report the pipeline all the same (on the probes and the
+        sample). The manager counts a job on a transformed set only once it reported it (a
+        job registered again under its name reads its source dataset until then), so the
+        set this job reads would go idle and be dropped under it. The manager's decision
+        for the pipeline holds; unreachable, the found one does."""
+        coord = self.ds.coordinator
+        if coord is None:
+            return
+        from .automeasure import estimate, probe
+
+        self.probes = probe(self, engine)
+        costs = estimate(self, engine, len(self.ds))
+        d = coord.autocache_decision(self.ds.dataset_tag, self.key, costs)
+        if d is not None:
+            self.costs, self.decision = costs, d
+            self.mode, self.state = d.mode, ("found" if d.mode == "transformed" else "estimated")
 
     def _estimate(self, engine: Any) -> None:
         """Probe the read path (the workers not started yet) and estimate: the mode the
