@@ -130,17 +130,19 @@ class SharedMode:
         raise RuntimeError("autocache: the shared mode stayed mid-update")
 
 
-def transform_key(ds: Any, pipeline: Any, cut: int) -> str:
+def transform_key(ds: Any, pipeline: Any, cut: int, seed: int | None = None) -> str:
     """What the transformed items of ds under the pipeline's first `cut` steps are keyed
     by (with each item's content key): those steps and the decode that makes their
-    input. Raises Uncacheable where the output is not a function of the content."""
+    input, and where those steps draw random numbers the job's `seed`: jobs of other
+    seeds make other items, so they are other sets for the manager (sized, shared and
+    decided apart). Raises Uncacheable where the output is not a function of the content."""
     if ds.samples is not None:
         raise Uncacheable("WebDataset samples carry their key and shard URL: not a function of the content")
     if ds.decode is not None and ds._decode_entry:
         raise Uncacheable("decode takes the entry (path, target): its output is not a function of the content")
     dec = "" if ds.decode is None else fingerprint(ds.decode, path="decode")
     # seeded steps draw by their written position and from torch's generator too
-    seeded = (tuple(pipeline.order[:cut]), library_version("torch")) if pipeline.seeded(cut) else ()
+    seeded = (tuple(pipeline.order[:cut]), library_version("torch"), seed) if pipeline.seeded(cut) else ()
     return sub_fingerprint(("mlcache-autocache/1", dec, pipeline.fingerprint(cut), seeded))
 
 
@@ -232,7 +234,7 @@ class Autocache:
             self.why_not = f"step {j} ({pipe.steps[j].name}) is random and runs first: nothing comes before it"
             return
         try:
-            self.key = transform_key(ds, pipe, self.cut)
+            self.key = transform_key(ds, pipe, self.cut, self.seed)
         except Uncacheable as e:
             self.why_not = str(e)
             return

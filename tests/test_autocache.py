@@ -19,6 +19,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from clients.derived import derived_id, derived_key, open_derived  # noqa: E402
 from filedigest import write_files_digest  # noqa: E402
 from preprocess import Pipeline, autocache, step  # noqa: E402
+from preprocess.remote.spec import default_key  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 N, B = 64, 8
@@ -427,10 +428,14 @@ def test_a_random_step_seeded_alike_every_epoch_is_kept_under_the_seed(tmp_path,
         wait_kept(ds, loader)
         (e2, s2), = collect(loader, 1)
         assert s2.transformed["hits"] == N and e1 == e2 == collect(ref, 1)[0][0]  # the same draws each epoch
+        key4 = loader.autocache.key
+        assert default_key(ds, p, 3, 4) == (key4, 4)  # remote workers find the loader's items
     finally:
         loader.close()
     _, lo = one_epoch(path, server, p, wait=False)  # another seed, other draws: another key
     assert lo.epoch_stats[-1].transformed["hits"] == 0
+    # and another set for the manager (sized and decided apart), not one with twice the items
+    assert lo.autocache.seed != 4 and lo.autocache.key not in ("", key4)
     # declared per_epoch=False, but it draws from the OS: caught, and the point moves before it
     q = Pipeline([as_array, step(urandom_noise, random=True, per_epoch=False), total])
     with pytest.warns(UserWarning, match="per_epoch=False but gave different outputs"):

@@ -83,7 +83,7 @@ def test_a_revised_order_moves_the_caching_point(tmp_path, server):
         assert lo.autocache.cut == 2
         epochs = [sorted(x for b in lo for x in b) for _ in range(4)]
         assert lo.preprocess.pipeline.order == (0, 2, 1, 3)  # revised: the flip first
-        assert lo.autocache.cut == 1 and lo.autocache.key == transform_key(ds, lo.preprocess.pipeline, 1)
+        assert lo.autocache.cut == 1 and lo.autocache.key == transform_key(ds, lo.preprocess.pipeline, 1, lo.autocache.seed)
         assert epochs[2] != epochs[3]  # the flip draws anew each epoch
     finally:
         lo.close()

@@ -73,7 +73,7 @@ def default_key(ds: Any, pipeline: Any, n: int, job_seed: int) -> tuple[str, int
     seed = job_seed if pipeline.seeded(n) else None
     if seed is not None and not -(1 << 63) <= seed < (1 << 63):
         raise Uncacheable(f"the job's seed {seed} does not fit in 64 bits (the transformed items' keys hold it)")
-    return transform_key(ds, pipeline, n), seed
+    return transform_key(ds, pipeline, n, seed), seed
 
 
 def open_dataset(spec: WorkSpec) -> Any:
