@@ -86,8 +86,13 @@ def _put(x: Any, parts: list[bytes], depth: int, path: str) -> None:
 
 
 def _put_tensor(x: Any, parts: list[bytes], path: str) -> None:
-    t = x.detach().cpu().resolve_conj().resolve_neg()
+    # a quantized tensor's scale and zero point, a sparse tensor's indices, a nested
+    # tensor's parts are not its bits: refused, never stored as something else
+    if x.is_quantized or x.layout is not _strided() or x.is_meta or getattr(x, "is_nested", False):
+        kind = "quantized" if x.is_quantized else "meta" if x.is_meta else "nested" if x.is_nested else str(x.layout)
+        raise Uncacheable(f"{path}: a {kind} tensor cannot be cached")
     try:
+        t = x.detach().cpu().resolve_conj().resolve_neg()
         a = t.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16, float8): below
         pass
@@ -105,6 +110,12 @@ def _put_tensor(x: Any, parts: list[bytes], path: str) -> None:
     name = str(t.dtype).removeprefix("torch.").encode()
     parts += [b"q", bytes([len(name)]), name]  # then its bits as an integer array, viewed back on decoding
     _put_array(a, parts, b"", path)
+
+
+def _strided() -> Any:
+    import torch  # loaded: only called for one of its tensors
+
+    return torch.strided
 
 
 def _put_image(x: Any, parts: list[bytes], depth: int, path: str) -> None:

@@ -114,6 +114,19 @@ def test_bfloat16_tensors_are_keyed_stored_and_odd_tensors_refused():
         Pipeline([functools.partial(torch.mul, torch.ones(2).to_sparse())]).fingerprint()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: quantized tensors deprecated, nested ones a prototype
+def test_tensors_whose_bits_are_not_their_values_are_refused_as_uncacheable():
+    """Before: a quantized tensor was stored as its integers and came back without its scale
+    and zero point (printing it raised); a meta or nested one raised NotImplementedError or
+    RuntimeError out of encode, which failed the loader or the item, not "not cacheable"."""
+    torch = pytest.importorskip("torch")
+    for kind, t in (("quantized", torch.quantize_per_tensor(torch.rand(4), 0.1, 3, torch.quint8)),
+                    ("meta", torch.empty(3, device="meta")),
+                    ("nested", torch.nested.nested_tensor([torch.rand(2), torch.rand(3)]))):
+        with pytest.raises(Uncacheable, match=f"a {kind} tensor cannot be cached"):
+            encode(t)
+
+
 def test_palette_images_keep_their_palette():
     Image = pytest.importorskip("PIL.Image")
     img = Image.new("P", (2, 1))
