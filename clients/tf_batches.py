@@ -21,10 +21,16 @@ both fail TensorFlow's cardinality check, which says nothing of why).
 
 TicketFeed does the same with several batches read at once (tf_dataset's
 `read_parallel`): the batches are planned in order and handed on in order.
+
+At interpreter exit the feeds end their iterations (CALLS): an iterator still open
+then would otherwise hang the exit.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +42,57 @@ if TYPE_CHECKING:
 _END = np.empty(0, dtype=object)
 _NO_TICKET = np.int64(-1)
 _NEW = np.int64(-1)  # the token of an iteration's first call: start an epoch
+QUIET_AT_EXIT = 0.2  # seconds without a call into a feed, at exit: TensorFlow's threads stopped calling
+EXIT_WAIT = 40.0  # the longest wait at exit (a read in progress may wait 30 s for other jobs' inserts)
+
+
+class _Calls:
+    """TensorFlow's calls into the feeds, counted for the interpreter's exit.
+
+    A TensorFlow thread that calls into Python once the interpreter is finalizing never
+    returns, and an iterator still open then (a global `it = iter(ds)`, one held by a
+    traceback) is destroyed after that, waiting forever for its read-ahead thread (our
+    prefetch, or the one tf.data injects), which was reading or about to: the process hung at
+    exit. At exit (atexit runs before finalizing) the feeds end every iteration at its next
+    call and start none, and the exit waits for the calls under way and until none has come
+    for QUIET_AT_EXIT: the threads then have their iterations' ends and call no more."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._last = 0.0  # when a call last ended or a feed was made (time.monotonic); 0: neither yet
+        self.exiting = False
+
+    def touch(self) -> None:
+        """A feed was made: its iterator's first call may come any moment."""
+        with self._lock:
+            self._last = time.monotonic()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[bool]:
+        """Around each call from TensorFlow; gives whether to end the iteration (exiting)."""
+        with self._lock:
+            self._running += 1
+        try:
+            yield self.exiting
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._last = time.monotonic()
+
+    def drain(self) -> None:
+        """At exit: end the feeds' iterations; wait until TensorFlow's threads stop calling."""
+        self.exiting = True
+        deadline = time.monotonic() + EXIT_WAIT
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._running and (not self._last or time.monotonic() - self._last >= QUIET_AT_EXIT):
+                    return
+            time.sleep(0.01)  # lets go of the GIL: a thread waiting for it to call comes in
+
+
+CALLS = _Calls()
+atexit.register(CALLS.drain)
 
 
 def overlapped() -> RuntimeError:
@@ -63,6 +120,7 @@ class Starter:
         self.start = start
         self._token = 0  # the iteration now running (from_generator makes one generator per iterator)
         self._gen: Any = None  # its generator
+        CALLS.touch()
 
     def __call__(self) -> Iterator[Any]:
         self._token += 1
@@ -84,12 +142,15 @@ class Starter:
         would share the sampler, and the preprocessing workers)."""
         try:
             while True:
-                if token != self._token:
-                    raise overlapped()
-                try:
-                    item = next(gen)
-                except StopIteration:
-                    return
+                with CALLS.call() as exiting:
+                    if exiting:  # the interpreter exits: end here (_Calls)
+                        return
+                    if token != self._token:
+                        raise overlapped()
+                    try:
+                        item = next(gen)
+                    except StopIteration:
+                        return
                 yield item
         finally:
             gen.close()  # type: ignore[attr-defined]
@@ -109,11 +170,14 @@ class Feed:
         self._lock = threading.Lock()  # TensorFlow may call from any of its threads
         self._gen: Iterator[np.ndarray] | None = None
         self._token = 0  # the iteration now running
+        CALLS.touch()
 
     def next_batch(self, token: np.int64) -> tuple[np.int64, np.ndarray]:
         """(the iteration's token, its next batch; an empty one at its end). `token`: -1
         on the iteration's first call, which starts it; an earlier iteration's raises."""
-        with self._lock:
+        with CALLS.call() as exiting, self._lock:
+            if exiting:  # the interpreter exits: end the iteration, start none (_Calls)
+                return np.int64(token), _END
             if token == _NEW:
                 self._close()
                 self._token += 1
@@ -197,11 +261,14 @@ class TicketFeed:
         self._reading = 0  # tickets planned in this epoch whose reads have not finished
         self._planned_all = False
         self._token = 0  # the iteration now running
+        CALLS.touch()
 
     def plan(self, token: np.int64) -> tuple[np.int64, np.int64]:
         """(the iteration's token, the ticket of its next batch; -1 at the epoch's end).
         `token`: -1 on the iteration's first call, which starts an epoch."""
-        with self._lock:
+        with CALLS.call() as exiting, self._lock:
+            if exiting:  # the interpreter exits: plan no more (_Calls)
+                return np.int64(token), _NO_TICKET
             if token == _NEW:
                 self._end(False)  # an epoch left open was stopped early
                 self._token += 1
@@ -229,7 +296,12 @@ class TicketFeed:
         return np.int64(ticket)
 
     def read(self, token: np.int64, ticket: np.int64) -> np.ndarray:
-        """The items of the batch planned under `ticket` (read outside the lock)."""
+        """The items of the batch planned under `ticket` (read outside the lock); none
+        once the interpreter exits (_Calls)."""
+        with CALLS.call() as exiting:
+            return _END if exiting else self._read(token, ticket)
+
+    def _read(self, token: np.int64, ticket: np.int64) -> np.ndarray:
         with self._lock:
             if token != self._token:
                 raise overlapped()

@@ -32,7 +32,9 @@ workers instead and the dataset yields the function's outputs (tf_transform.py).
 """
 from __future__ import annotations
 
+import numbers
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -178,14 +180,15 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
     import tensorflow as tf
 
-    options = _check_arguments(read_batch, read_parallel, rank, world_size, map_fn, num_workers, dataset_kwargs)
+    options = _check_arguments(read_batch, read_ahead, read_parallel, rank, world_size, map_fn, num_workers,
+                               dataset_kwargs)
     _check_modes(autocache, transform, map_fn)
     # samples=False: one element per digest entry, tar members too (no WebDataset grouping)
     cached = CachedDataset(digest, cache, manager, job, samples=False, **dataset_kwargs)
     engine = ac = None
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
-                               miss_seed=miss_seed, rank=rank or 0, world_size=world_size or 1)
+                               miss_seed=miss_seed, rank=rank or 0, world_size=1 if world_size is None else world_size)
         if map_fn is not None:  # autocache keeps map_fn's outputs, as the PyTorch loader its transform's
             engine, ac = tf_transform.make_engine(cached, map_fn, num_workers, seed, options, autocache, epochs)
             if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
@@ -204,18 +207,33 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     except BaseException:
         source.close()
         raise
+    return _handed_out(ds, source)
+
+
+def _handed_out(ds: "tf.data.Dataset", source: TFSource) -> "tf.data.Dataset":
+    """ds with its source as `ds.mlcache`, closed once ds is collected: TensorFlow keeps the
+    feeds, and so the source (cache client, threads, preprocessing workers), for the life of
+    the process. Not a dataset made while tracing (in a tf.function, a dataset's function):
+    the traced graph runs it after its Python object is gone."""
+    import tensorflow as tf
+
     ds.mlcache = source
+    if tf.executing_eagerly():
+        weakref.finalize(ds, source.close)
     return ds
 
 
-def _check_arguments(read_batch: int, read_parallel: int, rank: int | None, world_size: int | None, map_fn: Any,
-                     num_workers: int | None, dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _check_arguments(read_batch: int, read_ahead: int, read_parallel: int, rank: int | None,
+                     world_size: int | None, map_fn: Any, num_workers: int | None,
+                     dataset_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Refuse what tf_dataset cannot do, naming what to do instead; take the scheduler's
     options out of dataset_kwargs (returned)."""
-    if read_batch < 1:
-        raise ValueError(f"read_batch must be >= 1, got {read_batch}")
-    if read_parallel < 1:
-        raise ValueError(f"read_parallel must be >= 1, got {read_parallel}")
+    for name, value, least in (("read_batch", read_batch, 1), ("read_ahead", read_ahead, 0),
+                               ("read_parallel", read_parallel, 1)):
+        if not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     if (rank is None) != (world_size is None):
         raise ValueError(f"pass rank= and world_size= together (got rank={rank}, world_size={world_size})")
     for name in ("decode", "target", "samples"):
