@@ -128,8 +128,14 @@ class CachedDataset(_TorchDataset):
     def _set_cache(self, cache: str | None | bool, cache_dir: str | None, capacity: int | str) -> None:
         """The ring every process reads (cache_spec: resolved addresses, or None for no
         cache), the embedded cache when `cache` is None, and how hits are checked."""
+        if cache is not None and not isinstance(cache, (str, bool)):
+            raise TypeError(f"cache must be None (the embedded default), False (no cache) or cache server "
+                            f"addresses as 'host:port[,host:port...]', got {type(cache).__name__} {cache!r}")
         if cache is False:  # no cache at all: every read goes to the store (a baseline)
             cache = None
+        elif cache is True:
+            raise ValueError("cache=True names no cache: pass None (the embedded default), False (no cache) "
+                             "or cache server addresses 'host:port[,host:port...]'")
         elif cache is None:
             self.embedded = EmbeddedCache.shared(cache_dir, parse_size(capacity))
             cache = self.embedded.address

@@ -358,3 +358,12 @@ def test_a_worker_refuses_a_digest_file_replaced_under_it(tmp_path):
     shutil.copy(pb, path)  # refreshed while the job runs
     with pytest.raises(ValueError, match=f"digest file {path} changed since this dataset was made"):
         list(ds.loader(batch_size=5, num_workers=1))
+
+
+def test_a_cache_argument_of_the_wrong_type_is_named(tmp_path):
+    """Before: cache=123 raised AttributeError ('int' object has no attribute 'split')."""
+    digest, _ = make_dataset(tmp_path / "ds", n=2)
+    with pytest.raises(TypeError, match="cache must be None .* got int 123"):
+        CachedDataset(digest, cache=123)
+    with pytest.raises(ValueError, match="cache=True names no cache"):
+        CachedDataset(digest, cache=True)
