@@ -19,23 +19,32 @@ from procs import cachemanager, cacheserver, free_port, wait_ring, wait_until
 A, B = "a1" * 16, "b2" * 16
 
 
-
-
 def _keys(n: int, seed: int) -> list[bytes]:
     rng = random.Random(seed)
     return [rng.randbytes(32) for _ in range(n)]
 
 
-@pytest.mark.parametrize("restart", [False, True])
-def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_again(tmp_path, restart):
+def _full_dataset_on(mc: ManagerClient, sc: ServerClient, keys: list[bytes]) -> None:
+    """Job j1 on A (200 kB): FULL; its entries (chunk 0, active: pinned) on the server."""
+    assert mc.register_job("j1", A, 200_000, 20).plan.option == "full"
+    sc.put([(k, b"v" * 10_000) for k in keys], dataset=A, chunk=0)
+    mc.report_loaded(A, 0, 1.0)
+    wait_until(lambda: sc.stats().active_chunks.get(A) == 0, "the active chunk on the server")
+
+
+@pytest.mark.parametrize("call,restart", [("failed", False), ("failed", True), ("queued", True)])
+def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_again(tmp_path, call, restart):
     """A FULL dataset's entries (chunk 0, active: protected) are on a server that does not
     answer when a second job re-plans the dataset FULL -> CHUNKED: its EvictDataset times
     out. Reconcile sees chunk 0 resident in the new plan too, so before the fix the server
     kept the whole dataset pinned (200 kB where the plan allows 40 kB of it) until chunk 0
     turned over. With `restart`, the manager is killed (kill -9) and started again before
-    the server answers: the missed eviction is journaled (manager/evictledger.py)."""
+    the server answers: the missed eviction is journaled (manager/evictledger.py). "queued":
+    killed while the call still waits (--server-timeout 30): an EvictDataset is owed from
+    the moment it is queued, not only once its call failed."""
+    timeout = "0.5" if call == "failed" else "30"
     args = ("--chunks", "--budget", "300kB", "--chunk-size", "100kB", "--heartbeat-misses", "100",
-            "--server-timeout", "0.5")
+            "--server-timeout", timeout)
     port = free_port()
     m = cachemanager(str(tmp_path / "m"), port, *args).start()
     s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
@@ -43,16 +52,14 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
     try:
         wait_ring(m.address, 1)
         with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
-            assert mc.register_job("j1", A, 200_000, 20).plan.option == "full"
-            sc.put([(k, b"v" * 10_000) for k in keys], dataset=A, chunk=0)
-            mc.report_loaded(A, 0, 1.0)
-            wait_until(lambda: sc.stats().active_chunks.get(A) == 0, "the active chunk on the server")
+            _full_dataset_on(mc, sc, keys)
             os.kill(s.pid, signal.SIGSTOP)
             try:
                 mc.register_job("j2", B, 250_000, 25, n_gpus=8)
                 assert mc.get_plan(A, "j1").option == "chunked"
                 log = str(tmp_path / "m" / "manager.log")
-                wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
+                if call == "failed":
+                    wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
                 if restart:
                     m.kill()
                     m = cachemanager(str(tmp_path / "m"), port, *args).start()
@@ -63,6 +70,35 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
             assert m.stop() == 0  # paid is journaled too: the state written at exit owes nothing
             with open(tmp_path / "m" / "snapshot.json") as f:
                 assert "owed" not in json.load(f)["state"]
+    finally:
+        s.kill()
+        m.kill()
+
+
+def test_a_re_plan_decided_as_the_manager_starts_reaches_a_server_out_of_the_ring_when_back(tmp_path):
+    """The server left the ring (it stopped answering heartbeats); the manager restarts with a
+    smaller --budget, which re-plans A FULL -> CHUNKED as it opens its state. The server
+    comes back: before the fix it got no EvictDataset (the actuator learnt the servers the
+    state knows only after the configure event), and A's old entries stayed pinned."""
+    chunks = ("--chunks", "--chunk-size", "100kB")
+    port = free_port()
+    m = cachemanager(str(tmp_path / "m"), port, *chunks, "--budget", "300kB").start()
+    s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    keys = _keys(20, 2)
+    try:
+        wait_ring(m.address, 1)
+        with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
+            _full_dataset_on(mc, sc, keys)
+            os.kill(s.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: not mc.get_ring().addresses, "the server to leave the ring")
+                assert m.stop() == 0
+                m = cachemanager(str(tmp_path / "m"), port, *chunks, "--budget", "100kB").start()
+                assert mc.get_plan(A, "j1").option == "chunked"
+            finally:
+                os.kill(s.pid, signal.SIGCONT)
+            wait_ring(m.address, 1)
+            wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
     finally:
         s.kill()
         m.kill()
