@@ -28,7 +28,6 @@ then would otherwise hang the exit.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,17 +67,18 @@ class _Calls:
         with self._lock:
             self._last = time.monotonic()
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[bool]:
-        """Around each call from TensorFlow; gives whether to end the iteration (exiting)."""
+    def __enter__(self) -> bool:
+        """`with CALLS as exiting:` around each call from TensorFlow; exiting: end the
+        iteration. A plain context manager, not a generator one: from_generator's modes
+        come here once per element."""
         with self._lock:
             self._running += 1
-        try:
-            yield self.exiting
-        finally:
-            with self._lock:
-                self._running -= 1
-                self._last = time.monotonic()
+        return self.exiting
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._running -= 1
+            self._last = time.monotonic()
 
     def drain(self) -> None:
         """At exit: end the feeds' iterations; wait until TensorFlow's threads stop calling."""
@@ -142,7 +142,7 @@ class Starter:
         would share the sampler, and the preprocessing workers)."""
         try:
             while True:
-                with CALLS.call() as exiting:
+                with CALLS as exiting:
                     if exiting:  # the interpreter exits: end here (_Calls)
                         return
                     if token != self._token:
@@ -175,7 +175,7 @@ class Feed:
     def next_batch(self, token: np.int64) -> tuple[np.int64, np.ndarray]:
         """(the iteration's token, its next batch; an empty one at its end). `token`: -1
         on the iteration's first call, which starts it; an earlier iteration's raises."""
-        with CALLS.call() as exiting, self._lock:
+        with CALLS as exiting, self._lock:
             if exiting:  # the interpreter exits: end the iteration, start none (_Calls)
                 return np.int64(token), _END
             if token == _NEW:
@@ -266,7 +266,7 @@ class TicketFeed:
     def plan(self, token: np.int64) -> tuple[np.int64, np.int64]:
         """(the iteration's token, the ticket of its next batch; -1 at the epoch's end).
         `token`: -1 on the iteration's first call, which starts an epoch."""
-        with CALLS.call() as exiting, self._lock:
+        with CALLS as exiting, self._lock:
             if exiting:  # the interpreter exits: plan no more (_Calls)
                 return np.int64(token), _NO_TICKET
             if token == _NEW:
@@ -298,7 +298,7 @@ class TicketFeed:
     def read(self, token: np.int64, ticket: np.int64) -> np.ndarray:
         """The items of the batch planned under `ticket` (read outside the lock); none
         once the interpreter exits (_Calls)."""
-        with CALLS.call() as exiting:
+        with CALLS as exiting:
             return _END if exiting else self._read(token, ticket)
 
     def _read(self, token: np.int64, ticket: np.int64) -> np.ndarray:
