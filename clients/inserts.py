@@ -80,8 +80,7 @@ def batch_bytes(ring: Any, most: int, core: Any = None) -> int:
     more is refused whole, and a get's answer past it is cut (the rest answered as misses)."""
     if core is not None:
         return min(most, core.limits.max_batch_bytes)
-    limit = getattr(ring, "batch_limit", None)  # None: no ring, or one wrapped without it
-    known = limit() if limit is not None else None
+    known = ring.batch_limit() if ring is not None else None  # None: no cache, or no server heard yet
     return min(most, known) if known else most
 
 

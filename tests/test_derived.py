@@ -134,6 +134,9 @@ def test_the_put_probe_is_not_moved_by_one_stalled_put(server):
                 time.sleep(self.stall_s)
             return self.ring.put(*a, **kw)
 
+        def batch_limit(self):
+            return self.ring.batch_limit()
+
     Ks = [hashlib.sha256(b"probe%d" % i).digest() for i in range(16)]
     with RingClient([server.address]) as ring:
         slow = Stalls(ring, 0.5)
