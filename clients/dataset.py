@@ -31,7 +31,6 @@ import operator
 import os
 import pickle
 import socket
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,10 +39,9 @@ from cacheserver import inproc
 from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
-from cacheserver.vocab import FETCH, HIT, PENDING
+from cacheserver.vocab import HIT, PENDING
 
-from . import capability, checked, inserts, itemview, readwatch
-from .coalesce import BatchClaims
+from . import capability, checked, fill, inserts, itemview, readwatch
 from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
 from .storeread import read_items
@@ -54,10 +52,6 @@ from .stats import SharedCounters
 from .stats import worker_row as _worker_row
 
 log = logging.getLogger("clients.dataset")
-# Longest wait for other jobs' inserts of items they claimed; a claim expires
-# sooner (claims.DEFAULT_TTL), after which the item is claimed anew, and what is
-# still awaited after this long is read here.
-CLAIM_WAIT_LIMIT = 30.0
 GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server answers up to its --max-batch-size
 
 try:  # torch is an extra: the rest of the package works without it
@@ -369,12 +363,12 @@ class CachedDataset(_TorchDataset):
         counts = dict(hits=n - len(todo), misses=len(todo), cache_bytes=cache_bytes, poisoned=len(poisoned),
                       vouched=sum(1 for j in range(n) if vouched[j] and opened[j] is not None) if vouched else 0)
         if todo:
-            items, fill = self._fill(st, [indices[j] for j in todo], [ids[j] for j in todo],
-                                     [j in poisoned for j in todo])
+            items, filled = fill.fill(self, st, [indices[j] for j in todo], [ids[j] for j in todo],
+                                      [j in poisoned for j in todo])
             for j, item in zip(todo, items):
                 out[j] = item
-            counts["poisoned"] += fill.pop("poisoned")  # found while waiting for another reader
-            counts.update(fill)
+            counts["poisoned"] += filled.pop("poisoned")  # found while waiting for another reader
+            counts.update(filled)
         self.counters.add(_worker_row(), **counts)
         return out
 
@@ -445,128 +439,11 @@ class CachedDataset(_TorchDataset):
         return ([b3[i].tobytes() for i in indices] if b3 is not None
                 else [self.digest.sha256(i) for i in indices])
 
-    def _open(self, i: int, value: memoryview) -> bytes | None:
+    def open_item(self, i: int, value: memoryview) -> bytes | None:
         """Decrypt and verify a cached value; None if it is poisoned."""
         return self._open_many(self._proc(), [i], [value])[0]
 
-    def _fill(self, st: ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
-              ) -> tuple[list[bytes], dict[str, int]]:
-        """Fetch misses from the store in parallel and insert them; items that
-        another job is reading meanwhile are taken from the cache instead."""
-        if self.claims and self.insert and st.ring is not None:
-            return self._fill_claimed(st, indices, ids, poisoned)
-        items: list[bytes | None] = [None] * len(ids)
-        with BatchClaims(st.coalescer, ids) as claims:  # released, every one, whatever raises
-            store_bytes, inserted = self._read_insert(st, indices, items, claims.mine, poisoned)
-            claims.release_mine()  # first: the readers this one waits for may wait for these
-            claims.wait_others()
-        waited = claims.others
-        coalesced = 0
-        bad: set[int] = set()  # poisoned values found after waiting: replaced, counted
-        if waited:
-            got = st.ring.get([ids[p] for p in waited], self.job) if st.ring is not None else [None] * len(waited)
-            for p, v in zip(waited, got):
-                if v is not None:
-                    items[p] = self._open(indices[p], v)
-                    if items[p] is None and not poisoned[p]:  # poisoned[p]: counted already
-                        bad.add(p)
-            coalesced = sum(items[p] is not None for p in waited)
-            late = [p for p in waited if items[p] is None]
-            late_bytes, late_inserted = self._read_insert(st, indices, items, late,
-                                                          [poisoned[p] or p in bad for p in range(len(ids))])
-            store_bytes += late_bytes
-            inserted += late_inserted
-        return items, dict(store_bytes=store_bytes, coalesced=coalesced, inserted=inserted, poisoned=len(bad))
-
-    def _fill_claimed(self, st: ProcessState, indices: list[int], ids: list[bytes], poisoned: list[bool]
-                      ) -> tuple[list[bytes], dict[str, int]]:
-        """_fill across hosts: claim the misses on their servers (cacheserver/claims.py),
-        read and insert those this job won, and wait for the others' inserts."""
-        n = len(ids)
-        codes = [FETCH] * n
-        # A poisoned value is ours to replace; an item the manager gives no space
-        # will not be inserted, so claiming it would only make others wait.
-        ask = [p for p in range(n) if not poisoned[p] and self.plan.insert_chunk(indices[p]) is not None]
-        for p, c in zip(ask, st.ring.claim([ids[p] for p in ask], self.job)):
-            codes[p] = c
-        items: list[bytes | None] = [None] * n
-        mine = [p for p in range(n) if codes[p] == FETCH]
-        store_bytes, inserted = self._read_claimed(st, indices, ids, items, mine, set(ask), poisoned)
-        waited = [p for p in range(n) if codes[p] != FETCH]
-        todo, bad, won = waited, set(), set()
-        deadline = time.monotonic() + CLAIM_WAIT_LIMIT
-        while todo:  # each round reads what it claimed anew, or is the last
-            todo, ours = self._await_inserts(st, indices, ids, todo, items, bad, deadline)
-            if not ours:
-                break
-            more_bytes, more_inserted = self._read_claimed(st, indices, ids, items, ours, set(ours), poisoned)
-            store_bytes, inserted = store_bytes + more_bytes, inserted + more_inserted
-            won.update(ours)
-        late = [p for p in waited if items[p] is None]  # poisoned, no claims to be had, or waited too long
-        late_bytes, late_inserted = self._read_insert(st, indices, items, late, [p in bad for p in range(n)])
-        return items, dict(store_bytes=store_bytes + late_bytes, coalesced=len(waited) - len(late) - len(won),
-                           inserted=inserted + late_inserted, poisoned=len(bad))
-
-    def _read_claimed(self, st: ProcessState, indices: list[int], ids: list[bytes], items: list[bytes | None],
-                      positions: list[int], claimed: set[int], replace: list[bool]) -> tuple[int, int]:
-        """_read_insert for positions of which `claimed` are this job's claims: those it
-        does not put (a store read failed, the put reached no store) are given up, so
-        that the jobs waiting on them go on at once."""
-        unput: list[int] = []
-        try:
-            got = self._read_insert(st, indices, items, positions, replace, unput)
-        except Exception:  # a store read failed: nobody is reading these now, say so before raising
-            inserts.give_up(self, st, [ids[p] for p in positions if p in claimed])
-            raise
-        inserts.give_up(self, st, [ids[p] for p in unput if p in claimed])
-        return got
-
-    def _read_insert(self, st: ProcessState, indices: list[int], items: list[bytes | None],
-                     positions: list[int], replace: list[bool], unput: list[int] | None = None
-                     ) -> tuple[int, int]:
-        """Read items[p] for these positions from the store and insert them (replacing
-        where replace[p]: a poisoned value). Returns (store bytes, inserted); `unput`
-        gets the positions whose put reached no server (inserts.insert)."""
-        for p, data in zip(positions, self._read_store(st, [indices[p] for p in positions])):
-            items[p] = data
-        missed: list[int] = []
-        inserted = inserts.insert(self, st, [(indices[p], items[p], replace[p]) for p in positions], missed)
-        if unput is not None:
-            unput.extend(positions[k] for k in missed)
-        return sum(len(items[p]) for p in positions), inserted
-
-    def _await_inserts(self, st: ProcessState, indices: list[int], ids: list[bytes], todo: list[int],
-                       items: list[bytes | None], bad: set[int], deadline: float) -> tuple[list[int], list[int]]:
-        """Take items from the cache as their claimants insert them, adding poisoned
-        positions to `bad`. An item nobody holds a claim on any more (given up, lapsed)
-        is claimed anew: one waiter wins it and the others wait on, where each used to
-        read it. Returns (still awaited, won) as soon as it wins any: the caller reads
-        those now, as others wait for them; ([], []) when done, (todo, []) at the deadline."""
-        delay = 0.002
-        while todo:
-            codes = st.ring.lookup_pending([ids[p] for p in todo], self.job)
-            ready = [p for p, c in zip(todo, codes) if c == HIT]
-            if ready:
-                for p, v in zip(ready, st.ring.get([ids[p] for p in ready], self.job)):
-                    if v is not None:
-                        items[p] = self._open(indices[p], v)
-                        if items[p] is None:
-                            bad.add(p)
-            free = [p for p, c in zip(todo, codes) if c != PENDING and items[p] is None and p not in bad]
-            todo = [p for p, c in zip(todo, codes) if c == PENDING]
-            if free and time.monotonic() < deadline:
-                again = st.ring.claim([ids[p] for p in free], self.job)
-                todo += [p for p, c in zip(free, again) if c != FETCH]  # WAIT, or PRESENT: got next round
-                won = [p for p, c in zip(free, again) if c == FETCH]
-                if won:
-                    return todo, won
-            if not todo or time.monotonic() >= deadline:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return todo, []
-
-    def _read_store(self, st: ProcessState, indices: list[int]) -> list[bytes]:
+    def read_store(self, st: ProcessState, indices: list[int]) -> list[bytes]:
         """Items from the store, always checked against the digest (ItemMismatch
         names a changed item: stale data never reaches training). verify_hash
         only governs cache reads. Items bound for a plain dir: by the SHA-256 of their ids.
@@ -600,9 +477,9 @@ class CachedDataset(_TorchDataset):
                 held.update(p for p, h in zip(ps, got) if h)
             keep = [p for p in range(n) if p not in held]
             indices, ids = [indices[p] for p in keep], [ids[p] for p in keep]
-        _, fill = self._fill(st, indices, ids, [False] * len(ids))
-        self.counters.add(_worker_row(), store_bytes=fill["store_bytes"], inserted=fill["inserted"],
-                          poisoned=fill["poisoned"], prefetched=n)
+        _, filled = fill.fill(self, st, indices, ids, [False] * len(ids))
+        self.counters.add(_worker_row(), store_bytes=filled["store_bytes"], inserted=filled["inserted"],
+                          poisoned=filled["poisoned"], prefetched=n)
 
     # ---- loader ---------------------------------------------------------
     def loader(self, batch_size: int, num_workers: int | None = 0, seed: int = 0, lookahead: int = 10,

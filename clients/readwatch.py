@@ -2,7 +2,7 @@
 repeated at a growing interval while the read stays in flight, and a line when it
 goes on (docs/client.md, Errors: "A store read hangs").
 
-A miss batch's store read (CachedDataset._read_store) is marked in flight in this
+A miss batch's store read (CachedDataset.read_store) is marked in flight in this
 process's one ReadWatch (begin/end: a counter, a clock read and a dict entry, a few
 hundred ns a batch; hits never come here). One daemon thread, started by the first
 read, reads the marks; it ends after IDLE_EXIT_S with nothing in flight, and a
