@@ -144,7 +144,7 @@ class _Hasher:
                 self.value(v, f"{path}[{k}]", d)
         elif isinstance(x, dict):
             self.put("dict", str(len(x)).encode())
-            for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])):
+            for k, v in _dict_items(x, path, d):
                 self.value(k, path, d)
                 self.value(v, f"{path}[{k!r}]", d)
         else:
@@ -343,6 +343,21 @@ class _Hasher:
             if hasattr(x, s):
                 self.put("slot", s.encode())
                 self.value(getattr(x, s), f"{path}.{s}", d)
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def _dict_items(x: dict, path: str, d: int) -> list[tuple[Any, Any]]:
+    """A dict's items in an order that does not depend on the process: by their keys' repr
+    less memory addresses (an object's default repr names its address, which made one
+    mapping's key differ from process to process), ties by the keys' and values'
+    fingerprints. A dict whose keys' reprs hold no address keeps its order, and its key."""
+    names = [_ADDRESS.sub("0x", repr(k)) for k in x]
+    if len(set(names)) == len(names):
+        return [kv for _, kv in sorted(zip(names, x.items()), key=lambda t: t[0])]
+    return [kv for _, kv in sorted(zip(names, x.items()), key=lambda t: (
+        t[0], sub_fingerprint(t[1][0], path, d), sub_fingerprint(t[1][1], path, d)))]
 
 
 def _short_ordered_dict(x: Any) -> bool:

@@ -174,7 +174,7 @@ class Scheduler:
                 prev = bound()  # bound per batch: the generator may be resumed from another thread
                 bind(slot)
                 try:
-                    for i, f in zip(batch, self.feed.fetch(batch, epoch)):
+                    for i, f in zip(batch, self.feed.fetch(batch, epoch), strict=True):
                         slot.item(i)
                         self._inline_item(i, f, epoch, stats, measured, done, out)
                         slot.idle()

@@ -73,7 +73,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         try:  # reading the items, and taking them apart: a failure is the task's, named (never a crash)
             fed = feed.fetch([i for i, _ in items], epoch)
             parts = [(i, to_bg, f, *_unpack(ds, epoch, job_seed, i, f, with_target))
-                     for (i, to_bg), f in zip(items, fed)]
+                     for (i, to_bg), f in zip(items, fed, strict=True)]
         except Exception:
             out.send(("fatal", run, wid, [i for i, _ in items], traceback.format_exc()))
             continue
