@@ -25,7 +25,7 @@ from typing import Any  # noqa: E402
 
 from cacheserver.tls import add_tls_flags, tls_from_args  # noqa: E402
 
-from .ctlcommon import PROG, CtlError, HelpFormatter  # noqa: E402
+from .ctlcommon import PROG, CtlError, HelpFormatter, seconds  # noqa: E402
 from .localcluster import add_local_cluster_parser  # noqa: E402
 from .status import add_status_parser  # noqa: E402
 from .tables import table  # noqa: E402
@@ -304,7 +304,7 @@ def _print_ring(nodes: list[str], share: dict[str, float], checks: dict[str, str
 # ------------------------------------------------------------------- main ---
 def _add_tls(p: argparse.ArgumentParser) -> None:
     add_tls_flags(p, serves=False, peers="the servers")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds per RPC")
 
 
 def build_parser() -> argparse.ArgumentParser:

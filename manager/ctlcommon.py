@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 PROG = "cachectl"
 
@@ -17,3 +18,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+def seconds(text: str) -> float:
+    """argparse type of a --timeout: a finite number of seconds > 0. A negative, zero or NaN
+    timeout failed every call with a misleading "no answer in time" (or never timed out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value

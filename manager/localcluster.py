@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from .ctlcommon import PROG, CtlError, HelpFormatter
+from .ctlcommon import PROG, CtlError, HelpFormatter, seconds
 
 
 def _port_free(port: int) -> bool:
@@ -273,6 +273,6 @@ def add_local_cluster_parser(sub: Any) -> None:
                     help="each server's --log-level")
     lc.add_argument("--log-format", default="text", choices=["json", "text"],
                     help="each server's --log-format")
-    lc.add_argument("--start-timeout", type=float, default=30.0, help="seconds to wait for all servers")
-    lc.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to wait for a graceful stop")
+    lc.add_argument("--start-timeout", type=seconds, default=30.0, help="seconds to wait for all servers")
+    lc.add_argument("--stop-timeout", type=seconds, default=20.0, help="seconds to wait for a graceful stop")
     lc.set_defaults(func=cmd_local_cluster, subparser=lc)

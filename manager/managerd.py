@@ -85,7 +85,7 @@ class ManagerDaemon:
         # EvictDatasets servers missed before a restart, and the servers the state knows: before
         # a re-plan by changed flags (a configure event as the state opens) is carried out
         self.store.open(on_loaded=lambda: self.actuator.restore(StoreLedger(self.store)))
-        self.liveness = Liveness(self.clock())
+        self.liveness = Liveness(self.clock(), mono=time.monotonic)
         self._grpc_pool = futures.ThreadPoolExecutor(32, thread_name_prefix="grpc")
         self.grpc = grpc.server(self._grpc_pool,
                                 options=[("grpc.so_reuseport", 0)])
@@ -208,21 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    over: dict = {}
-    if args.policy_config:
-        with open(args.policy_config) as f:
-            over = json.load(f)
-        unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s", "autoscale", "placement"}
-        if unknown:
-            raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
-    for name, value in vars(args).items():  # NaN passes every comparison: a decision loop with no pause
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-    for name in ("heartbeat_seconds", "decision_seconds"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    over = _policy_config(args.policy_config) if args.policy_config else {}
+    _check_flags(args)
+    grace = float(over.get("dataset_grace_s", args.dataset_grace_seconds))
+    if not grace >= 0:  # negative: an idle dataset is evicted at once, its grace period skipped
+        raise ValueError(f'--policy-config "dataset_grace_s" must be >= 0 seconds, got {grace}')
     model = ManagerConfig(
-        budget=args.budget, dataset_grace_s=float(over.get("dataset_grace_s", args.dataset_grace_seconds)),
+        budget=args.budget, dataset_grace_s=grace,
         probe=ProbeConfig(**{"passive": not args.bypass_probes, **over.get("probe", {})}),
         alloc=AllocConfig(**{"chunk_bytes": args.chunk_size, "chunked": not args.no_chunks,
                              **({"mechanism": "chunks"} if args.chunks or args.no_chunks else {}), **over.get("alloc", {})}),
@@ -236,6 +228,42 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
         cluster_token_file=args.cluster_token_file,
         scaling=_scaling(args.ray, over))
+
+
+# Flags that must be > 0 or >= 0; NaN and infinities are refused for every float flag.
+_POSITIVE = ("heartbeat_seconds", "decision_seconds", "job_timeout_seconds", "server_timeout")
+_NOT_NEGATIVE = ("reconcile_seconds", "dataset_grace_seconds", "drain_seconds")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a flag out of range: a --job-timeout-seconds of 0 dropped every job
+    at each decision round, a --server-timeout of 0 failed every call to the servers."""
+    for name, value in vars(args).items():  # NaN passes every comparison: a decision loop with no pause
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name in _POSITIVE:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    for name in _NOT_NEGATIVE:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"--policy-config: {name} is not a number a policy can use")
+
+
+def _policy_config(path: str) -> dict:
+    """The --policy-config file's sections. NaN and Infinity (which Python's json reads) are
+    refused: NaN fails every comparison, so a NaN grace period never forgot a dataset."""
+    with open(path) as f:
+        over = json.load(f, parse_constant=_no_constant)
+    if not isinstance(over, dict):
+        raise ValueError(f"--policy-config: expected an object of sections, got {type(over).__name__}")
+    unknown = set(over) - {"probe", "alloc", "buffer", "admission", "dataset_grace_s", "autoscale", "placement"}
+    if unknown:
+        raise ValueError(f"--policy-config: unknown sections {sorted(unknown)}")
+    return over
 
 
 # BufferConfig fields set by flags (the "buffer" section of --policy-config overrides them)

@@ -23,8 +23,12 @@ job (decisions.py, service.UnregisterJob).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
+
+# A wall-clock change larger than this between two calls is a step, not drift.
+STEP_TOLERANCE_S = 2.0
 
 
 @dataclass
@@ -111,7 +115,8 @@ class Beat:
 class Liveness:
     """Last heartbeat per server and per job (volatile; thread-safe)."""
 
-    def __init__(self, started: float, restart_grace: float = 10.0) -> None:
+    def __init__(self, started: float, restart_grace: float = 10.0,
+                 mono: Callable[[], float] | None = None) -> None:
         self._lock = threading.Lock()
         self.started = started
         # Servers reconnect to a restarted manager only after their channel's
@@ -119,9 +124,30 @@ class Liveness:
         self.restart_grace = restart_grace
         self._servers: dict[str, Beat] = {}
         self._jobs: dict[str, float] = {}
+        # With a monotonic clock (the daemon's), a step of the wall clock the ``now``s come
+        # from (NTP, a resumed VM) moves every time kept here by as much, so a step forward
+        # past --heartbeat-seconds x misses does not declare every server dead at once.
+        self._mono = mono
+        self._offset = None if mono is None else started - mono()
+
+    def _follow_steps(self, now: float) -> None:
+        """Shift the kept times by a step of the wall clock (call with the lock held)."""
+        if self._mono is None or self._offset is None:
+            return
+        offset = now - self._mono()
+        step = offset - self._offset
+        if abs(step) <= STEP_TOLERANCE_S:
+            return  # drift and the time between reading the two clocks
+        self._offset = offset
+        self.started += step
+        for b in self._servers.values():
+            b.at += step
+        for job in self._jobs:
+            self._jobs[job] += step
 
     def beat(self, server_id: str, now: float, used: int = 0, items: int = 0) -> None:
         with self._lock:
+            self._follow_steps(now)
             self._servers[server_id] = Beat(now, int(used), int(items), True)
 
     def server(self, server_id: str) -> Beat | None:
@@ -131,11 +157,13 @@ class Liveness:
     def dead_servers(self, registry: Registry, now: float, timeout: float) -> list[str]:
         """Alive servers whose last heartbeat (or the restart) is older than ``timeout``."""
         with self._lock:
+            self._follow_steps(now)
             return [s.server_id for s in registry.alive() if self._late(s.server_id, now, timeout)]
 
     def is_dead(self, server_id: str, now: float, timeout: float) -> bool:
         """Whether ``server_id``'s last heartbeat (or the restart) is older than ``timeout``."""
         with self._lock:
+            self._follow_steps(now)
             return self._late(server_id, now, timeout)
 
     def _late(self, server_id: str, now: float, timeout: float) -> bool:
@@ -146,6 +174,7 @@ class Liveness:
 
     def touch_job(self, job: str, now: float) -> None:
         with self._lock:
+            self._follow_steps(now)
             self._jobs[job] = now
 
     def forget_job(self, job: str) -> None:
@@ -155,12 +184,15 @@ class Liveness:
     def job_expires_in(self, job: str, now: float, timeout: float) -> float:
         """Seconds until ``job`` has been idle ``timeout`` seconds (idle_jobs then names it)."""
         with self._lock:
+            self._follow_steps(now)
             return max(0.0, timeout - (now - self._jobs.get(job, self.started)))
 
     def idle_jobs(self, jobs: list[str], now: float, timeout: float) -> list[str]:
         with self._lock:
+            self._follow_steps(now)
             return [j for j in jobs if now - self._jobs.get(j, self.started) > timeout]
 
     def is_idle(self, job: str, now: float, timeout: float) -> bool:
         with self._lock:
+            self._follow_steps(now)
             return now - self._jobs.get(job, self.started) > timeout

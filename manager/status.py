@@ -18,6 +18,7 @@ from cacheserver.roles import read_token
 from cacheserver.tls import add_tls_flags, tls_from_args
 from cacheserver.vocab import CacheMode, Option
 
+from .ctlcommon import seconds
 from .tables import table
 
 PROG = "cachectl"
@@ -36,7 +37,7 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cluster-token-file", default=None, metavar="FILE",
                    help="the manager's --cluster-token-file: without it (or a manager certificate under mTLS) "
                         "other tenants' jobs and datasets are left out, only counted")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
     return p
 

@@ -115,6 +115,24 @@ def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
                   log_path=os.path.join(state_dir, "manager.log"))
 
 
+def manager_once(state_dir: str, *extra: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run cachemanager to see whether it starts: one that becomes ready is killed at its READY
+    line; the result holds its exit status and output (stdout from the READY line on)."""
+    argv = [sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir", state_dir,
+            "--log-format", "text", *extra]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()  # READY host:port, or "" once it exited
+        if first.startswith("READY"):
+            p.kill()
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    return subprocess.CompletedProcess(argv, p.returncode, first + out, err)
+
+
 def procs_naming(text: str) -> list[int]:
     """Live processes whose command line contains `text`."""
     pids = []

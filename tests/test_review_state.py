@@ -4,15 +4,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from manager.manager_client import ManagerClient
 from manager.model import ManagerConfig, canonical
 from manager.state import StateError, StateStore
-from procs import ROOT, cachemanager
+from procs import cachemanager, manager_once
 
 DS = "ab" * 16
 
@@ -35,21 +33,6 @@ def state_dir(tmp_path_factory):
     finally:
         m.kill()
     return root
-
-
-def _start(state: str) -> subprocess.CompletedProcess:
-    """Run cachemanager on `state`; stop it at once if it becomes ready."""
-    p = subprocess.Popen([sys.executable, "-m", "manager.managerd", "--listen", "127.0.0.1:0", "--state-dir", state,
-                          "--log-format", "text"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        if p.stdout.readline().startswith(b"READY "):
-            p.terminate()
-        out, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-    return subprocess.CompletedProcess(p.args, p.returncode, out.decode(), err.decode())
 
 
 def _rewrite_state(path: str, change) -> None:
@@ -96,7 +79,7 @@ def state(state_dir, tmp_path):
 def test_an_unreadable_snapshot_stops_the_manager_naming_the_file(state, damage):
     snap = os.path.join(state, "snapshot.json")
     SNAPSHOT_DAMAGE[damage](snap)
-    r = _start(state)
+    r = manager_once(state)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and f"cachemanager: error: {snap}: " in r.stderr, r.stderr[-2000:]
 
@@ -108,7 +91,7 @@ def test_a_journal_event_missing_its_fields_stops_the_manager_naming_the_file(st
     assert len(lines) == 1 and b'"job":"j2"' in lines[0]
     with open(journal, "wb") as f:  # a flipped byte that keeps the JSON valid: the key "job" is gone
         f.write(lines[0].replace(b'"job":"j2"', b'"jnb":"j2"'))
-    r = _start(state)
+    r = manager_once(state)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and f"{journal}: event " in r.stderr, r.stderr[-2000:]
 
