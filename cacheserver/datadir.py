@@ -17,9 +17,28 @@ class PlaintextDir(ValueError):
     """A data dir's record format is not the one it was opened for."""
 
 
+def make_dir(path: str) -> None:
+    """Create the data dir; NotADirectoryError naming the file in the way (the OS says only
+    "File exists" for the dir itself)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        probe = os.path.abspath(path)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        raise NotADirectoryError(f"data dir {path} cannot be a directory: {probe} is a file") from None
+
+
 def lock_dir(path: str) -> int:
     """Hold the data dir (flock on DIR/store.lock) for as long as the store is open."""
-    fd = os.open(os.path.join(path, "store.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    lock = os.path.join(path, "store.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except PermissionError:
+        owner = os.stat(lock if os.path.exists(lock) else path).st_uid
+        raise PermissionError(f"data dir {path}: this server (uid {os.geteuid()}) may not open {lock} for "
+                              f"writing; it belongs to uid {owner}: run the server as that user, or give it "
+                              "another data dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 import rocksdict
 
 from .counters import Counters
-from .datadir import DataDirBusy, PlaintextDir, claim_records, lock_dir
+from .datadir import DataDirBusy, PlaintextDir, claim_records, lock_dir, make_dir
 from .diskadmit import DiskAdmission
 from .diskbudget import BLOB_MIN, large_values_options, size_lsm, stops_only
 from .eviction import EvictionPolicy
@@ -67,7 +67,7 @@ class Store(Recovery, Flushes):
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {', '.join(DURABILITY)}, got {durability!r}")
         self.durability = durability
-        os.makedirs(path, exist_ok=True)
+        make_dir(path)
         self.capacity = capacity
         self.policy = policy
         self.counters = counters
@@ -272,10 +272,11 @@ class Store(Recovery, Flushes):
         skips the xxh3 check: only for a reader that authenticates every value itself.
         In a plain store the values as stored (bytes), RocksDB's checksums checked."""
         out: list[memoryview | None] = []
-        bad: list[bytes] = []
+        bad: list[tuple[bytes, tuple[int, int]]] = []  # (id, the index entry its read found wanting)
         get, large, aged, index, plain = self._db.get, self._large.get, self._aged, self._index, self.plain
         for k in keys:
-            if k not in index:  # not stored (a put's value is indexed once written): a miss, no RocksDB read
+            entry = index.get(k)
+            if entry is None:  # not stored (a put's value is indexed once written): a miss, no RocksDB read
                 out.append(None)
                 continue
             try:
@@ -285,22 +286,29 @@ class Store(Recovery, Flushes):
             else:
                 bad_read = False
             if raw is None:
-                if bad_read or k in index:  # meta without value (not one evicted meanwhile): drop it
-                    bad.append(k)
+                if bad_read or index.get(k) is entry:  # meta without value (not one evicted meanwhile): drop it
+                    bad.append((k, entry))
                 out.append(None)
                 continue
             value = raw if plain else unwrap(raw) if trailer else strip(raw)
             if value is None:
-                bad.append(k)
+                bad.append((k, entry))
             out.append(value)
         self._hits.add([k for k, v in zip(keys, out) if v is not None])  # a hit never waits for the lock
         if bad:
-            with self._lock:  # a put of the same id in between would be deleted too
-                for k in bad:
-                    self._index_remove(k)
-                self._delete_keys(bad)
-            self.counters.add("corrupt_dropped", len(bad))
+            self._drop_bad(bad)
         return out
+
+    def _drop_bad(self, bad: list[tuple[bytes, tuple[int, int]]]) -> None:
+        """Drop records that failed their read, each only while the index holds the entry its read
+        found: an id dropped by another reader and put again since holds a new, good value."""
+        with self._lock:
+            drop = [k for k, entry in bad if self._index.get(k) is entry]
+            for k in drop:
+                self._index_remove(k)
+            if drop:
+                self._delete_keys(drop)
+                self.counters.add("corrupt_dropped", len(drop))
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
@@ -488,7 +496,7 @@ class Store(Recovery, Flushes):
 
     def _write_values(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, int] | None = None) -> None:
         """Write accepted (id, value, charge) items; a replaced record (its charge in
-        `replaced`) in the other family than its new value's is deleted in the logged batch."""
+        `replaced`) is deleted in the logged batch where the new value does not overwrite it."""
         ds, both = tag[0].encode(), self._unlogged is self._logged  # both: one logged batch, both or neither survive
         metas = [(key, _META.pack(len(value), seq0 + i, tag[1]) + ds) for i, (key, value, _) in enumerate(accepted)]
 
@@ -496,7 +504,7 @@ class Store(Recovery, Flushes):
             wb = rocksdict.WriteBatch(raw_mode=True)
             for (key, value, _), (_, meta) in zip(accepted, metas):
                 if index:
-                    self._delete_other(wb, key, value, replaced)
+                    self._delete_other(wb, key, value, replaced, both)
                 if values:
                     self._put_value(wb, key, value)
                 if index:
@@ -519,16 +527,17 @@ class Store(Recovery, Flushes):
                 self._dirty_since = now
 
     def _delete_other(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview,
-                      replaced: dict[bytes, int] | None) -> None:
-        """A replaced record in the family the new value does not go to: deleted (a large one
-        left in the blob files would stay on disk, counted, for as long as the id is held)."""
+                      replaced: dict[bytes, int] | None, both: bool) -> None:
+        """A replaced record, deleted unless this batch overwrites it: in the other family (a large
+        one would stay in the blob files, counted, while the id is held), and in its own where the
+        new value goes unlogged: a kill before its flush brought the poisoned one back."""
         old = replaced.get(key) if replaced else None
         if old is None:
             return
-        was_large = old >= BLOB_MIN + OVERHEAD
-        if was_large and len(value) < BLOB_MIN:
+        was_large, large = old >= BLOB_MIN + OVERHEAD, len(value) >= BLOB_MIN
+        if was_large and (not large or not both):
             wb.delete(key, self._large_cf)
-        elif not was_large and len(value) >= BLOB_MIN:
+        elif not was_large and (large or not both):
             wb.delete(key)
 
     def _put_value(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview) -> None:
