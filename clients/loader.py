@@ -14,7 +14,9 @@ regrouped as items finish, so the sampler is told which items each delivered
 batch held."""
 from __future__ import annotations
 
+import atexit
 import pickle
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,11 +113,15 @@ class CachedLoader(DataLoader, EpochLog):
         except GeneratorExit:  # the loop left the epoch early: torch's reset copes
             raise
         except BaseException:
-            it, self._iterator = getattr(self, "_iterator", None), None
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            self._stop_workers()
             raise
+
+    def _stop_workers(self) -> None:
+        """Shut down the persistent DataLoader workers, if any run; the next epoch starts new ones."""
+        it, self._iterator = getattr(self, "_iterator", None), None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def _pad(self, short: int, epoch: int) -> Iterator[tuple[Any, list[int]]]:
         """`short` full batches more, for a rank that made fewer than the others: as
@@ -147,7 +153,10 @@ class CachedLoader(DataLoader, EpochLog):
             yield self.collate_fn([x for _, x in part]), [i for i, _ in part]
 
     def close(self) -> None:
-        """Stop the preprocessing workers (DataLoader workers stop with the loader)."""
+        """Stop the loader's workers: the preprocessing ones, and the DataLoader's persistent
+        ones, which would otherwise run on until the loader is collected, holding their reads'
+        resources (the host's coalescing directory in /dev/shm outlived the process)."""
+        self._stop_workers()
         if self.preprocess is not None:
             self.preprocess.close()
         if self.autocache is not None:
@@ -278,11 +287,36 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
     handoff = _handoff(ds, batch_size, num_workers, kwargs)
     kwargs.setdefault("collate_fn", handoff or _as_list)
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
+    if num_workers > 0:
+        _stop_at_exit(loader)
     loader.preprocess, loader.autocache, loader.handoff = engine, ac, handoff
     if remote is not None:
         loader.remote = _remote(ds, engine, ac, remote, remote_options or {})
     loader.attach_coordinator(ds, sampler)
     return loader
+
+
+class _StopWorkers:
+    """An exit hook: the loader's DataLoader workers stopped, if it is still alive."""
+
+    def __init__(self, loader: CachedLoader) -> None:
+        self.loader = weakref.ref(loader)  # the hook must not keep the loader alive
+
+    def __call__(self) -> None:
+        loader = self.loader()
+        if loader is not None:
+            loader._stop_workers()
+
+
+def _stop_at_exit(loader: CachedLoader) -> None:
+    """At the interpreter's exit, stop the loader's workers before the weakref finalizers run
+    (atexit runs the later registered first; weakref's was registered on import): unstopped,
+    they still held the host's coalescing directory (/dev/shm) when the main process let go
+    of it, and were then killed, so nobody removed it. torch's own shutdown at exit is a no-op."""
+    hook = _StopWorkers(loader)
+    atexit.register(hook)
+    gone = weakref.finalize(loader, atexit.unregister, hook)  # a collected loader leaves no hook behind
+    gone.atexit = False  # at exit the hook runs instead
 
 
 def _handoff(ds, batch_size: int, num_workers: int, kwargs: dict[str, Any]) -> Handoff | None:

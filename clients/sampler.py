@@ -139,6 +139,8 @@ class SubstitutableBatchSampler:
         n_items, batch_size, lookahead, rank, world_size, seed = (
             whole(k, v) for k, v in (("n_items", n_items), ("batch_size", batch_size), ("lookahead", lookahead),
                                      ("rank", rank), ("world_size", world_size), ("seed", seed)))
+        if isinstance(drop_last, (str, bytes)):  # "False" from a config file would be true
+            raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
         drop_last = bool(drop_last)
         if n_items < 0 or batch_size < 1 or lookahead < 1:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "

@@ -101,6 +101,8 @@ def test_drop_last_and_bad_args():
         SubstitutableBatchSampler(10, 0, None)
     with pytest.raises(RuntimeError, match="answered 1 flags for 10"):
         list(SubstitutableBatchSampler(10, 5, lambda idx: [True]))
+    with pytest.raises(TypeError, match="drop_last must be a bool, got 'False'"):
+        SubstitutableBatchSampler(10, 5, None, drop_last="False")
 
 
 @pytest.mark.parametrize("walk", [False, True])
