@@ -43,7 +43,13 @@ def accept_forever(lsock: socket.socket, stopping: threading.Event,
             pause = min(MAX_PAUSE_S, pause * 2)
             continue
         pause = MIN_PAUSE_S
-        serve(conn)
+        try:
+            serve(conn)
+        except Exception:  # one connection's failure must not end accepting (the listener would
+            # stay open, unanswered: every later client hangs until its timeout)
+            on_error()
+            log.exception("serving an accepted data-plane connection failed; accepting on")
+            conn.close()
 
 
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:

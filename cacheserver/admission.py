@@ -7,7 +7,8 @@ memory setting (malloc.py) would keep that peak after they close. A body is
 admitted only while the bytes in flight stay within the limit (one request
 is always admitted, so a limit below one batch cannot starve everyone);
 otherwise the request is answered UNAVAILABLE with a clear "server busy"
-message and its connection closed (its body was not read). Connections past
+message once its body has been read into nothing (dataplane.py: held, it would
+cost memory; left unread, the connection is reset under the sending client). Connections past
 the cap are answered the same way. Stalled senders are timed out by the
 data plane (--request-timeout)."""
 from __future__ import annotations

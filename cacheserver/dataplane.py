@@ -113,13 +113,13 @@ class DataPlaneServer:
         if why:
             self._refuse_conn(conn, why)
             return
-        conn.settimeout(None)
-        if conn.family != socket.AF_UNIX:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.ssl_ctx is not None:
-                # The handshake runs in the connection's thread (see _serve): done here,
-                # one idle peer would block every later connection.
-                conn = self.ssl_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        try:
+            conn = self._prepare(conn)
+        except OSError as e:  # the peer reset it already (wrap_socket raises then): drop it, keep accepting
+            self.admission.close_conn()
+            conn.close()
+            log.debug("dropped a data-plane connection reset before it was served: %s", e)
+            return
         t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="dataplane-conn")
         with self._conns_lock:
             self._conns.add(t)
@@ -131,6 +131,16 @@ class DataPlaneServer:
             self.admission.close_conn()
             conn.close()
             log.error("refused a data-plane connection: %s", e)
+
+    def _prepare(self, conn: socket.socket) -> socket.socket:
+        conn.settimeout(None)
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl_ctx is not None:
+                # The handshake runs in the connection's thread (see _serve): done here,
+                # one idle peer would block every later connection.
+                conn = self.ssl_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn
 
     def _refuse_conn(self, conn: socket.socket, why: str) -> None:
         """Answer a connection past the cap with the reason, then close it."""
@@ -163,6 +173,9 @@ class DataPlaneServer:
                 conn.settimeout(self.core.limits.request_timeout_s)  # a stalled sender is cut off
                 try:
                     head = wire.recv_exact(conn, wire.HEADER.size)
+                except TimeoutError:  # a header begun, then stalled: as a stalled body
+                    self._stalled()
+                    return
                 except ConnectionError:
                     return
                 if not self._handle(conn, head):
@@ -175,6 +188,11 @@ class DataPlaneServer:
             self.admission.close_conn()
             with self._conns_lock:
                 self._conns.discard(threading.current_thread())
+
+    def _stalled(self) -> None:
+        self.core.counters.add("request_timeouts")
+        log.warning("closed a data-plane connection whose request stalled for %.0f s",
+                    self.core.limits.request_timeout_s)
 
     def _reply_error(self, conn: socket.socket, status: int, message: str) -> None:
         msg = message.encode()[:65535]
@@ -193,22 +211,32 @@ class DataPlaneServer:
             return self._refuse(conn, f"frame body of {body_len} bytes exceeds the limit of {max_body}")
         why = self.admission.admit(body_len)
         if why:
-            self.core.counters.add("busy_refused")
-            self._reply_error(conn, wire.UNAVAILABLE, why)
-            return False  # its body is not read: the framing cannot go on
+            return self._refuse_busy(conn, body_len, why)
         try:
             return self._serve_body(conn, code, flags, aux_len, count, body_len)
         finally:
             self.admission.release(body_len)
+
+    def _refuse_busy(self, conn: socket.socket, body_len: int, why: str) -> bool:
+        """Answer 'server busy' once the body is read into nothing (no memory held). A client
+        reads its answer only after sending the whole request: closed with the body unread, the
+        connection was reset under it, and it took a busy server for a dead one (a growing
+        back-off, and its claims on the put's items kept until their ttl, ring_client.py)."""
+        self.core.counters.add("busy_refused")
+        try:
+            wire.discard(conn, body_len)
+        except TimeoutError:  # a stalled sender: say why, then cut it off
+            self._reply_error(conn, wire.UNAVAILABLE, why)
+            return False
+        self._reply_error(conn, wire.UNAVAILABLE, why)
+        return True
 
     def _serve_body(self, conn: socket.socket, code: int, flags: int, aux_len: int, count: int,
                     body_len: int) -> bool:
         try:
             body = memoryview(wire.recv_exact(conn, body_len))
         except TimeoutError:
-            self.core.counters.add("request_timeouts")
-            log.warning("closed a data-plane connection whose request stalled for %.0f s",
-                        self.core.limits.request_timeout_s)
+            self._stalled()
             return False
         self.core.counters.add("dataplane_requests")
         try:

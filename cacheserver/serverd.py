@@ -17,16 +17,31 @@ from .store import DURABILITY, DataDirBusy
 from .tls import add_tls_flags, tls_from_args
 
 log = logging.getLogger("cacheserver")
+# Longest of the seconds flags: gRPC takes 10 x --request-timeout in ms as a C int
+# (grpcopts.py) and sockets refuse timeouts past time_t (such values crashed the start-up
+# with a gRPC traceback); an infinite --claim-ttl had a dead claimant's items waited on forever.
+MAX_SECONDS = 86400.0
 
 
-def _positive_seconds(text: str) -> float:
+def _seconds(text: str, zero: bool = False) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if not (v > 0 or (zero and v == 0)):  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else 'positive'}, got {text}")
+    if not v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:.0f} seconds (a day), got {text}")
     return v
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds(text)
+
+
+def _drain_seconds(text: str) -> float:
+    """>= 0: a negative or NaN grace silently cut the calls in flight at SIGTERM."""
+    return _seconds(text, zero=True)
 
 
 def _positive_int(text: str) -> int:
@@ -106,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="least severe log lines written to stderr")
     p.add_argument("--log-format", default="json", choices=["json", "text"],
                    help="json: one JSON object per line (for log collectors); text: plain lines for a terminal")
-    p.add_argument("--drain-seconds", type=float, default=6.0, help="grace for calls in flight at SIGTERM")
+    p.add_argument("--drain-seconds", type=_drain_seconds, default=6.0, help="grace for calls in flight at SIGTERM")
     return p
 
 

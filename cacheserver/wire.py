@@ -29,6 +29,9 @@ _SMALL = 1 << 16  # frames up to this size are read with one recv, as bytes
 # A TLS write of one buffer runs under one deadline (the socket's timeout) however long
 # the buffer: written in slices, the timeout bounds a stall, not a slow reader's whole answer.
 TLS_SLICE = 256 << 10
+# What discard() reads into, shared by every connection: the bytes are dropped, so a
+# refused body costs no memory however many connections refuse one at once.
+_DISCARD = memoryview(bytearray(256 << 10))
 
 
 class ProtocolError(ConnectionError):
@@ -89,6 +92,15 @@ def _recv_into(sock: socket.socket, view: memoryview, got: int) -> None:
         if not k:
             raise ConnectionError("connection closed by peer")
         got += k
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read n bytes and drop them: the rest of a frame not served, so the connection goes on."""
+    while n > 0:
+        k = sock.recv_into(_DISCARD, min(n, len(_DISCARD)))
+        if not k:
+            raise ConnectionError("connection closed by peer")
+        n -= k
 
 
 def send_buffers(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
