@@ -35,7 +35,7 @@ from cacheserver.tls import TlsFiles
 from cacheserver.vocab import CacheMode, Option
 
 from .metrics import MANAGER_COUNTERS
-from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, SetMode
+from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, Note, RingChanged, ServerForgotten, SetMode
 from .evictledger import StoreLedger
 
 log = logging.getLogger("manager.actuator")
@@ -238,7 +238,9 @@ class Actuator:
         # lock: a worker retired under self._lock records what it drops.
         self._owed: dict[str, set[str]] = {}
         self._owed_lock = threading.Lock()
-        self._known: set[str] = set()  # every address that had a worker (or the state knows: restore)
+        # Every address that had a worker (or the state knows: restore), less those forgotten
+        # (forget); under _owed_lock: a worker retired under self._lock owes only to these.
+        self._known: set[str] = set()
         self.ledger: StoreLedger | None = None  # journals _owed (restore); None: memory only
 
     def restore(self, ledger: StoreLedger) -> None:
@@ -249,7 +251,7 @@ class Actuator:
         with self._owed_lock:
             for addr, datasets in saved.items():
                 self._owed.setdefault(addr, set()).update(datasets)
-        with self._lock:
+        with self._owed_lock:
             self._known |= known
         self.ledger = ledger
 
@@ -259,9 +261,34 @@ class Actuator:
         if isinstance(item, EvictDataset) and addresses:
             with self._owed_lock:
                 for addr in addresses:
-                    self._owed.setdefault(addr, set()).add(item.dataset)
+                    if addr in self._known:  # not one forgotten meanwhile (a retired worker's last call)
+                        self._owed.setdefault(addr, set()).add(item.dataset)
             if save:
                 self.save_owed()
+
+    def owe_chunked(self, address: str) -> None:
+        """A server registers under an id the state does not know, with entries: forgotten
+        while it was away (or the state lost), so what it missed is not known. Stats cannot
+        tell a CHUNKED dataset's old chunk tags from its plan's, so each of those is owed to
+        it (the others reconcile checks). Call before the join: its reconcile pays them first."""
+        chunked = sorted(ds for ds, opt in self.desired().option.items() if opt == Option.CHUNKED)
+        with self._owed_lock:
+            self._known.add(address)
+        for ds in chunked:
+            self.owe([address], EvictDataset(ds, "a server the state did not know, with entries"), save=False)
+        if chunked:
+            log.info("actuator: %s joins with entries under an unknown server id: owed EvictDataset of %s",
+                     address, ", ".join(chunked))
+            self.save_owed()
+
+    def forget(self, e: ServerForgotten) -> None:
+        """A forgotten server's address, unless in the ring or still known, owes nothing more."""
+        with self._lock:
+            keep = set(e.known) | set(self._workers)
+        with self._owed_lock:
+            self._known &= keep
+            for addr in [a for a in self._owed if a not in keep]:
+                del self._owed[addr]
 
     def owed(self, address: str) -> list[str]:
         with self._owed_lock:
@@ -305,9 +332,10 @@ class Actuator:
             for addr in sorted(want - set(self._workers)):
                 # One thread at a time per server: a retired worker's call in flight must
                 # not land after the new worker's reconcile and calls (decision order).
+                with self._owed_lock:  # before its thread starts: a call it fails is owed
+                    self._known.add(addr)
                 w = self._workers[addr] = _Worker(addr, self, after=self._retired.pop(addr, None))
                 w.q.put("reconcile")  # a (re)joining server catches up first
-                self._known.add(addr)
             workers = [self._workers[a] for a in sorted(want)]
         if leaving:
             self.save_owed()  # what the retired workers dropped
@@ -323,6 +351,8 @@ class Actuator:
                 log.info("%s %s", e.message, kv, extra={"fields": dict(e.fields)})
             elif isinstance(e, RingChanged):
                 log.info("ring changed: version %d, %s", e.version, ", ".join(e.addresses))
+            elif isinstance(e, ServerForgotten):
+                self.forget(e)
             else:
                 log.info("decision: %s", e)
         calls = [e for e in effects if isinstance(e, (SetMode, ActivateChunk, EvictChunk, EvictDataset))]
@@ -330,7 +360,7 @@ class Actuator:
         if not calls and not changed:
             return
         workers = self._sync_workers()
-        with self._lock:
+        with self._owed_lock:
             everyone = sorted(self._known)  # the ring's (each had a worker) and those away
         # An EvictDataset is owed to every server until its call succeeds (paid), and journaled
         # before it is queued: one out of the ring gets it when back, and one whose call still

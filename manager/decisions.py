@@ -1,7 +1,9 @@
 """The periodic decision loop.
 
 ``DecisionLoop`` is the clock: every ``--decision-seconds`` it turns the passage
-of time into events -- servers that missed heartbeats leave the ring, jobs
+of time into events -- servers that missed heartbeats leave the ring, servers
+out of it for ``forget_after_s`` are forgotten (their records and what they are
+owed: a pod restarted on an empty data dir comes back under a new id), jobs
 silent for too long are unregistered, and a ``tick`` lets the policy time out
 probe phases, force-evict stragglers and re-run allocation -- and, every
 ``reconcile_s`` (not every round), has the actuator reconcile every server with
@@ -30,7 +32,8 @@ class DecisionLoop:
 
     def __init__(self, store: "StateStore", liveness: "Liveness", actuator: "Actuator", *,
                  interval: float, heartbeat_s: float, misses: int, job_timeout_s: float,
-                 reconcile_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+                 reconcile_s: float = 5.0, forget_after_s: float = 86400.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.liveness = liveness
         self.actuator = actuator
@@ -40,6 +43,9 @@ class DecisionLoop:
         if not reconcile_s >= 0:
             raise ValueError(f"reconcile period must be >= 0 seconds, not {reconcile_s!r}")
         self.reconcile_s = reconcile_s
+        if not forget_after_s > 0:
+            raise ValueError(f"server retention must be > 0 seconds, not {forget_after_s!r}")
+        self.forget_after_s = forget_after_s
         self._reconciled_at: float | None = None  # monotonic time of the last reconcile
         self.clock = clock
         self.runs = 0
@@ -51,6 +57,8 @@ class DecisionLoop:
         dead = self.store.read(lambda m: self.liveness.dead_servers(m.registry, now, self.server_timeout))
         for sid in dead:
             self._leave_if_dead(sid, now)
+        for sid in self.store.read(lambda m: m.registry.forgettable(now, self.forget_after_s)):
+            self._forget_if_gone(sid, now)
         jobs = self.store.read(lambda m: sorted(m.jobs))
         for job in self.liveness.idle_jobs(jobs, now, self.job_timeout_s):
             self._unregister_if_idle(job, now)
@@ -72,6 +80,16 @@ class DecisionLoop:
                 return
             self.store.submit({"type": "server_leave", "server_id": sid, "now": now,
                                "reason": f"no heartbeat for {self.server_timeout:.1f}s"})
+
+    def _forget_if_gone(self, sid: str, now: float) -> None:
+        """Check again and forget in one hold of the store's lock: a server that registered
+        again after the scan is in the ring, and keeps its record."""
+        with self.store.lock:
+            if sid not in self.store.model.registry.forgettable(now, self.forget_after_s):
+                return
+            self.store.submit({"type": "server_forget", "server_id": sid, "now": now,
+                               "reason": f"out of the ring for over {self.forget_after_s:.0f}s"})
+            self.liveness.forget_server(sid)
 
     def _unregister_if_idle(self, job: str, now: float) -> None:
         """Check again, unregister and forget the job's last contact in one hold of the

@@ -49,13 +49,23 @@ class RingChanged:
 
 
 @dataclass(frozen=True)
+class ServerForgotten:
+    """A server out of the ring for the retention period left the registry: the actuator
+    drops the address from those owed EvictDatasets, keeping only ``known`` (every address
+    the registry still holds)."""
+    server_id: str
+    address: str
+    known: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Note:
     """Something to log: a decision, an assignment, a chunk starting to load."""
     message: str
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Effect = Union[SetMode, ActivateChunk, EvictChunk, EvictDataset, RingChanged, Note]
+Effect = Union[SetMode, ActivateChunk, EvictChunk, EvictDataset, RingChanged, ServerForgotten, Note]
 
 
 def note(message: str, **fields: object) -> Note:

@@ -61,6 +61,7 @@ class DaemonConfig:
     reconcile_s: float = 5.0
     job_timeout_s: float = 900.0
     server_timeout_s: float = 2.0
+    forget_servers_after_s: float = 86400.0  # a server out of the ring this long is forgotten
     snapshot_every: int = 1000
     fsync: bool = True
     cluster_token_file: str | None = None  # sent to the servers: the manager's role (cacheserver/roles.py)
@@ -92,7 +93,8 @@ class ManagerDaemon:
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
                                       decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
                                       roles=Roles(token, tls=cfg.tls is not None), job_timeout_s=cfg.job_timeout_s,
-                                      on_server_start=self.actuator.reconcile)
+                                      on_server_start=self.actuator.reconcile,
+                                      on_unknown_with_entries=self.actuator.owe_chunked)
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -106,7 +108,8 @@ class ManagerDaemon:
             raise
         self.loop = DecisionLoop(self.store, self.liveness, self.actuator, interval=cfg.decision_s,
                                  heartbeat_s=cfg.heartbeat_s, misses=cfg.heartbeat_misses,
-                                 job_timeout_s=cfg.job_timeout_s, reconcile_s=cfg.reconcile_s, clock=self.clock)
+                                 job_timeout_s=cfg.job_timeout_s, reconcile_s=cfg.reconcile_s,
+                                 forget_after_s=cfg.forget_servers_after_s, clock=self.clock)
 
     def _bind_metrics(self, port: int | None) -> None:
         if port is None:
@@ -163,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
     p.add_argument("--heartbeat-misses", type=int, default=3,
                    help="a server missing this many heartbeats leaves the ring")
+    p.add_argument("--forget-servers-after", type=float, default=86400.0, metavar="SECONDS",
+                   help="a server out of the ring this long is forgotten: its record (cachectl status) and the "
+                        "evictions owed to it go; back later, it joins as a new server (docs/manager.md)")
     p.add_argument("--decision-seconds", type=float, default=5.0,
                    help="period of the decision loop (time-outs, allocation)")
     p.add_argument("--reconcile-seconds", type=float, default=5.0,
@@ -225,13 +231,15 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         tls=tls_from_args(args),
         heartbeat_s=args.heartbeat_seconds, heartbeat_misses=max(1, args.heartbeat_misses),
         decision_s=args.decision_seconds, reconcile_s=args.reconcile_seconds, job_timeout_s=args.job_timeout_seconds,
-        server_timeout_s=args.server_timeout, snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
+        server_timeout_s=args.server_timeout, forget_servers_after_s=args.forget_servers_after,
+        snapshot_every=args.snapshot_every, fsync=not args.no_fsync,
         cluster_token_file=args.cluster_token_file,
         scaling=_scaling(args.ray, over))
 
 
 # Flags that must be > 0 or >= 0; NaN and infinities are refused for every float flag.
-_POSITIVE = ("heartbeat_seconds", "decision_seconds", "job_timeout_seconds", "server_timeout")
+_POSITIVE = ("heartbeat_seconds", "decision_seconds", "job_timeout_seconds", "server_timeout",
+             "forget_servers_after")
 _NOT_NEGATIVE = ("reconcile_seconds", "dataset_grace_seconds", "drain_seconds")
 
 

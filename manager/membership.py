@@ -88,6 +88,21 @@ class Registry:
         s.alive, s.left_at = False, now
         return self._bump_if_changed(before)
 
+    def forgettable(self, now: float, after: float) -> list[str]:
+        """Servers out of the ring for more than ``after`` seconds (by their journaled left_at)."""
+        return [k for k, s in sorted(self.servers.items())
+                if not s.alive and s.left_at is not None and now - s.left_at > after]
+
+    def forget(self, server_id: str) -> ServerRecord:
+        """Drop the record of a server out of the ring (the ring, hence its version, stays):
+        ids and addresses change with each restart of a pod on an empty data dir, and the
+        records of those gone would otherwise pile up for the manager's life. KeyError:
+        unknown; ValueError: in the ring."""
+        s = self.servers[server_id]
+        if s.alive:
+            raise ValueError(f"server {server_id} is in the ring")
+        return self.servers.pop(server_id)
+
     def _bump_if_changed(self, before: list[str]) -> bool:
         if self.addresses() != before:
             self.version += 1
@@ -149,6 +164,10 @@ class Liveness:
         with self._lock:
             self._follow_steps(now)
             self._servers[server_id] = Beat(now, int(used), int(items), True)
+
+    def forget_server(self, server_id: str) -> None:
+        with self._lock:
+            self._servers.pop(server_id, None)
 
     def server(self, server_id: str) -> Beat | None:
         with self._lock:

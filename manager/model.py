@@ -11,6 +11,7 @@ the caller to carry out -- or, during replay, to drop.
 Events (dicts; ``type`` and ``now`` always present):
 
   server_join {server_id, address, capacity}   server_leave {server_id, reason}
+  server_forget {server_id, reason}            (out of the ring past --forget-servers-after)
   job_register {job, dataset, dataset_bytes, n_items, n_gpus, token_hash}
   job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
@@ -30,7 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .effects import ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, SetMode, note
+from .effects import (ActivateChunk, Effect, EvictChunk, EvictDataset, RingChanged, ServerForgotten, SetMode,
+                      note)
 from .evictledger import Owed, checked as checked_owed
 from .jobtokens import journaled_hash
 from .membership import Registry
@@ -180,6 +182,19 @@ class ManagerModel:
         self._count("ring_changes")
         return [note("server left the ring", server_id=sid, reason=ev.get("reason", "")),
                 RingChanged(self.registry.version, tuple(self.registry.addresses()))] + self._budget_changed(budget, now)
+
+    def _on_server_forget(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        """The record goes, and with it the EvictDatasets owed to addresses no record holds
+        now (never a live server's: its address is its record's)."""
+        sid = str(ev["server_id"])
+        try:
+            s = self.registry.forget(sid)
+        except (KeyError, ValueError) as e:
+            raise Rejected("FAILED_PRECONDITION", f"cannot forget server {sid!r}: {e}") from None
+        known = {r.address for r in self.registry.servers.values()}
+        self.owed = {a: ds for a, ds in self.owed.items() if a in known}
+        return [note("server forgotten", server_id=sid, address=s.address, reason=ev.get("reason", "")),
+                ServerForgotten(sid, s.address, tuple(sorted(known)))]
 
     def _budget_changed(self, before: int, now: float) -> list[Effect]:
         """A budget taken from the servers' capacity follows them at once: allocations

@@ -74,8 +74,13 @@ def _mode(m: ManagerModel, job: str) -> int:
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
                  counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None,
-                 job_timeout_s: float = 900.0, on_server_start: Callable[[str], None] | None = None) -> None:
+                 job_timeout_s: float = 900.0, on_server_start: Callable[[str], None] | None = None,
+                 on_unknown_with_entries: Callable[[str], None] | None = None) -> None:
         self.store = store
+        # Called (under the store's lock, before the join) with the address of a server that
+        # registers with entries under an id the state does not know (forgotten while away):
+        # the actuator owes it the evictions it may have missed (Actuator.owe_chunked).
+        self.on_unknown_with_entries = on_unknown_with_entries
         # Called with a server's address when it registers (a server registers when it starts):
         # the actuator brings it up to date at once, not at the next reconcile round.
         self.on_server_start = on_server_start
@@ -147,6 +152,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
         now = self._now()
         with self.store.lock:
             self.liveness.beat(request.server_id, now, request.used)
+            if (request.used and self.on_unknown_with_entries is not None
+                    and request.server_id not in self.store.model.registry.servers):
+                self.on_unknown_with_entries(request.address)
             self._join_if_needed(request.server_id, request.address, request.capacity, now)
             reg = self.store.model.registry
             answer = mpb.RegisterServerResponse(ring_version=reg.version, heartbeat_seconds=self.heartbeat_s,
