@@ -239,7 +239,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
 
 # Flags that must be > 0 or >= 0; NaN and infinities are refused for every float flag.
 _POSITIVE = ("heartbeat_seconds", "decision_seconds", "job_timeout_seconds", "server_timeout",
-             "forget_servers_after")
+             "forget_servers_after", "chunk_size", "snapshot_every")
 _NOT_NEGATIVE = ("reconcile_seconds", "dataset_grace_seconds", "drain_seconds")
 
 
@@ -255,6 +255,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     for name in _NOT_NEGATIVE:
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a port, 0-65535 (0: a free one), got {args.metrics_port}")
 
 
 def _no_constant(name: str) -> float:

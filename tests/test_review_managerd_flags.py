@@ -20,6 +20,9 @@ def start(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     ("--job-timeout-seconds", "-1", "--job-timeout-seconds must be > 0"),
     ("--server-timeout", "0", "--server-timeout must be > 0"),
     ("--dataset-grace-seconds", "-5", "--dataset-grace-seconds must be >= 0"),
+    ("--chunk-size", "0", "--chunk-size must be > 0"),  # 1-byte chunks, about one per item
+    ("--snapshot-every", "0", "--snapshot-every must be > 0"),
+    ("--metrics-port", "-1", "--metrics-port must be a port"),
 ])
 def test_a_flag_out_of_range_is_refused_at_start(tmp_path, flag, value, says):
     r = start(tmp_path, flag, value)
