@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) tools/demo
 
+# Two workers: the suite waits on daemons and timeouts as much as it computes (tests/conftest.py
+# keeps a module's tests, and the Ray tests, on one worker each).
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
 bench: bench-hitpath bench-hitfloor bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache

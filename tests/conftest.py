@@ -31,6 +31,17 @@ def pytest_sessionstart(session) -> None:
         tr.write_line(line, yellow=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """`make test` runs two pytest-xdist workers (--dist loadgroup): a module's tests stay on
+    one worker (its module fixtures start once, as with --dist loadfile), and the tests that
+    start a Ray cluster (marked xdist_group("ray")) share one: two clusters starting at once on
+    2 cores ran past Ray's 30 s raylet start-up wait."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture(autouse=True)
 def _private_job_tokens(tmp_path_factory, monkeypatch):
     """Lone test processes keep their job tokens (clients/jobtokenfile.py) out of the user's home."""

@@ -21,7 +21,7 @@ from remote_steps import Jitter, Slow, decode, decode_entry  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 from test_remote_workers import expected, trainer_epoch  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest)
 
 
 @pytest.fixture

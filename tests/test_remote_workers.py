@@ -29,7 +29,7 @@ from rayhead import RayHead, disconnect  # noqa: E402
 from remote_steps import HangElsewhere, Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from rayhead import HEAD_ENV, RayHead, disconnect  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest)
 ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
 
 

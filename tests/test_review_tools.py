@@ -174,6 +174,7 @@ def _ctrl_c_after(cmd: list[str], tmp: Path, ready: str, delay: float, timeout: 
         raise
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(180)
 def test_bench_autoscale_on_ray_leaves_no_cluster_or_session_dir(short_tmp: Path) -> None:
     # Ray keeps its session dir (logs, sockets) after shutdown: the bench left one per run.

@@ -231,6 +231,7 @@ def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
     assert r.stdout.decode().strip().splitlines()[-1] == "12"
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(300)
 def test_the_step_runs_in_a_ray_worker(tmp_path):
     """A Ray task (a worker process Ray starts) runs the shipped step; skipped without
