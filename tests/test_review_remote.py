@@ -41,6 +41,36 @@ def head():
         h.close()
 
 
+def started(ds, pipe, address, tries=3, **kw):
+    """start() that must give remote workers: under load the head's Ray Client server may
+    not come up in time, and start() then answers None with a warning (the job would run
+    local workers). Tried again a bounded number of times; else the test fails saying why
+    (the warnings' text), not with an AttributeError on None."""
+    said = []
+    for _ in range(tries):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rw = start(ds, pipe, 0, address, **kw)
+        if rw is not None:
+            return rw
+        said += [str(w.message) for w in caught]
+    pytest.fail(f"start() gave no remote workers in {tries} tries: {said}")
+
+
+def client_only_pipeline(tmp_path):
+    """A pipeline with a step whose module only this process can import (the Ray workers
+    cannot load it: their tasks fail)."""
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "rv_client_only_steps.py").write_text(
+        "class Twice:\n    def __call__(self, x):\n        return x * 2\n")
+    sys.path.insert(0, str(tmp_path / "mod"))  # here only: not on the workers' path
+    try:
+        from rv_client_only_steps import Twice
+    finally:
+        sys.path.remove(str(tmp_path / "mod"))
+    return Pipeline([decode, Twice(), Jitter()])
+
+
 def _refuse(n):
     raise RuntimeError(f"set_local({n}) refused")
 
@@ -59,7 +89,8 @@ def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, module
             start(ds, pipe, 0, head.address, set_local=_refuse)
         assert not ray.is_initialized()
         # two loaders' pools on one connection: the first closed leaves the other working
-        a, b = start(ds, pipe, 0, head.address, **ONE), start(ds, pipe, 0, head.address, **ONE)
+        a = started(ds, pipe, head.address, **ONE)
+        b = started(ds, pipe, head.address, **ONE)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "remote preprocessing workers lost" would raise
             a.close()
@@ -72,7 +103,7 @@ def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, module
         head.connect()
         with pytest.raises(ValueError, match="window >= 1"):
             start(ds, pipe, 0, head.address, window=0, **ONE)
-        rw = start(ds, pipe, 0, head.address, **ONE)
+        rw = started(ds, pipe, head.address, **ONE)
         assert rw.pool.share is None
         rw.close()
         assert ray.is_initialized()
@@ -87,17 +118,9 @@ def test_the_connection_is_shared_by_the_pools_and_left_by_the_last(head, module
 def test_a_worker_that_cannot_load_the_pipeline_says_why(head, module_server, tmp_path):
     """A step whose module the Ray workers cannot import: the tasks fail (the trainer makes
     their items) and the warning names the import error, not just a spec mismatch."""
-    (tmp_path / "mod").mkdir()
-    (tmp_path / "mod" / "rv_client_only_steps.py").write_text(
-        "class Twice:\n    def __call__(self, x):\n        return x * 2\n")
-    sys.path.insert(0, str(tmp_path / "mod"))  # here only: not on the workers' path
-    try:
-        from rv_client_only_steps import Twice
-    finally:
-        sys.path.remove(str(tmp_path / "mod"))
-    pipe = Pipeline([decode, Twice(), Jitter()])
+    pipe = client_only_pipeline(tmp_path)
     ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=module_server.address, job="rv-import", transform=pipe)
-    rw = start(ds, pipe, 0, head.address, **ONE)
+    rw = started(ds, pipe, head.address, **ONE)  # before try: nothing to close where it fails
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -106,6 +129,57 @@ def test_a_worker_that_cannot_load_the_pipeline_says_why(head, module_server, tm
         assert rw.pool.counts.failed == 2 and rw.pool.counts.made == 0 and rw.pool.broken is None
         text = " ".join(str(w.message) for w in caught if "task failed" in str(w.message))
         assert "No module named 'rv_client_only_steps'" in text, text
+    finally:
+        rw.close()
+        ds.close()
+        sys.modules.pop("rv_client_only_steps", None)
+
+
+def test_a_break_while_settling_finished_tasks_loses_the_rest_without_raising(head, module_server, tmp_path):
+    """Two workers die with tasks queued and the cluster goes as the pool starts a
+    replacement: the first settled task breaks the pool, and the other finished tasks
+    (cleared by the break) are counted lost, not a KeyError into the trainer."""
+    pipe = Pipeline([decode, Slow(0.5), Jitter()])
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=module_server.address, job="rv-break", transform=pipe)
+    rw = started(ds, pipe, head.address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
+    try:
+        pool = rw.pool
+        refs = [pool.submit(0, [0, 1, 2]), pool.submit(0, [3, 4, 5])]
+        assert None not in refs and len({t.wid for t in pool.tasks.values()}) == 2  # one task on each
+        for w in list(pool.workers.values()):
+            ray.kill(w.handle)  # both worker processes die with their tasks queued
+
+        def gone():
+            raise ConnectionError("the cluster went away")
+        pool._start = gone  # the replacement's start is where the lost cluster shows
+        with pytest.warns(RuntimeWarning, match="remote preprocessing workers lost.*went away"):
+            assert pool.wait(refs, 60.0) == []
+        assert pool.broken and pool.tasks == {} and pool.counts.lost == 6 and pool.counts.made == 0
+    finally:
+        rw.close()
+        ds.close()
+
+
+def test_a_drained_worker_whose_last_task_failed_is_stopped(head, module_server, tmp_path):
+    """A worker removed by scaling is killed once its queued tasks are done, failed
+    ones too: else it holds its CPU in the cluster until the pool closes."""
+    pipe = client_only_pipeline(tmp_path)
+    ds = CachedDataset(indexed_items(tmp_path / "ds", 8), cache=module_server.address, job="rv-drain", transform=pipe)
+    rw = started(ds, pipe, head.address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
+    try:
+        pool = rw.pool
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the task-failure warning: the test above
+            refs = [pool.submit(0, [0, 1]), pool.submit(0, [2, 3])]
+            assert None not in refs and len({t.wid for t in pool.tasks.values()}) == 2
+            pool.resize(1)  # one of the two, its task queued, drains
+            drained = [w.handle for w in pool.workers.values() if w.draining]
+            assert len(drained) == 1 and pool.size == 1
+            assert pool.wait(refs, 60.0) == []
+        assert pool.counts.failed == 4 and pool.broken is None
+        assert [w.draining for w in pool.workers.values()] == [False]  # the drained one is gone
+        with pytest.raises(ray.exceptions.RayActorError):  # and its process was killed
+            ray.get(drained[0].pid.remote(), timeout=60)
     finally:
         rw.close()
         ds.close()

@@ -159,6 +159,8 @@ class RemotePool:
             self._break(e)
             return []
         for r in done:
+            if self.broken:  # a settle broke the pool: it counted the other tasks lost, cleared
+                break
             self._settle(r)
         return [] if self.broken else list(rest)
 
@@ -182,6 +184,7 @@ class RemotePool:
                 w.finished += 1
             self.counts.failed += len(task.indices)
             self._warn_once_task(e)
+            self._stop_drained()  # a drained worker's last task may be a failed one
             return
         except Exception as e:
             self.counts.lost += len(task.indices)
