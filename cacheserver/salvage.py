@@ -40,6 +40,8 @@ _NOT_DAMAGE = {
     "Read-only file system": "give it a writable data dir",
     "Too many open files": "raise this process's open-file limit (ulimit -n)",
     "While lock file": "another process has this store open (RocksDB's LOCK in its db dir): stop that one first",
+    "lock hold by current process": "this process has this store open already (an earlier open not closed): "
+                                    "close that one first",
 }
 
 

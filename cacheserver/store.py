@@ -82,8 +82,20 @@ class Store(Recovery, Flushes):
             self.plain = plain
             self._open(path, salvage)
         except BaseException:
+            self._close_half_open()
             os.close(self._dir_lock)
             raise
+
+    def _close_half_open(self) -> None:
+        """Close what a failed _open opened: RocksDB left open keeps its LOCK in this process,
+        and a retry here (the embedded cache's) was refused as a damaged store."""
+        if "admit" in self.__dict__:
+            self.admit.stop()
+        for name in ("_meta", "_server", "_large", "_db"):  # the views share the handle: it goes last
+            if name in self.__dict__:
+                self.__dict__.pop(name).close()
+        for name in ("_meta_cf", "_server_cf", "_large_cf", "progress", "_logged", "_unlogged"):
+            self.__dict__.pop(name, None)  # they hold the handle too: RocksDB closes with the last
 
     def _open(self, path: str, salvage: bool) -> None:
         opts = rocksdict.Options(raw_mode=True)

@@ -94,3 +94,19 @@ def test_a_store_another_process_holds_is_not_called_damaged(tmp_path):
         db.close()
     s = cacheserver(data, "64MB").start()
     assert s.stop() == 0
+
+
+def test_rocksdbs_lock_held_by_this_process_is_not_called_damage(tmp_path):
+    """RocksDB's own words when this process holds the db already (an open not closed)."""
+    import rocksdict
+
+    from cacheserver.salvage import machine_problem
+    db = str(tmp_path / "db")
+    first = rocksdict.Rdict(db)
+    try:
+        with pytest.raises(Exception) as e:
+            rocksdict.Rdict(db)
+        line = machine_problem(db, e.value)
+        assert line and "this process has this store open already" in line and "not damaged" in line, line
+    finally:
+        first.close()

@@ -31,6 +31,10 @@ from .scratch import Scratch
 CATCH_UP_SPACING = 5.0
 MIN_CATCH_UP_INTERVAL = 0.02  # seconds
 MAX_CATCH_UP_INTERVAL = 0.5
+# A read catches up first once the last catch-up is this old: the misses that start catch-ups
+# do not come under a read-mostly load, and the follower served a value the server had since
+# replaced (a poisoned value's repair) for as long as the process ran. Cheap with nothing to replay.
+MAX_STALE_S = 1.0
 
 
 TABLE_FILES = (".sst", ".blob")  # written once under their final names, then only deleted
@@ -90,6 +94,8 @@ class LocalReader:
     def read(self, ids: Sequence[bytes]) -> list[bytes | memoryview | None]:
         """The values under these ids (None: absent or unreadable): a plain store's as
         RocksDB's bytes (no copy: the caller keeps them), a sealed one's past the trailer."""
+        if time.monotonic() - self._last_catch_up >= MAX_STALE_S:
+            self.catch_up()
         get = self._db.get
         out: list[bytes | memoryview | None] = []
         for k in ids:

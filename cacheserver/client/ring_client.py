@@ -150,6 +150,8 @@ class RingClient:
             self._down_until[node] = time.monotonic() + period
         if first:
             log.warning("cache server %s unavailable for %.1fs: %s", node, period, _why(err))
+        if _alive_error(err):  # it answered: alive, its connections and follower (costly to reopen) still serve
+            return
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
         # Retired, not closed: another thread may be in a call on it (a prefetch beside the loader).
         old = self.clients[node]
