@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) tools/demo
 
-# Two workers: the suite waits on daemons and timeouts as much as it computes (tests/conftest.py
-# keeps a module's tests, and the Ray tests, on one worker each).
-TEST_WORKERS ?= 2
+# One worker by default: with two (about 12 min instead of 17 on 2 cores) some timing-bound
+# tests still fail under the load. tests/conftest.py keeps a module's tests, and the Ray tests,
+# on one worker each.
+TEST_WORKERS ?= 1
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
