@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) tools/demo
 
-# One worker by default: with two (about 12 min instead of 17 on 2 cores) some timing-bound
-# tests still fail under the load. tests/conftest.py keeps a module's tests, and the Ray tests,
-# on one worker each.
-TEST_WORKERS ?= 1
+# TEST_ARGS="-n 2 --dist loadgroup" runs two pytest-xdist workers (about 12 min instead of 17 on
+# 2 cores; tests/conftest.py keeps a module's tests, and the Ray tests, on one worker each), but
+# some timing-bound tests still fail under that load: the default is one process.
+TEST_ARGS ?=
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q $(TEST_ARGS) tests
 
 # Each benchmark runs side by side with its peer; results go to docs/benchmarks.md.
 bench: bench-hitpath bench-hitfloor bench-digest bench-partial bench-epoch bench-allocation bench-managed bench-misspath bench-tfdata bench-balancer bench-autoorder bench-autoscale bench-autocache

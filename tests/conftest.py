@@ -33,7 +33,7 @@ def pytest_sessionstart(session) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
-    """`make test` runs two pytest-xdist workers (--dist loadgroup): a module's tests stay on
+    """Under pytest-xdist (`make test TEST_ARGS="-n 2 --dist loadgroup"`) a module's tests stay on
     one worker (its module fixtures start once, as with --dist loadfile), and the tests that
     start a Ray cluster (marked xdist_group("ray")) share one: two clusters starting at once on
     2 cores ran past Ray's 30 s raylet start-up wait."""
