@@ -7,8 +7,6 @@ Status, the addresses the actuator owes EvictDatasets to and the owed map itself
 the manager's life."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 
@@ -23,7 +21,7 @@ from manager.membership import Liveness, Registry
 from manager.model import ManagerConfig, ManagerModel, Rejected
 from manager.state import StateStore
 from procs import cachemanager, cacheserver, free_port, wait_ring, wait_until
-from test_review_manager_service import A, B, _full_dataset_on, _keys
+from test_review_manager_service import A, B, _full_dataset_on, _keys, _server_of, _stopped
 
 D1, D2 = "d1" * 32, "d2" * 32
 # Loopback ports nothing listens on: the actuator's calls there fail at once (owed, then kept).
@@ -166,19 +164,16 @@ def test_a_forgotten_server_back_with_its_data_dir_loses_the_dataset_re_planned_
     plan's, are evicted before it gets the plan."""
     m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "300kB", "--chunk-size", "100kB",
                      "--forget-servers-after", "1").start()
-    s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    s = _server_of(m, tmp_path)
     keys = _keys(20, 3)
     try:
         wait_ring(m.address, 1)
         with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
             _full_dataset_on(mc, sc, keys)
-            os.kill(s.pid, signal.SIGSTOP)
-            try:
+            with _stopped(s):
                 wait_until(lambda: not mc.status().servers, "the stopped server forgotten", 15)
                 mc.register_job("j2", B, 250_000, 25, n_gpus=8)
                 assert mc.get_plan(A, "j1").option == "chunked"
-            finally:
-                os.kill(s.pid, signal.SIGCONT)
             wait_ring(m.address, 1)
             wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
             plan = mc.get_plan(A, "j1")

@@ -2,6 +2,7 @@
 defects found in review, each reproduced with a real cachemanager and real cache servers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,6 +23,21 @@ A, B = "a1" * 16, "b2" * 16
 def _keys(n: int, seed: int) -> list[bytes]:
     rng = random.Random(seed)
     return [rng.randbytes(32) for _ in range(n)]
+
+
+def _server_of(m, tmp_path):
+    """A cache server registered with manager m, its data plane on a free port."""
+    return cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+
+
+@contextlib.contextmanager
+def _stopped(s):
+    """The server frozen (SIGSTOP: it answers nothing) for the block's length."""
+    os.kill(s.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(s.pid, signal.SIGCONT)
 
 
 def _full_dataset_on(mc: ManagerClient, sc: ServerClient, keys: list[bytes]) -> None:
@@ -47,14 +63,13 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
             "--server-timeout", timeout)
     port = free_port()
     m = cachemanager(str(tmp_path / "m"), port, *args).start()
-    s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    s = _server_of(m, tmp_path)
     keys = _keys(20, 1)
     try:
         wait_ring(m.address, 1)
         with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
             _full_dataset_on(mc, sc, keys)
-            os.kill(s.pid, signal.SIGSTOP)
-            try:
+            with _stopped(s):
                 mc.register_job("j2", B, 250_000, 25, n_gpus=8)
                 assert mc.get_plan(A, "j1").option == "chunked"
                 log = str(tmp_path / "m" / "manager.log")
@@ -63,8 +78,6 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
                 if restart:
                     m.kill()
                     m = cachemanager(str(tmp_path / "m"), port, *args).start()
-            finally:
-                os.kill(s.pid, signal.SIGCONT)
             wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
         if restart:
             assert m.stop() == 0  # paid is journaled too: the state written at exit owes nothing
@@ -83,20 +96,17 @@ def test_a_re_plan_decided_as_the_manager_starts_reaches_a_server_out_of_the_rin
     chunks = ("--chunks", "--chunk-size", "100kB")
     port = free_port()
     m = cachemanager(str(tmp_path / "m"), port, *chunks, "--budget", "300kB").start()
-    s = cacheserver(str(tmp_path / "s"), "64MB", 0, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
+    s = _server_of(m, tmp_path)
     keys = _keys(20, 2)
     try:
         wait_ring(m.address, 1)
         with ManagerClient(m.address) as mc, ServerClient(s.address, use_dataplane=False) as sc:
             _full_dataset_on(mc, sc, keys)
-            os.kill(s.pid, signal.SIGSTOP)
-            try:
+            with _stopped(s):
                 wait_until(lambda: not mc.get_ring().addresses, "the server to leave the ring")
                 assert m.stop() == 0
                 m = cachemanager(str(tmp_path / "m"), port, *chunks, "--budget", "100kB").start()
                 assert mc.get_plan(A, "j1").option == "chunked"
-            finally:
-                os.kill(s.pid, signal.SIGCONT)
             wait_ring(m.address, 1)
             wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
     finally:
