@@ -143,7 +143,9 @@ class _Worker:
             except grpc.RpcError as e:
                 self.owner.owe([self.address], item)
                 self.owner.counters.add("server_call_failures")
-                if not self.failing:  # once per outage: reconcile retries every decision round
+                # once per outage (reconcile retries every decision round), but every missed
+                # EvictDataset (rare: a re-plan): the operator sees each eviction owed
+                if not self.failing or isinstance(item, EvictDataset):
                     what = "reconcile" if item == "reconcile" else type(item).__name__
                     log.warning("server %s: %s failed: %s %s", self.address, what, e.code(), e.details())
                     self.failing = True

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 from procs import ROOT, free_port
 
@@ -92,3 +93,26 @@ def disconnect(ray) -> None:
     from preprocess.remote.cluster import disconnect as leave
 
     leave(ray)
+
+
+def started(ds, pipe, address, tries=3, **kw):
+    """preprocess.remote.start() that must give remote workers: under load the head's Ray
+    Client server may not come up in time (start() answers None with a warning: the job
+    would run local workers), or a Ray call while the workers start may fail (the pool
+    breaks: no worker). Tried again a bounded number of times; else the test fails saying
+    why (the warnings' text), not with an AttributeError on None or `0 == 2` workers."""
+    from preprocess.remote import start
+
+    said = []
+    for _ in range(tries):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rw = start(ds, pipe, 0, address, **kw)
+        if rw is not None and rw.pool.broken is None:
+            return rw
+        if rw is not None:
+            rw.close()
+        said += [str(w.message) for w in caught]
+    import pytest
+
+    pytest.fail(f"start() gave no remote workers in {tries} tries: {said}")

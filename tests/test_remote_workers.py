@@ -22,10 +22,9 @@ from clients.transformed import TransformedItems  # noqa: E402
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.items import item_digest  # noqa: E402
-from preprocess.remote import start  # noqa: E402
 from preprocess.remote.managed import ManagedPolicy  # noqa: E402
 from procs import manager_with_server  # noqa: E402
-from rayhead import RayHead, disconnect  # noqa: E402
+from rayhead import RayHead, disconnect, started  # noqa: E402
 from remote_steps import HangElsewhere, Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
@@ -81,7 +80,7 @@ def test_remote_workers_put_what_the_trainer_reads_as_hits(head, module_server, 
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.0), Jitter()])
     ds = CachedDataset(path, cache=module_server.address, job="remote-hits", transform=pipe)
-    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
+    rw = started(ds, pipe, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
                wait_limit=60.0, task_items=4)
     try:
         assert rw is not None and rw.pool.size == 2
@@ -109,7 +108,7 @@ def test_worker_killed_mid_epoch_loses_and_doubles_nothing(head, module_server, 
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.03), Jitter()])
     ds = CachedDataset(path, cache=module_server.address, job="remote-kill", transform=pipe)
-    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
+    rw = started(ds, pipe, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2),
                wait_limit=60.0, task_items=4, window=4)
     killed = []
 
@@ -141,7 +140,7 @@ def test_a_removed_worker_drains_its_queued_tasks_first(head, module_server, tmp
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, Slow(0.02), Jitter()])
     ds = CachedDataset(path, cache=module_server.address, job="remote-drain", transform=pipe)
-    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
+    rw = started(ds, pipe, head[0].address, autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
     pool = rw.pool
     try:
         warm = [pool.submit(0, [i]) for i in range(2)]          # one task each, until they answer
@@ -255,7 +254,7 @@ def test_a_stuck_remote_step_is_logged_and_its_worker_ends_itself_past_step_time
     path = indexed_items(tmp_path / "ds", n)
     pipe = Pipeline([decode, HangElsewhere({2 * stuck}, HANG_S, os.getpid()), Jitter()])
     ds = CachedDataset(path, cache=module_server.address, job="remote-stall", transform=pipe)
-    rw = start(ds, pipe, 0, head[0].address, autoscale=AutoscaleConfig(min_workers=1, max_workers=1),
+    rw = started(ds, pipe, head[0].address, autoscale=AutoscaleConfig(min_workers=1, max_workers=1),
                wait_limit=WAIT_LIMIT, task_items=n, window=4, step_warning=0.5, step_timeout=3.0)
     try:
         assert rw is not None

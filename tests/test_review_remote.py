@@ -17,7 +17,7 @@ from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
 from preprocess.remote import cluster  # noqa: E402
-from rayhead import HEAD_ENV, RayHead, disconnect  # noqa: E402
+from rayhead import HEAD_ENV, RayHead, disconnect, started  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
@@ -39,22 +39,6 @@ def head():
         disconnect(ray)
         cluster._Joined.users = 0  # a failed test's shares must not outlive this module
         h.close()
-
-
-def started(ds, pipe, address, tries=3, **kw):
-    """start() that must give remote workers: under load the head's Ray Client server may
-    not come up in time, and start() then answers None with a warning (the job would run
-    local workers). Tried again a bounded number of times; else the test fails saying why
-    (the warnings' text), not with an AttributeError on None."""
-    said = []
-    for _ in range(tries):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            rw = start(ds, pipe, 0, address, **kw)
-        if rw is not None:
-            return rw
-        said += [str(w.message) for w in caught]
-    pytest.fail(f"start() gave no remote workers in {tries} tries: {said}")
 
 
 def client_only_pipeline(tmp_path):
