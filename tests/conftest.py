@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,15 +32,45 @@ def pytest_sessionstart(session) -> None:
         tr.write_line(line, yellow=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test TEST_ARGS="-n 2 --dist loadgroup"`) a module's tests stay on
-    one worker (its module fixtures start once, as with --dist loadfile), and the tests that
-    start a Ray cluster (marked xdist_group("ray")) share one: two clusters starting at once on
-    2 cores ran past Ray's 30 s raylet start-up wait."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+_GROUP_MARK = re.compile(r"xdist_group\(\s*[\"']([^\"']+)[\"']")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test TEST_ARGS="-n 2 --dist loadgroup"`: each test module runs on one worker
+    (its module fixtures start once), and the modules that mark tests xdist_group(G) all
+    run on one worker per G: the Ray tests (xdist_group("ray")) share one, since two Ray
+    clusters starting at once on 2 cores ran past Ray's 30 s raylet start-up wait.
+    pytest-xdist's own loadgroup reads the marks by renaming each test's nodeid, which
+    pytest 9.2 no longer lets it do (every test was its own group: Ray clusters and module
+    fixtures started on both workers at once), so the grouping is done here, by module."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root, groups = config.rootpath, {}
+
+    class ModuleOrGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist that could rename: its group
+                return nodeid.rsplit("@", 1)[-1]
+            path = nodeid.split("::", 1)[0]
+            if path not in groups:
+                groups[path] = _module_group(root / path) or path
+            return groups[path]
+
+    return ModuleOrGroup(config, log)
+
+
+def _module_group(path) -> str | None:
+    """The xdist_group a test module names (one per module: its tests run together)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = set(_GROUP_MARK.findall(f.read()))
+    except OSError:
+        return None
+    if len(found) > 1:
+        raise pytest.UsageError(f"{path} names xdist groups {sorted(found)}: one per module")
+    return found.pop() if found else None
 
 
 @pytest.fixture(autouse=True)
