@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) tools/demo
 
-# TEST_ARGS="-n 2 --dist loadgroup" runs two pytest-xdist workers (about 12 min instead of 17 on
-# 2 cores; tests/conftest.py keeps a module's tests, and the Ray tests, on one worker each), but
-# some timing-bound tests still fail under that load: the default is one process.
-TEST_ARGS ?=
+# Two pytest-xdist workers: about 11 min on a 2-core CI machine against 17 in one process.
+# tests/conftest.py keeps each module's tests on one worker and the Ray tests on one.
+# `make test TEST_ARGS=` runs the suite in one process.
+TEST_ARGS ?= -n 2 --dist loadgroup
 test: venv
 	$(PY) -m pytest -q $(TEST_ARGS) tests
 

@@ -36,7 +36,7 @@ _GROUP_MARK = re.compile(r"xdist_group\(\s*[\"']([^\"']+)[\"']")
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test TEST_ARGS="-n 2 --dist loadgroup"`: each test module runs on one worker
+    """`make test` (`-n 2 --dist loadgroup`): each test module runs on one worker
     (its module fixtures start once), and the modules that mark tests xdist_group(G) all
     run on one worker per G: the Ray tests (xdist_group("ray")) share one, since two Ray
     clusters starting at once on 2 cores ran past Ray's 30 s raylet start-up wait.
