@@ -57,7 +57,7 @@ class DecisionLoop:
         dead = self.store.read(lambda m: self.liveness.dead_servers(m.registry, now, self.server_timeout))
         for sid in dead:
             self._leave_if_dead(sid, now)
-        for sid in self.store.read(lambda m: m.registry.forgettable(now, self.forget_after_s)):
+        for sid in self.store.read(lambda m: self.liveness.forgettable(m.registry, now, self.forget_after_s)):
             self._forget_if_gone(sid, now)
         jobs = self.store.read(lambda m: sorted(m.jobs))
         for job in self.liveness.idle_jobs(jobs, now, self.job_timeout_s):
@@ -83,9 +83,10 @@ class DecisionLoop:
 
     def _forget_if_gone(self, sid: str, now: float) -> None:
         """Check again and forget in one hold of the store's lock: a server that registered
-        again after the scan is in the ring, and keeps its record."""
+        again after the scan is in the ring, and keeps its record. Time out of the ring is
+        measured like silences (Liveness.forgettable): a step of the wall clock moves nothing."""
         with self.store.lock:
-            if sid not in self.store.model.registry.forgettable(now, self.forget_after_s):
+            if sid not in self.liveness.forgettable(self.store.model.registry, now, self.forget_after_s):
                 return
             self.store.submit({"type": "server_forget", "server_id": sid, "now": now,
                                "reason": f"out of the ring for over {self.forget_after_s:.0f}s"})

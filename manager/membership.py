@@ -12,7 +12,9 @@ Two halves, kept apart on purpose:
   restart every registered server gets a grace period (``misses`` intervals,
   at least ``restart_grace``) before it is declared dead; its decision to
   leave the ring is journaled as an explicit event, so replay does not depend
-  on heartbeat timing.
+  on heartbeat timing. Time out of the ring, before a server is forgotten, is
+  measured on the same clock (``forgettable``), and the beats of servers the
+  registry dropped go with them (``dead_servers``).
 
 Removals are checked twice: a scan (``dead_servers``, ``idle_jobs``) names the
 candidates, and each is re-checked (``is_dead``, ``is_idle``) and removed under
@@ -88,11 +90,6 @@ class Registry:
         s.alive, s.left_at = False, now
         return self._bump_if_changed(before)
 
-    def forgettable(self, now: float, after: float) -> list[str]:
-        """Servers out of the ring for more than ``after`` seconds (by their journaled left_at)."""
-        return [k for k, s in sorted(self.servers.items())
-                if not s.alive and s.left_at is not None and now - s.left_at > after]
-
     def forget(self, server_id: str) -> ServerRecord:
         """Drop the record of a server out of the ring (the ring, hence its version, stays):
         ids and addresses change with each restart of a pod on an empty data dir, and the
@@ -144,6 +141,9 @@ class Liveness:
         # past --heartbeat-seconds x misses does not declare every server dead at once.
         self._mono = mono
         self._offset = None if mono is None else started - mono()
+        # Servers out of the ring: (journaled left_at, when they left on the clock kept here).
+        # Forgetting them is measured like silences: a step does not forget all at once.
+        self._out: dict[str, tuple[float, float]] = {}
 
     def _follow_steps(self, now: float) -> None:
         """Shift the kept times by a step of the wall clock (call with the lock held)."""
@@ -159,6 +159,8 @@ class Liveness:
             b.at += step
         for job in self._jobs:
             self._jobs[job] += step
+        for sid, (left_at, since) in self._out.items():
+            self._out[sid] = (left_at, since + step)
 
     def beat(self, server_id: str, now: float, used: int = 0, items: int = 0) -> None:
         with self._lock:
@@ -174,10 +176,37 @@ class Liveness:
             return self._servers.get(server_id)
 
     def dead_servers(self, registry: Registry, now: float, timeout: float) -> list[str]:
-        """Alive servers whose last heartbeat (or the restart) is older than ``timeout``."""
+        """Alive servers whose last heartbeat (or the restart) is older than ``timeout``.
+
+        Also drops the beats of servers ``registry`` no longer holds: one whose address a new
+        id took (Registry.join removes its record in that id's join, so nothing else would)
+        or one forgotten. Call with the state's lock held: RegisterServer beats and joins
+        under it, so no beat of a server still joining is dropped."""
         with self._lock:
             self._follow_steps(now)
+            for sid in [k for k in self._servers if k not in registry.servers]:
+                del self._servers[sid]
             return [s.server_id for s in registry.alive() if self._late(s.server_id, now, timeout)]
+
+    def forgettable(self, registry: Registry, now: float, after: float) -> list[str]:
+        """Servers out of the ring for more than ``after`` seconds, measured on the clock kept
+        here (not the journaled wall times): from the leave as this process first
+        saw it, so a step of the wall clock neither forgets every server out of the ring at
+        once nor puts forgetting off by the step. One already out when the manager started
+        counts from its journaled ``left_at``; never from a time ahead of ``now`` (the state
+        journals a leave at its own time, which does not follow a step back)."""
+        with self._lock:
+            self._follow_steps(now)
+            out: dict[str, tuple[float, float]] = {}
+            for sid, s in sorted(registry.servers.items()):
+                if s.alive or s.left_at is None:
+                    continue
+                seen = self._out.get(sid)
+                if seen is None or seen[0] != s.left_at:  # seen out first now, or out again since
+                    seen = (s.left_at, min(s.left_at, now))
+                out[sid] = seen
+            self._out = out  # servers back in the ring or forgotten drop out of it
+            return [sid for sid, (_, since) in out.items() if now - since > after]
 
     def is_dead(self, server_id: str, now: float, timeout: float) -> bool:
         """Whether ``server_id``'s last heartbeat (or the restart) is older than ``timeout``."""

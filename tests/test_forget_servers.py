@@ -29,10 +29,15 @@ ADDR1, ADDR2 = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
 
 
 def test_the_registry_forgets_only_servers_out_of_the_ring_past_the_retention():
-    reg = Registry()
+    reg, mono = Registry(), [0.0]
+    live = Liveness(1.0, restart_grace=0.0, mono=lambda: mono[0])
     assert reg.join("a", "h:1", 100, 1.0) and reg.join("b", "h:2", 100, 1.0)
-    assert reg.leave("a", 10.0) and reg.forgettable(50.0, 40.0) == []  # 40 s out: not more than 40
-    assert reg.forgettable(50.5, 40.0) == ["a"]
+    mono[0] = 9.0  # the wall clock, less 1: no step
+    assert reg.leave("a", 10.0) and live.forgettable(reg, 10.0, 40.0) == []
+    mono[0] = 49.0
+    assert live.forgettable(reg, 50.0, 40.0) == []  # 40 s out: not more than 40
+    mono[0] = 49.5
+    assert live.forgettable(reg, 50.5, 40.0) == ["a"]
     version = reg.version
     assert reg.forget("a").address == "h:1" and sorted(reg.servers) == ["b"]
     assert reg.version == version and reg.addresses() == ["h:2"]  # the ring did not change
