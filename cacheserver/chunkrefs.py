@@ -1,17 +1,56 @@
 """Server-side chunk table: the active chunk per dataset and which jobs hold
 references to which chunks. The manager decides; servers record and enforce
 ("refuse to evict a referenced chunk unless forced"). Persisted as JSON in the
-store's server column family, so references survive a restart.
+store's server column family, so references survive a restart. A saved table that
+cannot be read is dropped with one warning: the manager sets chunks and references
+again (Actuator.reconcile), and a server that refused to start over it lost everything.
 """
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 
 from .vocab import BadRequest
 
+log = logging.getLogger("cacheserver")
 STATE_KEY = "chunks"  # the table's key in the store's server-wide state
+
+
+class CorruptChunkTable(ValueError):
+    """The saved table is not JSON of the shape _persist writes."""
+
+
+def _chunk(value: object, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise CorruptChunkTable(f"{where}: chunk {value!r} is not an integer >= 0")
+    return value
+
+
+def _name(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise CorruptChunkTable(f"{where}: {value!r} is not a non-empty string")
+    return value
+
+
+def parse_state(raw: bytes) -> tuple[dict[str, int], dict[tuple[str, int], set[str]]]:
+    """(active, refs) of a saved table; CorruptChunkTable naming what is wrong."""
+    try:
+        state = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptChunkTable(f"not JSON ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("active", {}), dict) \
+            or not isinstance(state.get("refs", []), list):
+        raise CorruptChunkTable("not an object with an 'active' object and a 'refs' list")
+    active = {_name(d, "active"): _chunk(c, "active") for d, c in state.get("active", {}).items()}
+    refs: dict[tuple[str, int], set[str]] = {}
+    for i, ref in enumerate(state.get("refs", [])):
+        if not isinstance(ref, list) or len(ref) != 3 or not isinstance(ref[2], list):
+            raise CorruptChunkTable(f"refs[{i}]: {ref!r} is not [dataset, chunk, [job, ...]]")
+        key = (_name(ref[0], f"refs[{i}]"), _chunk(ref[1], f"refs[{i}]"))
+        refs[key] = {_name(j, f"refs[{i}] job") for j in ref[2]}
+    return active, refs
 
 
 class UnknownChunk(LookupError):
@@ -30,9 +69,20 @@ class ChunkTable:
         self.refs: dict[tuple[str, int], set[str]] = {}
         raw = load()
         if raw:
-            state = json.loads(raw)
-            self.active = {k: int(v) for k, v in state.get("active", {}).items()}
-            self.refs = {(d, int(c)): set(jobs) for d, c, jobs in state.get("refs", [])}
+            try:
+                self.active, self.refs = parse_state(raw)
+            except CorruptChunkTable as e:
+                self._drop_corrupt(raw, e)
+
+    def _drop_corrupt(self, raw: bytes, err: CorruptChunkTable) -> None:
+        """Start with an empty table, saved over the unreadable one so that it is dropped once."""
+        log.warning("dropped the saved chunk table (server state %r, %d bytes) as corrupt: %s; active "
+                    "chunks and job references start empty (the manager sets them again), cached items "
+                    "are kept", STATE_KEY, len(raw), err)
+        try:
+            self._persist()
+        except Exception as e:  # a store that cannot write now: the next load drops it again
+            log.warning("could not save the emptied chunk table: %s", " ".join(str(e).split()))
 
     def _persist(self) -> None:
         state = {"active": self.active,
@@ -102,9 +152,10 @@ class ChunkTable:
             self._persist()
 
     @classmethod
-    def persisted(cls, load: Callable[[], bytes | None]) -> "ChunkTable":
-        """The table as last saved, read-only (a store's recovery: CacheCore loads its own later)."""
-        return cls(load, lambda raw: None)
+    def persisted(cls, load: Callable[[], bytes | None], repair: Callable[[bytes], None]) -> "ChunkTable":
+        """The table as last saved (a store's recovery: CacheCore loads its own later), saved
+        (``repair``) only to replace one that could not be read."""
+        return cls(load, repair)
 
     def is_protected(self, tag: tuple[str, int]) -> bool:
         """Referenced or active chunks are kept by the fallback eviction policy."""

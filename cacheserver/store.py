@@ -39,11 +39,13 @@ from .diskbudget import BLOB_MIN, large_values_options, size_lsm, stops_only
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .hitlog import HitLog
-from .record import strip, unwrap, wrap
+from .record import wrap
 from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
-from .stallwrite import Progress, Writes, WriteStopped, puts
-from .storeflush import Flushes
+from .stallwrite import Progress, Writes, puts
+from .storeevict import Evictions
+from .storeflush import Flushes, rocksdb_error
+from .storereads import Reads
 from .storerecovery import _META, Recovery
 from .tagtable import UNTAGGED, Tag, TagTable, TagUsage, is_spare
 
@@ -54,11 +56,12 @@ log = logging.getLogger("cacheserver")
 # data), "process" nothing acknowledged, "power" nothing, even on power loss.
 DURABILITY = ("cache", "process", "power")
 OVERHEAD = 128  # key, meta, trailer and RocksDB per-entry cost, rounded up
+Replaced = tuple[int, Tag, int | None]  # a replaced entry: charge, tag, unflushed sequence (Store._unindex)
 __all__ = ["DURABILITY", "OVERHEAD", "UNTAGGED", "DataDirBusy", "PlaintextDir", "Store", "Tag", "TagUsage", "hot_read_options",
            "is_spare", "tuned_for_reads"]
 
 
-class Store(Recovery, Flushes):
+class Store(Recovery, Flushes, Reads, Evictions):
     def __init__(self, path: str, capacity: int, policy: EvictionPolicy,
                  counters: Counters, *, durability: str = "cache", salvage: bool = False,
                  plain: bool = False) -> None:
@@ -219,7 +222,7 @@ class Store(Recovery, Flushes):
             return wb
         try:
             self._logged(batch)
-        except WriteStopped:  # their ids left the index (evicted, dropped): deleted once writes go again
+        except Exception:  # their ids left the index (evicted, dropped): deleted once writes go again
             for k in keys:
                 self._stranded.setdefault(k, self._seq)
             raise
@@ -259,69 +262,6 @@ class Store(Recovery, Flushes):
                     self._tags.unpin(tid)
             return bytes(1 if k in index else 0 for k in keys)
 
-    def touch(self, keys: Sequence[bytes]) -> bytes:
-        """Presence flags, counted as accesses by the eviction policy."""
-        return self.touch_split(keys)[0]
-
-    def touch_split(self, keys: Sequence[bytes]) -> tuple[bytes, list[int]]:
-        """touch(), and the positions of present values a same-host follower cannot read
-        from the files: those not flushed yet (durability "cache") and large ones (their
-        family, in blob files, followers do not open: a RocksDB secondary crashes reading a blob).
-        Without the lock, as get_many: an entry is in _unflushed before it is indexed (put_many)."""
-        index = self._index
-        present = bytes(1 if k in index else 0 for k in keys)
-        self._hits.add([k for k, p in zip(keys, present) if p])
-        unflushed, aged = self._unflushed, self._aged
-        late = [i for i, k in enumerate(keys) if present[i] and k in unflushed] if unflushed else []
-        if late:
-            self._last_unflushed_read = time.monotonic()
-        if aged:
-            late = sorted(set(late).union(i for i, k in enumerate(keys) if present[i] and k in aged))
-        return present, late
-
-    def get_many(self, keys: Sequence[bytes], trailer: bool = True) -> list[memoryview | None]:
-        """Values (trailer stripped, zero-copy views) or None for misses. trailer=False
-        skips the xxh3 check: only for a reader that authenticates every value itself.
-        In a plain store the values as stored (bytes), RocksDB's checksums checked."""
-        out: list[memoryview | None] = []
-        bad: list[tuple[bytes, tuple[int, int]]] = []  # (id, the index entry its read found wanting)
-        get, large, aged, index, plain = self._db.get, self._large.get, self._aged, self._index, self.plain
-        for k in keys:
-            entry = index.get(k)
-            if entry is None:  # not stored (a put's value is indexed once written): a miss, no RocksDB read
-                out.append(None)
-                continue
-            try:
-                raw = (large(k) if k in aged else None) or get(k)  # get: a large one from before the family
-            except Exception:  # RocksDB reports corruption as an exception
-                raw, bad_read = None, True
-            else:
-                bad_read = False
-            if raw is None:
-                if bad_read or index.get(k) is entry:  # meta without value (not one evicted meanwhile): drop it
-                    bad.append((k, entry))
-                out.append(None)
-                continue
-            value = raw if plain else unwrap(raw) if trailer else strip(raw)
-            if value is None:
-                bad.append((k, entry))
-            out.append(value)
-        self._hits.add([k for k, v in zip(keys, out) if v is not None])  # a hit never waits for the lock
-        if bad:
-            self._drop_bad(bad)
-        return out
-
-    def _drop_bad(self, bad: list[tuple[bytes, tuple[int, int]]]) -> None:
-        """Drop records that failed their read, each only while the index holds the entry its read
-        found: an id dropped by another reader and put again since holds a new, good value."""
-        with self._lock:
-            drop = [k for k, entry in bad if self._index.get(k) is entry]
-            for k in drop:
-                self._index_remove(k)
-            if drop:
-                self._delete_keys(drop)
-                self.counters.add("corrupt_dropped", len(drop))
-
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
         """Store values not yet present (or overwrite, with replace: a client found the stored
@@ -333,8 +273,9 @@ class Store(Recovery, Flushes):
             tid = self._tags.pin(tag)  # until the values are indexed: the tag may lose its last entry meanwhile
             try:
                 accepted, already, rejected, replaced = self._accept(items, tag, tid, replace)
-            except BaseException:
+            except BaseException as e:
                 self._tags.unpin(tid)
+                self._put_failed(e)
                 raise
             reserve = sum(c for _, _, c in accepted)
             self._reserved += reserve
@@ -343,16 +284,15 @@ class Store(Recovery, Flushes):
             self._seq += len(accepted)
             if accepted:
                 self._writing.add(seq0)
-        written = stopped = False
+        written = logged = False
         try:
             if accepted:
-                self._write_values(accepted, seq0, tag, replaced)
+                self._write_index(accepted, seq0, tag, replaced)
+                logged = True
+                self._write_unlogged(accepted, seq0)
             written = True
-        except WriteStopped:  # not a failed store: RocksDB writes again once its compactions can run
-            stopped = True
-            raise
-        except Exception as e:
-            self.room.write_failed(e)
+        except BaseException as e:
+            self._put_failed(e)
             raise
         finally:
             # One lock section: between leaving _pending and entering the index a
@@ -361,12 +301,14 @@ class Store(Recovery, Flushes):
                 self._reserved -= reserve
                 self._pending.difference_update(k for k, _, _ in accepted)
                 self._writing.discard(seq0)
-                if stopped:  # its index records may be in, not its values (or a replaced id's old value)
-                    self._stranded.update((key, seq0 + i) for i, (key, _, _) in enumerate(accepted))
                 if written:
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
                         self.policy.admitted(key)
+                elif logged:  # its index records are in, maybe not its values; replaced values are deleted
+                    self._stranded.update((key, seq0 + i) for i, (key, _, _) in enumerate(accepted))
+                else:  # nothing of it reached the disk: what it would have replaced is held as before
+                    self._restore(replaced)
                 self._tags.unpin(tid)
         if written_ids is not None:
             written_ids.extend(k for k, _, _ in accepted)
@@ -376,25 +318,52 @@ class Store(Recovery, Flushes):
         return len(accepted), already, rejected
 
     def _accept(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag, tid: int,
-                replace: bool) -> tuple[list, int, int, dict[bytes, int]]:
+                replace: bool) -> tuple[list, int, int, dict[bytes, Replaced]]:
         """(accepted (id, value, charge), already, rejected, replaced) of a put (lock held): replaced
         ids leave the index, spare ones put under a chunk take its tag, room is made by evicting."""
         replaced = self._unindex(items) if replace else {}  # the write overwrites their records
-        # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
-        retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
-        if retag:  # spare entries whose chunk now has room: they take the put's tag
-            self._retag(retag, tag, tid)
-        todo, already = self._new_items(items)
-        accepted = self._within_room(todo, tag)
-        if replaced:
-            self._drop_replaced(replaced, accepted)
+        try:
+            # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
+            retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
+            if retag:  # spare entries whose chunk now has room: they take the put's tag
+                self._retag(retag, tag, tid)
+            todo, already = self._new_items(items)
+            accepted = self._within_room(todo, tag)
+            if replaced:
+                self._drop_replaced(replaced, accepted)
+        except BaseException:  # an eviction's delete stopped (stallwrite.py), or any other failure
+            self._restore(replaced)  # their records are untouched: held, and counted, as before
+            raise
         return accepted, already, len(todo) - len(accepted), replaced
 
-    def _unindex(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> dict[bytes, int]:
+    def _unindex(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> dict[bytes, Replaced]:
         """Drop held ids (not ones being written) from the index for a replace (lock held):
-        id -> the charge of the record the new value replaces."""
-        return {key: self._index_remove(key) for key, _ in items
-                if key not in self._pending and key in self._index}
+        id -> (charge, tag, unflushed sequence or None) of the record the new value replaces."""
+        out: dict[bytes, Replaced] = {}
+        for key, _ in items:
+            entry = self._index.get(key)
+            if entry is not None and key not in self._pending:
+                out[key] = (entry[0], self._tags[entry[1]], self._unflushed.get(key))
+                self._index_remove(key)
+        return out
+
+    def _restore(self, replaced: dict[bytes, Replaced]) -> None:
+        """Index again the records a failed replace did not touch (lock held): on disk all along,
+        they were neither counted nor evictable until a restart, which served them again."""
+        for key, (charge, tag, unflushed) in replaced.items():
+            self._stranded.pop(key, None)  # a failed delete of _drop_replaced left them as they were
+            tid = self._tags.pin(tag)
+            if unflushed is not None:  # before the index entry, as put_many does
+                self._unflushed[key] = unflushed
+            self._index_add(key, charge, tid)
+            self.policy.admitted(key)
+            self._tags.unpin(tid)
+
+    def _put_failed(self, err: BaseException) -> None:
+        """Only a RocksDB error fails the store (RocksDB refuses writes after one until it is
+        reopened); anything else (out of memory, a bad value) fails this put alone."""
+        if rocksdb_error(err):
+            self.room.write_failed(err)
 
     def _new_items(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> tuple[list, int]:
         """(id, value, charge) of each id neither held nor being written, once; and how
@@ -498,38 +467,47 @@ class Store(Recovery, Flushes):
         self._logged(lambda: puts(metas, self._meta_cf))
         self.counters.add(counter, len(keys))
 
-    def _drop_replaced(self, replaced: dict[bytes, int], accepted: list) -> None:
+    def _drop_replaced(self, replaced: dict[bytes, Replaced], accepted: list) -> None:
         """Delete the records of replaced ids that found no room (lock held): poisoned, and
-        no longer indexed, they would lie on disk unaccounted until a restart."""
+        no longer indexed, they would lie on disk unaccounted until a restart. They leave
+        ``replaced``: a failed write of the put has nothing of theirs to restore."""
         kept = {k for k, _, _ in accepted}
         dropped = [k for k in replaced if k not in kept]
         if dropped:
-            self._delete_keys(dropped, [k for k in dropped if replaced[k] >= BLOB_MIN + OVERHEAD])
+            self._delete_keys(dropped, [k for k in dropped if replaced[k][0] >= BLOB_MIN + OVERHEAD])
+            for k in dropped:
+                del replaced[k]
 
-    def _write_values(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, int] | None = None) -> None:
-        """Write accepted (id, value, charge) items; a replaced record (its charge in
-        `replaced`) is deleted in the logged batch where the new value does not overwrite it."""
+    def _write_index(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, Replaced]) -> None:
+        """Write the index records of accepted (id, value, charge) items, logged, with their values
+        where those are logged too; a replaced record is deleted in this batch where the new value
+        does not overwrite it. Durability "cache": the index records first, so a crash leaves at
+        most an entry without its value, which _recover_unflushed finds; the values then go
+        unlogged (_write_unlogged): the log is RocksDB's costliest part of a write (a CRC-32C of
+        every byte: about 2x the server CPU of an insert; tools/bench/misspath)."""
         ds, both = tag[0].encode(), self._unlogged is self._logged  # both: one logged batch, both or neither survive
-        metas = [(key, _META.pack(len(value), seq0 + i, tag[1]) + ds) for i, (key, value, _) in enumerate(accepted)]
 
-        def batch(index: bool, values: bool) -> rocksdict.WriteBatch:
+        def batch() -> rocksdict.WriteBatch:
             wb = rocksdict.WriteBatch(raw_mode=True)
-            for (key, value, _), (_, meta) in zip(accepted, metas):
-                if index:
-                    self._delete_other(wb, key, value, replaced, both)
-                if values:
+            for i, (key, value, _) in enumerate(accepted):
+                self._delete_other(wb, key, value, replaced, both)
+                if both:
                     self._put_value(wb, key, value)
-                if index:
-                    wb.put(key, meta, self._meta_cf)
+                wb.put(key, _META.pack(len(value), seq0 + i, tag[1]) + ds, self._meta_cf)
             return wb
-        # durability "cache": the index entry first, logged, so a crash leaves at most
-        # an entry without its value, which _recover_unflushed finds; then the value
-        # unlogged: the log is RocksDB's costliest part of a write (a CRC-32C of every
-        # byte: about 2x the server CPU of an insert; tools/bench/misspath).
-        self._logged(lambda: batch(True, both))
-        if both:
+        self._logged(batch)
+
+    def _write_unlogged(self, accepted: list, seq0: int) -> None:
+        """The values of _write_index's records, where they skip the log (durability "cache")."""
+        if self._unlogged is self._logged:
             return
-        self._unlogged(lambda: batch(False, True))
+
+        def batch() -> rocksdict.WriteBatch:
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for key, value, _ in accepted:
+                self._put_value(wb, key, value)
+            return wb
+        self._unlogged(batch)
         now = time.monotonic()
         with self._lock:
             for i, (key, _, _) in enumerate(accepted):
@@ -539,11 +517,11 @@ class Store(Recovery, Flushes):
                 self._dirty_since = now
 
     def _delete_other(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview,
-                      replaced: dict[bytes, int] | None, both: bool) -> None:
+                      replaced: dict[bytes, Replaced], both: bool) -> None:
         """A replaced record, deleted unless this batch overwrites it: in the other family (a large
         one would stay in the blob files, counted, while the id is held), and in its own where the
         new value goes unlogged: a kill before its flush brought the poisoned one back."""
-        old = replaced.get(key) if replaced else None
+        old = replaced[key][0] if replaced and key in replaced else None
         if old is None:
             return
         was_large, large = old >= BLOB_MIN + OVERHEAD, len(value) >= BLOB_MIN
@@ -562,49 +540,6 @@ class Store(Recovery, Flushes):
     def _raw(self, key: bytes) -> bytes | None:
         """The stored record of ``key`` from either family (recovery)."""
         return self._large.get(key) or self._db.get(key)
-
-    def evict_for(self, need: int, spare_only: bool = False) -> int:
-        """Free at least `need` bytes (lock held): spare entries first, least recently
-        used first, whatever the policy; then, unless spare_only, the fallback policy."""
-        self._hits.apply()  # the order as every get so far left it
-        freed, victims, large, spare = 0, [], [], self._spare
-        while spare and freed < need:
-            key = next(iter(spare))
-            freed += self._remove_victim(key, victims, large)  # drops it from spare too
-        n_spare = len(victims)
-        if freed < need and not spare_only:
-            protected = self._protected
-            for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
-                                           if k in self._index else False):
-                freed += self._remove_victim(key, victims, large)
-                if freed >= need:
-                    break
-        if victims:
-            self._delete_keys(victims, large)
-            self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
-                                    "evicted_items": len(victims), "evicted_bytes": freed})
-        return freed
-
-    def _remove_victim(self, key: bytes, victims: list[bytes], large: list[bytes]) -> int:
-        charge = self._index_remove(key)
-        victims.append(key)
-        if charge >= BLOB_MIN + OVERHEAD:
-            large.append(key)
-        return charge
-
-    def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:
-        """Delete every entry whose tag matches (manager-directed eviction)."""
-        victims: list[bytes] = []
-        large: list[bytes] = []
-        with self._lock:
-            tids = self._tags.matching(match)
-            keys = [k for k, (_, tid) in self._index.items() if tid in tids]
-            freed = sum(self._remove_victim(k, victims, large) for k in keys)
-            if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
-                self._delete_keys(keys, large)
-        if keys:
-            self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
-        return len(keys), freed
 
     def usage_by_tag(self) -> dict[Tag, TagUsage]:
         with self._lock:

@@ -15,6 +15,13 @@ FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a
 CLOSE_FLUSH_WAIT_S = 30.0  # a close waits this long at most for a flush RocksDB holds for a write stop
 
 
+def rocksdb_error(err: BaseException) -> bool:
+    """An error of RocksDB's own (an I/O error, corruption): rocksdict raises those as bare
+    Exceptions. After one RocksDB refuses every write until it is reopened; anything else
+    (MemoryError, a bad value, WriteStopped, a closed store) says nothing about the store."""
+    return type(err) is Exception
+
+
 class Flushes:
     """Mixed into Store (store.py): the attributes and methods used here are the Store's."""
     _db: Any
@@ -59,8 +66,11 @@ class Flushes:
             self._large.flush()
             self._meta.flush()
             self._server.flush()
-        except Exception as e:  # RocksDB's errors are bare Exceptions; it stays read-only now
-            self.room.write_failed(e)
+        except Exception as e:
+            if rocksdb_error(e):  # it stays read-only now
+                self.room.write_failed(e)
+            else:  # not the store's: the next flush tries again
+                log.warning("flushing the store failed: %r", e)
             return
         if self.durability == "cache":
             self._set_durable_mark(mark)

@@ -6,6 +6,7 @@ checked and values without an index entry are deleted.
 """
 from __future__ import annotations
 
+import logging
 import struct
 from typing import Any
 
@@ -13,7 +14,9 @@ from .chunkrefs import STATE_KEY, ChunkTable
 from .flusher import lost_values
 from .stallwrite import puts
 
+log = logging.getLogger("cacheserver")
 DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
+_MARK = struct.Struct("<Q")
 _META = struct.Struct("<QQi")  # size, sequence, chunk; dataset name follows
 
 
@@ -30,7 +33,8 @@ class Recovery:
     def _recover(self: Any, check_all: bool = False) -> None:
         # The chunks the server's table (chunkrefs.py) keeps, until set_protector: a lowered
         # capacity is evicted for below, before a CacheCore loads that table.
-        self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY)).is_protected
+        self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY),
+                                               lambda raw: self.put_state(STATE_KEY, raw)).is_protected
         entries = []
         for key, meta in self._meta.items():
             try:
@@ -73,7 +77,12 @@ class Recovery:
         raw = self._server.get(DURABLE_MARK_KEY)
         if (raw is None and not check_all) or not entries:
             return entries
-        lost = lost_values(self._raw, entries, 0 if check_all else struct.unpack("<Q", raw)[0])
+        if raw is not None and len(raw) != _MARK.size and not check_all:
+            # derived state: every entry checked instead (a slower start), rather than no start
+            log.warning("the durable mark (server state %r) is %d bytes, not %d: dropped as corrupt; every "
+                        "index entry is checked for its value", DURABLE_MARK_KEY.decode(), len(raw), _MARK.size)
+            check_all = True
+        lost = lost_values(self._raw, entries, 0 if check_all else _MARK.unpack(raw)[0])
         if not lost:
             return entries
         self._delete_keys(lost)
@@ -88,5 +97,5 @@ class Recovery:
         self.counters.add("salvage_orphans_dropped", len(orphans))
 
     def _set_durable_mark(self, seq: int) -> None:
-        self._logged(lambda: puts([(DURABLE_MARK_KEY, struct.pack("<Q", seq))], self._server_cf))
+        self._logged(lambda: puts([(DURABLE_MARK_KEY, _MARK.pack(seq))], self._server_cf))
 

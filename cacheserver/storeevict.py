@@ -1,0 +1,68 @@
+"""A store's evictions (Store's part): room made for puts (spare entries first, then the
+fallback policy, sparing protected chunks) and the manager's evictions by tag. Each
+deletes its victims' records under the store's lock, so that no put of one of them
+interleaves; a delete a write stop ends leaves them for later (Store._delete_keys).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .diskbudget import BLOB_MIN
+from .tagtable import Tag
+
+
+class Evictions:
+    """Mixed into Store (store.py): the attributes and methods used here are the Store's."""
+    _lock: Any
+    _index: dict[bytes, tuple[int, int]]
+    _spare: Any
+    _tags: Any
+    _hits: Any
+    _protected: Callable[[Tag], bool]
+    policy: Any
+    counters: Any
+    overhead: int  # store.OVERHEAD, every entry's charge on top of its value
+
+    def evict_for(self, need: int, spare_only: bool = False) -> int:
+        """Free at least `need` bytes (lock held): spare entries first, least recently
+        used first, whatever the policy; then, unless spare_only, the fallback policy."""
+        self._hits.apply()  # the order as every get so far left it
+        freed, victims, large, spare = 0, [], [], self._spare
+        while spare and freed < need:
+            key = next(iter(spare))
+            freed += self._remove_victim(key, victims, large)  # drops it from spare too
+        n_spare = len(victims)
+        if freed < need and not spare_only:
+            protected = self._protected
+            for key in self.policy.victims(lambda k: protected(self._tags[self._index[k][1]])
+                                           if k in self._index else False):
+                freed += self._remove_victim(key, victims, large)
+                if freed >= need:
+                    break
+        if victims:
+            self._delete_keys(victims, large)
+            self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
+                                    "evicted_items": len(victims), "evicted_bytes": freed})
+        return freed
+
+    def _remove_victim(self, key: bytes, victims: list[bytes], large: list[bytes]) -> int:
+        charge = self._index_remove(key)
+        victims.append(key)
+        if charge >= BLOB_MIN + self.overhead:
+            large.append(key)
+        return charge
+
+    def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:
+        """Delete every entry whose tag matches (manager-directed eviction)."""
+        victims: list[bytes] = []
+        large: list[bytes] = []
+        with self._lock:
+            tids = self._tags.matching(match)
+            keys = [k for k, (_, tid) in self._index.items() if tid in tids]
+            freed = sum(self._remove_victim(k, victims, large) for k in keys)
+            if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
+                self._delete_keys(keys, large)
+        if keys:
+            self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
+        return len(keys), freed
