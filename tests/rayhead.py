@@ -3,6 +3,7 @@ in its own process group (so a test can kill the whole cluster with one signal),
 its files under a temp dir of its own, the client server on a free port."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -116,3 +117,24 @@ def started(ds, pipe, address, tries=3, **kw):
     import pytest
 
     pytest.fail(f"start() gave no remote workers in {tries} tries: {said}")
+
+
+@contextlib.contextmanager
+def unjoined_head(cpus: int = 2):
+    """A head nobody is connected to (a module fixture's): start() makes (and leaves) the
+    connection. Waits for the head to come up; at the end no share of a connection outlives it."""
+    import ray
+
+    from preprocess.remote import cluster
+
+    for k, v in HEAD_ENV.items():
+        os.environ.setdefault(k, v)
+    h = RayHead(cpus=cpus)
+    try:
+        h.connect()
+        disconnect(ray)
+        yield h
+    finally:
+        disconnect(ray)
+        cluster._Joined.users = 0  # a failed test's shares must not outlive the module
+        h.close()

@@ -16,8 +16,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
-from preprocess.remote import cluster  # noqa: E402
-from rayhead import HEAD_ENV, RayHead, disconnect, started  # noqa: E402
+from rayhead import disconnect, started, unjoined_head  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
@@ -27,18 +26,8 @@ ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
 
 @pytest.fixture(scope="module")
 def head():
-    """A head nobody is connected to: start() makes (and leaves) the connection."""
-    for k, v in HEAD_ENV.items():
-        os.environ.setdefault(k, v)
-    h = RayHead(cpus=2)
-    try:
-        h.connect()  # waits for the head to come up
-        disconnect(ray)
+    with unjoined_head() as h:
         yield h
-    finally:
-        disconnect(ray)
-        cluster._Joined.users = 0  # a failed test's shares must not outlive this module
-        h.close()
 
 
 def client_only_pipeline(tmp_path):

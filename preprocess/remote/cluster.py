@@ -107,6 +107,18 @@ def leave(ray: Any, share: int | None) -> None:
             disconnect(ray)
 
 
+def stays_open(ray: Any, share: int | None) -> bool:
+    """Whether the connection stays open once this share leaves: the user's (share None),
+    or one made here that another pool still holds a share of. Its actors then live on
+    until killed (a closed connection ends the actors made through it)."""
+    if not ray.is_initialized():
+        return False
+    if share is None:
+        return True
+    with _Joined.lock:
+        return share == _Joined.generation and _Joined.users > 1
+
+
 def disconnect(ray: Any, timeout: float = 5.0) -> None:
     """Leave the cluster without waiting on a lost one for long (shutdown can stall)."""
     t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)

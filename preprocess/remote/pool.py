@@ -3,26 +3,49 @@
 Worker states: starting (configured; takes one task, queued by Ray behind its
 configuration, until it answers one) -> running -> draining (removed by a scaling decision: takes
 no new task, is killed once its queued tasks are done) -> gone; or dead (its
-process died: its unfinished tasks are reported failed, and it is replaced, at
-most `max_replace` times over the pool's life).
+process died, or Ray reports it unavailable: it is killed all the same, lest it come
+back and run on unaccounted; its unfinished tasks are reported failed, and unless it
+was draining it is replaced, at most `max_replace` times over the pool's life).
 
 A task is a few item indices; its result is a small report (runner.Report). A
 failed task's items are simply not in the cache: the trainer computes them (so
 nothing is lost, and nothing doubled: which items an epoch yields is the
 sampler's business). Any Ray error other than a dead actor (the connection
-lost, the cluster gone) breaks the pool: one warning, no further Ray call, the
-job goes on with local workers."""
+lost, the cluster gone) breaks the pool: one warning, no further Ray call but a
+bounded attempt to kill its workers where the connection stays open (another pool
+shares it, or it is the user's), the job goes on with local workers."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import leave
+from .cluster import leave, stays_open
 from .runner import FAILED, PrefixRunner, Report
 from .spec import WorkSpec
+
+
+KILL_WAIT_S = 5.0  # a lost cluster stalls each call for Ray's reconnect grace period
+
+
+def kill_all(ray: Any, handles: list[Any], timeout: float | None = None) -> None:
+    """Best effort, bounded: kill these actors from a thread of its own, waiting for it at
+    most `timeout` seconds (KILL_WAIT_S; a kill of a dead actor is a no-op, one that fails
+    says the connection is gone, and the rest would fail alike)."""
+    def run() -> None:
+        for h in handles:
+            try:
+                ray.kill(h)
+            except Exception:
+                return
+
+    if handles:
+        t = threading.Thread(target=run, name="ray-kill", daemon=True)
+        t.start()
+        t.join(KILL_WAIT_S if timeout is None else timeout)
 
 
 @dataclass
@@ -207,12 +230,18 @@ class RemotePool:
                 c.failed += 1
 
     def _died(self, wid: int) -> None:
-        """A worker's process died: forget it (its other tasks fail as they settle) and
-        start another while replacements are left."""
+        """A worker's process died, or Ray reports it unavailable (it may come back): kill
+        it, forget it (its other tasks fail, or count, as they settle) and, unless it was
+        draining already, start another while replacements are left."""
         w = self.workers.pop(wid, None)
         if w is None:
             return
         self.counts.deaths += 1
+        try:  # an unavailable worker that came back would run on unaccounted, holding its CPU
+            self.ray.kill(w.handle)
+        except Exception as e:
+            self._break(e)
+            return
         if not w.draining and self.replaced < self.max_replace:
             self.replaced += 1
             try:
@@ -239,15 +268,20 @@ class RemotePool:
         return True
 
     def _break(self, e: BaseException) -> None:
-        """The cluster is gone (or the connection to it): one warning, no more Ray calls."""
+        """The cluster is gone (or the connection to it): one warning, no more Ray calls
+        but a bounded try to kill the workers where the error was a passing one on a
+        connection that stays open (closing it would end them)."""
         if self.broken:
             return
         self.broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         self.counts.lost += sum(len(t.indices) for t in self.tasks.values())
         self.tasks.clear()
+        handles = [w.handle for w in self.workers.values()]
         self.workers.clear()
         warnings.warn(f"remote preprocessing workers lost ({self.broken}); the job goes on with local "
                       f"workers", RuntimeWarning, stacklevel=3)
+        if handles and stays_open(self.ray, self.share):
+            kill_all(self.ray, handles)
         self._leave()
 
     def _leave(self) -> None:
@@ -258,12 +292,8 @@ class RemotePool:
     def close(self) -> None:
         """Stop every worker (without waiting for their tasks) and give up this pool's
         share of the connection (the last share leaves the cluster)."""
-        if not self.broken and self.ray.is_initialized():
-            for w in self.workers.values():
-                try:
-                    self.ray.kill(w.handle)
-                except Exception:  # gone already
-                    pass
+        if not self.broken and self.ray.is_initialized():  # bounded: the cluster may be lost unnoticed
+            kill_all(self.ray, [w.handle for w in self.workers.values()])
         self.workers.clear()
         self.tasks.clear()
         self._leave()
