@@ -23,6 +23,20 @@ from .vocab import BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
 HANDSHAKE_SECONDS = 10.0
+# Slowest a request body or an answer may move on average: each must be whole within
+# --request-timeout plus one second per MIN_RATE bytes. The timeout alone bounds a stall,
+# so a peer dribbling a byte per timeout held its body's (or answer's) share of
+# --max-inflight-bytes as long as it liked and a few of them kept every put busy.
+MIN_RATE = 1 << 20
+# Connections past --max-connections answered at once, each in a thread of its own: the
+# reason is sent (under TLS after a handshake), then the client's first request is read
+# and dropped, as a client reads its answer only after sending it (closed unread, the
+# connection was reset under it and the answer lost). Past this many: plain ones are told
+# the reason and closed at once, TLS ones closed unanswered.
+REFUSERS = 8
+REFUSED_REQUEST_WAIT_S = 1.0  # how long a refused connection's first request is waited for
+# Ops that change nothing a busy answer would lose and answer values: their answers may be refused.
+VALUE_READS = frozenset({ops.GET.code, ops.GET_LOCAL.code})
 
 
 class UnixSocketError(OSError):
@@ -67,6 +81,7 @@ class DataPlaneServer:
         self._threads: list[threading.Thread] = []
         self._conns: set[threading.Thread] = set()
         self._conns_lock = threading.Lock()
+        self._refusers = threading.BoundedSemaphore(REFUSERS)
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
         if tcp is not None:
@@ -145,6 +160,13 @@ class DataPlaneServer:
     def _refuse_conn(self, conn: socket.socket, why: str) -> None:
         """Answer a connection past the cap with the reason, then close it."""
         self.core.counters.add("busy_refused")
+        if self._refusers.acquire(blocking=False):
+            try:
+                threading.Thread(target=self._refuse_in_thread, args=(conn, why), daemon=True,
+                                 name="dataplane-refuse").start()
+                return
+            except RuntimeError:  # no thread to be had: as past REFUSERS
+                self._refusers.release()
         try:
             if conn.family == socket.AF_UNIX or self.ssl_ctx is None:  # TLS would need a handshake first
                 conn.settimeout(1.0)
@@ -153,6 +175,32 @@ class DataPlaneServer:
             pass
         finally:
             conn.close()
+
+    def _refuse_in_thread(self, conn: socket.socket, why: str) -> None:
+        try:
+            conn = self._prepare(conn)
+            if isinstance(conn, ssl.SSLSocket):
+                conn.settimeout(HANDSHAKE_SECONDS)
+                conn.do_handshake()
+            conn.settimeout(1.0)
+            self._reply_error(conn, wire.UNAVAILABLE, why)
+            self._drop_request(conn)
+        except (ssl.SSLError, OSError) as e:
+            log.debug("a data-plane connection refused busy did not take its answer: %s", e)
+        finally:
+            conn.close()
+            self._refusers.release()
+
+    def _drop_request(self, conn: socket.socket) -> None:
+        """Read the refused connection's first request, if one comes soon, into nothing."""
+        if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
+            if not wait_readable(conn, REFUSED_REQUEST_WAIT_S):
+                return
+        conn.settimeout(self.core.limits.request_timeout_s)
+        code, _, _, _, body_len = wire.unpack_header_flags(
+            wire.recv_exact(conn, wire.HEADER.size, self._deadline(wire.HEADER.size)))
+        if body_len <= self._max_body(code):
+            wire.discard(conn, body_len, self._deadline(body_len))
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -172,7 +220,7 @@ class DataPlaneServer:
                         continue
                 conn.settimeout(self.core.limits.request_timeout_s)  # a stalled sender is cut off
                 try:
-                    head = wire.recv_exact(conn, wire.HEADER.size)
+                    head = wire.recv_exact(conn, wire.HEADER.size, self._deadline(wire.HEADER.size))
                 except TimeoutError:  # a header begun, then stalled: as a stalled body
                     self._stalled()
                     return
@@ -189,10 +237,14 @@ class DataPlaneServer:
             with self._conns_lock:
                 self._conns.discard(threading.current_thread())
 
+    def _deadline(self, n: int) -> float:
+        """When a transfer of n bytes starting now must be done (MIN_RATE)."""
+        return time.monotonic() + self.core.limits.request_timeout_s + n / MIN_RATE
+
     def _stalled(self) -> None:
         self.core.counters.add("request_timeouts")
-        log.warning("closed a data-plane connection whose request stalled for %.0f s",
-                    self.core.limits.request_timeout_s)
+        log.warning("closed a data-plane connection whose request stalled for %.0f s or arrived slower than "
+                    "%d KiB/s", self.core.limits.request_timeout_s, MIN_RATE >> 10)
 
     def _reply_error(self, conn: socket.socket, status: int, message: str) -> None:
         msg = message.encode()[:65535]
@@ -204,9 +256,7 @@ class DataPlaneServer:
             code, flags, aux_len, count, body_len = wire.unpack_header_flags(head)
         except wire.ProtocolError as e:
             return self._refuse(conn, str(e))
-        limits = self.core.limits
-        # Put bodies hold values; other bodies hold ids and the job name.
-        max_body = limits.max_batch_items * 48 + 70_000 + (limits.max_batch_bytes if code == ops.PUT.code else 0)
+        max_body = self._max_body(code)
         if body_len > max_body:
             return self._refuse(conn, f"frame body of {body_len} bytes exceeds the limit of {max_body}")
         why = self.admission.admit(body_len)
@@ -217,6 +267,11 @@ class DataPlaneServer:
         finally:
             self.admission.release(body_len)
 
+    def _max_body(self, code: int) -> int:
+        """Put bodies hold values; other bodies hold ids and the job name."""
+        limits = self.core.limits
+        return limits.max_batch_items * 48 + 70_000 + (limits.max_batch_bytes if code == ops.PUT.code else 0)
+
     def _refuse_busy(self, conn: socket.socket, body_len: int, why: str) -> bool:
         """Answer 'server busy' once the body is read into nothing (no memory held). A client
         reads its answer only after sending the whole request: closed with the body unread, the
@@ -224,7 +279,7 @@ class DataPlaneServer:
         back-off, and its claims on the put's items kept until their ttl, ring_client.py)."""
         self.core.counters.add("busy_refused")
         try:
-            wire.discard(conn, body_len)
+            wire.discard(conn, body_len, self._deadline(body_len))
         except TimeoutError:  # a stalled sender: say why, then cut it off
             self._reply_error(conn, wire.UNAVAILABLE, why)
             return False
@@ -234,11 +289,14 @@ class DataPlaneServer:
     def _serve_body(self, conn: socket.socket, code: int, flags: int, aux_len: int, count: int,
                     body_len: int) -> bool:
         try:
-            body = memoryview(wire.recv_exact(conn, body_len))
+            body = memoryview(wire.recv_exact(conn, body_len, self._deadline(body_len)))
         except TimeoutError:
             self._stalled()
             return False
         self.core.counters.add("dataplane_requests")
+        why = self.admission.full(held=body_len) if code in VALUE_READS else None
+        if why:  # no room for any answer: not even read
+            return self._reply_busy(conn, why)
         try:
             rcount, parts = self._answer(code, flags, aux_len, count, body)
         except (BadRequest, UnicodeDecodeError) as e:
@@ -249,12 +307,28 @@ class DataPlaneServer:
             log.exception("dataplane request failed")
             self._reply_error(conn, wire.INTERNAL, f"internal error: {e}")
             return True
+        size = sum(len(p) for p in parts)
+        why = self.admission.admit(size, held=body_len, force=code not in VALUE_READS)
+        if why:
+            del parts  # the values read go now, not after the busy answer
+            return self._reply_busy(conn, why)
         try:
-            wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, rcount, sum(len(p) for p in parts)), *parts])
-        except TimeoutError:  # the reader took nothing for a whole timeout; a slow one is served
+            return self._send_answer(conn, rcount, parts, size)
+        finally:
+            self.admission.release(size)
+
+    def _reply_busy(self, conn: socket.socket, why: str) -> bool:
+        self.core.counters.add("busy_refused")
+        self._reply_error(conn, wire.UNAVAILABLE, why)
+        return True
+
+    def _send_answer(self, conn: socket.socket, rcount: int, parts: list, size: int) -> bool:
+        try:
+            wire.send_buffers(conn, [wire.pack_header(wire.OK, 0, rcount, size), *parts], self._deadline(size))
+        except TimeoutError:  # the reader took nothing for a whole timeout, or took it too slowly
             self.core.counters.add("reply_stalls")
-            log.warning("closed a data-plane connection whose reader took nothing for %.0f s",
-                        self.core.limits.request_timeout_s)
+            log.warning("closed a data-plane connection whose reader took nothing for %.0f s or read slower "
+                        "than %d KiB/s", self.core.limits.request_timeout_s, MIN_RATE >> 10)
             return False  # part of the answer is out: the framing cannot go on
         return True
 

@@ -92,13 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=_size, default=256 << 20,
                    help="largest put batch (sum of values); a get's answer stops at it too (the rest: misses)")
     p.add_argument("--max-inflight-bytes", type=_size, default=1 << 30,
-                   help="request bodies held at once across all data-plane connections and gRPC calls; past "
-                        "it a request is answered 'server busy'")
+                   help="request bodies and get answers held at once across all data-plane connections and "
+                        "gRPC calls; past it a request is answered 'server busy'")
     # positive: 0 would answer every data-plane connection 'server busy' (clients: server down)
     p.add_argument("--max-connections", type=_positive_int, default=4096, metavar="N",
-                   help="open data-plane connections at most")
+                   help="open data-plane connections at most; one past it is answered 'server busy'")
     p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
-                   help="a data-plane request that stalls this long while being sent or answered is cut off")
+                   help="a data-plane request that stalls this long while being sent or answered is cut off, "
+                        "as is one not sent or answered within this plus 1 s per MiB")
     p.add_argument("--max-grpc-calls", type=_positive_int, default=64, metavar="N",
                    help="gRPC calls served at once (each may hold up to --max-batch-size); past it a call "
                         "is refused with RESOURCE_EXHAUSTED")

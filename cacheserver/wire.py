@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 
 import numpy
@@ -62,65 +63,102 @@ def unpack_header_flags(raw: bytes) -> tuple[int, int, int, int, int]:
     return op, flags, aux_len, count, body_len
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | memoryview:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | memoryview:
     """Read exactly n bytes: bytes up to _SMALL (usually one syscall, MSG_WAITALL),
     else a memoryview of one uninitialised buffer of the final size that the parts
-    are received into in place: no zero-filling, no second copy, no growing."""
+    are received into in place: no zero-filling, no second copy, no growing.
+    The socket's timeout bounds each stall; `deadline` (time.monotonic()) the whole read:
+    past it TimeoutError, however steadily the bytes trickle in."""
     if n == 0:
         return b""
-    if n > _SMALL:
-        view = memoryview(numpy.empty(n, numpy.uint8))
-        _recv_into(sock, view, 0)
-        return view
-    data = b"" if isinstance(sock, ssl.SSLSocket) else sock.recv(n, socket.MSG_WAITALL)
-    if len(data) == n:
-        return data
-    if not data and not isinstance(sock, ssl.SSLSocket):
-        raise ConnectionError("connection closed by peer")
-    # A socket with a timeout is non-blocking underneath: MSG_WAITALL returns what has come.
-    buf = bytearray(n)
-    buf[:len(data)] = data
-    with memoryview(buf) as view:
-        _recv_into(sock, view, len(data))
-    return bytes(buf)
+    with _Paced(sock, deadline) as pace:
+        if n > _SMALL:
+            view = memoryview(numpy.empty(n, numpy.uint8))
+            _recv_into(sock, view, 0, pace)
+            return view
+        pace()
+        data = b"" if isinstance(sock, ssl.SSLSocket) else sock.recv(n, socket.MSG_WAITALL)
+        if len(data) == n:
+            return data
+        if not data and not isinstance(sock, ssl.SSLSocket):
+            raise ConnectionError("connection closed by peer")
+        # A socket with a timeout is non-blocking underneath: MSG_WAITALL returns what has come.
+        buf = bytearray(n)
+        buf[:len(data)] = data
+        with memoryview(buf) as view:
+            _recv_into(sock, view, len(data), pace)
+        return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview, got: int) -> None:
+class _Paced:
+    """Calling it before each socket call shortens the socket's timeout (the stall bound) to
+    what is left before `deadline`, raising TimeoutError once none is; the timeout is put back
+    on the way out. Without a deadline it does nothing (clients, and the unbounded default)."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self.sock, self.deadline = sock, deadline
+        self.stall = sock.gettimeout()
+
+    def __enter__(self) -> "_Paced":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.deadline is not None:
+            self.sock.settimeout(self.stall)
+
+    def __call__(self) -> None:
+        if self.deadline is None:
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the transfer passed its deadline")
+        self.sock.settimeout(left if self.stall is None else min(self.stall, left))
+
+
+def _recv_into(sock: socket.socket, view: memoryview, got: int, pace: _Paced) -> None:
     n = len(view)
     while got < n:
+        pace()
         k = sock.recv_into(view[got:], min(n - got, 1 << 22))
         if not k:
             raise ConnectionError("connection closed by peer")
         got += k
 
 
-def discard(sock: socket.socket, n: int) -> None:
-    """Read n bytes and drop them: the rest of a frame not served, so the connection goes on."""
-    while n > 0:
-        k = sock.recv_into(_DISCARD, min(n, len(_DISCARD)))
-        if not k:
-            raise ConnectionError("connection closed by peer")
-        n -= k
+def discard(sock: socket.socket, n: int, deadline: float | None = None) -> None:
+    """Read n bytes and drop them: the rest of a frame not served, so the connection goes on
+    (`deadline`: as recv_exact's)."""
+    with _Paced(sock, deadline) as pace:
+        while n > 0:
+            pace()
+            k = sock.recv_into(_DISCARD, min(n, len(_DISCARD)))
+            if not k:
+                raise ConnectionError("connection closed by peer")
+            n -= k
 
 
-def send_buffers(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
+def send_buffers(sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
     """Gather-write all buffers without joining them (sendmsg), resuming after partial writes.
-    The socket's timeout bounds each wait for the peer to take more bytes, not the whole write."""
-    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
-        for b in bufs:
-            with memoryview(b).cast("B") as view:
-                for at in range(0, len(view), TLS_SLICE):
-                    sock.sendall(view[at:at + TLS_SLICE])
-        return
-    pending = [memoryview(b) for b in bufs if len(b)]
-    i = 0
-    while i < len(pending):
-        sent = sock.sendmsg(pending[i:i + _IOV_MAX])
-        while sent:
-            head = pending[i]
-            if sent >= len(head):
-                sent -= len(head)
-                i += 1
-            else:
-                pending[i] = head[sent:]
-                sent = 0
+    The socket's timeout bounds each wait for the peer to take more bytes, not the whole write;
+    `deadline` (time.monotonic()) bounds the whole write: past it TimeoutError."""
+    with _Paced(sock, deadline) as pace:
+        if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
+            for b in bufs:
+                with memoryview(b).cast("B") as view:
+                    for at in range(0, len(view), TLS_SLICE):
+                        pace()
+                        sock.sendall(view[at:at + TLS_SLICE])
+            return
+        pending = [memoryview(b) for b in bufs if len(b)]
+        i = 0
+        while i < len(pending):
+            pace()
+            sent = sock.sendmsg(pending[i:i + _IOV_MAX])
+            while sent:
+                head = pending[i]
+                if sent >= len(head):
+                    sent -= len(head)
+                    i += 1
+                else:
+                    pending[i] = head[sent:]
+                    sent = 0
