@@ -155,6 +155,34 @@ def is_zombie(pid: int) -> bool:
         return True
 
 
+def make_certs(out: Any) -> Any:
+    """A CA, server and client certificates under `out` (`cachectl certs`); `out` back."""
+    r = subprocess.run([sys.executable, "-m", "manager.ctl", "certs", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def stalled_put(connect: Callable[[], socket.socket], held: Callable[[], object], tries: int = 10,
+                wait: float = 2.0) -> socket.socket:
+    """A data-plane connection holding a server's whole --max-inflight-bytes (smaller than
+    60 MiB): a put whose 60 MiB body never comes, sent on `connect()` until `held()` says the
+    server answers busy. A body past the budget is admitted only while nothing else is in
+    flight, and a request answered just before holds its bytes until the server's thread
+    releases them after its answer: then the stall is refused itself, and sent again."""
+    from cacheserver import ops, wire
+
+    for _ in range(tries):
+        k = connect()
+        k.sendall(wire.pack_header(ops.PUT.code, 0, 1, 60 << 20) + bytes(1000))
+        try:
+            wait_until(held, "the stalled body admitted", wait)
+            return k
+        except AssertionError:
+            k.close()
+    raise AssertionError(f"no stalled 60 MiB put body admitted in {tries} tries")
+
+
 def wait_until(cond: Callable[[], object], what: str, timeout: float = 8.0) -> object:
     """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

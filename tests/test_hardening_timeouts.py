@@ -4,8 +4,6 @@ real daemons."""
 import hashlib
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from cacheserver import ops, wire
 from cacheserver.client.server_client import ServerClient
 from cacheserver.tls import TlsFiles
-from procs import ROOT, cacheserver, free_port
+from procs import cacheserver, free_port, make_certs
 
 VALUE_MIB = 24
 TIMEOUT_S = 1.0
@@ -21,11 +19,7 @@ TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls") / "certs"
-    r = subprocess.run([sys.executable, "-m", "manager.ctl", "certs", "--out", str(d)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return d
+    return make_certs(tmp_path_factory.mktemp("tls") / "certs")
 
 
 def _server(tmp_path, tls: TlsFiles | None):

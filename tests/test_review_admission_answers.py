@@ -3,15 +3,13 @@ TLS connection past --max-connections is told why; real daemons on loopback."""
 import hashlib
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
 from cacheserver import ops, wire
 from cacheserver.client.server_client import ServerClient
 from cacheserver.tls import TlsFiles
-from procs import ROOT, cacheserver, free_port, wait_until
+from procs import cacheserver, free_port, make_certs, wait_until
 
 
 def _busy(call) -> str:
@@ -56,11 +54,7 @@ def test_answers_being_sent_count_against_the_inflight_budget(tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls") / "certs"
-    r = subprocess.run([sys.executable, "-m", "manager.ctl", "certs", "--out", str(d)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return d
+    return make_certs(tmp_path_factory.mktemp("tls") / "certs")
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])

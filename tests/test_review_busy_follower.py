@@ -5,11 +5,11 @@ import hashlib
 import socket
 import time
 
-from cacheserver import ops, wire
+from cacheserver import wire
 from cacheserver.client import readpath, server_client
 from cacheserver.client.ring_client import RingClient
 from cacheserver.client.server_client import ServerClient
-from procs import cacheserver, wait_until
+from procs import cacheserver, stalled_put, wait_until
 
 
 def _admitted(c: ServerClient, ids: list[bytes]) -> bool:
@@ -44,10 +44,11 @@ def test_a_busy_server_keeps_its_same_host_follower(tmp_path, monkeypatch):
                        "the values served")
             client = ring.clients[s.address]
             assert client.transport == "local" and len(opened) == 1
-            with socket.socket(socket.AF_UNIX) as stall:
-                stall.connect(probe.info().unix_socket)
-                stall.sendall(wire.pack_header(ops.PUT.code, 0, 1, 60 << 20) + bytes(1000))
-                wait_until(lambda: not _admitted(probe, ids), "the stalled body admitted")
+            def connect() -> socket.socket:
+                k = socket.socket(socket.AF_UNIX)
+                k.connect(probe.info().unix_socket)
+                return k
+            with stalled_put(connect, lambda: not _admitted(probe, ids)):
                 unsent: list[int] = []
                 assert ring.put(big, unsent=unsent) == 0 and unsent == [0, 1, 2]  # answered busy
                 assert ring.errors == 1 and s.address in ring._answering

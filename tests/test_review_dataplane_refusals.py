@@ -13,7 +13,7 @@ from cacheserver.client.ring_client import RingClient
 from cacheserver.client.server_client import ServerClient
 from cacheserver.tls import TlsFiles
 from cacheserver.vocab import FETCH
-from procs import ROOT, cacheserver, free_port, wait_until
+from procs import ROOT, cacheserver, free_port, make_certs, stalled_put, wait_until
 
 
 def _daemon_fails(tmp_path, *flags: str) -> subprocess.CompletedProcess:
@@ -66,21 +66,13 @@ def test_a_large_put_refused_busy_is_answered_busy_and_its_claims_released(tmp_p
     try:
         with ServerClient(s.address, local_read=False) as c:
             info = c.info()
-        if transport == "tcp":
-            host, port = info.data_address.rsplit(":", 1)
-            stall = socket.create_connection((host, int(port)), timeout=5)
-        else:
-            stall = socket.socket(socket.AF_UNIX)
-            stall.connect(info.unix_socket)
         values = [bytes([i]) * (4 << 20) for i in range(5)]
         items = [(hashlib.sha256(v).digest(), v) for v in values]
         ids = [k for k, _ in items]
         with RingClient([s.address], local_read=False, timeout=20) as a, \
                 ServerClient(s.address, local_read=False, timeout=20) as b:
             assert a.claim(ids, "a") == [FETCH] * 5
-            # `stall` holds the in-flight budget: a 60 MiB put body that does not come
-            stall.sendall(wire.pack_header(ops.PUT.code, 0, 1, 60 << 20) + bytes(1000))
-            wait_until(lambda: _admitted(b, ids) is None, "the stalled body admitted")
+            stall = stalled_put(lambda: _connect(info, transport), lambda: _admitted(b, ids) is None)
             with pytest.raises(wire.RemoteError, match="server busy: .*--max-inflight-bytes"):
                 b.put(items, "b")  # the client is told why, its connection not reset
             unsent: list[int] = []
@@ -92,6 +84,15 @@ def test_a_large_put_refused_busy_is_answered_busy_and_its_claims_released(tmp_p
             assert b.stats().counters["busy_refused"] >= 2
     finally:
         assert s.stop() == 0
+
+
+def _connect(info, transport: str) -> socket.socket:
+    if transport == "tcp":
+        host, port = info.data_address.rsplit(":", 1)
+        return socket.create_connection((host, int(port)), timeout=5)
+    k = socket.socket(socket.AF_UNIX)
+    k.connect(info.unix_socket)
+    return k
 
 
 def _admitted(c: ServerClient, ids: list[bytes]) -> bytes | None:
@@ -120,10 +121,7 @@ def test_tls_data_plane_accepts_on_after_peers_that_reset_at_once(tmp_path):
     """Before: a peer that sent bytes and reset before the server wrapped its socket made
     wrap_socket raise in the accept thread, which died: the listener stayed open unanswered,
     so every later client hung until its timeout (and the connection slot was never freed)."""
-    certs = tmp_path / "certs"
-    r = subprocess.run([sys.executable, "-m", "manager.ctl", "certs", "--out", str(certs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    certs = make_certs(tmp_path / "certs")
     dport = free_port()
     s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--data-listen", f"127.0.0.1:{dport}", "--unix-socket", "off",
                     "--max-connections", "8", "--tls-cert", str(certs / "server.pem"),

@@ -44,6 +44,13 @@ States, per server client (ReadPaths):
                     Reopen the follower; its opening counts as follower cost.
 
 The policy itself, local_pays(), is a pure function of the measured costs.
+
+Opening a follower first asks the server to flush (OPEN_FOLLOWER). A server that answers
+"busy" (--max-connections, --max-inflight-bytes) or does not answer in time refused only
+for now: the open is tried again after a back-off (OpenRetry) that doubles, from
+RETRY_FIRST_S to RETRY_MAX_S, while it keeps failing, so a busy server is not asked on
+every get; a follower that RocksDB cannot open (no permission, another version) is never
+tried again.
 """
 from __future__ import annotations
 
@@ -62,6 +69,8 @@ QUIET_BYTES = 1 << 20  # bytes written per look below which the writes count as 
 QUIET_LOG_BYTES = 1 << 10
 MIN_HOLD = 5.0  # while the writes go on, each reopen starts another losing window: not too often
 MAX_HOLD = 60.0
+RETRY_FIRST_S = 0.5  # a follower's open that the server refused for now: tried again after this...
+RETRY_MAX_S = 30.0  # ...doubled at each refusal in a row, up to this
 
 LOCAL, REMOTE = "local", "remote"
 
@@ -171,3 +180,29 @@ class ReadPaths:
             s.remote_s /= 2
             s.remote_bytes //= 2
             return self.state
+
+
+class OpenRetry:
+    """When to try again to open a follower whose open failed for now (see above); thread-safe."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wait = 0.0  # the back-off after the last refusal; 0: none in a row
+        self._at = 0.0
+        self.refusals = 0  # in all, for stats and tests
+
+    def due(self) -> bool:
+        return self._clock() >= self._at
+
+    def refused(self) -> float:
+        """An open failed for now: the seconds until the next try."""
+        with self._lock:
+            self._wait = min(RETRY_MAX_S, max(RETRY_FIRST_S, 2 * self._wait))
+            self._at = self._clock() + self._wait
+            self.refusals += 1
+            return self._wait
+
+    def opened(self) -> None:
+        with self._lock:
+            self._wait, self._at = 0.0, 0.0

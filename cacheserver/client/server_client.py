@@ -8,6 +8,7 @@ time, so threads issue requests in parallel on separate connections.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -24,14 +25,20 @@ from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
 from ..vocab import FEATURE_INLINE, PLAIN_RECORDS, check_ids
 from .localread import LocalReader, written_files
-from .readpath import LOCAL, ReadPaths
+from .readpath import LOCAL, OpenRetry, ReadPaths
 from ..roles import metadata
+
+log = logging.getLogger("cacheserver.client")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 # An answer holds a u32 size per id asked plus values within the server's announced batch
 # limit (getbound.py), or a few small fields: what a ping, a put or an error message needs.
 ANSWER_SLACK = 64 << 10
 DEFAULT_MAX_VALUES = 256 << 20  # a server's --max-batch-size default, until its Info says
+
+
+class _Refused(Exception):
+    """The server did not take OPEN_FOLLOWER now (busy, or no answer in time): try later."""
 
 
 class RecordsMismatch(ValueError):
@@ -70,6 +77,7 @@ class ServerClient:
         self._local: LocalReader | None = None
         self._db_path: str | None = None  # set when a follower may be opened
         self._follower_lock = threading.Lock()
+        self._retry = OpenRetry()  # when a follower's open the server refused for now is tried again
         self.paths = ReadPaths()
         self._features: frozenset[str] | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
@@ -149,7 +157,12 @@ class ServerClient:
                 raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
                                       f"is another user's, not this user's embedded cache")
             s.settimeout(self._probe_timeout)
-            if self._ping(s) != info.instance:  # a namesake path, not this server
+            try:
+                instance = self._ping(s)
+            except BaseException:
+                s.close()
+                raise
+            if instance != info.instance:  # a namesake path, not this server
                 s.close()
                 return False
             s.settimeout(self.timeout)
@@ -172,42 +185,60 @@ class ServerClient:
                 check_private(os.path.dirname(db_path))
             except (PlaintextDir, OSError):
                 return
-        try:
-            self._local = self._new_follower(db_path)
-        except Exception:  # no permission, or an incompatible RocksDB: the socket path still works
-            self._local = None
-            return
-        self._db_path, self.transport = db_path, "local"
+        self._db_path = db_path  # a follower may be opened: now, or once a refusal's back-off is over
+        self._open_follower()
 
     def _new_follower(self, db_path: str) -> LocalReader:
-        """Open a follower; the time it takes counts as follower cost (readpath.py)."""
+        """Open a follower; the time it takes counts as follower cost (readpath.py). _Refused:
+        the server did not take OPEN_FOLLOWER now."""
         t = time.perf_counter()
-        self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
+        try:
+            self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
+        except (wire.RemoteError, OSError) as e:  # busy, a timeout, a dropped connection
+            raise _Refused(f"{type(e).__name__}: {e}") from e
         local = LocalReader(db_path, self.plain)
         self.paths.follower(time.perf_counter() - t)
         return local
 
+    def _open_follower(self) -> LocalReader | None:
+        """The follower, opened now if there is none and an open is due; None while the server
+        refuses for now (tried again after a back-off: readpath.OpenRetry), or for good
+        (_db_path None: no permission, an incompatible RocksDB, the data dir gone)."""
+        with self._follower_lock:
+            db_path = self._db_path
+            if self._local is not None or db_path is None or not self._retry.due():
+                return self._local
+            try:
+                local = self._new_follower(db_path)
+            except _Refused as e:  # a transient refusal must not cost the follower for good
+                log.info("cache server %s: same-host follower not opened for now (%s); trying again "
+                         "in %.1fs", self.address, e, self._retry.refused())
+                return None
+            except Exception as e:  # the socket path still works, slower: say why, once
+                log.warning("cache server %s: same-host reads go over its socket; no follower of %s (%s: %s)",
+                            self.address, db_path, type(e).__name__, e)
+                self._db_path = None
+                return None
+            self._retry.opened()
+            if self._db_path is None:  # retired or closed meanwhile: nobody would close it
+                local.close()
+                return None
+            self._local, self.transport = local, "local"
+            return local
+
     def _follower(self) -> LocalReader | None:
         """The follower to read from now, per the measured-cost policy (readpath.py)."""
-        if self._db_path is None:
+        db_path = self._db_path  # read once: retire() may clear it meanwhile
+        if db_path is None:
             return None
-        files = written_files(self._db_path, self.paths.files_finished) if self.paths.wants_files() else None
+        files = written_files(db_path, self.paths.files_finished) if self.paths.wants_files() else None
         if not self.paths.use_local(files):
             # Dropped, not closed: a get in another thread may still hold it;
             # the last reference closes it, and nothing is replayed meanwhile.
             self._local = None
             return None
         local = self._local
-        if local is None:
-            with self._follower_lock:
-                if self._local is None:
-                    try:
-                        self._local = self._new_follower(self._db_path)
-                    except Exception:  # the data dir went away: keep to the socket
-                        self._db_path = None
-                        return None
-                local = self._local
-        return local
+        return local if local is not None else self._open_follower()
 
     def _connect(self, target: tuple[str, object]) -> socket.socket:
         kind, addr = target
@@ -256,11 +287,19 @@ class ServerClient:
         return rcount, body
 
     def _ping(self, s: socket.socket) -> str:
-        wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
+        """The instance id the socket's server answers; RemoteError if it answers busy (it
+        cannot say now which server it is: taken for another's, this client kept to TCP)."""
+        try:
+            wire.send_buffers(s, [wire.pack_header(ops.PING.code, 0, 0, 0)])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # past --max-connections the server answers busy and closes unread: read that answer
         status, aux_len, _, body_len = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
         if body_len > ANSWER_SLACK:
             raise wire.ProtocolError(f"a ping answered {body_len} bytes, not an instance id")
-        return wire.recv_exact(s, body_len or aux_len).decode(errors="replace")
+        text = wire.recv_exact(s, body_len or aux_len).decode(errors="replace")
+        if status == wire.UNAVAILABLE:  # resolved again at the next call (_resolve)
+            raise wire.RemoteError(status, text)
+        return text
 
     def _dataplane(self) -> bool:
         self.resolve()
@@ -475,6 +514,7 @@ class ServerClient:
                 break
 
     def close(self) -> None:
+        self._db_path = None  # no follower opened after this (_open_follower closes one under way)
         if self._local is not None:
             self._local.close()
             self._local = None
