@@ -130,13 +130,23 @@ class ManagerLink:
                 self.failures = 0
             except grpc.RpcError as e:
                 if self.failures == 0:
-                    log.warning("manager %s unreachable, serving on and retrying every %.1fs: %s",
-                                self.manager, self.interval, e.code())
+                    self._log_failure(e)
                 self.failures += 1
             except Exception:  # never let the link take the server down
                 log.exception("manager link error")
                 self.failures += 1
             self._stop.wait(self.interval)
+
+    def _log_failure(self, e: grpc.RpcError) -> None:
+        """Once per outage: unreachable, or refused (the manager says why: a live server of
+        another id at this address, say), which the operator must read to fix."""
+        code = e.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            log.warning("manager %s unreachable, serving on and retrying every %.1fs: %s",
+                        self.manager, self.interval, code)
+        else:
+            log.warning("manager %s refused this server (%s: %s); serving on outside its ring and retrying "
+                        "every %.1fs", self.manager, code, e.details(), self.interval)
 
     def start(self) -> None:
         self._thread.start()

@@ -93,6 +93,7 @@ class ManagerDaemon:
         self.service = ManagerService(self.store, self.liveness, heartbeat_s=cfg.heartbeat_s,
                                       decision_s=cfg.decision_s, counters=self.counters, scaling=cfg.scaling,
                                       roles=Roles(token, tls=cfg.tls is not None), job_timeout_s=cfg.job_timeout_s,
+                                      server_timeout_s=cfg.heartbeat_s * cfg.heartbeat_misses,
                                       on_server_start=self.actuator.reconcile,
                                       on_unknown_with_entries=self.actuator.owe_chunked)
         mpb_grpc.add_ManagerServicer_to_server(self.service, self.grpc)

@@ -70,8 +70,8 @@ class Registry:
         s = self.servers.get(server_id)
         # One address, one server: a new server id on an old address (data dir
         # wiped, or another process took the port) replaces the old record, which
-        # would otherwise be listed as down for ever.
-        for other in [o for o in self.servers.values() if o.server_id != server_id and o.address == address]:
+        # would otherwise be listed as down for ever (the model notes it).
+        for other in self.others_at(server_id, address):
             del self.servers[other.server_id]
         if s is None:
             self.servers[server_id] = ServerRecord(server_id, address, int(capacity), True, now)
@@ -81,6 +81,11 @@ class Registry:
                 s.joined_at = now
             s.address, s.capacity, s.alive, s.left_at = address, int(capacity), True, None
         return self._bump_if_changed(before)
+
+    def others_at(self, server_id: str, address: str) -> list[ServerRecord]:
+        """Records of other server ids at ``address``, by id: those a join of ``server_id`` there replaces."""
+        return [self.servers[k] for k in sorted(self.servers)
+                if k != server_id and self.servers[k].address == address]
 
     def leave(self, server_id: str, now: float) -> bool:
         s = self.servers.get(server_id)
@@ -114,6 +119,14 @@ class Registry:
     def from_dict(cls, d: Mapping[str, Any]) -> "Registry":
         return cls({k: ServerRecord(**v) for k, v in d.get("servers", {}).items()},
                    int(d.get("version", 0)))
+
+
+def address_taken(address: str, holder: str, server_id: str, timeout: float) -> str:
+    """Why a registration at a live server's address is refused, and what to do."""
+    return (f"address {address} is held by server {holder}, which still heartbeats: server {server_id} "
+            f"cannot register there. Two cache servers advertise the same address; give each the address "
+            f"clients dial it at (--listen). If {holder} has stopped, {server_id} takes its place once "
+            f"{holder} has missed heartbeats for {timeout:.0f} s")
 
 
 @dataclass
@@ -171,9 +184,27 @@ class Liveness:
         with self._lock:
             self._servers.pop(server_id, None)
 
-    def server(self, server_id: str) -> Beat | None:
+    def server(self, server_id: str, now: float | None = None) -> Beat | None:
+        """``server_id``'s last beat; with ``now``, its time moved by any wall-clock step up
+        to ``now`` first, so ``now - at`` is its true age (Status reports it)."""
         with self._lock:
+            if now is not None:
+                self._follow_steps(now)
             return self._servers.get(server_id)
+
+    def live_holder(self, registry: Registry, server_id: str, address: str, now: float,
+                    timeout: float) -> str | None:
+        """The id of another server in the ring at ``address`` whose heartbeats are within
+        ``timeout``, if any: a registration of ``server_id`` there would replace the record of a
+        live server. Two live servers advertising one address (a misconfiguration) would take
+        it from each other at every heartbeat, the budget changing each time; one that stopped
+        (a pod restarted on a new data dir) is out of the ring, or late, within ``timeout``."""
+        with self._lock:
+            self._follow_steps(now)
+            for o in registry.others_at(server_id, address):
+                if o.alive and not self._late(o.server_id, now, timeout):
+                    return o.server_id
+        return None
 
     def dead_servers(self, registry: Registry, now: float, timeout: float) -> list[str]:
         """Alive servers whose last heartbeat (or the restart) is older than ``timeout``.

@@ -167,8 +167,11 @@ class ManagerModel:
         if not sid or not addr:
             raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
         budget = self.budget()
+        replaced = self.registry.others_at(sid, addr)  # join drops their records: say so
         changed = self.registry.join(sid, addr, cap, now)
         out: list[Effect] = [note("server joined", server_id=sid, address=addr, capacity=cap)]
+        out += [note("server replaced: a new server id registered at its address", server_id=o.server_id,
+                     address=o.address, by=sid, was_in_ring=o.alive) for o in replaced]
         if changed:
             self._count("ring_changes")
             out.append(RingChanged(self.registry.version, tuple(self.registry.addresses())))

@@ -21,7 +21,7 @@ from cacheserver.roles import Roles
 from cacheserver.vocab import source_tag
 
 from . import jobtokens, statusview
-from .membership import Liveness
+from .membership import Liveness, address_taken
 from .model import ManagerModel, Rejected
 from .pipelines import PipelineRecord, pipeline_key
 from .policy import CacheMode, Option, dataset_gain
@@ -74,7 +74,8 @@ def _mode(m: ManagerModel, job: str) -> int:
 class ManagerService(mpb_grpc.ManagerServicer):
     def __init__(self, store: StateStore, liveness: Liveness, *, heartbeat_s: float, decision_s: float,
                  counters: Counters, scaling: WorkerScaling | None = None, roles: Roles | None = None,
-                 job_timeout_s: float = 900.0, on_server_start: Callable[[str], None] | None = None,
+                 job_timeout_s: float = 900.0, server_timeout_s: float | None = None,
+                 on_server_start: Callable[[str], None] | None = None,
                  on_unknown_with_entries: Callable[[str], None] | None = None) -> None:
         self.store = store
         # Called (under the store's lock, before the join) with the address of a server that
@@ -91,6 +92,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
         self.heartbeat_s = heartbeat_s
         self.decision_s = decision_s
         self.job_timeout_s = job_timeout_s
+        # Silence after which a server is dead (--heartbeat-seconds x --heartbeat-misses): until
+        # then its address is its own, and a new id registering there is refused.
+        self.server_timeout_s = heartbeat_s * 3 if server_timeout_s is None else server_timeout_s
         self.counters = counters
 
     def _now(self) -> float:
@@ -144,6 +148,17 @@ class ManagerService(mpb_grpc.ManagerServicer):
                        f"{op} is for cache servers: it needs the cluster token (--cluster-token-file, the "
                        f"same file as the manager's) or, under mutual TLS, a server certificate")
 
+    def _refuse_taken_address(self, sid: str, address: str, now: float) -> None:
+        """Two live servers advertising one address would take it from each other at every
+        heartbeat (each told "not registered", each re-registering): the second is refused
+        while the first heartbeats. Volatile heartbeats decide, not the model: journals that
+        hold such a replacement still replay."""
+        holder = self.liveness.live_holder(self.store.model.registry, sid, address, now, self.server_timeout_s)
+        if holder is not None:
+            why = address_taken(address, holder, sid, self.server_timeout_s)
+            log.warning("RegisterServer refused: %s", why)
+            raise Rejected("ALREADY_EXISTS", why)
+
     @_rpc
     def RegisterServer(self, request: mpb.RegisterServerRequest, context) -> mpb.RegisterServerResponse:
         self._may_join(context, "RegisterServer")
@@ -151,6 +166,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             raise Rejected("INVALID_ARGUMENT", "server_id and address must not be empty")
         now = self._now()
         with self.store.lock:
+            self._refuse_taken_address(request.server_id, request.address, now)
             self.liveness.beat(request.server_id, now, request.used)
             if (request.used and self.on_unknown_with_entries is not None
                     and request.server_id not in self.store.model.registry.servers):
@@ -361,7 +377,7 @@ def build_status(m: ManagerModel, live: Liveness, now: float, *, seq: int, heart
                            decision_seconds=decision_s, now=now)
     for sid in sorted(m.registry.servers):
         s = m.registry.servers[sid]
-        beat = live.server(sid)
+        beat = live.server(sid, now)  # ages true across a wall-clock step
         r.servers.add(server_id=sid, address=s.address, capacity=s.capacity, alive=s.alive,
                       used=beat.used if beat else 0, items=beat.items if beat else 0,
                       last_heartbeat_age=now - beat.at if beat else -1.0)
