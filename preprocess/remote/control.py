@@ -4,7 +4,8 @@ itself or by the cache manager (managed.py): every `every` batches the feeder's 
 ready queue) go to the policy, and its Change is carried out at once: remote
 workers are started or drained (pool.resize), local ones set through
 `set_local`, and the feeder leaves the local workers their share of each batch.
-When the remote pool breaks (the cluster is gone) the policy is dropped and the
+When the remote pool breaks (the cluster is gone), or is left with no worker and may
+start none (deaths used up its replacements), the policy is dropped and the
 local workers are set to `fallback_local`, once. A paused controller (nothing the
 workers could make would be read: pause()) drains the remote workers and leaves
 every item to the local ones until resume()."""
@@ -67,7 +68,7 @@ class Controller:
     def __call__(self, feeder: Any) -> None:
         """After each batch the feeder hands on."""
         st = feeder.stats
-        if self.pool.broken:
+        if self.pool.broken or self._spent():
             self._fall_back()
         elif self.paused:  # batches made without remote workers say nothing about their count
             self._seen = len(st.batch_times)
@@ -104,6 +105,11 @@ class Controller:
         if self.set_local is not None and change.local_delta:
             self.set_local(change.local)
         return change
+
+    def _spent(self) -> bool:
+        """No remote worker left (draining ones included: a resume takes those back) and
+        none may start: as final as a broken pool."""
+        return bool(getattr(self.pool, "exhausted", False)) and not self.pool.workers
 
     def _fall_back(self) -> None:
         if self.fell_back:

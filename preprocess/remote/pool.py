@@ -2,18 +2,21 @@
 
 Worker states: starting (configured; takes one task, queued by Ray behind its
 configuration, until it answers one) -> running -> draining (removed by a scaling decision: takes
-no new task, is killed once its queued tasks are done) -> gone; or dead (its
-process died, or Ray reports it unavailable: it is killed all the same, lest it come
-back and run on unaccounted; its unfinished tasks are reported failed, and unless it
-was draining it is replaced, at most `max_replace` times over the pool's life).
+no new task, is killed once its queued tasks are done; a scale-up takes it back before
+starting any worker) -> gone; or dead (its process died, Ray reports it unavailable, or
+Ray cannot schedule it: it is killed all the same, lest it come back and run on
+unaccounted; its unfinished tasks are reported failed, and unless it was draining it is
+replaced, at most `max_replace` times over the pool's life; once deaths have used those
+up, a scale-up starts no worker either: they would crash alike).
 
 A task is a few item indices; its result is a small report (runner.Report). A
 failed task's items are simply not in the cache: the trainer computes them (so
 nothing is lost, and nothing doubled: which items an epoch yields is the
 sampler's business). Any Ray error other than a dead actor (the connection
-lost, the cluster gone) breaks the pool: one warning, no further Ray call but a
-bounded attempt to kill its workers where the connection stays open (another pool
-shares it, or it is the user's), the job goes on with local workers."""
+lost, the cluster gone; or the last worker taking tasks is one Ray cannot schedule)
+breaks the pool: one warning, no further Ray call but a bounded attempt to kill its
+workers where the connection stays open (another pool shares it, or it is the user's),
+the job goes on with local workers."""
 from __future__ import annotations
 
 import itertools
@@ -29,6 +32,14 @@ from .spec import WorkSpec
 
 
 KILL_WAIT_S = 5.0  # a lost cluster stalls each call for Ray's reconnect grace period
+
+
+def unschedulable(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's errors for an actor it cannot place (not RayActorErrors): that worker's fault,
+    unless no other can be placed either."""
+    ex = ray.exceptions
+    return tuple(getattr(ex, n) for n in ("ActorUnschedulableError", "ActorPlacementGroupRemoved")
+                 if hasattr(ex, n))
 
 
 def kill_all(ray: Any, handles: list[Any], timeout: float | None = None) -> None:
@@ -92,6 +103,7 @@ class RemotePool:
         self.tasks: dict[Any, Task] = {}
         self.target = 0
         self.max_replace, self.replaced = max_replace, 0
+        self.unreplaced = 0  # deaths of workers taking tasks that no replacement was left for
         self.share = share  # of the connection cluster.connect() made; None: the user's, left open
         self.broken: str | None = None
         self.counts = PoolCounts()
@@ -108,14 +120,24 @@ class RemotePool:
         """Workers taking tasks that have not answered one yet (Ray still starting them)."""
         return sum(not w.draining and w.finished == 0 for w in self.workers.values())
 
+    @property
+    def exhausted(self) -> bool:
+        """Deaths have used up the replacements: workers that crash on every task must not
+        come back at each scaling decision either."""
+        return self.replaced >= self.max_replace and (self.replaced > 0 or self.unreplaced > 0)
+
     def resize(self, n: int) -> None:
-        """Start workers, or drain the least loaded ones, until `n` take tasks."""
+        """Take draining workers back, start workers (none once `exhausted`), or drain the
+        least loaded ones, until `n` take tasks."""
         self.target = max(0, n)
         if not self._live():
             return
         try:
-            while self.size < self.target:
+            self._undrain()
+            while self.size < self.target and not self.exhausted:
                 self._start()
+            if self.size < self.target:
+                self._warn_once_exhausted()
             live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.queued)
             for w in live[:max(0, self.size - self.target)]:
                 w.draining = True
@@ -133,6 +155,22 @@ class RemotePool:
                     w.handle.configure.remote(spec)
             except Exception as e:
                 self._break(e)
+
+    def _undrain(self) -> None:
+        """Draining workers run and hold their CPUs: a scale-up takes them back (those known
+        to run first) rather than start actors that would wait for CPUs behind them."""
+        draining = sorted((w for w in self.workers.values() if w.draining), key=lambda w: -w.finished)
+        for w in draining[:max(0, self.target - self.size)]:
+            w.draining = False
+
+    _exhausted_warned = False
+
+    def _warn_once_exhausted(self) -> None:
+        if not self._exhausted_warned:
+            self._exhausted_warned = True
+            warnings.warn(f"remote workers died and were replaced {self.replaced} times (max_replace="
+                          f"{self.max_replace}): no more are started; {self.size} run, {self.target} "
+                          f"asked", RuntimeWarning, stacklevel=3)
 
     def _start(self) -> None:
         wid = next(self._ids)
@@ -202,6 +240,10 @@ class RemotePool:
             self.counts.lost += len(task.indices)
             self._died(task.wid)
             return
+        except unschedulable(self.ray) as e:
+            self.counts.lost += len(task.indices)
+            self._unschedulable(task.wid, e)
+            return
         except self.ray.exceptions.RayTaskError as e:  # the runner raised (e.g. no ring): a failed task
             if w is not None:
                 w.finished += 1
@@ -229,10 +271,21 @@ class RemotePool:
             elif status.startswith(FAILED):
                 c.failed += 1
 
+    def _unschedulable(self, wid: int, e: BaseException) -> None:
+        """Ray cannot place this worker: a dead one, unless no other worker takes tasks
+        (every one is in that state): then nothing remote can run, and the pool breaks."""
+        w = self.workers.get(wid)
+        if w is None:
+            return  # killed already, on another of its tasks
+        if not w.draining and not any(not o.draining for o in self.workers.values() if o is not w):
+            self._break(e)
+            return
+        self._died(wid)
+
     def _died(self, wid: int) -> None:
-        """A worker's process died, or Ray reports it unavailable (it may come back): kill
-        it, forget it (its other tasks fail, or count, as they settle) and, unless it was
-        draining already, start another while replacements are left."""
+        """A worker's process died, Ray reports it unavailable (it may come back) or cannot
+        schedule it: kill it, forget it (its other tasks fail, or count, as they settle)
+        and, unless it was draining already, start another while replacements are left."""
         w = self.workers.pop(wid, None)
         if w is None:
             return
@@ -242,12 +295,16 @@ class RemotePool:
         except Exception as e:
             self._break(e)
             return
-        if not w.draining and self.replaced < self.max_replace:
-            self.replaced += 1
-            try:
-                self._start()
-            except Exception as e:
-                self._break(e)
+        if w.draining:
+            return
+        if self.replaced >= self.max_replace:
+            self.unreplaced += 1
+            return
+        self.replaced += 1
+        try:
+            self._start()
+        except Exception as e:
+            self._break(e)
 
     _task_warned = False
 
