@@ -26,6 +26,7 @@ from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .roles import Roles, read_token
 from .runtime import bind_grpc, join_hostport, release_grpc, split_hostport
+from .stallwrite import WriteStopped
 from .store import Store
 from .tls import TlsFiles
 from .ops import FEATURES
@@ -33,6 +34,7 @@ from .vocab import PLAIN_RECORDS, PROTOCOL_VERSION
 
 log = logging.getLogger("cacheserver")
 SERVICE_NAME = "mlcache.v1.Cache"
+SERVER_ID_KEY = "server_id"  # in the store's server-wide state
 
 
 @dataclass
@@ -66,21 +68,38 @@ class CacheServer:
         self.instance = uuid.uuid4().hex
         self.store = Store(os.path.join(cfg.data_dir), cfg.capacity, make_policy(cfg.eviction),
                            self.counters, durability=cfg.durability, salvage=cfg.salvage, plain=cfg.plain)
-        sid = self.store.get_state("server_id")
-        if sid is None:
-            sid = uuid.uuid4().hex.encode()
-            self.store.put_state("server_id", sid)
-        self.server_id = sid.decode()
-        self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
         self.grpc: grpc.Server | None = None
         self.dataplane = None
         self.metrics_server = None
         self.manager_link = None
         try:
+            self.server_id = self._server_id()
+            self.core = CacheCore(self.store, self.counters, cfg.limits, claim_ttl=cfg.claim_ttl)
             self._listen(cfg)
         except BaseException:  # release the data dir and the ports: the process may go on (embedded.py)
             self._abandon()
             raise
+
+    def _server_id(self) -> str:
+        """The id saved in the data dir (stable across restarts); a new one, saved, where none is
+        or the saved one is unreadable (empty, not UTF-8, unprintable): the server starts, and
+        the manager takes it as a new server at its address (membership.py drops the old record)."""
+        raw = self.store.get_state(SERVER_ID_KEY)
+        try:
+            saved = None if raw is None else raw.decode()
+        except UnicodeDecodeError:
+            saved = ""
+        if saved and saved.isprintable():
+            return saved
+        sid = uuid.uuid4().hex
+        if saved is not None:
+            log.warning("the saved server id (server state %r, %d bytes) is not a readable id: replaced by a "
+                        "new one, %s; the manager sees this server as a new one", SERVER_ID_KEY, len(raw or b""), sid)
+        try:
+            self.store.put_state(SERVER_ID_KEY, sid.encode())
+        except WriteStopped as e:  # the store serves reads while writes are stopped: start all the same
+            log.warning("could not save the new server id %s (%s): the next start picks another one", sid, e)
+        return sid
 
     def _listen(self, cfg: ServerConfig) -> None:
         """Bind every endpoint, so that a port in use fails here, before anything is served."""

@@ -152,7 +152,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self._recover(check_all=repaired)
         self._flusher = None
         if self.durability == "cache":
-            self._set_durable_mark(self._seq)  # all recovered values are in table files now
+            self._owe_mark()  # all recovered values are in table files now
             self._flusher = Flusher(self._dirty_state, self.flush)
 
     def _writers(self) -> None:
@@ -258,6 +258,9 @@ class Store(Recovery, Flushes, Reads, Evictions):
                 tid = self._tags.pin(tag)
                 try:
                     self._retag(move, tag, tid, "adopted")
+                except BaseException as e:  # nothing moved (_retag writes first); a RocksDB error fails the store
+                    self._put_failed(e)
+                    raise
                 finally:
                     self._tags.unpin(tid)
             return bytes(1 if k in index else 0 for k in keys)
@@ -422,7 +425,9 @@ class Store(Recovery, Flushes, Reads, Evictions):
     def relocate_oldest(self, max_bytes: int) -> int:
         """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
         the files they pin among evicted values go once compaction drops the old copies. Under
-        the lock, so that no eviction or replace of those ids interleaves. Returns bytes moved."""
+        the lock, so that no eviction or replace of those ids interleaves. Returns bytes moved.
+        A failed write changes nothing (its batch goes in whole or not at all; the order and the
+        counts move after it) and, as a put's, fails the store where it is RocksDB's (_put_failed)."""
         moved, records = 0, []
         with self._lock:
             for key, charge in self._aged.items():
@@ -436,7 +441,11 @@ class Store(Recovery, Flushes, Reads, Evictions):
                     moved += charge
             keys = [k for k, _ in records]
             if keys:
-                self._unlogged(lambda: puts(records, self._large_cf))
+                try:
+                    self._unlogged(lambda: puts(records, self._large_cf))
+                except BaseException as e:
+                    self._put_failed(e)
+                    raise
                 for key in keys:
                     self._aged.move_to_end(key)
         if keys:
@@ -447,10 +456,16 @@ class Store(Recovery, Flushes, Reads, Evictions):
         return self.admit.unflushed()
 
     def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
-        """Move present entries to `tag` (lock held, `tid` pinned): index, usage and, logged, their
-        index records (a fresh sequence: recovery keeps them only with their value). Each index
-        entry changes in one step: readers without the lock (get_many, touch_split) never miss it."""
-        ds, metas, spare = tag[0].encode(), [], is_spare(tag)
+        """Move present entries to `tag` (lock held, `tid` pinned): their index records first, logged
+        (a fresh sequence: recovery keeps them only with their value), then index, usage and order,
+        so that a write that stops or fails leaves both as they were. Each index entry changes in
+        one step: readers without the lock (get_many, touch_split) never miss it."""
+        ds, seq0 = tag[0].encode(), self._seq
+        metas = [(key, _META.pack(self._index[key][0] - OVERHEAD, seq0 + i, tag[1]) + ds)
+                 for i, key in enumerate(keys)]
+        self._logged(lambda: puts(metas, self._meta_cf))
+        self._seq += len(keys)
+        spare = is_spare(tag)
         for key in keys:
             charge, old = self._index[key]
             self._index[key] = (charge, tid)
@@ -462,9 +477,6 @@ class Store(Recovery, Flushes, Reads, Evictions):
                 self._spare.pop(key, None)
             self.policy.removed(key)  # the most recent entry of the policy now, as a new one
             self.policy.admitted(key)
-            metas.append((key, _META.pack(charge - OVERHEAD, self._seq, tag[1]) + ds))
-            self._seq += 1
-        self._logged(lambda: puts(metas, self._meta_cf))
         self.counters.add(counter, len(keys))
 
     def _drop_replaced(self, replaced: dict[bytes, Replaced], accepted: list) -> None:
@@ -495,6 +507,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
                     self._put_value(wb, key, value)
                 wb.put(key, _META.pack(len(value), seq0 + i, tag[1]) + ds, self._meta_cf)
             return wb
+        if not both:  # a mark a stop kept off the disk at start goes before the records it must cover
+            self._pay_mark()
         self._logged(batch)
 
     def _write_unlogged(self, accepted: list, seq0: int) -> None:

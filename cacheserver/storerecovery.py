@@ -2,7 +2,11 @@
 
 With durability "cache" a restart drops index entries whose value was never
 flushed (flusher.lost_values); after a salvage (salvage.py) every entry is
-checked and values without an index entry are deleted.
+checked and values without an index entry are deleted. A write stop that
+nothing ends (stallwrite.py) does not stop the start: the deletes it ends are
+left for the first flush once writes go again (Store._delete_keys strands
+their ids), evictions for a lowered capacity for later puts, and the durable
+mark is written before the first put (_owe_mark).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import Any
 
 from .chunkrefs import STATE_KEY, ChunkTable
 from .flusher import lost_values
-from .stallwrite import puts
+from .stallwrite import WriteStopped, puts
 
 log = logging.getLogger("cacheserver")
 DURABLE_MARK_KEY = b"durable_seq"  # in the "server" column family
@@ -28,23 +32,27 @@ class Recovery:
     _large: Any
     _server_cf: Any
     _logged: Any
+    _stranded: dict[bytes, int]
+    progress: Any
     overhead: int
+    _mark_owed: int | None = None  # a durable mark a write stop kept off the disk at start
 
     def _recover(self: Any, check_all: bool = False) -> None:
         # The chunks the server's table (chunkrefs.py) keeps, until set_protector: a lowered
         # capacity is evicted for below, before a CacheCore loads that table.
         self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY),
                                                lambda raw: self.put_state(STATE_KEY, raw)).is_protected
-        entries = []
+        entries, corrupt = [], []
         for key, meta in self._meta.items():
             try:
                 size, seq, chunk = _META.unpack_from(meta)
                 dataset = bytes(meta[_META.size:]).decode()
             except (struct.error, UnicodeDecodeError):
-                self._delete_keys([key])
-                self.counters.add("corrupt_dropped")
+                corrupt.append(key)
                 continue
             entries.append((seq, key, size, (dataset, chunk)))
+        self._delete_at_start(corrupt, "corrupt index records")
+        self.counters.add("corrupt_dropped", len(corrupt))
         entries.sort()
         entries = self._recover_unflushed(entries, check_all)
         tids = {tag: self._tags.pin(tag) for tag in {e[3] for e in entries}}  # the tags of what is held
@@ -58,7 +66,11 @@ class Recovery:
         if check_all:
             self._drop_orphans()
         if self.used > self.capacity:  # capacity lowered since last run
-            self._evict_to_capacity()
+            try:
+                self._evict_to_capacity()
+            except WriteStopped as e:  # its victims' deletes are stranded; puts evict the rest
+                log.warning("start: evicting down to the capacity stopped (%s); %d bytes held past it "
+                            "until puts evict them", e, self.used - self.capacity)
 
     def _evict_to_capacity(self: Any) -> None:
         """Evict down to the capacity (a restart lowered it), the chunks the server's table
@@ -85,7 +97,7 @@ class Recovery:
         lost = lost_values(self._raw, entries, 0 if check_all else _MARK.unpack(raw)[0])
         if not lost:
             return entries
-        self._delete_keys(lost)
+        self._delete_at_start(lost, "index records of values never flushed")
         self.counters.add("recovered_unflushed_dropped", len(lost))
         gone = set(lost)
         return [e for e in entries if e[1] not in gone]
@@ -93,8 +105,46 @@ class Recovery:
     def _drop_orphans(self: Any) -> None:
         """Delete values whose index entry a salvage lost: no one could evict them."""
         orphans = [k for k in (*self._db.keys(), *self._large.keys()) if k not in self._index]
-        self._delete_keys(orphans)
+        self._delete_at_start(orphans, "values without an index record")
         self.counters.add("salvage_orphans_dropped", len(orphans))
+
+    def _delete_at_start(self: Any, keys: list[bytes], what: str) -> None:
+        """Delete ``keys`` (out of the index) at start; a write stop leaves them stranded
+        (Store._delete_keys) for the first flush once writes go again, and a restart before
+        that finds them as this one did."""
+        if not keys:
+            return
+        try:
+            if self.progress.refusing() is None:  # not another STUCK_S once a write gave up
+                self._delete_keys(keys)
+                return
+        except WriteStopped:
+            pass
+        for k in keys:
+            self._stranded.setdefault(k, self._seq)
+        log.warning("start: writes are stopped; deleting %d %s is left until they go again", len(keys), what)
+
+    def _owe_mark(self: Any) -> None:
+        """Write the durable mark of a start (all recovered values are in table files; not past the
+        ids left stranded); one a write stop keeps off the disk is owed: written before the first
+        put's index records (_pay_mark), as an older mark would not cover those."""
+        mark = min(self._stranded.values(), default=self._seq)
+        try:
+            if self.progress.refusing() is None:
+                self._set_durable_mark(mark)
+                return
+        except WriteStopped:
+            pass
+        self._mark_owed = mark
+        log.warning("start: writes are stopped; the durable mark is written before the first put")
+
+    def _pay_mark(self) -> None:
+        """The durable mark a write stop kept off the disk at start (_owe_mark), before any index
+        record of a value that skips the log; raises WriteStopped while the stop lasts (the put
+        fails, as its own write would)."""
+        if self._mark_owed is not None:
+            self._set_durable_mark(self._mark_owed)
+            self._mark_owed = None
 
     def _set_durable_mark(self, seq: int) -> None:
         self._logged(lambda: puts([(DURABLE_MARK_KEY, _MARK.pack(seq))], self._server_cf))
