@@ -9,17 +9,27 @@ is always admitted, so a limit below one batch cannot starve everyone);
 otherwise the request is answered UNAVAILABLE with a clear "server busy"
 message once its body has been read into nothing (dataplane.py: held, it would
 cost memory; left unread, the connection is reset under the sending client).
-A get's answer (the values read to be sent back) is counted the same way while
-it is sent, on top of its request's body; one that would pass the limit is
-dropped and answered busy, unless its request is the only one in flight (so a
-get larger than the limit is still served, alone). Connections past the cap
+A get's answer (the values read to be sent back) is counted the same way, on
+top of its request's body, as its values are read, a group at a time
+(AnswerBudget, getbound.py), until it is sent: once the limit is reached the
+rest of its ids are answered as misses, or the whole get busy where no value
+fits (not counted as a get), unless its request is the only one in flight (so
+a get larger than the limit is still served, alone). Connections past the cap
 are answered the same way. Stalled and slow senders and readers are cut off by
 the data plane (--request-timeout, dataplane.py's MIN_RATE)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .sizes import format_size
+
+_answering = threading.local()  # the AnswerBudget of the data-plane request this thread serves
+
+
+class Busy(Exception):
+    """No value of a get's answer fits the budget (the message says why): answered busy, not counted."""
 
 
 class Admission:
@@ -39,6 +49,18 @@ class Admission:
                 return self._busy()
             self.in_flight += n
             return None
+
+    def admit_upto(self, n: int, held: int) -> tuple[int, str | None]:
+        """Reserve up to ``n`` more bytes for a request holding ``held``: all of them where
+        admit() would, else what room is left, with why not all (release them with release())."""
+        with self._lock:
+            if self.in_flight <= held or self.in_flight + n <= self.max_bytes:
+                self.in_flight += n
+                return n, None
+            room = max(0, self.max_bytes - self.in_flight)
+            why = self._busy()
+            self.in_flight += room
+            return room, why
 
     def full(self, held: int = 0) -> str | None:
         """Why a request holding ``held`` would be refused even a few bytes more (None: not full)."""
@@ -64,3 +86,43 @@ class Admission:
     def close_conn(self) -> None:
         with self._lock:
             self.conns -= 1
+
+
+class AnswerBudget:
+    """One data-plane request's answer counted against the budget as its values are read
+    (getbound.bounded_get calls take() once per group of values read: one lock per group,
+    not per value), so gets read at once cannot hold more than the budget uncounted (at
+    most the group each is reading)."""
+
+    def __init__(self, admission: Admission, held: int) -> None:
+        self.admission = admission
+        self.held = held  # the request's body, admitted already
+        self.taken = 0
+        self.why: str | None = None  # why less was granted than asked, once it was
+
+    def take(self, n: int) -> int:
+        """Count ``n`` more bytes of values read; how many of them the budget grants."""
+        granted, why = self.admission.admit_upto(n, self.held + self.taken)
+        self.taken += granted
+        if why:
+            self.why = why
+        return granted
+
+    def release(self) -> None:
+        self.admission.release(self.taken)
+        self.taken = 0
+
+
+@contextmanager
+def answering(budget: AnswerBudget | None) -> Iterator[None]:
+    """Count the values this thread reads meanwhile (CacheCore.get) against ``budget``."""
+    _answering.budget = budget
+    try:
+        yield
+    finally:
+        _answering.budget = None
+
+
+def answer_budget() -> AnswerBudget | None:
+    """The budget the values this thread reads count against (None: none, as gRPC and in-process gets)."""
+    return getattr(_answering, "budget", None)

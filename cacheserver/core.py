@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from .admission import Busy, answer_budget
 from .chunkrefs import STATE_KEY, ChunkTable
 from .claims import DEFAULT_TTL, ClaimTable
 from .counters import Counters
@@ -105,12 +106,16 @@ class CacheCore:
     def get(self, job: str, ids: Sequence[bytes], count: bool = True, trailer: bool = True
             ) -> list[memoryview | None]:
         """Values or None; count=False for the fallback of a get already counted by get_local;
-        trailer=False (in this process only: inproc.get_vouched) skips the record checksum."""
+        trailer=False (in this process only: inproc.get_vouched) skips the record checksum.
+        Raises admission.Busy where the data plane's budget grants none of its values."""
         self._check_ids(ids)
         if self._get_bypassed(job, len(ids)):
             return [None] * len(ids)
         get_many = self.store.get_many if trailer else partial(self.store.get_many, trailer=False)
-        values, cut = bounded_get(get_many, ids, self.limits.max_batch_bytes)
+        budget = answer_budget()  # a data-plane get's: values count against --max-inflight-bytes as read
+        values, cut = bounded_get(get_many, ids, self.limits.max_batch_bytes, budget.take if budget else None)
+        if budget is not None and budget.why and all(v is None for v in values):
+            raise Busy(budget.why)  # nothing to send: busy, and not counted as a get (it was not answered)
         if cut:
             self.counters.add("get_cut_for_size", cut)
         if not count:
@@ -143,7 +148,9 @@ class CacheCore:
         out: list[memoryview | bool | None] = [True if p else None for p in present]
         inline = cut = 0
         if late:
-            inline_values, cut = bounded_get(self.store.get_many, [ids[i] for i in late], self.limits.max_batch_bytes)
+            budget = answer_budget()  # values past the data plane's budget are misses: the presence is the answer
+            inline_values, cut = bounded_get(self.store.get_many, [ids[i] for i in late], self.limits.max_batch_bytes,
+                                             budget.take if budget else None)
             for i, v in zip(late, inline_values):
                 out[i] = v  # None: evicted since the look: a miss
                 inline += len(v) if v is not None else 0

@@ -16,12 +16,14 @@ import time
 
 from . import ops, wire
 from .acceptloop import accept_forever, wait_readable
-from .admission import Admission
+from .admission import Admission, AnswerBudget, Busy, answering
 from .core import CacheCore
 from .identity import dataplane_identity, set_peer
 from .vocab import BadRequest
 
 log = logging.getLogger("cacheserver.dataplane")
+# A TLS handshake's whole time: CPython's do_handshake takes the socket timeout as one deadline for
+# the call, not per read, so a peer dribbling its handshake holds a connection slot no longer.
 HANDSHAKE_SECONDS = 10.0
 # Slowest a request body or an answer may move on average: each must be whole within
 # --request-timeout plus one second per MIN_RATE bytes. The timeout alone bounds a stall,
@@ -35,7 +37,8 @@ MIN_RATE = 1 << 20
 # the reason and closed at once, TLS ones closed unanswered.
 REFUSERS = 8
 REFUSED_REQUEST_WAIT_S = 1.0  # how long a refused connection's first request is waited for
-# Ops that change nothing a busy answer would lose and answer values: their answers may be refused.
+# Ops that change nothing a busy answer would lose and answer values: their values count against the
+# budget as they are read (admission.AnswerBudget), and a get none of whose values fit is answered busy.
 VALUE_READS = frozenset({ops.GET.code, ops.GET_LOCAL.code})
 
 
@@ -294,11 +297,28 @@ class DataPlaneServer:
             self._stalled()
             return False
         self.core.counters.add("dataplane_requests")
-        why = self.admission.full(held=body_len) if code in VALUE_READS else None
-        if why:  # no room for any answer: not even read
-            return self._reply_busy(conn, why)
+        budget = None
+        if code in VALUE_READS:
+            why = self.admission.full(held=body_len)
+            if why:  # no room for any answer: not even read
+                return self._reply_busy(conn, why)
+            budget = AnswerBudget(self.admission, held=body_len)
         try:
-            rcount, parts = self._answer(code, flags, aux_len, count, body)
+            return self._serve_op(conn, (code, flags, aux_len, count), body, budget)
+        finally:
+            if budget is not None:
+                budget.release()
+
+    def _serve_op(self, conn: socket.socket, head: tuple[int, int, int, int], body: memoryview,
+                  budget: AnswerBudget | None) -> bool:
+        """Answer one request whose body is read; ``budget`` counts the values it reads."""
+        try:
+            with answering(budget):
+                rcount, parts = self._answer(*head, body)
+        except Busy as e:  # none of the get's values fit: nothing read is held, nothing counted
+            if budget is not None:
+                budget.release()  # before the answer: a client's next request may come right after it
+            return self._reply_busy(conn, str(e))
         except (BadRequest, UnicodeDecodeError) as e:
             self.core.counters.add("bad_requests")
             self._reply_error(conn, wire.BAD_REQUEST, str(e))
@@ -308,14 +328,14 @@ class DataPlaneServer:
             self._reply_error(conn, wire.INTERNAL, f"internal error: {e}")
             return True
         size = sum(len(p) for p in parts)
-        why = self.admission.admit(size, held=body_len, force=code not in VALUE_READS)
-        if why:
-            del parts  # the values read go now, not after the busy answer
-            return self._reply_busy(conn, why)
+        # What the budget did not count as read (framing, small answers of other ops): the
+        # operation is done, so counted, never refused.
+        extra = max(0, size - (budget.taken if budget is not None else 0))
+        self.admission.admit(extra, force=True)
         try:
             return self._send_answer(conn, rcount, parts, size)
         finally:
-            self.admission.release(size)
+            self.admission.release(extra)
 
     def _reply_busy(self, conn: socket.socket, why: str) -> bool:
         self.core.counters.add("busy_refused")
