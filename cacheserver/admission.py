@@ -40,12 +40,12 @@ class Admission:
         self.in_flight = 0
         self.conns = 0
 
-    def admit(self, n: int, held: int = 0, force: bool = False) -> str | None:
-        """Reserve ``n`` more bytes for a request already holding ``held``, or say why not
-        (release them with release()). Admitted whenever nothing else is in flight, and
-        always with ``force`` (a small answer of an operation already done)."""
+    def admit(self, n: int, force: bool = False) -> str | None:
+        """Reserve ``n`` bytes, or say why not (release them with release()). Admitted whenever
+        nothing else is in flight, and always with ``force`` (a small answer of an operation
+        already done)."""
         with self._lock:
-            if not force and self.in_flight > held and self.in_flight + n > self.max_bytes:
+            if not force and self.in_flight and self.in_flight + n > self.max_bytes:
                 return self._busy()
             self.in_flight += n
             return None

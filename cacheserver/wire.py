@@ -92,18 +92,21 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 class _Paced:
     """Calling it before each socket call shortens the socket's timeout (the stall bound) to
-    what is left before `deadline`, raising TimeoutError once none is; the timeout is put back
-    on the way out. Without a deadline it does nothing (clients, and the unbounded default)."""
+    what is left before `deadline` once that is less, raising TimeoutError once none is; the
+    timeout is put back on the way out. Each settimeout is a syscall, so a transfer that ends
+    well before its deadline (every one on the hit path) makes none. Without a deadline it
+    does nothing (clients, and the unbounded default)."""
 
     def __init__(self, sock: socket.socket, deadline: float | None) -> None:
         self.sock, self.deadline = sock, deadline
-        self.stall = sock.gettimeout()
+        self.stall = sock.gettimeout() if deadline is not None else None
+        self.shortened = False
 
     def __enter__(self) -> "_Paced":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.deadline is not None:
+        if self.shortened:
             self.sock.settimeout(self.stall)
 
     def __call__(self) -> None:
@@ -112,7 +115,9 @@ class _Paced:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the transfer passed its deadline")
-        self.sock.settimeout(left if self.stall is None else min(self.stall, left))
+        if self.stall is None or left < self.stall:
+            self.sock.settimeout(left)
+            self.shortened = True
 
 
 def _recv_into(sock: socket.socket, view: memoryview, got: int, pace: _Paced) -> None:
