@@ -25,8 +25,10 @@ def test_answers_being_sent_count_against_the_inflight_budget(tmp_path):
     """Before: a get's answer was counted nowhere, so --max-connections readers that take
     their answers slowly held that many whole answers (up to --max-batch-size each)."""
     s = cacheserver(str(tmp_path / "d"), "256MB", 0, "--unix-socket", "off", "--max-batch-size", "64MiB",
-                    "--max-inflight-bytes", "8MiB", "--request-timeout", "30").start()
-    values = [bytes([i]) * (6 << 20) for i in range(2)]
+                    "--max-inflight-bytes", "32MiB", "--request-timeout", "30").start()
+    # the held answer is larger than a socket's send buffer can take (tcp_wmem's max is 4 MiB
+    # by default, more where tuned), so it is still being sent while the test runs
+    values = [bytes([0]) * (24 << 20), bytes([1]) * (12 << 20)]
     ids = [hashlib.sha256(v).digest() for v in values]
     try:
         with ServerClient(s.address, local_read=False, timeout=20) as c:
@@ -35,10 +37,13 @@ def test_answers_being_sent_count_against_the_inflight_budget(tmp_path):
             slow = socket.socket()
             slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
             slow.connect((host, int(port)))
-            slow.sendall(wire.pack_header(ops.GET.code, 0, 1, 32) + ids[0])  # 6 MiB answer, not read
-            small = os.urandom(3 << 20)  # 6 MiB + 3 MiB would pass the 8 MiB
+            slow.sendall(wire.pack_header(ops.GET.code, 0, 1, 32) + ids[0])  # 24 MiB answer, not read
+            # held once read: a get of ours racing it would have left it room for only part of
+            # its value (answered a miss, nothing held)
+            wait_until(lambda: c.stats().counters["get_hits"] == 1, "the slow get's value read", 30)
+            small = os.urandom(12 << 20)
             item = (hashlib.sha256(small).digest(), small)
-            why = wait_until(lambda: _busy(lambda: c.get([ids[1]])), "a get refused while the answer is held", 30)
+            why = _busy(lambda: c.get([ids[1]]))
             assert why.startswith("server busy: ") and "--max-inflight-bytes" in why, why
             assert "--max-inflight-bytes" in _busy(lambda: c.put([item]))  # one budget for both
             assert c.lookup(ids) == b"\1\1"  # small bodies still fit
