@@ -261,9 +261,11 @@ class StateStore:
                 try:
                     self._append(ev, sync=ev.get("type") not in UNSYNCED)
                 except OSError:
-                    # Not durable, so it must not have happened: back to the disk state.
+                    # Not durable, so it must not have happened: back to the disk state
+                    # (_append cut the record off; where it could not, the store is broken).
                     log.critical("journal write failed; dropping the event", exc_info=True)
-                    self._reload()
+                    if self.broken is None:
+                        self._reload()
                     raise
             if self.on_effects is not None and effects:
                 self.on_effects(effects)
@@ -288,14 +290,31 @@ class StateStore:
     def _append(self, ev: Mapping[str, Any], sync: bool = True) -> None:
         assert self._journal_fd is not None, "state store is not open"
         data = _record_line(self.seq + 1, ev).encode()
-        written = os.write(self._journal_fd, data)
-        if written != len(data):  # disk full: fail-stop rather than diverge
-            raise OSError(f"short journal write ({written} of {len(data)} bytes)")
-        if self.fsync and sync:
-            os.fsync(self._journal_fd)
+        start = os.lseek(self._journal_fd, 0, os.SEEK_END)  # where the record goes (O_APPEND)
+        try:
+            written = os.write(self._journal_fd, data)
+            if written != len(data):  # disk full: fail-stop rather than diverge
+                raise OSError(f"short journal write ({written} of {len(data)} bytes)")
+            if self.fsync and sync:
+                os.fsync(self._journal_fd)
+        except OSError:
+            self._cut_back(start)
+            raise
         self.seq += 1
         self.since_snapshot += 1
         self.events_written += 1
+
+    def _cut_back(self, start: int) -> None:
+        """Cut off a record whose write or fsync failed: its caller is answered that nothing
+        was decided, so the reload that follows must not find it whole (a line whose fsync
+        failed, one short of only its newline) and replay it. Where the cut fails too, the
+        disk may hold the record or not: no change is taken until a restart reads the disk."""
+        assert self._journal_fd is not None
+        try:
+            os.ftruncate(self._journal_fd, start)
+        except OSError as e:
+            self.broken = f"a journal record that failed could not be cut off: {e}"
+            log.critical("journal: %s; no change is taken until cachemanager is restarted", self.broken)
 
     def _reload(self) -> None:
         """Back to the durable state. If that fails, memory holds no state (an empty model at

@@ -1,0 +1,82 @@
+"""The manager state's plain parts: its configuration, the records of jobs and datasets,
+the refusal every event handler raises, and the canonical JSON a state's digest is taken
+of. model.py re-exports them: they are importable from there as before."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any, Mapping
+
+from .policy import AllocConfig, BufferConfig, ProbeConfig
+from .policy.admission import AdmissionConfig
+
+MAX_DECISIONS = 50  # decision history kept for `cachectl status`
+
+
+@lru_cache(maxsize=8)
+def _config_dict(cfg: "ManagerConfig") -> dict[str, Any]:
+    return cfg._dict()
+
+
+class Rejected(Exception):
+    """A request the state machine refuses; ``code`` names a gRPC status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    budget: int | None = None          # bytes; None: the alive servers' total capacity
+    dataset_grace_s: float = 300.0     # a dataset keeps its space this long after its last job left
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    alloc: AllocConfig = field(default_factory=AllocConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        # Built once (frozen, flat fields) and copied out: the state's fingerprint,
+        # taken twice per decision round, spent most of its time in asdict() here.
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in _config_dict(self).items()}
+
+    def _dict(self) -> dict[str, Any]:
+        alloc = asdict(self.alloc)
+        if alloc["chunked"]:  # left out at its default: the state stays readable where the flag is unknown
+            del alloc["chunked"]
+        if alloc["mechanism"] == "shares":
+            del alloc["mechanism"]
+        return {"budget": self.budget, "dataset_grace_s": self.dataset_grace_s,
+                "probe": asdict(self.probe), "alloc": alloc, "buffer": asdict(self.buffer),
+                "admission": asdict(self.admission)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ManagerConfig":
+        return cls(None if d.get("budget") is None else int(d["budget"]),
+                   float(d.get("dataset_grace_s", 300.0)),
+                   ProbeConfig(**d.get("probe", {})), AllocConfig(**d.get("alloc", {})),
+                   BufferConfig(**d.get("buffer", {})), AdmissionConfig(**d.get("admission", {})))
+
+
+@dataclass
+class JobRecord:
+    job: str
+    dataset: str
+    n_gpus: int
+    registered_at: float
+    batches: int = 0
+    token_hash: str = ""  # SHA-256 of the job's token (jobtokens.py); "": from a state before tokens
+
+
+@dataclass
+class DatasetRecord:
+    name: str
+    bytes: int
+    n_items: int
+    idle_since: float | None = None   # when its last job left
+    plan_base: int = 0                # plan versions stay monotonic across buffer rebuilds
+
+
+def canonical(d: Any) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
