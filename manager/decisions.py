@@ -27,6 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("manager.decisions")
 
 
+def steady_wall_clock(wall: Callable[[], float] = time.time,
+                      mono: Callable[[], float] = time.monotonic) -> Callable[[], float]:
+    """Wall time read once, then advanced by the monotonic clock: journaled times still mean
+    the same after a restart, and a step of the wall clock while the manager runs (NTP, a
+    resumed VM) neither fires every timer of the model at once (grace periods, probe phases,
+    straggler evictions) nor, stepping back, freezes them."""
+    base = wall() - mono()
+    return lambda: base + mono()
+
+
 class DecisionLoop:
     """The manager's clock; one thread."""
 

@@ -30,7 +30,7 @@ from cacheserver.roles import Roles, read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
 from .actuator import Actuator, desired_from
-from .decisions import DecisionLoop
+from .decisions import DecisionLoop, steady_wall_clock
 from .evictledger import StoreLedger
 from .membership import Liveness
 from .metrics import MANAGER_COUNTERS, gather, serve_metrics
@@ -72,7 +72,7 @@ class ManagerDaemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.counters = Counters(MANAGER_COUNTERS)
-        self.clock = time.time  # wall clock: journaled times must mean the same after a restart
+        self.clock = steady_wall_clock(time.time, time.monotonic)
         token = read_token(cfg.cluster_token_file) if cfg.cluster_token_file else None
         if token is None and cfg.tls is None:
             log.warning("no --cluster-token-file: every caller has the manager's role and sees every "

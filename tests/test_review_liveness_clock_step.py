@@ -70,3 +70,30 @@ def test_a_silent_server_still_leaves_after_the_step():
     assert live.dead_servers(reg, 1066.0, 3.0) == ["s1"]  # 6 s without a beat: dead
     mono[0] += 1.0
     assert live.dead_servers(reg, 1007.0 + 60.0 - 100.0, 3.0) == ["s1"]  # a step back revives nothing
+
+
+def test_a_wall_clock_step_fires_no_timer_of_the_model(tmp_path, monkeypatch):
+    """Before: every event's time was the raw wall clock, so a step forward past
+    --dataset-grace ended an idle dataset's grace at once (forgotten, its data evicted) and
+    a step back froze every timer of the model until the wall clock caught up."""
+    clock = SteppingWallClock()
+    monkeypatch.setattr(managerd, "time", clock)
+    d = ManagerDaemon(DaemonConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "st"), fsync=False,
+                                   model=ManagerConfig(budget=None, dataset_grace_s=300.0)))
+    ds = "cd" * 8
+    try:
+        d.store.submit({"type": "job_register", "job": "j", "dataset": ds, "dataset_bytes": 10**6,
+                        "n_items": 10, "n_gpus": 1, "now": d.clock()})
+        d.store.submit({"type": "job_unregister", "job": "j", "reason": "done", "now": d.clock()})
+        d.loop.run_once()
+        assert d.store.model.datasets[ds].idle_since is not None
+        clock.step = 3600.0  # an hour forward: the grace really has 300 s to go
+        d.loop.run_once()
+        assert ds in d.store.model.datasets, "an idle dataset was forgotten by a step of the wall clock"
+        assert d.clock() - d.store.model.datasets[ds].idle_since < 60
+    finally:
+        d.loop.stop()
+        d.actuator.stop()
+        d.grpc.stop(0).wait(5)
+        d._grpc_pool.shutdown(wait=False)
+        d.store.close(snapshot=False)
