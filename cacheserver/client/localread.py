@@ -86,14 +86,16 @@ class LocalReader:
         # a plain store's values (datadir.py) carry no trailer: RocksDB checks their blocks instead
         self._plain = plain
         self._db.set_read_options(plain_read_options() if self._plain else hot_read_options())
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # catch-ups and close() one at a time
+        self.closed = False
         self._last_catch_up = time.monotonic()
         # opening replays the log as a catch-up does, and more: a conservative first cost
         self._interval = catch_up_interval(self._last_catch_up - t)
 
     def read(self, ids: Sequence[bytes]) -> list[bytes | memoryview | None]:
-        """The values under these ids (None: absent or unreadable): a plain store's as
-        RocksDB's bytes (no copy: the caller keeps them), a sealed one's past the trailer."""
+        """The values under these ids (None: absent or unreadable, and all of them once
+        closed): a plain store's as RocksDB's bytes (no copy: the caller keeps them), a
+        sealed one's past the trailer."""
         if time.monotonic() - self._last_catch_up >= MAX_STALE_S:
             self.catch_up()
         get = self._db.get
@@ -101,17 +103,18 @@ class LocalReader:
         for k in ids:
             try:
                 raw = get(k)
-            except Exception:  # a file compacted away since the last catch-up, or a corrupt block
+            except Exception:  # a file compacted away since the last catch-up, a corrupt block, closed
                 raw = None
             out.append(None if raw is None else raw if self._plain else unwrap(raw))
         return out
 
     def catch_up(self) -> bool:
         """Follow the primary's newest writes, unless the last catch-up was too recent
-        for its cost (catch_up_interval)."""
+        for its cost (catch_up_interval), or the reader is closed (a get in another thread
+        may still hold it: what it lacks is read over the socket)."""
         with self._lock:
             t = time.monotonic()
-            if t - self._last_catch_up < self._interval:
+            if self.closed or t - self._last_catch_up < self._interval:
                 return False
             self._db.try_catch_up_with_primary()
             self._last_catch_up = time.monotonic()
@@ -119,7 +122,9 @@ class LocalReader:
             return True
 
     def close(self) -> None:
-        try:
-            self._db.close()
-        finally:
-            self._scratch.close()
+        with self._lock:  # not in the middle of a catch-up
+            self.closed = True
+            try:
+                self._db.close()
+            finally:
+                self._scratch.close()

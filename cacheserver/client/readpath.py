@@ -49,8 +49,10 @@ Opening a follower first asks the server to flush (OPEN_FOLLOWER). A server that
 "busy" (--max-connections, --max-inflight-bytes) or does not answer in time refused only
 for now: the open is tried again after a back-off (OpenRetry) that doubles, from
 RETRY_FIRST_S to RETRY_MAX_S, while it keeps failing, so a busy server is not asked on
-every get; a follower that RocksDB cannot open (no permission, another version) is never
-tried again.
+every get (so is an open that could not make its scratch dir: scratch.py); a follower that
+RocksDB cannot open (no permission, another version) is never tried again. One thread
+opens it, holding no lock through the ask or RocksDB's open: the other threads' gets go
+over the socket meanwhile (follower.py).
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ import os
 import queue
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -24,8 +23,9 @@ from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
 from ..vocab import FEATURE_INLINE, PLAIN_RECORDS, check_ids
-from .localread import LocalReader, written_files
-from .readpath import LOCAL, OpenRetry, ReadPaths
+from .follower import Follower, Refused
+from .localread import LocalReader
+from .readpath import ReadPaths
 from ..roles import metadata
 
 log = logging.getLogger("cacheserver.client")
@@ -37,8 +37,9 @@ ANSWER_SLACK = 64 << 10
 DEFAULT_MAX_VALUES = 256 << 20  # a server's --max-batch-size default, until its Info says
 
 
-class _Refused(Exception):
-    """The server did not take OPEN_FOLLOWER now (busy, or no answer in time): try later."""
+class ClientClosed(ValueError):
+    """A data-plane call on a ServerClient after its close() (as gRPC's closed channel
+    raises ValueError): never a new connection that nobody would close."""
 
 
 class RecordsMismatch(ValueError):
@@ -74,11 +75,11 @@ class ServerClient:
         self._prefer_unix = prefer_unix
         self._use_dataplane = use_dataplane
         self._local_read = local_read
-        self._local: LocalReader | None = None
-        self._db_path: str | None = None  # set when a follower may be opened
-        self._follower_lock = threading.Lock()
-        self._retry = OpenRetry()  # when a follower's open the server refused for now is tried again
         self.paths = ReadPaths()
+        # the same-host follower's life (follower.py); _new_follower is looked up now, so a
+        # subclass's or a test's own is the one used
+        self._fol = Follower(address, self.paths, self._new_follower)
+        self._closed = False
         self._features: frozenset[str] | None = None
         self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._max_values = DEFAULT_MAX_VALUES  # bytes of values one answer may hold (Info)
@@ -185,60 +186,40 @@ class ServerClient:
                 check_private(os.path.dirname(db_path))
             except (PlaintextDir, OSError):
                 return
-        self._db_path = db_path  # a follower may be opened: now, or once a refusal's back-off is over
-        self._open_follower()
+        if self._fol.enable(db_path) is not None:  # now, or once a refusal's back-off is over
+            self.transport = "local"
 
     def _new_follower(self, db_path: str) -> LocalReader:
-        """Open a follower; the time it takes counts as follower cost (readpath.py). _Refused:
-        the server did not take OPEN_FOLLOWER now."""
+        """Open a follower; the time it takes counts as follower cost (readpath.py). Refused:
+        not now (the server did not take OPEN_FOLLOWER, or this process could not make the
+        follower's scratch dir); RocksDB's own errors: never."""
         t = time.perf_counter()
         try:
             self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
         except (wire.RemoteError, OSError) as e:  # busy, a timeout, a dropped connection
-            raise _Refused(f"{type(e).__name__}: {e}") from e
-        local = LocalReader(db_path, self.plain)
+            raise Refused(f"{type(e).__name__}: {e}") from e
+        try:
+            local = LocalReader(db_path, self.plain)
+        except OSError as e:  # its scratch dir (scratch.py): a full or missing temp dir, no fds left
+            raise Refused(f"{type(e).__name__}: {e}") from e  # RocksDB's own errors are not OSErrors
         self.paths.follower(time.perf_counter() - t)
         return local
 
-    def _open_follower(self) -> LocalReader | None:
-        """The follower, opened now if there is none and an open is due; None while the server
-        refuses for now (tried again after a back-off: readpath.OpenRetry), or for good
-        (_db_path None: no permission, an incompatible RocksDB, the data dir gone)."""
-        with self._follower_lock:
-            db_path = self._db_path
-            if self._local is not None or db_path is None or not self._retry.due():
-                return self._local
-            try:
-                local = self._new_follower(db_path)
-            except _Refused as e:  # a transient refusal must not cost the follower for good
-                log.info("cache server %s: same-host follower not opened for now (%s); trying again "
-                         "in %.1fs", self.address, e, self._retry.refused())
-                return None
-            except Exception as e:  # the socket path still works, slower: say why, once
-                log.warning("cache server %s: same-host reads go over its socket; no follower of %s (%s: %s)",
-                            self.address, db_path, type(e).__name__, e)
-                self._db_path = None
-                return None
-            self._retry.opened()
-            if self._db_path is None:  # retired or closed meanwhile: nobody would close it
-                local.close()
-                return None
-            self._local, self.transport = local, "local"
-            return local
-
     def _follower(self) -> LocalReader | None:
-        """The follower to read from now, per the measured-cost policy (readpath.py)."""
-        db_path = self._db_path  # read once: retire() may clear it meanwhile
-        if db_path is None:
-            return None
-        files = written_files(db_path, self.paths.files_finished) if self.paths.wants_files() else None
-        if not self.paths.use_local(files):
-            # Dropped, not closed: a get in another thread may still hold it;
-            # the last reference closes it, and nothing is replayed meanwhile.
-            self._local = None
-            return None
-        local = self._local
-        return local if local is not None else self._open_follower()
+        """The follower to read from now (follower.py), None: read over the socket."""
+        local = self._fol.current()
+        if local is not None:
+            self.transport = "local"
+        return local
+
+    # What tests read: the follower now, and the store it follows (None: none will be opened).
+    @property
+    def _local(self) -> LocalReader | None:
+        return self._fol.local
+
+    @property
+    def _db_path(self) -> str | None:
+        return self._fol.db_path
 
     def _connect(self, target: tuple[str, object]) -> socket.socket:
         kind, addr = target
@@ -256,6 +237,8 @@ class ServerClient:
     def _send(self, op: int, job: str, count: int, parts: Sequence[bytes | memoryview],
               flags: int = 0) -> socket.socket:
         """Send one request on a pooled connection; _recv takes its answer."""
+        if self._closed:
+            raise ClientClosed(f"the client of cache server {self.address} is closed")
         try:
             s = self._pool.get_nowait()
         except queue.Empty:
@@ -284,6 +267,8 @@ class ServerClient:
             s.close()  # framing state unknown: never reuse
             raise
         self._pool.put(s)
+        if self._closed:  # closed while this answer came: its drain may have run before the put
+            self._drain()
         return rcount, body
 
     def _ping(self, s: socket.socket) -> str:
@@ -414,7 +399,7 @@ class ServerClient:
         else:
             out, want = [None] * len(ids), [i for i, p in enumerate(body) if p]
         self._read_ahead = 2 * len(want) >= len(ids)
-        missing = self._read_local(local, ids, want, out, ahead[0] if ahead else None)
+        missing = self._fol.read(local, ids, want, out, ahead[0] if ahead else None)
         if missing:  # not visible to the follower yet, or damaged: the server decides
             got = yield from self._remote_get_steps([ids[i] for i in missing], job, counted=True)
             for i, v in zip(missing, got):
@@ -425,35 +410,6 @@ class ServerClient:
     def _timed_read(local: LocalReader, ids: Sequence[bytes]) -> tuple[list[memoryview | None], float]:
         t = time.perf_counter()
         return local.read(ids), time.perf_counter() - t
-
-    def _read_local(self, local: LocalReader, ids: Sequence[bytes], want: list[int],
-                    out: list[memoryview | None],
-                    ahead: tuple[list[memoryview | None], float] | None = None) -> list[int]:
-        """Fill out[i] for i in want from the follower (catching up once for what
-        it lacks), or from `ahead` (all ids read before the answer came, and how
-        long that took); the indices still missing."""
-        t = time.perf_counter()
-        if ahead is None:
-            for i, v in zip(want, local.read([ids[i] for i in want])):
-                out[i] = v
-        else:
-            t -= ahead[1]
-            for i in want:
-                out[i] = ahead[0][i]
-        missing = [i for i in want if out[i] is None]
-        if missing:
-            t1 = time.perf_counter()
-            if local.catch_up():
-                t2 = time.perf_counter()
-                self.paths.follower(t2 - t1)
-                for i, v in zip(missing, local.read([ids[i] for i in missing])):
-                    out[i] = v
-                missing = [i for i in missing if out[i] is None]
-                t += t2 - t1  # the catch-up is follower cost, not read time
-                if self.paths.decide() != LOCAL:
-                    self._local = None
-        self.paths.local_read(time.perf_counter() - t, sum(len(out[i]) for i in want if out[i] is not None))
-        return missing
 
     def _remote_get_steps(self, ids: Sequence[bytes], job: str, counted: bool = False) -> Steps:
         # Timed from the send: in a ring's fan-out that includes waiting on other
@@ -506,7 +462,10 @@ class ServerClient:
         ring replaces a failed server's client): idle connections are closed; the follower
         and the channel are dropped, not closed, so a call under way ends as any failure
         does, and the last reference closes them."""
-        self._local, self._db_path = None, None
+        self._fol.retire()
+        self._drain()
+
+    def _drain(self) -> None:
         while True:
             try:
                 self._pool.get_nowait().close()
@@ -514,15 +473,9 @@ class ServerClient:
                 break
 
     def close(self) -> None:
-        self._db_path = None  # no follower opened after this (_open_follower closes one under way)
-        if self._local is not None:
-            self._local.close()
-            self._local = None
-        while True:
-            try:
-                self._pool.get_nowait().close()
-            except queue.Empty:
-                break
+        self._closed = True  # calls under way end with ClientClosed, not on a new connection
+        self._fol.close()  # an open under way closes its own
+        self._drain()
         self.channel.close()
 
     def __enter__(self) -> "ServerClient":
