@@ -44,8 +44,8 @@ class CacheCore:
         self.counters = counters
         self.replacers = PeerCounts()  # replaces by client identity (identity.py)
         self.limits = limits
-        self.chunks = ChunkTable(lambda: store.get_state(STATE_KEY),
-                                 lambda raw: store.put_state(STATE_KEY, raw))
+        # saved as the store keeps derived state: held in memory while a write stop lasts
+        self.chunks = ChunkTable(lambda: store.get_state(STATE_KEY), lambda raw: store.keep_state(STATE_KEY, raw))
         store.set_protector(self.chunks.is_protected)
         self._modes: dict[str, int] = {}
         self._modes_lock = threading.Lock()

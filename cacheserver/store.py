@@ -94,11 +94,9 @@ class Store(Recovery, Flushes, Reads, Evictions):
         and a retry here (the embedded cache's) was refused as a damaged store."""
         if "admit" in self.__dict__:
             self.admit.stop()
-        for name in ("_meta", "_server", "_large", "_db"):  # the views share the handle: it goes last
-            if name in self.__dict__:
-                self.__dict__.pop(name).close()
-        for name in ("_meta_cf", "_server_cf", "_large_cf", "progress", "_logged", "_unlogged"):
-            self.__dict__.pop(name, None)  # they hold the handle too: RocksDB closes with the last
+        self._release_db()  # its errors: the open's own is the one raised
+        for name in ("_db", "progress", "_logged", "_unlogged"):
+            self.__dict__.pop(name, None)
 
     def _open(self, path: str, salvage: bool) -> None:
         opts = rocksdict.Options(raw_mode=True)
@@ -222,9 +220,10 @@ class Store(Recovery, Flushes, Reads, Evictions):
             return wb
         try:
             self._logged(batch)
-        except Exception:  # their ids left the index (evicted, dropped): deleted once writes go again
+        except Exception as e:  # their ids left the index (evicted, dropped): deleted once writes go again
             for k in keys:
                 self._stranded.setdefault(k, self._seq)
+            self._put_failed(e)  # RocksDB's own error fails the store, as a put's does
             raise
 
     # ---- public API -----------------------------------------------------
@@ -330,6 +329,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
             retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
             if retag:  # spare entries whose chunk now has room: they take the put's tag
                 self._retag(retag, tag, tid)
+            if self._capacity_owed:  # a stop cut the start's evictions short
+                self._evict_owed()
             todo, already = self._new_items(items)
             accepted = self._within_room(todo, tag)
             if replaced:
@@ -507,8 +508,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
                     self._put_value(wb, key, value)
                 wb.put(key, _META.pack(len(value), seq0 + i, tag[1]) + ds, self._meta_cf)
             return wb
-        if not both:  # a mark a stop kept off the disk at start goes before the records it must cover
-            self._pay_mark()
+        if self._mark_owed is not None or self._state_owed:  # what a stop kept off the disk at start
+            self._pay_owed()  # a mark before the records it must cover
         self._logged(batch)
 
     def _write_unlogged(self, accepted: list, seq0: int) -> None:
@@ -561,7 +562,10 @@ class Store(Recovery, Flushes, Reads, Evictions):
 
     # ---- server-wide small state ---------------------------------------
     def get_state(self, key: str) -> bytes | None:
-        return self._server.get(key.encode())
+        owed = self._state_owed.get(key)  # state a write stop keeps off the disk (keep_state)
+        return owed if owed is not None else self._server.get(key.encode())
 
     def put_state(self, key: str, value: bytes) -> None:
-        self._logged(lambda: puts([(key.encode(), value)], self._server_cf))
+        with self._state_lock:
+            self._logged(lambda: puts([(key.encode(), value)], self._server_cf))
+            self._state_owed.pop(key, None)  # written over: what was owed for it is no longer

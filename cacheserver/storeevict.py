@@ -41,9 +41,11 @@ class Evictions:
                 if freed >= need:
                     break
         if victims:
-            self._delete_keys(victims, large)
-            self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
-                                    "evicted_items": len(victims), "evicted_bytes": freed})
+            try:
+                self._delete_keys(victims, large)
+            finally:  # out of the index and the usage either way (a stopped delete goes in later)
+                self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
+                                        "evicted_items": len(victims), "evicted_bytes": freed})
         return freed
 
     def _remove_victim(self, key: bytes, victims: list[bytes], large: list[bytes]) -> int:
@@ -61,8 +63,10 @@ class Evictions:
             tids = self._tags.matching(match)
             keys = [k for k, (_, tid) in self._index.items() if tid in tids]
             freed = sum(self._remove_victim(k, victims, large) for k in keys)
-            if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
-                self._delete_keys(keys, large)
-        if keys:
-            self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
+            try:
+                if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
+                    self._delete_keys(keys, large)
+            finally:  # out of the index and the usage either way (a stopped delete goes in later)
+                if keys:
+                    self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
         return len(keys), freed

@@ -28,6 +28,7 @@ class Flushes:
     _lock: Any
     progress: Any
     closing: bool
+    _state_owed: dict[str, bytes]  # server state a write stop kept off the disk (storerecovery.py)
 
     def _dirty_state(self) -> tuple[float | None, float, float]:
         with self._lock:
@@ -45,6 +46,11 @@ class Flushes:
             return
         if self._stranded:
             self._drop_stranded()
+        if self._state_owed:  # server state a write stop kept off the disk (Recovery.keep_state)
+            try:
+                self._pay_state()
+            except Exception as e:  # stopped again: owed still; RocksDB's own error fails the store
+                self._put_failed(e)
         with self._lock:
             if self.closing and not final:
                 return
@@ -73,7 +79,7 @@ class Flushes:
                 log.warning("flushing the store failed: %r", e)
             return
         if self.durability == "cache":
-            self._set_durable_mark(mark)
+            self._flushed_mark(mark)
             with self._lock:
                 self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
@@ -119,6 +125,9 @@ class Flushes:
         return False
 
     def close(self) -> None:
+        """Flush, then release RocksDB (its LOCK) and the data dir, also after a failed write:
+        the embedded cache retries by reopening the same dir in this process. RocksDB's error
+        is raised only where nothing failed before (then it is news), once both are released."""
         with self._lock:
             self.closing = True  # no flush starts from here on but the last one below
         cancelled = self._end_flushes()
@@ -128,14 +137,40 @@ class Flushes:
         if not cancelled:
             self._flush(final=True)
         try:
-            # Column-family views share the DB handle; drop them so the lock is released.
-            for cf in (self._meta, self._server, self._large):
-                cf.close()
-            del self._meta, self._server, self._large, self._meta_cf, self._large_cf, self._server_cf
-            self._db.close()
-        except Exception as e:  # a store that failed a write (or cancelled one) fails its close the same way
-            if self.room.state != "failed" and not cancelled:
-                raise
-            log.error("closing the store after a failed or cancelled write: %s; items not yet flushed are "
-                      "refetched as misses after restart", " ".join(str(e).split()))
-        os.close(self._dir_lock)
+            errors = self._release_db()
+        finally:
+            os.close(self._dir_lock)
+        if not errors:
+            return
+        if self.room.state != "failed" and not cancelled:
+            raise errors[0]
+        log.error("closing the store after a failed or cancelled write (%s): RocksDB is released; %s",
+                  " ".join(str(errors[0]).split()), self._lost())
+
+    def _release_db(self) -> list[Exception]:
+        """Close the column families' views, drop their handles, then close RocksDB; returns the
+        errors of their last flushes. Each close lets go of its reference even where its flush
+        fails (a failed store's does), and RocksDB closes with the last: one left behind (the
+        loop ended by a raise) kept RocksDB and its LOCK in this process for good."""
+        errors: list[Exception] = []
+        views = [self.__dict__.pop(name, None) for name in ("_meta", "_server", "_large")]
+        for name in ("_meta_cf", "_server_cf", "_large_cf"):
+            self.__dict__.pop(name, None)  # they hold RocksDB too
+        for view in (*views, self.__dict__.get("_db")):  # the views share its handle: it goes last
+            try:
+                if view is not None:
+                    view.close()
+            except Exception as e:  # RocksDB's errors are bare Exceptions
+                errors.append(e)
+        return errors
+
+    def _lost(self) -> str:
+        """What a close after a failed write lost: with durability "cache" the values no flush
+        reached (their index records, logged, are dropped at restart: _recover_unflushed)."""
+        if self.durability != "cache":
+            return "nothing acknowledged is lost (every put went through the log)"
+        n = len(self._unflushed)
+        if not n:
+            return "nothing acknowledged is lost (every value was flushed)"
+        return (f"up to {n} values put since the last flush are lost: they are misses after restart, "
+                "refetched as any")

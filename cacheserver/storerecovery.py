@@ -5,13 +5,15 @@ flushed (flusher.lost_values); after a salvage (salvage.py) every entry is
 checked and values without an index entry are deleted. A write stop that
 nothing ends (stallwrite.py) does not stop the start: the deletes it ends are
 left for the first flush once writes go again (Store._delete_keys strands
-their ids), evictions for a lowered capacity for later puts, and the durable
-mark is written before the first put (_owe_mark).
+their ids); the evictions for a lowered capacity, the durable mark (_owe_mark)
+and server state kept meanwhile (keep_state: a repaired chunk table; held
+in memory till then) are made before the first put's writes (_pay_owed).
 """
 from __future__ import annotations
 
 import logging
 import struct
+import threading
 from typing import Any
 
 from .chunkrefs import STATE_KEY, ChunkTable
@@ -36,12 +38,15 @@ class Recovery:
     progress: Any
     overhead: int
     _mark_owed: int | None = None  # a durable mark a write stop kept off the disk at start
+    _capacity_owed = False  # evicting down to a lowered capacity at start met a write stop
 
     def _recover(self: Any, check_all: bool = False) -> None:
+        self._state_owed: dict[str, bytes] = {}  # server state a write stop kept off the disk (keep_state)
+        self._state_lock = threading.Lock()  # orders the writes of server state: an owed repair never lands last
         # The chunks the server's table (chunkrefs.py) keeps, until set_protector: a lowered
         # capacity is evicted for below, before a CacheCore loads that table.
         self._protected = ChunkTable.persisted(lambda: self.get_state(STATE_KEY),
-                                               lambda raw: self.put_state(STATE_KEY, raw)).is_protected
+                                               lambda raw: self.keep_state(STATE_KEY, raw)).is_protected
         entries, corrupt = [], []
         for key, meta in self._meta.items():
             try:
@@ -68,9 +73,10 @@ class Recovery:
         if self.used > self.capacity:  # capacity lowered since last run
             try:
                 self._evict_to_capacity()
-            except WriteStopped as e:  # its victims' deletes are stranded; puts evict the rest
+            except WriteStopped as e:  # its victims' deletes are stranded; the rest before the first put
+                self._capacity_owed = True
                 log.warning("start: evicting down to the capacity stopped (%s); %d bytes held past it "
-                            "until puts evict them", e, self.used - self.capacity)
+                            "until writes go again", e, self.used - self.capacity)
 
     def _evict_to_capacity(self: Any) -> None:
         """Evict down to the capacity (a restart lowered it), the chunks the server's table
@@ -138,13 +144,58 @@ class Recovery:
         self._mark_owed = mark
         log.warning("start: writes are stopped; the durable mark is written before the first put")
 
-    def _pay_mark(self) -> None:
-        """The durable mark a write stop kept off the disk at start (_owe_mark), before any index
-        record of a value that skips the log; raises WriteStopped while the stop lasts (the put
-        fails, as its own write would)."""
+    def keep_state(self, key: str, value: bytes) -> None:
+        """Save server state the store's holder derives and can set again (the chunk table:
+        chunkrefs.py; its repair at start too). While a write stop keeps it off the disk it is
+        owed, not an error: get_state answers it, the first put writes it (_pay_owed), and no
+        caller waits out the stop again (a start's readers, the manager's calls)."""
+        with self._state_lock:
+            first = key not in self._state_owed
+            self._state_owed[key] = value
+        try:
+            if self.progress.refusing() is None:  # not another STUCK_S once a write gave up
+                self._pay_state()
+                return
+        except WriteStopped:
+            pass
+        except Exception as e:  # RocksDB's own error fails the store, as a put's does
+            self._put_failed(e)
+            raise
+        if first:
+            log.warning("writes are stopped; server state %r is written once they go again", key)
+
+    def _pay_state(self: Any) -> None:
+        with self._state_lock:
+            for key, value in list(self._state_owed.items()):
+                self._logged(lambda k=key.encode(), v=value: puts([(k, v)], self._server_cf))
+                del self._state_owed[key]
+
+    def _pay_owed(self: Any) -> None:
+        """What a write stop kept off the disk, before a put's writes: server state (keep_state),
+        and the durable mark (_owe_mark) before index records of values that skip the
+        log, as an older mark would not cover those. Raises WriteStopped while the stop lasts
+        (the put fails, as its own write would). The evictions owed go in Store._accept."""
+        if self._state_owed:
+            self._pay_state()
         if self._mark_owed is not None:
-            self._set_durable_mark(self._mark_owed)
+            with self._state_lock:  # after a flush's newer mark (_flushed_mark) it is owed no more
+                if self._mark_owed is not None:
+                    self._set_durable_mark(self._mark_owed)
+                    self._mark_owed = None
+
+    def _flushed_mark(self, seq: int) -> None:
+        """The durable mark of a flush; it covers a mark owed from start, which, written after
+        it, set the mark back (values from the older mark on checked again at restart)."""
+        with self._state_lock:
+            self._set_durable_mark(seq)
             self._mark_owed = None
+
+    def _evict_owed(self: Any) -> None:
+        """Evict down to the capacity where a write stop at start cut that short (lock held): puts
+        evict no protected chunk, so those stayed past the capacity, every put refused for them."""
+        if self._capacity_owed and self.used > self.capacity:
+            self._evict_to_capacity()  # a stop again: owed still, the put fails as its write would
+        self._capacity_owed = False
 
     def _set_durable_mark(self, seq: int) -> None:
         self._logged(lambda: puts([(DURABLE_MARK_KEY, _MARK.pack(seq))], self._server_cf))
