@@ -26,7 +26,6 @@ from .proto import cache_pb2 as pb
 from .proto import cache_pb2_grpc as pb_grpc
 from .roles import Roles, read_token
 from .runtime import bind_grpc, join_hostport, release_grpc, split_hostport
-from .stallwrite import WriteStopped
 from .store import Store
 from .tls import TlsFiles
 from .ops import FEATURES
@@ -95,10 +94,9 @@ class CacheServer:
         if saved is not None:
             log.warning("the saved server id (server state %r, %d bytes) is not a readable id: replaced by a "
                         "new one, %s; the manager sees this server as a new one", SERVER_ID_KEY, len(raw or b""), sid)
-        try:
-            self.store.put_state(SERVER_ID_KEY, sid.encode())
-        except WriteStopped as e:  # the store serves reads while writes are stopped: start all the same
-            log.warning("could not save the new server id %s (%s): the next start picks another one", sid, e)
+        # owed while writes are stopped (the store serves reads meanwhile): the start goes on
+        # and the first put writes it; a restart before then picks another one
+        self.store.keep_state(SERVER_ID_KEY, sid.encode())
         return sid
 
     def _listen(self, cfg: ServerConfig) -> None:

@@ -215,3 +215,30 @@ def test_evictions_a_stop_cuts_short_are_counted(tmp_path):
         assert_counted(s)
     finally:
         s.close()
+
+
+def test_a_new_server_id_during_a_stop_is_kept_and_saved_once_writes_go(tmp_path, monkeypatch, give_ups):
+    """Before: the new id's save waited out the stop once more (a start past its readiness
+    bound), then was given up: each start during the stop took another id."""
+    data = str(tmp_path / "d")
+    s = Store(data, 64 << 20, LRUPolicy(), Counters())
+    s._meta.put(os.urandom(32), b"\x01")  # an index record cut short: its delete waits at start
+    stop_writes(s)
+    s._db.set_options(GO)
+    s.close()
+    stopping_at_open(monkeypatch)
+    srv = CacheServer(ServerConfig(listen="127.0.0.1:0", data_dir=data, capacity=64 << 20))
+    srv.start()
+    try:
+        assert len(give_ups) == 1, give_ups  # the recovery's delete; the id's save waited no more
+        sid = srv.server_id
+        with ServerClient(srv.address) as c:
+            srv.store._db.set_options(GO)
+            assert c.put([(os.urandom(32), b"n" * 1000)])[0] == 1  # the first put writes the id
+    finally:
+        srv.stop(grace=0)
+    again = Store(data, 64 << 20, LRUPolicy(), Counters())
+    try:
+        assert again.get_state(SERVER_ID_KEY) == sid.encode()
+    finally:
+        again.close()
