@@ -191,6 +191,9 @@ class StalledRay:
     def is_initialized(self):
         return True
 
+    def nodes(self):  # one live node that takes the workers (pool.check_placeable)
+        return [{"Alive": True, "Resources": {"CPU": 4.0}}]
+
     def kill(self, handle):
         self.kills += 1
         self.release.wait(10)

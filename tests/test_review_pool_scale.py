@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
 
-from preprocess.remote.pool import RemotePool  # noqa: E402
+from preprocess.remote.pool import RemotePool, Unplaceable, check_placeable  # noqa: E402
 
 PENDING = object()
 
@@ -79,6 +79,9 @@ class FakeRay:
     def is_initialized(self):
         return True
 
+    def nodes(self):  # one live node that takes the workers (pool.check_placeable)
+        return [{"Alive": True, "Resources": {"CPU": 4.0}}]
+
     def kill(self, h):
         h.killed = True
 
@@ -119,8 +122,9 @@ def alive(fake):
                          ids=["unschedulable", "placement-group-removed"])
 def test_a_worker_ray_cannot_schedule_fails_alone_not_the_pool(error):
     """One worker Ray cannot schedule (its tasks raise ActorUnschedulableError or
-    ActorPlacementGroupRemoved, not RayActorErrors): it is killed and replaced as a dead
-    worker, at most max_replace times, and the pool goes on with the others."""
+    ActorPlacementGroupRemoved, not RayActorErrors): it is killed and not replaced (every
+    worker asks for the same: a replacement would only wait to fail alike), and the pool
+    goes on with the others; a scale-up starts none (one warning naming the error)."""
     fake, pool = make_pool(2, max_replace=1)
     run_one_each(pool)                                   # both answered: running
     a, b = fake.handles
@@ -129,17 +133,11 @@ def test_a_worker_ray_cannot_schedule_fails_alone_not_the_pool(error):
         run_one_each(pool, lambda h: h.fail(error) if h is a else h.answer())
     assert pool.broken is None
     assert a.killed and not b.killed and pool.counts.deaths == 1 and pool.counts.lost == 1
-    assert pool.replaced == 1 and pool.size == 2 and len(fake.handles) == 3
-    c = fake.handles[2]                                  # the replacement cannot be scheduled either
-    held = pool.submit(0, [5])                           # b takes one (ties go to the first)
-    ref = pool.submit(0, [1, 2])
-    assert held.handle is b and ref.handle is c
-    c.fail(error)
-    b.answer()
-    pool.wait([held, ref], 0.0)
-    assert pool.broken is None and c.killed and pool.counts.deaths == 2
-    assert pool.replaced == 1 and len(fake.handles) == 3       # no replacement beyond max_replace
+    assert pool.replaced == 0 and pool.size == 1 and len(fake.handles) == 2
     assert [w.handle for w in pool.workers.values()] == [b]  # the pool goes on with b
+    with pytest.warns(RuntimeWarning, match=f"could not be scheduled.*{type(error).__name__}"):
+        pool.resize(3)
+    assert pool.size == 1 and len(fake.handles) == 2 and pool.exhausted
     assert pool.submit(0, [3]).handle is b
 
 
@@ -266,3 +264,28 @@ def test_the_controller_falls_back_once_no_worker_is_left_to_start():
     assert pool.broken is None and pool.workers == {}
     ctl(feeder)
     assert ctl.fell_back and local == [0, 2] and feeder.local_share == 1.0
+
+
+def test_a_dead_workers_replacement_no_node_can_take_breaks_the_pool_naming_it():
+    """The only node with a CPU for a worker is gone, taking the workers: a replacement
+    would pend for ever (Ray gives no error), each holding a task. The pool breaks at the
+    first death instead, naming the resource, and starts no replacement."""
+    fake, pool = make_pool(2)
+    run_one_each(pool)
+    fake.nodes = lambda: [{"Alive": False, "Resources": {"CPU": 4.0}}, {"Alive": True, "Resources": {"CPU": 0.5}}]
+    with pytest.warns(RuntimeWarning, match="workers lost.*no live node of the Ray cluster has CPU: 1 .*CPU: 0.5"):
+        run_one_each(pool, lambda h: h.fail(ray.exceptions.ActorDiedError()))
+    assert pool.broken and pool.replaced == 0 and len(fake.handles) == 2 and pool.workers == {}
+
+
+def test_a_node_type_the_autoscaler_can_start_counts_as_placeable():
+    """A worker no live node can take is what makes an autoscaling cluster start a node: only
+    where no node type of its published config could take it either is it unplaceable."""
+    def cluster(groups):
+        config = SimpleNamespace(node_group_configs=[SimpleNamespace(resources=r, max_count=n) for r, n in groups])
+        return SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}],
+                               _private=SimpleNamespace(state=SimpleNamespace(
+                                   state=SimpleNamespace(get_cluster_config=lambda: config))))
+    check_placeable(cluster([({"CPU": 16.0}, 4)]), {"CPU": 8.0})
+    with pytest.raises(Unplaceable, match="CPU: 8"):
+        check_placeable(cluster([({"CPU": 16.0}, 0), ({"CPU": 4.0}, -1)]), {"CPU": 8.0})

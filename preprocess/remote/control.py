@@ -5,8 +5,8 @@ ready queue) go to the policy, and its Change is carried out at once: remote
 workers are started or drained (pool.resize), local ones set through
 `set_local`, and the feeder leaves the local workers their share of each batch.
 When the remote pool breaks (the cluster is gone), or is left with no worker and may
-start none (deaths used up its replacements), the policy is dropped and the
-local workers are set to `fallback_local`, once. A paused controller (nothing the
+start none (deaths used up its replacements, or Ray could not schedule one), the policy
+is dropped and the local workers are set to `fallback_local`, once. A paused controller (nothing the
 workers could make would be read: pause()) drains the remote workers and leaves
 every item to the local ones until resume()."""
 from __future__ import annotations

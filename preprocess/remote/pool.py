@@ -1,20 +1,23 @@
 """The remote workers of one job: Ray actors running PrefixRunner, one task queue each.
 
 Worker states: starting (configured; takes one task, queued by Ray behind its
-configuration, until it answers one) -> running -> draining (removed by a scaling decision: takes
-no new task, is killed once its queued tasks are done; a scale-up takes it back before
-starting any worker) -> gone; or dead (its process died, Ray reports it unavailable, or
-Ray cannot schedule it: it is killed all the same, lest it come back and run on
-unaccounted; its unfinished tasks are reported failed, and unless it was draining it is
-replaced, at most `max_replace` times over the pool's life; once deaths have used those
-up, a scale-up starts no worker either: they would crash alike).
+configuration, until it answers one) -> running -> draining (removed by a scaling decision,
+starting ones first: takes no new task, is killed once its queued tasks are done, a starting
+one at once; a scale-up takes it back before starting any worker) -> gone; or dead (its
+process died, or Ray reports it unavailable: it is killed all the same, lest it come back
+and run on unaccounted; its unfinished tasks are reported failed, and unless it was draining
+it is replaced, at most `max_replace` times over the pool's life; once deaths have used those
+up, a scale-up starts no worker either: they would crash alike). Workers that no node of the
+cluster can take (each asks for more than any node has) are not started: Ray would keep them
+pending for ever, each holding a task (the pool breaks, naming the resource); one Ray reports
+it cannot schedule is killed and not replaced, and no other is started: all ask alike.
 
 A task is a few item indices; its result is a small report (runner.Report). A
 failed task's items are simply not in the cache: the trainer computes them (so
 nothing is lost, and nothing doubled: which items an epoch yields is the
 sampler's business). Any Ray error other than a dead actor (the connection
-lost, the cluster gone; or the last worker taking tasks is one Ray cannot schedule)
-breaks the pool: one warning, no further Ray call but a bounded attempt to kill its
+lost, the cluster gone; or the last worker taking tasks is one Ray cannot schedule), and
+a worker no node can take, break the pool: one warning, no further Ray call but a bounded attempt to kill its
 workers where the connection stays open (another pool shares it, or it is the user's),
 the job goes on with local workers."""
 from __future__ import annotations
@@ -40,6 +43,37 @@ def unschedulable(ray: Any) -> tuple[type[BaseException], ...]:
     ex = ray.exceptions
     return tuple(getattr(ex, n) for n in ("ActorUnschedulableError", "ActorPlacementGroupRemoved")
                  if hasattr(ex, n))
+
+
+class Unplaceable(RuntimeError):
+    """No live node of the Ray cluster has what a worker asks for: none can start."""
+
+
+def check_placeable(ray: Any, needs: dict[str, float]) -> None:
+    """Unplaceable, naming the resource, where no live node nor launchable node type has all of `needs` (Ray keeps
+    such an actor pending for ever, without an error)."""
+    if not needs:
+        return
+    nodes = [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")] + launchable_nodes(ray)
+    if any(all(r.get(k, 0.0) >= v for k, v in needs.items()) for r in nodes):
+        return
+    most = {k: max((r.get(k, 0.0) for r in nodes), default=0.0) for k in needs}
+    short = [k for k, v in needs.items() if most[k] < v] or list(needs)  # else: none has all at once
+    raise Unplaceable(f"no live node of the Ray cluster (nor a node type its autoscaler starts) has {', '.join(f'{k}: {needs[k]:g}' for k in short)} "
+                      f"for a remote worker (of {len(nodes)} nodes the largest has "
+                      f"{', '.join(f'{k}: {most[k]:g}' for k in short)}); ask for less (start(cpus=))")
+
+
+def launchable_nodes(ray: Any) -> list[dict[str, float]]:
+    """The resources of each node type an autoscaler may still start (the cluster config that
+    Ray's autoscaler publishes, as Ray Train reads it): an actor no live node can take may
+    be what makes it start one. Empty where there is none (a fixed cluster) or no such API."""
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:
+        return []
+    groups = getattr(config, "node_group_configs", None) or []
+    return [dict(g.resources) for g in groups if g.max_count != 0]
 
 
 def kill_all(ray: Any, handles: list[Any], timeout: float | None = None) -> None:
@@ -99,6 +133,8 @@ class RemotePool:
                  share: int | None = None) -> None:
         self.ray, self.spec = ray, spec
         self.actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, max_task_retries=0)(PrefixRunner)
+        self.needs = {"CPU": float(cpus)} if cpus > 0 else {}  # what each worker asks a node for
+        self.unplaceable: str | None = None  # why Ray could not schedule a worker: none is started since
         self.workers: dict[int, Worker] = {}
         self.tasks: dict[Any, Task] = {}
         self.target = 0
@@ -122,23 +158,30 @@ class RemotePool:
 
     @property
     def exhausted(self) -> bool:
-        """Deaths have used up the replacements: workers that crash on every task must not
-        come back at each scaling decision either."""
+        """Deaths have used up the replacements (workers that crash on every task must not
+        come back at each scaling decision either), or Ray could not schedule a worker (the
+        others ask for the same)."""
+        if self.unplaceable is not None:
+            return True
         return self.replaced >= self.max_replace and (self.replaced > 0 or self.unreplaced > 0)
 
     def resize(self, n: int) -> None:
-        """Take draining workers back, start workers (none once `exhausted`), or drain the
-        least loaded ones, until `n` take tasks."""
+        """Take draining workers back, start workers (none once `exhausted`, none where no
+        node can take one: the pool breaks), or drain workers until `n` take tasks: those
+        still starting first (they do no work yet; stopped at once), then the least loaded."""
         self.target = max(0, n)
         if not self._live():
             return
         try:
             self._undrain()
+            if self.size < self.target and not self.exhausted:
+                check_placeable(self.ray, self.needs)  # once for all: each would pend for ever
             while self.size < self.target and not self.exhausted:
                 self._start()
             if self.size < self.target:
                 self._warn_once_exhausted()
-            live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.queued)
+            live = sorted((w for w in self.workers.values() if not w.draining),
+                          key=lambda w: (w.finished > 0, w.queued))
             for w in live[:max(0, self.size - self.target)]:
                 w.draining = True
             self._stop_drained()
@@ -168,6 +211,10 @@ class RemotePool:
     def _warn_once_exhausted(self) -> None:
         if not self._exhausted_warned:
             self._exhausted_warned = True
+            if self.unplaceable is not None:
+                warnings.warn(f"a remote worker could not be scheduled ({self.unplaceable}): no more are started; "
+                              f"{self.size} run, {self.target} asked", RuntimeWarning, stacklevel=3)
+                return
             warnings.warn(f"remote workers died and were replaced {self.replaced} times (max_replace="
                           f"{self.max_replace}): no more are started; {self.size} run, {self.target} "
                           f"asked", RuntimeWarning, stacklevel=3)
@@ -179,7 +226,9 @@ class RemotePool:
         self.workers[wid] = Worker(wid, handle)
 
     def _stop_drained(self) -> None:
-        for w in [w for w in self.workers.values() if w.draining and w.queued == 0]:
+        """Kill the draining workers with no queued task, and those not started yet: one
+        pending for a CPU would hold its task until one frees (its items go to the trainer)."""
+        for w in [w for w in self.workers.values() if w.draining and (w.queued == 0 or w.finished == 0)]:
             del self.workers[w.wid]
             try:
                 self.ray.kill(w.handle)
@@ -272,11 +321,13 @@ class RemotePool:
                 c.failed += 1
 
     def _unschedulable(self, wid: int, e: BaseException) -> None:
-        """Ray cannot place this worker: a dead one, unless no other worker takes tasks
-        (every one is in that state): then nothing remote can run, and the pool breaks."""
+        """Ray cannot place this worker: a dead one, not replaced, and no worker is started
+        since (all ask for the same: one by one they would each wait to fail alike); unless
+        no other worker takes tasks: then nothing remote can run, and the pool breaks."""
         w = self.workers.get(wid)
         if w is None:
             return  # killed already, on another of its tasks
+        self.unplaceable = self.unplaceable or f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if not w.draining and not any(not o.draining for o in self.workers.values() if o is not w):
             self._break(e)
             return
@@ -297,11 +348,14 @@ class RemotePool:
             return
         if w.draining:
             return
+        if self.unplaceable is not None:
+            return
         if self.replaced >= self.max_replace:
             self.unreplaced += 1
             return
-        self.replaced += 1
         try:
+            check_placeable(self.ray, self.needs)  # its node gone: no other may take a replacement
+            self.replaced += 1
             self._start()
         except Exception as e:
             self._break(e)
