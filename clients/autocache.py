@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from cacheserver.core import Limits
 from cacheserver.vocab import HIT, transformed_tag
 from manager.manager_client import ManagerError
 from preprocess.codec import encode
@@ -62,6 +63,7 @@ DECIDE_BATCHES = 300  # Cachew decides after 300 batches ...
 DECIDE_SHARE = 0.1    # ... here at most a tenth of the first epoch (the read path is probed before it)
 FOUND_SHARE = 0.9     # "found": this share of the items looked up has transformed items cached ...
 FOUND_LOOKUP = 64     # ... of this many, spread over the dataset outside the profiled sample
+MAX_IDS = Limits.max_batch_items  # ids one request may carry (clients/dataset.py MAX_IDS)
 
 
 def choose(costs: Any, coordinator: Any = None, dataset: str = "", pipeline: str = "") -> Any:
@@ -175,6 +177,7 @@ class Autocache:
         self.probes: dict[str, float] | None = None  # the read path probed before the workers start (auto)
         self.estimate: Any = None  # the Decision on the probes and the sample, before the first epoch (auto)
         self.keep = True  # measuring: put the outputs at the caching point as they are made (speculatively)
+        self.note = ""  # why a decision was taken on less than was to be measured (epoch_ended)
         self.cut, self.key, self.why_not = 0, "", ""
         self.seed: int | None = None  # the job's seed, where the steps kept draw random numbers
         self.direct = False  # no step after the caching point: hits need no worker
@@ -192,7 +195,7 @@ class Autocache:
     @property
     def reason(self) -> str:
         if self.decision is not None:
-            return self.decision.reason
+            return self.decision.reason + (f" ({self.note})" if self.note else "")
         if self.state == "measuring":
             est = "" if self.estimate is None else f"; estimated {self.estimate.mode}"
             kept = ", outputs kept as made" if self.mode == "source" and self.keep and self.key else ""
@@ -216,6 +219,8 @@ class Autocache:
             self._look_for_others(engine)
         if self.state == "measuring":
             self._estimate(engine)
+        elif self.requested == "transformed":
+            self._report_fixed(engine)
         self.refresh_plan()
         self._publish()
 
@@ -253,12 +258,31 @@ class Autocache:
         """AutoOrder may have changed the order after the first epoch: a new caching point
         (a random step moved forward shortens the cacheable prefix) and key."""
         if engine.pipeline.order != self._order:
+            old = self.key
             self.cut = engine.pipeline.caching_point()
             self._rekey(engine)
             if self.mode == "transformed" and not self.key:
                 self.mode = "source"
+            if self.mode == "transformed" and self.key != old:
+                self._report_rekeyed()
             self._publish()
         self.refresh_plan()
+
+    def _report_rekeyed(self) -> None:
+        """Transformed under a new key, under a manager: the new pipeline reported (on the
+        costs last reported: the sample was traced in the old order), else the manager knows
+        no set under it: no plan, no allocation. Auto takes the manager's decision for it."""
+        coord = self.ds.coordinator
+        if coord is None or self.costs is None:
+            return
+        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs)
+        if d is None:
+            return
+        if self.requested == "auto":
+            self.decision, self.mode = d, d.mode
+        elif d.mode != "transformed":
+            log.warning("autocache: the manager would run the reordered pipeline as %s (%s); kept transformed "
+                        "as asked", d.mode, d.reason)
 
     def _look_for_others(self, engine: Any) -> None:
         # not the sample's items: the probe puts their outputs whatever is decided, so a
@@ -293,6 +317,23 @@ class Autocache:
         if d is not None:
             self.costs, self.decision = costs, d
             self.mode, self.state = d.mode, ("found" if d.mode == "transformed" else "estimated")
+
+    def _report_fixed(self, engine: Any) -> None:
+        """Fixed at transformed, under a manager: report the pipeline (on the probes and the
+        sample) as auto does. The manager knows a transformed set only from a report: without
+        one it had no plan (GetPlan refused every epoch), no allocation and none of the job's
+        gain. The mode stays as asked, whatever the manager would have chosen."""
+        coord = self.ds.coordinator
+        if coord is None or not self.key:
+            return
+        from .automeasure import estimate, probe
+
+        self.probes = probe(self, engine)
+        self.costs = estimate(self, engine, len(self.ds))
+        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs)
+        if d is not None and d.mode != "transformed":
+            log.warning("autocache: the manager would run this pipeline as %s (%s); kept transformed as asked, "
+                        "but the manager allocates no room to its transformed set", d.mode, d.reason)
 
     def _estimate(self, engine: Any) -> None:
         """Probe the read path (the workers not started yet) and estimate: the mode the
@@ -334,6 +375,25 @@ class Autocache:
         from .automeasure import measure
 
         self.decide(measure(self, engine, epoch_items))
+
+    def epoch_ended(self, engine: Any, epoch_items: int, batch_size: int, drop_last: bool = False) -> None:
+        """Auto, an epoch run to its end still measuring (it measured fewer items than the
+        threshold: with drop_last an epoch shorter than a batch yields none; a resumed epoch
+        holds only its rest): decide now on what there is, the profiled sample's step times
+        standing in for steps the epoch did not run, rather than measure for ever."""
+        if self.state != "measuring":
+            return
+        from .automeasure import estimate, measure
+
+        stats = engine.last_stats
+        done = 0 if stats is None else stats.items
+        if done == 0 and drop_last and epoch_items < batch_size:
+            self.note = (f"the epoch made no full batch ({epoch_items} items, batch_size {batch_size}, "
+                         f"drop_last): decided on the profiled sample")
+        else:
+            self.note = (f"the epoch ended with {done} items measured, fewer than the "
+                         f"{self.threshold(epoch_items, batch_size)} wanted")
+        self.decide(measure(self, engine, epoch_items) if stats is not None else estimate(self, engine, epoch_items))
 
     def epochs_left(self) -> int:
         return EPOCHS_UNKNOWN if self.epochs is None else max(0, self.epochs - 1)
@@ -383,7 +443,8 @@ class Autocache:
         for i in indices:
             if ids[i] is None:
                 ids[i] = t.ids([h[i].tobytes()])[0]
-        present = t.ring.lookup([ids[i] for i in indices], t.job)
+        want = [ids[i] for i in indices]  # the look-ahead's window: more ids than a request may carry
+        present = [p for k in range(0, len(want), MAX_IDS) for p in t.ring.lookup(want[k:k + MAX_IDS], t.job)]
         return [HIT if p else 0 for p in present]
 
     def close(self) -> None:

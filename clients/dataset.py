@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cacheserver import inproc
+from cacheserver.core import Limits
 from cacheserver.client.ring_client import RingClient, parse_spec
 from cacheserver.runtime import split_hostport
 from cacheserver.sizes import parse_size
@@ -53,6 +54,17 @@ from .stats import worker_row as _worker_row
 
 log = logging.getLogger("clients.dataset")
 GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server answers up to its --max-batch-size
+# ids one request may carry: a server refuses a request of more whole (BadRequest). Not announced
+# in Info nor set by a flag, so every server's is the default
+MAX_IDS = Limits.max_batch_items
+
+
+def by_parts(fn: Callable[[list], list], keys: Sequence, n: int = MAX_IDS) -> list:
+    """fn on keys in parts of at most n (MAX_IDS): its answers, in order."""
+    keys = list(keys)
+    if len(keys) <= n:
+        return fn(keys)
+    return [x for k in range(0, len(keys), n) for x in fn(keys[k:k + n])]
 
 try:  # torch is an extra: the rest of the package works without it
     from torch.utils.data import Dataset as _TorchDataset
@@ -226,7 +238,7 @@ class CachedDataset(_TorchDataset):
         ring = self._proc().ring
         if ring is None:
             return [False] * len(indices)
-        return ring.lookup(self.ids_for(indices), self.job, not_spare)
+        return by_parts(lambda ids: ring.lookup(ids, self.job, not_spare), self.ids_for(indices))
 
     def lookup_codes(self, indices: Sequence[int]) -> list[int]:
         """The sampler's cheap look-ahead: 1 cached, 0 not, 2 (vocab.PENDING)
@@ -237,9 +249,9 @@ class CachedDataset(_TorchDataset):
             return [0] * len(indices)
         items = indices if self.samples is None else self.samples.flatten(indices)
         if self.claims and self.insert:
-            codes = ring.lookup_pending(self.ids_for(items), self.job)
+            codes = by_parts(lambda ids: ring.lookup_pending(ids, self.job), self.ids_for(items))
         else:
-            codes = [int(p) for p in ring.lookup(self.ids_for(items), self.job)]
+            codes = [int(p) for p in by_parts(lambda ids: ring.lookup(ids, self.job), self.ids_for(items))]
         return codes if self.samples is None else self.samples.combine_codes(indices, codes, HIT, PENDING)
 
     def plan_hooks(self) -> tuple[Callable[[int], bool] | None, Callable[[list[int]], None] | None,
@@ -326,8 +338,11 @@ class CachedDataset(_TorchDataset):
         """Digest items' bytes: from the cache, else the store (inserted), verified. A batch of
         large items is read in parts of GET_BYTES, or of a server's smaller --max-batch-size:
         a get's answer past it is cut, and the items cut off would be misses every epoch.
-        Their values are sealed: capability.OVERHEAD bytes each beyond the item."""
+        Their values are sealed: capability.OVERHEAD bytes each beyond the item. More than
+        MAX_IDS items are read in parts of MAX_IDS: their misses' claims and puts too."""
         n = len(indices)
+        if n > MAX_IDS:
+            return by_parts(self._read, indices)
         st = self._proc()
         limit = inserts.batch_bytes(st.ring, GET_BYTES, st.core) if n > 1 else GET_BYTES
         per = capability.OVERHEAD
@@ -461,8 +476,12 @@ class CachedDataset(_TorchDataset):
         """Fetch and insert items ahead of need (the loading chunk); not counted as reads.
         Items the cache holds as spare entries join their chunk where they lie
         (adopt: no value travels); the rest come from the store."""
-        st = self._proc()
         indices = list(indices)
+        if len(indices) > MAX_IDS:  # adopts, claims and puts of at most MAX_IDS ids each
+            for k in range(0, len(indices), MAX_IDS):
+                self.prefetch(indices[k:k + MAX_IDS])
+            return
+        st = self._proc()
         n = len(indices)
         ids = self.ids_for(indices)
         if st.ring is not None and self.insert:

@@ -93,6 +93,8 @@ class CachedLoader(DataLoader, EpochLog):
             yield self.collate_fn(items), indices
             if self.autocache is not None:  # auto decides once enough of the first epoch is measured
                 self.autocache.after_batch(self.preprocess, sampler.share.size, sampler.batch_size)
+        if self.autocache is not None:  # an epoch too short to measure (drop_last) decides at its end
+            self.autocache.epoch_ended(self.preprocess, sampler.share.size, sampler.batch_size, sampler.drop_last)
         if due is not None and made < due:
             yield from self._pad(due - made, epoch)
 
