@@ -9,12 +9,11 @@ import concurrent.futures.process  # noqa: F401  (eager: keep imports out of tim
 import functools
 import hashlib
 import multiprocessing
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from clients.digest_source import SourceFile, ToolError, is_local
-from clients.digest_work import Job, progress, submit_bounded
+from clients.digest_work import Job, ThreadCounter, progress, submit_bounded
 from clients.itemscan import FileItems, Report, ScanError, add_to, report_to, scan_local_batch, scan_remote
 
 # -- hashing -------------------------------------------------------------------
@@ -50,18 +49,6 @@ def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify
             yield range(i, i + 1), scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc, report)
 
 
-class _ThreadCounter:
-    """itemscan.add_to's counter for threads: a multiprocessing.Value without the shared memory
-    and semaphore (which some sandboxes lack)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def get_lock(self) -> threading.Lock:
-        return self._lock
-
-
 Scanned = list[tuple[range, FileItems]]  # (indices of consecutive files, their items), in order
 
 
@@ -90,7 +77,7 @@ def scan_files(
     if local and workers == 1:
         return _scan_alone(files, kind, verify_crc, total, quiet)
     results: Scanned = []
-    read: Any = _ThreadCounter()  # bytes read by all workers
+    read: Any = ThreadCounter()  # bytes read by all workers
     report: Report | None = functools.partial(add_to, read)
     ex: cf.Executor
     if local and kind != "files":

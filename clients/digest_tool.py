@@ -333,7 +333,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "digest") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAIL
     except OSError as e:  # e.g. the digest file to read is missing
-        print(f"{prog}: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        where = f": {e.filename}" if e.filename is not None else ""  # not ': None'
+        print(f"{prog}: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -3,31 +3,60 @@ SHA-256 and, in a format-3 digest, BLAKE3 (the column clients check reads agains
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import blake3
 
 from clients.digest import Digest, Kind
 from clients.digest_paths import store_path, url_quoted
-from clients.digest_work import progress, submit_bounded
-from clients.itemscan import REMOTE_BLOCK, SMALL_REMOTE, hash_stream
+from clients.digest_work import ThreadCounter, progress, submit_bounded
+from clients.itemscan import REMOTE_BLOCK, SMALL_REMOTE, Tally, add_to, hash_stream
+
+Hashed = tuple[bytes | None, int, bytes | None]  # (sha256, size, blake3); sha None: not read
 
 
-def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) -> list[tuple[int, str]]:
+def _whole_file(fs: Any, full: str, size: int, stream: Callable[[Any], Hashed], want_b3: bool,
+                tally: Tally) -> Hashed:
+    """Hashes of the file ``full``, an item of ``size`` bytes of a 'files' digest, or (None,
+    its size) when that differs: told by its size first, not by reading a file that grew
+    (to gigabytes, perhaps) whole. A store that does not say a size is read whole."""
+    if size > SMALL_REMOTE:
+        with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
+            n = getattr(f, "size", None)
+            return stream(f) if n is None or n == size else (None, n, None)
+    if size:  # one byte more than the item: more back means the file grew
+        data = fs.cat_file(full, start=0, end=size + 1)
+        if len(data) > size:  # an HTTP server that ignores Range sent it whole
+            n = fs.size(full)
+            if n is not None and n != size:
+                return None, n, None
+    else:  # a range from 0 of an empty object is refused: ask its size
+        n = fs.size(full)
+        if n:
+            return None, n, None
+        data = b"" if n == 0 else fs.cat_file(full)  # None: the store does not say
+    tally.add(len(data))
+    return hashlib.sha256(data).digest(), len(data), blake3.blake3(data).digest() if want_b3 else None
+
+
+def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int],
+                report: Any = None) -> list[tuple[int, str]]:
     """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
     rel = digest.path(j)
     full = store_path(base, rel, url_quoted(fs, digest))
     problems: list[tuple[int, str]] = []
     col = digest.blake3  # format 3: clients check reads against it, so verify checks it too
+    tally = Tally(report)
 
-    def stream(f: Any, limit: int | None = None) -> tuple[bytes, int, bytes | None]:
+    def stream(f: Any, limit: int | None = None) -> Hashed:
         b3 = None if col is None else blake3.blake3()
-        sha, n = hash_stream(f, limit, also=b3)
+        sha, n = hash_stream(f, limit, also=b3, tally=tally)
         return sha, n, None if b3 is None else b3.digest()
 
-    def compare(i: int, sha: bytes, n: int, b3: bytes | None) -> None:
+    def compare(i: int, sha: bytes | None, n: int, b3: bytes | None) -> None:
         _, off, size = digest.location(i)
         if n != size:
             problems.append((i, f"item {i}: {rel} @ {off}+{size}: size mismatch (store has {n} bytes)"))
@@ -38,19 +67,16 @@ def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) ->
                                 "column disagrees with the data and its SHA-256)"))
 
     try:
-        if digest.kind is Kind.FILES or len(items) <= 4:
+        if digest.kind is Kind.FILES:
+            for i in items:
+                compare(i, *_whole_file(fs, full, digest.size(i), stream, col is not None, tally))
+        elif len(items) <= 4:  # a few records: a range each
             for i in items:
                 _, off, size = digest.location(i)
-                if digest.kind is Kind.FILES and size > SMALL_REMOTE:
-                    with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
-                        sha, n, b3 = stream(f)
-                else:
-                    # Whole file for 'files' (so growth shows); a range otherwise.
-                    data = fs.cat_file(full) if digest.kind is Kind.FILES else (
-                        fs.cat_file(full, start=off, end=off + size) if size else b"")
-                    sha, n = hashlib.sha256(data).digest(), len(data)
-                    b3 = None if col is None else blake3.blake3(data).digest()
-                compare(i, sha, n, b3)
+                data = fs.cat_file(full, start=off, end=off + size) if size else b""
+                tally.add(len(data))
+                compare(i, hashlib.sha256(data).digest(), len(data),
+                        None if col is None else blake3.blake3(data).digest())
         else:  # many records of one file: one sequential pass
             with fs.open(full, "rb", block_size=REMOTE_BLOCK) as f:
                 for i in sorted(items, key=lambda i: int(digest.offsets[i])):
@@ -60,6 +86,9 @@ def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int]) ->
     except Exception as e:  # any backend error: report, keep verifying others
         shown = ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
         problems.append((items[0], f"item(s) {shown} ({rel}): cannot read: {type(e).__name__}: {e}"))
+    # The bar's total is the items' sizes: what was not read (a mismatch, an error) counts too.
+    tally.file_done(sum(digest.size(i) for i in items))
+    tally.flush()
     return problems
 
 
@@ -70,11 +99,13 @@ def verify_digest(
     for i in indices:
         groups.setdefault(int(digest.path_index[i]), []).append(i)
     problems: list[tuple[int, str]] = []
+    read = ThreadCounter()  # bytes read by all threads: the bar moves within large files too
+    report = functools.partial(add_to, read)
     # Threads even for local files: hashlib and file reads release the GIL.
     with cf.ThreadPoolExecutor(workers, thread_name_prefix="verify") as ex, \
             progress(sum(int(digest.sizes[i]) for i in indices), quiet, "verifying") as bar:
-        jobs = ((items, _check_path, (fs, base, digest, j, items)) for j, items in groups.items())
-        for items, fut in submit_bounded(ex, jobs, 4 * workers):
+        jobs = ((items, _check_path, (fs, base, digest, j, items, report)) for j, items in groups.items())
+        for items, fut in submit_bounded(ex, jobs, 4 * workers, tick=lambda: bar.update(read.value - bar.n)):
             problems.extend(fut.result())
-            bar.update(sum(int(digest.sizes[i]) for i in items))
+        bar.update(read.value - bar.n)
     return [msg for _, msg in sorted(problems)]

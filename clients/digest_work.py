@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,18 @@ def progress(total: int | None, quiet: bool, desc: str) -> tqdm:
     # disable=None: tqdm hides itself when stderr is not a terminal.
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                 desc=desc, disable=True if quiet else None, file=sys.stderr)
+
+
+class ThreadCounter:
+    """itemscan.add_to's counter for threads: a multiprocessing.Value without the shared memory
+    and semaphore (which some sandboxes lack)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def get_lock(self) -> threading.Lock:
+        return self._lock
 
 
 Job = tuple[Any, Callable[..., Any], tuple[Any, ...]]  # (key, function, arguments)

@@ -126,6 +126,13 @@ class Tally:
         if self.pending >= PROGRESS_STEP:
             self.flush()
 
+    def redo(self) -> None:
+        """The file is read again: what was told of it is taken back, now (the bar moves
+        back, then forward again with the new read)."""
+        self.pending -= self.in_file
+        self.in_file = 0
+        self.flush()
+
     def flush(self) -> None:
         if self.pending and self.report is not None:
             self.report(self.pending)
@@ -312,6 +319,62 @@ def scan_local_batch(
     return out
 
 
+# The info fields that tell one version of an object from another, where a backend
+# has them: gcsfs (generation, updated), s3fs (ETag, LastModified, VersionId), HTTP
+# (ETag, Last-Modified), memory (created); size everywhere.
+VERSION_FIELDS = ("size", "generation", "VersionId", "ETag", "etag", "LastModified", "Last-Modified",
+                  "updated", "mtime", "created")
+REMOTE_ATTEMPTS = 3  # reads of an object that changed under the last one before giving up
+
+
+def fresh_info(fs: Any, path: str) -> dict[str, Any]:
+    """fs.info(path) asked afresh: a listing's cached entry may be older than the object."""
+    fs.invalidate_cache(path)
+    return fs.info(path)
+
+
+def version_of(info: dict[str, Any]) -> dict[str, Any]:
+    """What an object's info says identifies its current version."""
+    return {k: info[k] for k in VERSION_FIELDS if info.get(k) is not None}
+
+
+def _change(before: dict[str, Any], after: dict[str, Any]) -> str:
+    keys = [k for k in VERSION_FIELDS if before.get(k) != after.get(k)] or ["size"]
+    return ", ".join(f"{k} {before.get(k)!r} then {after.get(k)!r}" for k in keys)
+
+
+def _scan_version(fs: Any, kind: str, path: str, rel: str, verify_data_crc: bool,
+                  tally: Tally) -> FileItems:
+    """Scan an object read by several range requests, checking that it is one version
+    throughout: one replaced meanwhile would leave hashes of a mix of old and new bytes
+    (or of a size the object never had). Read again while it changes, then refused."""
+    why = ""
+    for _ in range(REMOTE_ATTEMPTS):
+        info = fresh_info(fs, path)
+        before = version_of(info)
+        size = before.get("size")
+        # This version's size, not one open might take from a cache (reads stop there);
+        # not where an HTTP server refuses ranges (open then streams the object).
+        opts = {"size": size} if size and info.get("partial", True) else {}
+        items = bad = None
+        try:
+            with fs.open(path, "rb", block_size=REMOTE_BLOCK, **opts) as f:
+                items = scan(kind, f, rel, verify_data_crc, tally=tally)
+        except Exception as e:  # bad framing of a mix of versions; a backend's own check (s3fs:
+            bad = e             # FileExpired), a range past a new end: any, when the object changed
+        after = version_of(fresh_info(fs, path))
+        if bad is not None and after == before:
+            raise bad  # the object's own
+        whole = items is not None and kind == "files" and len(items) == 1 and size is not None
+        read = items.sizes[0] if whole else size
+        if items is not None and before == after and read == size:
+            return items
+        why = _change(before, after) if before != after else f"{read} of its {size} bytes read"
+        tally.redo()  # the bar counts the bytes of the version kept, once
+    raise ScanError(f"{rel} changed while it was read ({why}), {REMOTE_ATTEMPTS} "
+                    "times in a row: digest it again once nothing is writing it")
+
+
 def scan_remote(
     fs: Any,
     kind: str,
@@ -325,12 +388,14 @@ def scan_remote(
     bytes read as they are."""
     tally = Tally(report)
     try:
+        if size is None:  # an HTTP listing's: the object's own HEAD says
+            size = fresh_info(fs, path).get("size")
         if size is not None and size <= SMALL_REMOTE:
-            f: BinaryIO = io.BytesIO(fs.cat_file(path))  # one request, no HEAD
+            # One GET: one version of the object (GCS, S3 and memory answer it whole).
+            with io.BytesIO(fs.cat_file(path)) as f:
+                items = scan(kind, f, rel, verify_data_crc, tally=tally)
         else:
-            f = fs.open(path, "rb", block_size=REMOTE_BLOCK)
-        with f:
-            items = scan(kind, f, rel, verify_data_crc, tally=tally)
+            items = _scan_version(fs, kind, path, rel, verify_data_crc, tally)
         items.end_file()
         tally.file_done(size)
         tally.flush()
