@@ -187,12 +187,14 @@ class ManagerClient:
             self._tokens[job] = token
 
     def _call(self, method: str, request: Any, timeout: float | None = None, job: str | None = None,
-              extra: tuple[tuple[str, str], ...] = ()) -> Any:
-        """Call ``method`` with the cluster token (if given), ``job``'s token and ``extra`` metadata."""
+              extra: tuple[tuple[str, str], ...] = (), wait: bool = False) -> Any:
+        """Call ``method`` with the cluster token (if given), ``job``'s token and ``extra`` metadata;
+        ``wait``: connect (again) until the deadline rather than fail at the first failed connect."""
         job_md = (jobtokens.metadata(self.job_token(job)) if job else None) or ()
         md = self._role_md + job_md + extra or None
         try:
-            return getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=md)
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=md,
+                                              wait_for_ready=wait or None)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
@@ -295,17 +297,18 @@ class ManagerClient:
             self._cache.ring = ring
         return ring
 
-    def status(self, timeout: float | None = None) -> mpb.StatusResponse:
+    def status(self, timeout: float | None = None, wait: bool = False) -> mpb.StatusResponse:
         """The manager's Status: everything with the cluster token, else the jobs this
-        client holds tokens of (statusview.py) and aggregates of the rest."""
+        client holds tokens of (statusview.py) and aggregates of the rest. ``wait``: keep
+        connecting until the deadline (a manager still starting, a failed handshake)."""
         with self._lock:
             tokens = sorted(set(self._tokens.values()))
         return self._call("Status", mpb.StatusRequest(), timeout,
-                          extra=tuple((jobtokens.TOKEN_HEADER, t) for t in tokens))
+                          extra=tuple((jobtokens.TOKEN_HEADER, t) for t in tokens), wait=wait)
 
-    def status_dict(self, timeout: float | None = None) -> dict[str, Any]:
+    def status_dict(self, timeout: float | None = None, wait: bool = False) -> dict[str, Any]:
         """Status as a JSON-ready dict (field names as in manager.proto; enums by name)."""
-        msg = self.status(timeout)
+        msg = self.status(timeout, wait)
         d = json_format.MessageToDict(msg, preserving_proto_field_name=True,
                                       always_print_fields_with_no_presence=True)
         return _int64_fields(msg, d)

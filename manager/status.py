@@ -37,7 +37,8 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cluster-token-file", default=None, metavar="FILE",
                    help="the manager's --cluster-token-file: without it (or a manager certificate under mTLS) "
                         "other tenants' jobs and datasets are left out, only counted")
-    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=seconds, default=5.0,
+                   help="seconds to wait for the answer (connecting again meanwhile: a manager still starting)")
     p.set_defaults(func=lambda args, parser=None: run_status(args), subparser=p)
     return p
 
@@ -54,7 +55,7 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     try:
         with ManagerClient(args.manager, tls=tls, timeout=args.timeout, cluster_token=token) as mc:
-            doc = mc.status_dict()
+            doc = mc.status_dict(wait=True)  # one command: --timeout bounds it, not the first connect
     except ManagerError as e:
         print(f"{PROG}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1

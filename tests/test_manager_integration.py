@@ -346,16 +346,16 @@ def test_mutual_tls_end_to_end_and_cachectl_status(tmp_path):
         from manager.status import run_status
         client_args = ["--tls-cert", str(b.client_cert), "--tls-key", str(b.client_key), "--tls-ca", str(b.ca)]
         out = io.StringIO()  # a client certificate: other tenants' jobs are only counted
-        assert run_status(parser.parse_args(["status", "--manager", m.address, *client_args]), out) == 0
+        assert run_status(parser.parse_args(["status", "--manager", m.address, *client_args, "--timeout", "30"]), out) == 0
         assert "job-tls" not in out.getvalue() and DS_IO[:16] not in out.getvalue()
         assert "1 other jobs and 1 other datasets not shown" in out.getvalue()
         tls_args = mgr_tls  # the manager's certificate: everything
         out = io.StringIO()
-        assert run_status(parser.parse_args(["status", "--manager", m.address, *tls_args]), out) == 0
+        assert run_status(parser.parse_args(["status", "--manager", m.address, *tls_args, "--timeout", "30"]), out) == 0
         text = out.getvalue()
         assert s.address in text and "job-tls" in text and "probe_bypass" in text and "full" in text
         out = io.StringIO()
-        assert run_status(parser.parse_args(["status", "--manager", m.address, "--json", *tls_args]), out) == 0
+        assert run_status(parser.parse_args(["status", "--manager", m.address, "--json", *tls_args, "--timeout", "30"]), out) == 0
         doc = json.loads(out.getvalue())
         assert doc["jobs"][0]["job"] == "job-tls" and doc["datasets"][0]["option"] == "CACHE_OPTION_FULL"
         args = parser.parse_args(["status", "--manager", m.address, "--timeout", "0.5"])
