@@ -24,7 +24,10 @@ LOG_EVERY_S = 10.0
 def accept_forever(lsock: socket.socket, stopping: threading.Event,
                    serve: Callable[[socket.socket], None], on_error: Callable[[], None]) -> None:
     """Accept connections on ``lsock`` and hand each to ``serve`` until ``stopping``."""
-    lsock.settimeout(0.2)
+    try:
+        lsock.settimeout(0.2)
+    except OSError:  # closed before this thread ran (a server stopped as it started)
+        return
     pause, last_log = MIN_PAUSE_S, float("-inf")
     while not stopping.is_set():
         try:
