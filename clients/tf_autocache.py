@@ -11,10 +11,13 @@ Python generator, one sampler batch at a time:
     transformed  the batch's transformed items are looked up; hits are decoded
                  (numpy, preprocess/codec.py); the misses' sources are read (from
                  the cache if it holds them, never inserted), the chain runs on them
-                 in this process, and its outputs are put (asynchronously) and yielded
+                 in this process, and its outputs are put (asynchronously) and yielded;
+                 with a manager the pipeline is reported after the first batch (its
+                 outputs are spare entries until then: the set has no plan yet)
     compute      the store is read, the chain runs on every item, nothing is cached
     auto         runs as source (reads inserted) while timing the chain, then
-                 decides (clients/autocache.choose) as the PyTorch loader does
+                 decides (clients/autocache.choose) as the PyTorch loader does, at
+                 the latest at the end of an epoch (a resumed one holds only its rest)
 
 Every item still comes exactly once per epoch (the sampler's batches, in its
 order); the element_spec is the chain's. The chain must keep one element per item
@@ -25,6 +28,7 @@ autocache="transformed" refuses it, "auto" chooses between compute and source.""
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,14 +38,17 @@ import numpy as np
 from preprocess.tf_fingerprint import UnfingerprintableChain, chain_fingerprint, dummy_source
 
 from .autocache import Autocache
-from .autofeed import kept_items, speculative_chunk
+from .autofeed import kept_items, reader, speculative_chunk
 from .automeasure import costs, read_costs
 from .epochs import EpochRun
+from .stats import SharedCounters
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-SAMPLE = 16  # items of a batch whose reads auto times
+log = logging.getLogger("mlcache.autocache")
+
+SAMPLE = 16  # items of a batch whose reads auto (and a fixed transformed report) times
 
 
 def chain_key(transform: Callable[[Any], Any]) -> tuple[str, str]:
@@ -93,10 +100,15 @@ class TransformedEpochs:
 
     def __init__(self, source: Any, runner: ChainRunner, ac: Autocache) -> None:
         self.source, self.runner, self.ac = source, runner, ac
+        # fixed at transformed under a manager: the pipeline is reported once, after the first
+        # batch (no probe runs before: the chain has not run yet); until then the set has no plan
+        self.unreported = ac.requested == "transformed" and source.cached.coordinator is not None
+        self._last: tuple[list[int], list[Any]] | None = None  # the last batch and its outputs (auto)
 
     def epoch(self) -> Iterator[Any]:
         src = self.source
-        self.ac.refresh_plan()  # the manager's plan of the transformed set, before each epoch (as the loader)
+        if not self.unreported:  # unreported, the manager knows no such set: GetPlan would be refused
+            self.ac.refresh_plan()  # the manager's plan of the transformed set, before each epoch (as the loader)
         run = EpochRun(src.cached, src.sampler, src)
         complete = False
         try:
@@ -104,7 +116,10 @@ class TransformedEpochs:
                 out = self._batch(batch)
                 run.batch()
                 yield from out
+                self._last = (batch, out)
+                self._report_fixed(batch, out)
                 self._maybe_decide(batch, out)
+            self._epoch_ended()
             complete = True
         finally:
             self.ac.feed.idle()  # this epoch's puts are in before the next looks them up
@@ -125,22 +140,79 @@ class TransformedEpochs:
         # measuring, the sources are inserted too: a source decision reads none of them again
         outs = self.runner.run((cached if ac.state == "measuring" else st.source).read([batch[p] for p in miss]))
         for p, y in zip(miss, outs):
-            chunk = ac.plan.insert_chunk(batch[p])  # the manager's plan of the transformed set
+            # the manager's plan of the transformed set; before the report it has none: spare
+            # entries (as auto's before its decision), which the manager's reconcile leaves alone
+            chunk = speculative_chunk(cached) if self.unreported else ac.plan.insert_chunk(batch[p])
             if chunk is not None:
                 st.putter.add((t, Ks[p], chunk, p in bad), y)
             got[p] = y
         return got
 
+    def _report_fixed(self, batch: list[int], out: list[Any]) -> None:
+        """Fixed at transformed, under a manager: report the pipeline (as auto's decision
+        does, as the PyTorch loader's Autocache._report_fixed does), else the manager knows
+        no transformed set: no plan (GetPlan refused every epoch), no allocation, none of
+        the job's gain. Costs as at the start (done=0); the mode stays as asked."""
+        if not self.unreported:
+            return
+        ac = self.ac
+        self.unreported = False
+        try:
+            ac.costs = self._costs(batch, out, 0)
+        except Exception as e:  # a report is for the manager's books: never fail the epoch for it
+            log.warning("autocache: timing the chain's read path for the manager's report failed: %s", e)
+            return
+        d = ac.ds.coordinator.autocache_decision(ac.ds.dataset_tag, ac.key, ac.costs)
+        if d is not None and d.mode != "transformed":
+            log.warning("autocache: the manager would run this chain as %s (%s); kept transformed as asked, "
+                        "but the manager allocates no room to its transformed set", d.mode, d.reason)
+        ac.refresh_plan()  # the rest of the epoch follows the set's plan
+
     def _maybe_decide(self, batch: list[int], out: list[Any]) -> None:
         ac, r, sampler = self.ac, self.runner, self.source.sampler
         if ac.state != "measuring" or r.items < ac.threshold(sampler.share.size, sampler.batch_size):
             return
+        ac.decide(self._costs(batch, out, r.items))
+
+    def _epoch_ended(self) -> None:
+        """Auto, an epoch run to its end still measuring (a resumed epoch holds only its
+        rest, fewer items than the threshold): decide now on what there is, as the PyTorch
+        loader's Autocache.epoch_ended, rather than measure on into the next epochs."""
+        ac, r, sampler = self.ac, self.runner, self.source.sampler
+        if ac.state != "measuring":
+            return
+        ac.note = (f"the epoch ended with {r.items} items measured, fewer than the "
+                   f"{ac.threshold(sampler.share.size, sampler.batch_size)} wanted")
+        if self._last is not None:
+            ac.decide(self._costs(*self._last, r.items))
+            return
+        idx = list(range(min(SAMPLE, len(self.source.cached))))  # no batch yet (an empty share)
+        ac.decide(self._costs(idx, None, r.items))
+
+    def _costs(self, batch: list[int], out: list[Any] | None, done: int) -> Any:
+        """PipelineCosts: the read path timed on the batch's first SAMPLE items (`out`: their
+        outputs; None: made here), the chain by its runs so far (or here, where it has not run:
+        every item a hit)."""
+        ac, r, sampler = self.ac, self.runner, self.source.sampler
         idx = batch[:SAMPLE]
+        if out is None or not r.items:
+            out = self._run_quietly(idx)
         kept = [(self.source.cached.digest.hashes[i].tobytes(), y) for i, y in zip(idx, out)] if ac.key else []
         # fill=False: these items were just read through the cache in this epoch (measuring runs as
         # source); any missing are ones it does not insert, and reading them again counted twice in its stats
         reads = read_costs(ac, idx, kept, fill=False)
-        ac.decide(costs(ac, reads, sampler.share.size, r.items, r.seconds / r.items, 0.0, 1))
+        return costs(ac, reads, sampler.share.size, done, r.seconds / max(1, r.items), 0.0, 1)
+
+    def _run_quietly(self, idx: list[int]) -> list[Any]:
+        """The chain on idx's sources, read from the cache or the store without inserting
+        them or counting in any epoch's statistics (the runner times it)."""
+        v = reader(self.source.cached, cache=True)
+        v.counters = SharedCounters()
+        try:
+            return self.runner.run(v.read(idx))
+        finally:
+            if v._state is not None:
+                v._state.close()
 
 
 def transformed_dataset(source: Any, transform: Callable[[Any], Any], autocache: str,

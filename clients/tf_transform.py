@@ -79,7 +79,8 @@ def output_signature(spec: Any) -> Any:
 def batches(engine: Any, sampler: Any, ac: Any = None) -> Iterator[tuple[list[int], Any]]:
     """(indices, outputs) per batch the scheduler forms: outputs stacked per component,
     or (not stackable) a list of single outputs. `ac`: the Autocache, which starts
-    each epoch and (auto) decides once enough of the first is measured."""
+    each epoch and (auto) decides once enough of the first is measured, or at the end
+    of an epoch that ended still measuring."""
     import tensorflow as tf
 
     spec = tf_map_step(engine).element_spec
@@ -93,6 +94,8 @@ def batches(engine: Any, sampler: Any, ac: Any = None) -> Iterator[tuple[list[in
             yield indices, items
         if ac is not None:
             ac.after_batch(engine, sampler.share.size, sampler.batch_size)
+    if ac is not None:  # an epoch too short to measure (a resumed one: its rest) decides at its end
+        ac.epoch_ended(engine, sampler.share.size, sampler.batch_size)
 
 
 def _stack(xs: tuple) -> np.ndarray:
