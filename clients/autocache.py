@@ -275,7 +275,8 @@ class Autocache:
         coord = self.ds.coordinator
         if coord is None or self.costs is None:
             return
-        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs)
+        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs,
+                                     fixed=self.requested == "transformed")
         if d is None:
             return
         if self.requested == "auto":
@@ -330,10 +331,10 @@ class Autocache:
 
         self.probes = probe(self, engine)
         self.costs = estimate(self, engine, len(self.ds))
-        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs)
+        d = coord.autocache_decision(self.ds.dataset_tag, self.key, self.costs, fixed=True)
         if d is not None and d.mode != "transformed":
-            log.warning("autocache: the manager would run this pipeline as %s (%s); kept transformed as asked, "
-                        "but the manager allocates no room to its transformed set", d.mode, d.reason)
+            log.warning("autocache: the manager would run this pipeline as %s (%s); kept transformed as asked "
+                        "(the manager counts this job on its transformed set all the same)", d.mode, d.reason)
 
     def _estimate(self, engine: Any) -> None:
         """Probe the read path (the workers not started yet) and estimate: the mode the

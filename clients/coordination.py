@@ -164,6 +164,11 @@ class JobCoordinator:
         self._token_file = (JobTokenFile(manager, ds.job) if keep_token and jobtokens.launcher_secret() is None
                             else None)
         self._n_gpus = n_gpus
+        # (dataset tag, pipeline fingerprint) -> (costs, fixed) of every pipeline reported: a
+        # registration made again is a new one to the manager, which counts the job on a
+        # pipeline's transformed set only once that registration reported it, and loaders
+        # report once (when made, or rekeyed)
+        self._reported: dict[tuple[str, str], tuple[PipelineCosts, bool]] = {}
         try:
             self._register(n_gpus)
         except BaseException:
@@ -172,7 +177,8 @@ class JobCoordinator:
                 self._token_file.release()
             raise
 
-    def _register(self, n_gpus: int) -> None:
+    def _register(self, n_gpus: int) -> bool:
+        """Register the job; False when the manager could not be reached."""
         ds, tf = self.ds, self._token_file
         kept = tf.claim() if tf is not None else None
         if kept is not None:
@@ -181,13 +187,14 @@ class JobCoordinator:
             info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
         except self._unavailable as e:
             log.warning("cache manager %s unavailable (%s): training without a plan", self.client.address, e)
-            return
+            return False
         except ManagerError as e:
             if e.code != grpc.StatusCode.PERMISSION_DENIED:
                 raise
             raise JobRefused(f"{e}. {self._refused_hint(kept)}.", e.code) from None
         self._set_plan(info.plan)
         self.reached = True
+        return True
 
     def _refused_hint(self, kept: str | None) -> str:
         tf = self._token_file
@@ -303,19 +310,41 @@ class JobCoordinator:
         plan = self.plan
         return plan is not None and self.ds.plan.loading_first(i, plan.loading)
 
-    def autocache_decision(self, dataset_tag: str, fingerprint: str, costs: PipelineCosts) -> Decision | None:
+    def autocache_decision(self, dataset_tag: str, fingerprint: str, costs: PipelineCosts,
+                           fixed: bool = False) -> Decision | None:
         """The manager's autocache decision for (dataset, pipeline prefix fingerprint),
         from this job's first-epoch ``costs`` and those of other jobs of the same
         pipeline (the first report decides; later jobs get the same answer). None
         when the manager cannot be reached or refuses (the job then decides alone:
-        ``manager.policy.autocache.decide(costs)``)."""
+        ``manager.policy.autocache.decide(costs)``). ``fixed``: the loader runs the
+        pipeline transformed whatever the decision (autocache="transformed"). The
+        report is made again whenever the job is registered again."""
+        with self._lock:
+            self._reported[(dataset_tag, fingerprint)] = (costs, fixed)
         try:
-            d = self.client.report_pipeline(self.ds.job, dataset_tag, fingerprint, costs)
+            d = self._report_pipeline(dataset_tag, fingerprint, costs, fixed)
             self.reached = True
             return d
         except ManagerError as e:  # ManagerUnavailable included
             log.warning("autocache decision from the manager failed (%s): deciding alone", e)
             return None
+
+    def _report_pipeline(self, dataset_tag: str, fingerprint: str, costs: PipelineCosts, fixed: bool) -> Decision:
+        if fixed:  # only then: a manager client without the keyword still reports the rest
+            return self.client.report_pipeline(self.ds.job, dataset_tag, fingerprint, costs, fixed=True)
+        return self.client.report_pipeline(self.ds.job, dataset_tag, fingerprint, costs)
+
+    def _report_pipelines_again(self) -> None:
+        """After a registration made again: every pipeline reported before, reported again,
+        so that the manager counts the job on their transformed sets. Their decisions are not
+        taken: a running loader keeps its mode (a redecision applies to later jobs)."""
+        with self._lock:
+            reported = sorted(self._reported.items(), key=lambda kv: kv[0])
+        for (tag, fp), (costs, fixed) in reported:
+            try:
+                self._report_pipeline(tag, fp, costs, fixed)
+            except ManagerError as e:
+                log.warning("reporting pipeline %s of job %s again failed (%s)", fp, self.ds.job, e)
 
     # ---- background work --------------------------------------------------
     def period(self) -> float:
@@ -352,7 +381,8 @@ class JobCoordinator:
         """The manager forgot the job (it expired, or restarted on an empty state dir)."""
         log.warning("cache manager %s no longer knows job %s: registering it again", self.client.address, self.ds.job)
         try:
-            self._register(self._n_gpus)
+            if self._register(self._n_gpus):
+                self._report_pipelines_again()
         except Exception:  # never let coordination break training: the next report tries again
             log.exception("registering job %s again failed", self.ds.job)
 

@@ -271,13 +271,17 @@ class ManagerClient:
             for ds in [d for d, j in self._jobs.items() if j == job]:
                 del self._jobs[ds]
 
-    def report_pipeline(self, job: str, dataset: str, fingerprint: str, costs: PipelineCosts) -> Decision:
+    def report_pipeline(self, job: str, dataset: str, fingerprint: str, costs: PipelineCosts,
+                        fixed: bool = False) -> Decision:
         """A job's first-epoch costs of a pipeline; returns the (dataset, pipeline)'s
-        decision (made by the first job that reported it, the same for every job)."""
+        decision (made by the first job that reported it, the same for every job).
+        ``fixed``: the job's loader runs transformed whatever is decided; the manager
+        counts it on the transformed set all the same."""
         d = costs_to_dict(costs)
         d.pop("room_bytes", None)  # the manager knows the room
         r = self._call("ReportPipeline", mpb.ReportPipelineRequest(
-            job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d)), job=job)
+            job=job, dataset=dataset, fingerprint=fingerprint, costs=mpb.PipelineCosts(**d),
+            fixed=fixed), job=job)
         return Decision(r.mode, dict(r.costs), r.reason)
 
     def scale_workers(self, job: str, policy: str, m: Measurement | None = None, remote: int = 0,

@@ -16,7 +16,7 @@ Events (dicts; ``type`` and ``now`` always present):
   job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
   tick {}                                      configure {config}
-  pipeline {job, dataset, fingerprint, costs}  (autocache: pipelines.py)
+  pipeline {job, dataset, fingerprint, costs[, fixed]}  (autocache: pipelines.py)
   workers {job, kind, state}                   (a job's worker-scaling policy: workerstate.py)
   evictions_owed {owed}                        (EvictDatasets servers missed: evictledger.py)
 
@@ -226,8 +226,11 @@ class ManagerModel(AllocationStep):
             raise Rejected("INVALID_ARGUMENT", f"job {job} reads dataset {self.jobs[job].dataset}, not {ds}")
         key = pipeline_key(ds, fp)
         rec = self.pipelines.get(key) or PipelineRecord(ds, fp)
+        fixed = ev.get("fixed", False)  # optional (journals before it have none): transformed whatever is decided
+        if not isinstance(fixed, bool):
+            raise Rejected("INVALID_ARGUMENT", f"fixed must be true or false, got {fixed!r}")
         try:
-            decided = report_pipeline(rec, job, ev["costs"], self._room(ds, rec.tag), now)
+            decided = report_pipeline(rec, job, ev["costs"], self._room(ds, rec.tag), now, fixed=fixed)
         except (ValueError, TypeError, KeyError) as e:
             raise Rejected("INVALID_ARGUMENT", f"bad pipeline costs: {e}") from None
         self.pipelines[key] = rec
@@ -236,7 +239,7 @@ class ManagerModel(AllocationStep):
             self._count("autocache_decisions")
             out.append(note("autocache", dataset=ds, fingerprint=fp, mode=rec.mode,
                             reason=rec.decision["reason"] if rec.decision else ""))
-        if rec.mode == "transformed" and rec.tag not in self.datasets:
+        if rec.needs_set() and rec.tag not in self.datasets:
             size, n = rec.transformed_bytes()
             self._new_dataset(rec.tag, size, n)
         return out + self.reallocate(now)

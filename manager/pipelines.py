@@ -19,6 +19,10 @@ and what it means for allocation.
   the source items it no longer needs lose their claim. Only while the job's
   registration that reported it lasts: a job registered again under the same
   name reads its source dataset until it reports the pipeline again.
+* A job whose loader is fixed at ``transformed`` (its report says ``fixed``)
+  reads the transformed set whatever the decision: the set exists and takes that
+  job's gain (with the projected benefit of transformed) even where the pipeline
+  is decided otherwise; the pipeline's other jobs follow the decision.
 
 State is plain data (JSON round trip); the model (model.py) journals the
 ``pipeline`` event that changes it.
@@ -48,6 +52,9 @@ class PipelineRecord:
     # count, but a job registered again under the name is a new run that has not chosen
     # this pipeline (until it reports it again), so no transformed set takes its gain.
     left: list[str] = field(default_factory=list)
+    # Jobs whose last report said their loader runs transformed whatever the decision
+    # (autocache="transformed", sorted): they read the transformed set, decided or not.
+    fixed: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -71,10 +78,19 @@ class PipelineRecord:
         c = self.combined()
         return int(math.ceil(c.items * c.marker_bytes)), c.items
 
-    def benefit(self) -> float:
-        """Projected speed-up of its jobs over compute: ``compute / chosen``."""
+    def needs_set(self) -> bool:
+        """Whether its transformed set is read: decided transformed, or a job fixed at it."""
+        return self.mode == "transformed" or bool(self.fixed)
+
+    def set_jobs(self, jobs: Mapping[str, Any]) -> list[str]:
+        """Its live jobs that read the transformed set (all of them where it is decided)."""
+        live = live_jobs(self, jobs)
+        return live if self.mode == "transformed" else [j for j in live if j in self.fixed]
+
+    def benefit(self, mode: str | None = None) -> float:
+        """Projected speed-up of its jobs over compute: ``compute / chosen`` (or ``mode``)."""
         costs = self.decision["costs"] if self.decision else {}
-        chosen = costs.get(self.mode, 0.0)
+        chosen = costs.get(mode or self.mode, 0.0)
         return max(1.0, costs.get("compute", 0.0) / chosen) if chosen > 0 else 1.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,13 +99,15 @@ class PipelineRecord:
              "decision": self.decision, "decided_at": self.decided_at, "room_bytes": self.room_bytes}
         if self.left:  # left out while empty: a state without it reads (and digests) as before
             d["left"] = list(self.left)
+        if self.fixed:  # likewise
+            d["fixed"] = list(self.fixed)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PipelineRecord":
         return cls(d["dataset"], d["fingerprint"], {j: dict(c) for j, c in d.get("measured", {}).items()},
                    d.get("decision"), float(d.get("decided_at", 0.0)), d.get("room_bytes"),
-                   sorted(str(j) for j in d.get("left", [])))
+                   sorted(str(j) for j in d.get("left", [])), sorted(str(j) for j in d.get("fixed", [])))
 
 
 def pipeline_key(dataset: str, fingerprint: str) -> str:
@@ -101,10 +119,13 @@ def check_costs(d: Mapping[str, Any]) -> dict[str, Any]:
     return costs_to_dict(costs_from_dict(d))
 
 
-def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float, now: float) -> bool:
+def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float, now: float,
+           fixed: bool = False) -> bool:
     """Record ``job``'s costs; decide if not decided yet, or decide again where the
     measurements say the decision in force is clearly wrong. True when it decided now.
-    Costs refused (ValueError: here, or merged with the other jobs') leave rec as it was."""
+    ``fixed``: the job's loader runs transformed whatever is decided (each report says
+    so anew). Costs refused (ValueError: here, or merged with the other jobs') leave
+    rec as it was."""
     measured = {**rec.measured, job: check_costs(costs)}  # taken only once everything below holds
     c = rec.combined(measured)
     if math.isfinite(room):
@@ -112,6 +133,7 @@ def report(rec: PipelineRecord, job: str, costs: Mapping[str, Any], room: float,
     d = decide(c) if rec.decision is None else redecide(decision_from_dict(rec.decision), c)
     rec.measured = measured
     rec.left = [j for j in rec.left if j != job]  # this registration reported it
+    rec.fixed = sorted({*rec.fixed, job} if fixed else {j for j in rec.fixed if j != job})
     if d is None:
         return False
     rec.decision = decision_to_dict(d)
@@ -134,16 +156,14 @@ def job_left(pipelines: Mapping[str, PipelineRecord], job: str) -> None:
 
 def move_gains(pipelines: Mapping[str, PipelineRecord], n_gpus: Mapping[str, int],
                gains: dict[str, list[JobGain]]) -> None:
-    """Give each transformed set the gain of its live jobs (projected benefit),
-    taking those jobs off their source dataset's demand (in place)."""
+    """Give each transformed set the gain of its live jobs that read it (projected benefit
+    of transformed), taking those jobs off their source dataset's demand (in place)."""
     for key in sorted(pipelines):
         rec = pipelines[key]
-        if rec.mode != "transformed":
-            continue
-        jobs = live_jobs(rec, n_gpus)
+        jobs = rec.set_jobs(n_gpus)
         if not jobs:
             continue
-        b = rec.benefit()
+        b = rec.benefit("transformed")
         gains[rec.tag] = [JobGain(j, n_gpus[j], b) for j in jobs]
         left = [g for g in gains.get(rec.dataset, []) if g.job_id not in jobs]
         if left:

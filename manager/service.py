@@ -292,8 +292,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
         costs["items"], costs["epochs_left"] = int(costs["items"]), int(costs["epochs_left"])
         with self.store.lock:
             self._act_as(request.job, context)
+            fixed = {"fixed": True} if request.fixed else {}  # absent otherwise: events as before
             self.store.submit({"type": "pipeline", "job": request.job, "dataset": request.dataset,
-                               "fingerprint": fp, "costs": costs, "now": self._now()})
+                               "fingerprint": fp, "costs": costs, "now": self._now(), **fixed})
             self.liveness.touch_job(request.job, self._now())
             rec = self.store.model.pipelines[pipeline_key(request.dataset, fp)]
             return decision_message(rec)
