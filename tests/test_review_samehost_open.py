@@ -77,7 +77,8 @@ def test_gets_do_not_wait_behind_a_follower_open_the_server_has_not_answered(tmp
             opener.join(3 * TIMEOUT_S)
             assert not opener.is_alive()
             # the refusal only put the open off (readpath.OpenRetry): the follower opens again
-            wait_until(lambda: _values(c) == VALUES and c._local is not None, "the follower reopened", 10)
+            wait_until(lambda: _values(c) == VALUES and c._local is not None and c.transport == "local",
+                   "the follower reopened", 10)
             assert c.transport == "local"
     finally:
         if stopped:
@@ -136,7 +137,8 @@ def test_a_follower_whose_scratch_dir_cannot_be_made_now_is_opened_later(tmp_pat
             with ServerClient(s.address) as c:
                 assert _values(c) == VALUES and c._local is None and c.transport == "unix"
                 monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-                wait_until(lambda: _values(c) == VALUES and c._local is not None, "the follower opened", 10)
+                wait_until(lambda: _values(c) == VALUES and c._local is not None and c.transport == "local",
+                       "the follower opened", 10)
                 assert c.transport == "local"
     finally:
         assert s.stop() == 0

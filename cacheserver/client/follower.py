@@ -3,8 +3,13 @@ dropped while the socket pays (readpath.py), reopened, tried again after a refus
 back-off (readpath.OpenRetry), caught up for a get, and closed.
 
 Opening asks the server to flush (OPEN_FOLLOWER, a round trip with the request timeout)
-and has RocksDB open every table file: both happen outside the lock, by one thread at a
-time, while the other threads' gets go over the socket instead of waiting for it.
+and has RocksDB open every table file: both happen in a thread of their own, one open at a
+time, and no get waits for them: a get that finds an open due starts it and goes over the
+socket, as do the others meanwhile. Against a server that does not answer (hung, stopped),
+the open inside a get cost its request timeout before the get's own request waited out a
+second one, and a ring's other servers were sent nothing meanwhile. Only the first open, at
+the client's resolution, is waited for, at most `wait_s` (the probe timeout, bounded):
+a client's first gets read from the follower, as callers expect.
 """
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ from .localread import LocalReader, written_files
 from .readpath import LOCAL, OpenRetry, ReadPaths
 
 log = logging.getLogger("cacheserver.client")
+# The first open, at a client's resolution (inside its first call), is waited for at most
+# this long (and no longer than the probe timeout the ping just met): a store's RocksDB open
+# takes ms to a second; past this, gets go over the socket until the open ends.
+FIRST_OPEN_WAIT_S = 5.0
 
 
 class Refused(Exception):
@@ -25,7 +34,8 @@ class Refused(Exception):
 
 class Follower:
     """One server client's follower; thread-safe. `open_reader(db_path)` asks the server and
-    opens a LocalReader (Refused: not now; any other error: never, for this client)."""
+    opens a LocalReader (Refused: not now; any other error: never, for this client); it runs
+    in a thread of its own (open_soon)."""
 
     def __init__(self, address: str, paths: ReadPaths, open_reader: Callable[[str], LocalReader]) -> None:
         self.address = address
@@ -34,16 +44,21 @@ class Follower:
         self.db_path: str | None = None  # set while a follower may be opened
         self.local: LocalReader | None = None
         self.retry = OpenRetry()  # when an open the server refused for now is tried again
-        self._lock = threading.Lock()  # held only to read and swap the fields above, never for a call
-        self._opening = False  # one thread opens; the others read over the socket meanwhile
+        self._lock = threading.Lock()  # held only to read and swap these fields, never for a call
+        self._opening: threading.Event | None = None  # set when the open under way (one at a time) ends
 
-    def enable(self, db_path: str) -> LocalReader | None:
-        """A follower of `db_path` may be opened: now, or once a refusal's back-off is over."""
+    def enable(self, db_path: str, wait_s: float = 0.0) -> LocalReader | None:
+        """A follower of `db_path` may be opened: now (waited for up to `wait_s`), or in the
+        background once that is over, or once a refusal's back-off is over."""
         self.db_path = db_path
-        return self.open()
+        opening = self.open_soon()
+        if opening is not None:
+            opening.wait(wait_s)
+        return self.local
 
     def current(self) -> LocalReader | None:
-        """The follower to read from now, per the measured-cost policy (readpath.py)."""
+        """The follower to read from now, per the measured-cost policy (readpath.py); None
+        while none is open (one due is opened in the background: this get goes over the socket)."""
         db_path = self.db_path  # read once: retire() may clear it meanwhile
         if db_path is None:
             return None
@@ -52,33 +67,50 @@ class Follower:
             self.drop()
             return None
         local = self.local
-        return local if local is not None else self.open()
+        if local is None:
+            self.open_soon()
+        return local
 
     def drop(self) -> None:
         # Dropped, not closed: a get in another thread may still hold it;
         # the last reference closes it, and nothing is replayed meanwhile.
         self.local = None
 
-    def open(self) -> LocalReader | None:
-        """The follower, opened now if there is none and an open is due; None while another
-        thread opens it, while the server refuses for now, or for good (db_path None: no
-        permission, an incompatible RocksDB, the data dir gone)."""
+    def open_soon(self) -> threading.Event | None:
+        """Start opening the follower in a thread if there is none and an open is due; the
+        open under way's Event (set once it ends), None if none is (one is open, the server
+        refused for now, or for good: db_path None after no permission, an incompatible
+        RocksDB, the data dir gone)."""
         with self._lock:
             db_path = self.db_path
-            if self.local is not None or db_path is None or self._opening or not self.retry.due():
-                return self.local
-            self._opening = True
-        local = installed = None
+            if self._opening is not None or self.local is not None or db_path is None or not self.retry.due():
+                return self._opening
+            opening = self._opening = threading.Event()
+        try:
+            threading.Thread(target=self._open, args=(db_path, opening), daemon=True,
+                             name=f"follower-open {self.address}").start()
+        except RuntimeError as e:  # no thread to be had now (a process at its limit): later
+            self._opened(None, db_path, opening)
+            log.info("cache server %s: same-host follower not opened for now (%s); trying again "
+                     "in %.1fs", self.address, e, self.retry.refused())
+        return opening
+
+    def _open(self, db_path: str, opening: threading.Event) -> None:
+        local = None
         try:
             local = self._try_open(db_path)
         finally:
-            with self._lock:
-                self._opening = False
-                if local is not None and self.db_path == db_path:  # not retired or closed meanwhile
-                    self.local = installed = local
-        if local is not None and installed is None:  # nobody else would close it
+            self._opened(local, db_path, opening)
+
+    def _opened(self, local: LocalReader | None, db_path: str, opening: threading.Event) -> None:
+        with self._lock:
+            self._opening = None
+            installed = local is not None and self.db_path == db_path  # not retired or closed meanwhile
+            if installed:
+                self.local = local
+        opening.set()
+        if local is not None and not installed:  # nobody else would close it
             local.close()
-        return installed
 
     def _try_open(self, db_path: str) -> LocalReader | None:
         try:

@@ -50,9 +50,10 @@ Opening a follower first asks the server to flush (OPEN_FOLLOWER). A server that
 for now: the open is tried again after a back-off (OpenRetry) that doubles, from
 RETRY_FIRST_S to RETRY_MAX_S, while it keeps failing, so a busy server is not asked on
 every get (so is an open that could not make its scratch dir: scratch.py); a follower that
-RocksDB cannot open (no permission, another version) is never tried again. One thread
-opens it, holding no lock through the ask or RocksDB's open: the other threads' gets go
-over the socket meanwhile (follower.py).
+RocksDB cannot open (no permission, another version) is never tried again. The open runs
+in a thread of its own, holding no lock through the ask or RocksDB's open: the get that
+finds it due and the others go over the socket meanwhile, so a server that does not answer
+costs a get one request timeout, not the open's as well (follower.py).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
 from ..vocab import FEATURE_INLINE, PLAIN_RECORDS, check_ids
-from .follower import Follower, Refused
+from .follower import FIRST_OPEN_WAIT_S, Follower, Refused
 from .localread import LocalReader
 from .readpath import ReadPaths
 from ..roles import metadata
@@ -186,13 +186,14 @@ class ServerClient:
                 check_private(os.path.dirname(db_path))
             except (PlaintextDir, OSError):
                 return
-        if self._fol.enable(db_path) is not None:  # now, or once a refusal's back-off is over
+        # opened now (waited for no longer than the ping could take), or in the background
+        if self._fol.enable(db_path, min(self._probe_timeout, FIRST_OPEN_WAIT_S)) is not None:
             self.transport = "local"
 
     def _new_follower(self, db_path: str) -> LocalReader:
-        """Open a follower; the time it takes counts as follower cost (readpath.py). Refused:
-        not now (the server did not take OPEN_FOLLOWER, or this process could not make the
-        follower's scratch dir); RocksDB's own errors: never."""
+        """Open a follower (in a thread of its own: follower.py); the time it takes counts as
+        follower cost (readpath.py). Refused: not now (the server did not take OPEN_FOLLOWER,
+        or this process could not make the follower's scratch dir); RocksDB's own errors: never."""
         t = time.perf_counter()
         try:
             self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
