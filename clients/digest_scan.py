@@ -14,7 +14,16 @@ from typing import Any
 
 from clients.digest_source import SourceFile, ToolError, is_local
 from clients.digest_work import Job, ThreadCounter, progress, submit_bounded
-from clients.itemscan import FileItems, Report, ScanError, add_to, report_to, scan_local_batch, scan_remote
+from clients.itemscan import (
+    FileItems,
+    Report,
+    ScanError,
+    add_to,
+    files_in_progress,
+    report_to,
+    scan_local_batch,
+    scan_remote,
+)
 
 # -- hashing -------------------------------------------------------------------
 
@@ -43,7 +52,7 @@ def _scan_jobs(fs: Any, files: list[SourceFile], kind: str, workers: int, verify
     if local:
         for batch in _batches(files, workers):
             yield batch, scan_local_batch, (kind, [(files[i].path, files[i].rel) for i in batch],
-                                            verify_crc, report)
+                                            verify_crc, report, batch.start)
     else:
         for i, f in enumerate(files):
             yield range(i, i + 1), scan_remote, (fs, kind, f.path, f.rel, f.size, verify_crc, report)
@@ -79,12 +88,14 @@ def scan_files(
     results: Scanned = []
     read: Any = ThreadCounter()  # bytes read by all workers
     report: Report | None = functools.partial(add_to, read)
+    doing = None  # the file each worker process is on
     ex: cf.Executor
     if local and kind != "files":
         # Record formats parse framing in Python, which holds the GIL. A job cannot carry
         # the counter to a process: each inherits it.
         read = multiprocessing.Value("Q", 0)
-        ex = cf.ProcessPoolExecutor(workers, initializer=report_to, initargs=(read,))
+        doing = multiprocessing.Array("q", 2 * workers)
+        ex = cf.ProcessPoolExecutor(workers, initializer=report_to, initargs=(read, doing))
         report = None
     else:
         # Whole local files: reads and hashlib both release the GIL, so threads scale
@@ -102,11 +113,24 @@ def scan_files(
     except ScanError as e:
         raise ToolError(str(e)) from None
     except cf.process.BrokenProcessPool:
-        raise ToolError("a hashing worker process died (killed, or out of memory?)") from None
+        raise ToolError(_died(files, doing)) from None
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     results.sort(key=lambda r: r[0].start)  # jobs are runs of consecutive files
     return results
+
+
+def _died(files: list[SourceFile], doing: Any) -> str:
+    """The error of a worker process that died, naming the files the workers were on (its
+    among them: it may be one too large for memory, or with records too large)."""
+    on = [files[i].rel for i in sorted(files_in_progress(doing))] if doing is not None else []
+    where = ""
+    if len(on) == 1:
+        where = f" while hashing {on[0]}"
+    elif on:
+        shown = ", ".join(on[:8]) + (f" and {len(on) - 8} more" if len(on) > 8 else "")
+        where = f" while the workers were hashing {shown} (one of these)"
+    return f"a hashing worker process died{where} (killed, or out of memory?)"
 
 
 def _range_probe(fs: Any, root: str, f: SourceFile, off: int, size: int, sha: bytes | None) -> None:

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from clients.digest_paths import path_problem, url_quoted
+from clients.digest_work import progress, waiting
+
 
 class ToolError(Exception):
     """A runtime failure, reported as 'digest: error: ...' with exit code 1."""
@@ -171,12 +173,13 @@ def _local_listing(base: str) -> Iterator[tuple[str, dict[str, Any]]]:
                 yield e.path, {"type": kind, "islink": link, "size": size}
 
 
-def _listing(fs: Any, base: str, src: str) -> tuple[str, Iterable[tuple[str, Mapping[str, Any]]]]:
-    """(root, (path, info) of each entry under it): SRC's files, or SRC and its directory."""
+def _listing(fs: Any, base: str, src: str, bar: Any) -> tuple[str, Iterable[tuple[str, Mapping[str, Any]]]]:
+    """(root, (path, info) of each entry under it): SRC's files, or SRC and its directory;
+    `bar` (a progress bar) redrawn while a remote store lists (minutes, on millions)."""
     if is_local(fs) and os.path.isdir(base):
         return base, _local_listing(base)
     try:
-        found = fs.find(base, detail=True)
+        found = waiting(bar, lambda: fs.find(base, detail=True))
     except FileNotFoundError:
         raise ToolError(f"source not found: {src}") from None
     except Exception as e:  # network / permission errors of any backend
@@ -197,22 +200,18 @@ def _check_unlisted(path: str, prefix: str, error: str, excludes: Sequence[str],
                     f"fix its permissions or pass --exclude '{rel}/*'")
 
 
-def list_source(
-    fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = ()
-) -> tuple[str, list[SourceFile]]:
-    """Root path and the sorted data files under it (SRC may be a single file).
-
-    Entries that are neither files nor directories (broken symlinks, FIFOs)
-    are errors rather than silently missing data, unless excluded."""
-    root, found = _listing(fs, base, src)
+def _select(found: Iterable[tuple[str, Mapping[str, Any]]], root: str, src: str, includes: Sequence[str],
+            excludes: Sequence[str], quoted: bool, bar: Any) -> tuple[list[SourceFile], bool]:
+    """(the files of the listing `found` that are selected, whether it listed any file),
+    each entry counted on `bar`."""
     prefix = root.rstrip("/") + "/"
-    quoted = url_quoted(fs)
     files = []
     listed = False
     for path, info in found:
         kind = info.get("type", "file")
         if kind == "directory":
             continue
+        bar.update(1)
         if kind == "unlisted":
             _check_unlisted(path, prefix, info["error"], excludes, src)
             continue
@@ -231,6 +230,20 @@ def list_source(
             if what:
                 raise ToolError(f"cannot read {rel}: {what}; remove it or pass --exclude")
         files.append(SourceFile(path, rel, info.get("size")))
+    return files, listed
+
+
+def list_source(
+    fs: Any, base: str, src: str, includes: Sequence[str], excludes: Sequence[str] = (), quiet: bool = True
+) -> tuple[str, list[SourceFile]]:
+    """Root path and the sorted data files under it (SRC may be a single file), counted
+    on a progress bar unless quiet.
+
+    Entries that are neither files nor directories (broken symlinks, FIFOs)
+    are errors rather than silently missing data, unless excluded."""
+    with progress(None, quiet, "listing", unit=" files") as bar:
+        root, found = _listing(fs, base, src, bar)
+        files, listed = _select(found, root, src, includes, excludes, url_quoted(fs), bar)
     if not listed:
         try:
             exists = fs.exists(base)

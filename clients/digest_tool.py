@@ -208,10 +208,8 @@ def cmd_create(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     fs, base = open_source(args.src, so)
     includes = args.include or (["*.tar"] if kind is Kind.TAR else [])
     local = is_local(fs)
-    if not local and not args.quiet and sys.stderr.isatty():
-        # a remote listing can take long (large buckets, or retries when unreachable)
-        print(f"digest: listing {args.src} ...", file=sys.stderr, flush=True)
-    root, files = list_source(fs, base, args.src, includes, args.exclude)
+    # A progress bar: a listing can take long (millions of objects, or retries when unreachable).
+    root, files = list_source(fs, base, args.src, includes, args.exclude, args.quiet)
     if local:
         files = _without_output(files, out)
         if not files:

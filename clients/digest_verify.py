@@ -42,6 +42,12 @@ def _whole_file(fs: Any, full: str, size: int, stream: Callable[[Any], Hashed], 
     return hashlib.sha256(data).digest(), len(data), blake3.blake3(data).digest() if want_b3 else None
 
 
+def _range_ignored(i: int, rel: str, off: int, size: int, got: int) -> str:
+    return (f"item {i}: {rel} @ {off}+{size}: the store ignores range requests (asked for bytes "
+            f"{off}-{off + size - 1}, got {got} bytes: the whole file?); serve the "
+            "data from a store that honours HTTP Range (python -m http.server does not)")
+
+
 def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int],
                 report: Any = None) -> list[tuple[int, str]]:
     """``(item, problem)`` pairs from re-reading items all stored in path ``j``."""
@@ -75,6 +81,9 @@ def _check_path(fs: Any, base: str, digest: Digest, j: int, items: list[int],
                 _, off, size = digest.location(i)
                 data = fs.cat_file(full, start=off, end=off + size) if size else b""
                 tally.add(len(data))
+                if len(data) > size:  # not a size mismatch of the item: the store's fault
+                    problems.append((i, _range_ignored(i, rel, off, size, len(data))))
+                    continue
                 compare(i, hashlib.sha256(data).digest(), len(data),
                         None if col is None else blake3.blake3(data).digest())
         else:  # many records of one file: one sequential pass

@@ -12,10 +12,29 @@ from typing import Any
 from tqdm import tqdm
 
 
-def progress(total: int | None, quiet: bool, desc: str) -> tqdm:
+def progress(total: int | None, quiet: bool, desc: str, unit: str = "B") -> tqdm:
+    """A bar counting bytes (unit "B") or things (unit " files", say)."""
     # disable=None: tqdm hides itself when stderr is not a terminal.
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+    # Bytes scaled (KiB, MiB); a count as it is (scaled, 30 files would show as "30.0").
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
                 desc=desc, disable=True if quiet else None, file=sys.stderr)
+
+
+def waiting(bar: tqdm, fn: Callable[[], Any], every: float = 0.5) -> Any:
+    """fn(), the bar redrawn meanwhile: its clock moves through a long call that tells
+    nothing of its own progress (a remote listing), so it does not look hung."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            bar.refresh()
+    t = threading.Thread(target=tick, name="digest-waiting", daemon=True)
+    t.start()
+    try:
+        return fn()
+    finally:
+        stop.set()
+        t.join()
 
 
 class ThreadCounter:

@@ -146,13 +146,35 @@ def add_to(counter: Any, n: int) -> None:
 
 
 _report: Report | None = None  # where the scans of a worker process tell their progress
+_doing: Any = None  # this worker's (pid, index of the file it scans, -1: none) in a shared array
+_slot = -1
 
 
-def report_to(counter: Any) -> None:
+def report_to(counter: Any, doing: Any = None) -> None:
     """Process pool initializer: the scans of this process add the bytes they read to
-    `counter` (a multiprocessing.Value, which a process inherits but a job cannot carry)."""
-    global _report
+    `counter` (a multiprocessing.Value, which a process inherits but a job cannot carry),
+    and say in `doing` (a multiprocessing.Array of (pid, file) pairs, one per worker,
+    zeros) which file they are on: a worker killed (out of memory) can then be named."""
+    global _report, _doing, _slot
     _report = functools.partial(add_to, counter)
+    if doing is None:
+        return
+    with doing.get_lock():
+        free = [k for k in range(0, len(doing), 2) if doing[k] == 0]
+        if free:  # else more processes than slots: this one goes unnamed
+            _slot = free[0]
+            doing[_slot], doing[_slot + 1] = os.getpid(), -1
+            _doing = doing.get_obj()  # written by this process only: no lock per file
+
+
+def files_in_progress(doing: Any) -> list[int]:
+    """The indices of the files the pool's workers were scanning (see report_to)."""
+    return [doing[k + 1] for k in range(0, len(doing), 2) if doing[k] and doing[k + 1] >= 0]
+
+
+def _scanning(index: int) -> None:
+    if _doing is not None:
+        _doing[_slot + 1] = index
 
 
 _local = threading.local()
@@ -292,29 +314,35 @@ def scan(kind: str, f: BinaryIO, name: str, verify_data_crc: bool = True,
 
 
 def scan_local_batch(
-    kind: str, files: list[tuple[str, str]], verify_data_crc: bool = True, report: Report | None = None
+    kind: str, files: list[tuple[str, str]], verify_data_crc: bool = True, report: Report | None = None,
+    first: int = 0,
 ) -> FileItems:
     """Worker entry: scan local ``(abspath, relpath)`` files in order, telling ``report``
-    (else this process's, report_to) the bytes read as they are."""
+    (else this process's, report_to) the bytes read as they are; ``first``: the index of
+    the first file in the tool's list (told to report_to's `doing`)."""
     out = FileItems(named=kind == "tar")
     tally = Tally(report or _report)
-    for path, rel in files:
-        try:
-            # Unbuffered for whole files (readinto straight into our buffer);
-            # buffered for the many small reads of record framing.
-            with open(path, "rb", buffering=0 if kind == "files" else 1 << 20) as f:
-                before = os.fstat(f.fileno())
-                scan(kind, f, rel, verify_data_crc, tally=tally, into=out)
-                after = os.fstat(f.fileno())
-        except OSError as e:
-            raise ScanError(f"cannot read {rel}: {e.strerror or e}") from None
-        # A file still being written (a copy in progress) would leave hashes of
-        # bytes that are gone by the time anyone reads them back.
-        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-            raise ScanError(f"{rel} changed while it was read ({before.st_size} bytes, then "
-                            f"{after.st_size}): digest it again once nothing is writing it")
-        out.end_file()
-        tally.file_done(after.st_size)
+    try:
+        for k, (path, rel) in enumerate(files):
+            _scanning(first + k)
+            try:
+                # Unbuffered for whole files (readinto straight into our buffer);
+                # buffered for the many small reads of record framing.
+                with open(path, "rb", buffering=0 if kind == "files" else 1 << 20) as f:
+                    before = os.fstat(f.fileno())
+                    scan(kind, f, rel, verify_data_crc, tally=tally, into=out)
+                    after = os.fstat(f.fileno())
+            except OSError as e:
+                raise ScanError(f"cannot read {rel}: {e.strerror or e}") from None
+            # A file still being written (a copy in progress) would leave hashes of
+            # bytes that are gone by the time anyone reads them back.
+            if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+                raise ScanError(f"{rel} changed while it was read ({before.st_size} bytes, then "
+                                f"{after.st_size}): digest it again once nothing is writing it")
+            out.end_file()
+            tally.file_done(after.st_size)
+    finally:  # not on a file any more, whatever happened
+        _scanning(-1)
     tally.flush()
     return out
 
@@ -390,11 +418,16 @@ def scan_remote(
     try:
         if size is None:  # an HTTP listing's: the object's own HEAD says
             size = fresh_info(fs, path).get("size")
-        if size is not None and size <= SMALL_REMOTE:
-            # One GET: one version of the object (GCS, S3 and memory answer it whole).
-            with io.BytesIO(fs.cat_file(path)) as f:
+        # One GET: one version of the object (GCS, S3 and memory answer it whole). At
+        # most one byte more than listed: an object grown since (to gigabytes, perhaps)
+        # is not held whole, but read by blocks as large ones are; so is an empty one (a
+        # range of it is refused).
+        data = fs.cat_file(path, start=0, end=size + 1) if size and size <= SMALL_REMOTE else None
+        if data is not None and len(data) == size:
+            with io.BytesIO(data) as f:
                 items = scan(kind, f, rel, verify_data_crc, tally=tally)
         else:
+            data = None
             items = _scan_version(fs, kind, path, rel, verify_data_crc, tally)
         items.end_file()
         tally.file_done(size)
