@@ -81,3 +81,30 @@ def test_a_busy_server_keeps_the_short_backoff(tmp_path):
             assert ring._fails[s.address] == 3 and ring.backoff(3) == 2.0
     finally:
         s.kill()
+
+
+def test_hung_servers_cost_one_timeout_together_not_one_each(tmp_path):
+    """Every server is sent its request before any answer is read; before, each answer was
+    then waited for a whole timeout from when its wait began: two hung servers cost two."""
+    servers = [cacheserver(str(tmp_path / f"s{i}"), "64MB", 0, "--unix-socket", "off").start() for i in range(3)]
+    ids = [bytes([i]) * 32 for i in range(96)]
+    hung = servers[1:]
+    try:
+        with RingClient([s.address for s in servers], timeout=TIMEOUT_S, down_backoff=60.0) as ring:
+            ring.put([(i, i[:4] * 4) for i in ids])
+            owner = ring.ring.route(ids)
+            assert all(owner.get(s.address) for s in servers)
+            for s in hung:
+                os.kill(s.proc.pid, signal.SIGSTOP)
+            t = time.monotonic()
+            got = ring.get(ids)
+            waited = time.monotonic() - t
+            served = set(owner[servers[0].address])
+            assert [g is not None for g in got] == [k in served for k in range(len(ids))]
+            assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 1.5, waited
+            assert ring.get(ids)[min(served)] is not None  # the live one still served at once
+    finally:
+        for s in hung:
+            os.kill(s.proc.pid, signal.SIGCONT)
+        for s in servers:
+            s.kill()

@@ -229,8 +229,10 @@ class RingClient:
                 elif started:
                     futures.append(self._pool.submit(self._guarded, node, lambda c=client, idx=idx: put_out(
                         idx, per_key(c.ask(op, share(idx), job, **opts))), True))
+            # one deadline for every server's first answer: each was sent its request before any is read
+            deadline = time.monotonic() + self.clients[calls[0][0]].timeout if calls else None
             for node, idx, handle in calls:
-                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, per_key(h.result())), True)
+                self._guarded(node, lambda h=handle, idx=idx: put_out(idx, per_key(h.result(deadline))), True)
             for f in futures:
                 f.result()
         finally:

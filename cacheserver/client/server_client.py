@@ -34,6 +34,8 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_mess
 # An answer holds a u32 size per id asked plus values within the server's announced batch
 # limit (getbound.py), or a few small fields: what a ping, a put or an error message needs.
 ANSWER_SLACK = 64 << 10
+# a ring-wide deadline (Call.result) cuts an answer's wait only once this much of the timeout is spent
+DEADLINE_SLACK_S = 0.5
 DEFAULT_MAX_VALUES = 256 << 20  # a server's --max-batch-size default, until its Info says
 
 
@@ -253,9 +255,13 @@ class ServerClient:
             raise
         return s
 
-    def _recv(self, s: socket.socket, asked: int = 0) -> tuple[int, bytes]:
-        """The answer (count, body) to a request of `asked` ids."""
+    def _recv(self, s: socket.socket, asked: int = 0, deadline: float | None = None) -> tuple[int, bytes]:
+        """The answer (count, body) to a request of `asked` ids, waited for until `deadline`
+        where that is sooner than the timeout (a syscall only then: not on the hit path)."""
+        cut = deadline is not None and deadline - time.monotonic() < self.timeout - DEADLINE_SLACK_S
         try:
+            if cut:
+                s.settimeout(max(deadline - time.monotonic(), 0.001))
             status, aux_len, rcount, rbody = wire.unpack_header(wire.recv_exact(s, wire.HEADER.size))
             if status != wire.OK:
                 raise wire.RemoteError(status, wire.recv_exact(s, aux_len).decode(errors="replace"))
@@ -264,6 +270,8 @@ class ServerClient:
                 raise wire.ProtocolError(f"cache server {self.address} announced an answer of {rbody} bytes "
                                          f"to {asked} ids; at most {limit} can be valid")
             body = wire.recv_exact(s, rbody)
+            if cut:
+                s.settimeout(self.timeout)
         except BaseException:
             s.close()  # framing state unknown: never reuse
             raise
@@ -533,7 +541,10 @@ class Call:
         c._error = err
         return c
 
-    def result(self) -> Any:
+    def result(self, deadline: float | None = None) -> Any:
+        """The call's value. `deadline` (time.monotonic()): its first answer is waited for until
+        then at most, where that is sooner than the client's timeout (RingClient.ask: calls sent to
+        every server at once share one deadline, so k hung servers cost one timeout, not k)."""
         if self._done:
             if self._error is not None:
                 raise self._error
@@ -545,7 +556,8 @@ class Call:
                 if self._meanwhile is not None:
                     meanwhile, self._meanwhile = self._meanwhile, None
                     meanwhile()
-                answer = client._recv(sock, self._asked)
+                answer = client._recv(sock, self._asked, deadline)
+                deadline = None  # a later step's request is sent now: the client's own timeout
             except BaseException:
                 steps.close()
                 sock.close()  # its answer was never read: the connection cannot be reused
