@@ -10,9 +10,10 @@ manager still knows it).
 The ranks of one DDP job are separate processes that register one job, so they
 need a token they all know before any registers: ``job_token`` derives it from
 a secret the launcher gives every rank, ``MLCACHE_JOB_SECRET``, else from what
-torchrun gives every rank of one run (TORCHELASTIC_RUN_ID with MASTER_ADDR and
-MASTER_PORT). That default keeps jobs apart from mistakes and from tenants who
-do not know the run's rendezvous; against a tenant who can read another job's
+torchrun gives every rank of one run (TORCHELASTIC_RUN_ID, which stays the same
+when torchrun restarts the ranks, unlike MASTER_ADDR and MASTER_PORT; those where
+the run id is "none", a static rendezvous). That default keeps jobs apart from
+mistakes and from tenants who do not know the run's id; against a tenant who can read another job's
 environment, set MLCACHE_JOB_SECRET to a real secret. A lone process with neither
 keeps its token of a named job in a user-private file for its next run
 (clients/jobtokenfile.py).
@@ -34,9 +35,11 @@ def launcher_secret(env: Mapping[str, str] = os.environ) -> str | None:
     """The secret every rank of this launch shares, or None (a lone process)."""
     if env.get(SECRET_ENV):
         return "env:" + env[SECRET_ENV]
-    parts = [env.get(k, "") for k in _TORCHRUN_ENV]
-    if (parts[0] and parts[0] != "none") or (parts[1] and parts[2]):
-        return "torchrun:" + ":".join(parts)
+    run, addr, port = (env.get(k, "") for k in _TORCHRUN_ENV)
+    if run and run != "none":  # alone: torchrun may restart the ranks on another master address or port
+        return "torchrun:" + run
+    if addr and port:  # static rendezvous (run id "none"): the master's address is the run's
+        return "torchrun:none:" + addr + ":" + port
     return None
 
 

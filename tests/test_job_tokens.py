@@ -163,6 +163,12 @@ def test_job_token_derivation():
     assert a != jobtokens.job_token("k", {jobtokens.SECRET_ENV: "s"})  # one secret, a token per job
     assert jobtokens.job_token("j", {"MASTER_ADDR": "h", "MASTER_PORT": "1"}) != \
         jobtokens.job_token("j", {"MASTER_ADDR": "h", "MASTER_PORT": "2"})
+    # torchrun restarting the ranks may move the master (another node, another port): one run, one token
+    run = {"TORCHELASTIC_RUN_ID": "r1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert jobtokens.job_token("j", run) == jobtokens.job_token("j", {**run, "MASTER_ADDR": "g", "MASTER_PORT": "2"})
+    assert jobtokens.job_token("j", run) != jobtokens.job_token("j", {**run, "TORCHELASTIC_RUN_ID": "r2"})
+    assert jobtokens.job_token("j", {**run, "TORCHELASTIC_RUN_ID": "none"}) != \
+        jobtokens.job_token("j", {**run, "TORCHELASTIC_RUN_ID": "none", "MASTER_PORT": "2"})
     assert jobtokens.matches("t", jobtokens.token_hash("t")) and not jobtokens.matches("u", jobtokens.token_hash("t"))
     assert not jobtokens.matches(None, jobtokens.token_hash("t")) and jobtokens.matches(None, "")
 
