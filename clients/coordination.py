@@ -164,11 +164,18 @@ class JobCoordinator:
         self._token_file = (JobTokenFile(manager, ds.job) if keep_token and jobtokens.launcher_secret() is None
                             else None)
         self._n_gpus = n_gpus
+        self._kept: str | None = None  # the token claimed from the token file
         # (dataset tag, pipeline fingerprint) -> (costs, fixed) of every pipeline reported: a
         # registration made again is a new one to the manager, which counts the job on a
         # pipeline's transformed set only once that registration reported it, and loaders
         # report once (when made, or rekeyed)
         self._reported: dict[tuple[str, str], tuple[PipelineCosts, bool]] = {}
+        # of them, those whose last report reached no manager (it may still count the job on
+        # none): the thread sends them again
+        self._unsent: set[tuple[str, str]] = set()
+        # Set where an answer says the manager may have forgotten the job: the thread then reports
+        # even with no batch queued, and that report's NOT_FOUND registers the job again.
+        self._check = threading.Event()
         try:
             self._register(n_gpus)
         except BaseException:
@@ -180,7 +187,10 @@ class JobCoordinator:
     def _register(self, n_gpus: int) -> bool:
         """Register the job; False when the manager could not be reached."""
         ds, tf = self.ds, self._token_file
-        kept = tf.claim() if tf is not None else None
+        # claimed once: claimed again by this very process, its own lock would refuse it
+        if self._kept is None and tf is not None:
+            self._kept = tf.claim()
+        kept = self._kept
         if kept is not None:
             self.client.set_job_token(ds.job, kept)
         try:
@@ -274,8 +284,9 @@ class JobCoordinator:
         try:
             self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
         except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
-            if not isinstance(e, self._unavailable):  # NOT_FOUND: the coordinator's thread registers again
+            if not isinstance(e, self._unavailable):
                 log.warning("releasing chunk %d failed (%s): trying again later", c, e)
+                self._may_be_forgotten(e)  # NOT_FOUND: the coordinator's thread registers again
             self._released.discard(c)
             self._release_after = now + self._release_backoff
             self._release_backoff = min(2 * self._release_backoff, MAX_RELEASE_BACKOFF_S)
@@ -319,15 +330,37 @@ class JobCoordinator:
         ``manager.policy.autocache.decide(costs)``). ``fixed``: the loader runs the
         pipeline transformed whatever the decision (autocache="transformed"). The
         report is made again whenever the job is registered again."""
+        key = (dataset_tag, fingerprint)
         with self._lock:
-            self._reported[(dataset_tag, fingerprint)] = (costs, fixed)
+            self._reported[key] = (costs, fixed)
         try:
             d = self._report_pipeline(dataset_tag, fingerprint, costs, fixed)
-            self.reached = True
-            return d
         except ManagerError as e:  # ManagerUnavailable included
             log.warning("autocache decision from the manager failed (%s): deciding alone", e)
+            self._not_sent(key, (costs, fixed), e)
             return None
+        with self._lock:
+            if self._reported.get(key) == (costs, fixed):
+                self._unsent.discard(key)
+        self.reached = True
+        return d
+
+    def _not_sent(self, key: tuple[str, str], report: tuple[PipelineCosts, bool], e: ManagerError) -> None:
+        """A pipeline report failed: one that reached no manager is sent again by the thread (it
+        still counts this job on the pipeline only once a report arrives); NOT_FOUND: the job is
+        registered again, which reports every pipeline again."""
+        if isinstance(e, self._unavailable):
+            with self._lock:
+                if self._reported.get(key) == report:
+                    self._unsent.add(key)
+        else:
+            self._may_be_forgotten(e)
+
+    def _may_be_forgotten(self, e: ManagerError) -> None:
+        """A call of this job's was refused: NOT_FOUND, or PERMISSION_DENIED (what ReportLoaded
+        answers where the job is unknown under roles), may mean the manager forgot the job."""
+        if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+            self._check.set()
 
     def _report_pipeline(self, dataset_tag: str, fingerprint: str, costs: PipelineCosts, fixed: bool) -> Decision:
         if fixed:  # only then: a manager client without the keyword still reports the rest
@@ -345,6 +378,28 @@ class JobCoordinator:
                 self._report_pipeline(tag, fp, costs, fixed)
             except ManagerError as e:
                 log.warning("reporting pipeline %s of job %s again failed (%s)", fp, self.ds.job, e)
+                self._not_sent((tag, fp), (costs, fixed), e)
+            else:
+                with self._lock:
+                    if self._reported.get((tag, fp)) == (costs, fixed):
+                        self._unsent.discard((tag, fp))
+
+    def _send_unsent(self) -> None:
+        """Pipeline reports that reached no manager, sent again (their decisions are not taken,
+        as after a registration made again). ManagerUnavailable leaves them for the next step."""
+        with self._lock:
+            todo = [(key, self._reported[key]) for key in sorted(self._unsent)]
+        for (tag, fp), report in todo:
+            try:
+                self._report_pipeline(tag, fp, *report)
+            except self._unavailable:
+                raise
+            except ManagerError as e:  # refused: sending it again would be refused again
+                log.warning("reporting pipeline %s of job %s again failed (%s)", fp, self.ds.job, e)
+                self._may_be_forgotten(e)
+            with self._lock:
+                if self._reported.get((tag, fp)) == report:
+                    self._unsent.discard((tag, fp))
 
     # ---- background work --------------------------------------------------
     def period(self) -> float:
@@ -359,6 +414,7 @@ class JobCoordinator:
         while not self._stop.wait(self.period()):
             try:
                 self._report()
+                self._send_unsent()
                 # One read of the plan: the main thread may swap it meanwhile (a released
                 # chunk), and its `loading` may then be None.
                 plan = self.plan
@@ -383,16 +439,27 @@ class JobCoordinator:
         try:
             if self._register(self._n_gpus):
                 self._report_pipelines_again()
+            else:  # unreachable: the next step checks again, whether or not batches are queued
+                self._check.set()
         except Exception:  # never let coordination break training: the next report tries again
             log.exception("registering job %s again failed", self.ds.job)
 
     def _report(self) -> None:
+        """Report the queued batches; with none, report only where an answer said the manager
+        may have forgotten the job (an empty report journals nothing; NOT_FOUND if it forgot)."""
         batch = []
         while self._batches and len(batch) < 1000:
             batch.append(self._batches.popleft())
-        if not batch:
+        checking = self._check.is_set()
+        if not batch and not checking:
             return
-        reply = self.client.report_batches(self.ds.job, batch)
+        self._check.clear()  # a refusal of this report is not one to check again on
+        try:
+            reply = self.client.report_batches(self.ds.job, batch)
+        except self._unavailable:
+            if checking:
+                self._check.set()
+            raise
         self._mode = reply.mode
         if self.plan is None or reply.plan_version != self.plan.version:
             self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
@@ -406,7 +473,11 @@ class JobCoordinator:
         sample = self._chunk_sample(plan, chunk, 256)
         if sample:
             present = self.ds.lookup(sample, not_spare=True)  # spare entries are not the chunk's room
-            self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
+            try:
+                self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
+            except ManagerError as e:
+                self._may_be_forgotten(e)
+                raise
 
     def _prefetch(self, plan: Plan, chunk: int) -> None:
         """Insert a few missing items of the loading chunk, at most prefetch_bandwidth bytes/s."""
