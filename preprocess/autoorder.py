@@ -16,16 +16,20 @@ As in Pecan's footnote, casts to half precision go last although they deflate:
 CPUs compute slowly on such types.
 The first order is chosen before the first epoch; after it, the factors
 measured over the whole epoch are checked and the order is revised if a step's
-class changed."""
+class changed. Swaps are checked pair by pair on the sample; before an order other
+than the written one serves items, the whole order is checked against the written
+one on other items (first_disagreement): the scheduler goes back to the written
+order, with a warning, where any differs."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from .measure import agree
-from .pipeline import Pipeline
+from .pipeline import ItemContext, Pipeline, StepError
 from .profile import Trace, private, trace
 
 EPS = 0.05
+VERIFY_ITEMS = 64  # other items than the sample's the whole order is checked on before it serves any
 DEFLATE, NEUTRAL, INFLATE, LAST = 0, 1, 2, 3
 Commutes = Callable[[tuple[int, ...], int, int], bool]
 
@@ -132,3 +136,31 @@ def revise(pipeline: Pipeline, epoch_bytes: dict[int, tuple[int, int]], tr: Trac
     if all(inflation_class(factors[j]) == inflation_class(before.get(j, factors[j])) for j in factors):
         return None
     return choose_order(pipeline, trace(pipeline, tr.inputs[0], tr.ctxs), factors)
+
+
+def _outcome(pipeline: Pipeline, order: Sequence[int], x: object, ctx: ItemContext) -> tuple[bool, object]:
+    """(True, output) of the steps in `order` on a copy of x, or (False, the error's type)."""
+    x = private(x)
+    try:
+        for j in order:
+            x = pipeline.call_step(j, x, ctx)
+    except StepError as e:
+        return False, type(e.error)
+    return True, x
+
+
+def first_disagreement(pipeline: Pipeline, written: Sequence[int], xs: Sequence[object],
+                       ctxs: Sequence[ItemContext]) -> int | None:
+    """The first item (its position in xs) whose output in the pipeline's order differs
+    from the written order's (measure.agree, within 1% per swap between the two orders:
+    each swap was accepted with that much rounding, and they add up; one order failing
+    where the other does not differs too), or None."""
+    order = pipeline.order
+    swaps = sum(written.index(a) > written.index(b) for p, a in enumerate(order) for b in order[p + 1:])
+    tol = 0.01 * max(1, swaps)
+    for k, (x, c) in enumerate(zip(xs, ctxs)):
+        ok_a, a = _outcome(pipeline, order, x, c)
+        ok_b, b = _outcome(pipeline, written, x, c)
+        if ok_a != ok_b or (ok_a and not agree(a, b, tol)) or (not ok_a and a is not b):
+            return k
+    return None

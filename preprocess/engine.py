@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .pool import CLOSED_MESSAGE, PoolClosed, WorkerDied, WorkerPool, is_whole
-from .stall import STEP_WARNING_S, StallWatch, every, log
+from .stall import READ, READING, STEP_WARNING_S, StallWatch, every, log
 from .stats import PreprocessStats
 from .timeout import SlowTimeout
 from .worker import MAIN
@@ -93,9 +93,12 @@ class EpochRun:
         self._meter = CpuMeter() if plan.adaptive else None
         self._thread: threading.Thread | None = None
         self._next_control = time.monotonic() + CONTROL_EVERY
-        self.stalls = StallWatch(plan.step_warning, plan.step_timeout, lambda j: pool.pipeline.steps[j].name,
+        self.stalls = StallWatch(plan.step_warning, plan.step_timeout,
+                                 lambda j: READING if j == READ else pool.pipeline.steps[j].name,
                                  lambda i: f"{i} ({describe(i)})", self._where)
         self.timed_out: dict[int, tuple[int, int, float]] = {}  # worker stopped -> (item, step, seconds)
+        self.alone: set[int] = set()  # items sent in a task of their own (their read is theirs alone)
+        self.solo: set[int] = set()   # items to send alone: a read of several, them among, hung
         self._next_watch = 0.0
 
     # ---- consumer side --------------------------------------------------------
@@ -221,6 +224,8 @@ class EpochRun:
             items = self._resolved(items)
             if not items:
                 continue
+            if len(items) == 1:
+                self.alone.add(items[0][0])
             self.pool.send(wid, ("task", p.run, p.epoch, p.order, self.timeout.seconds, items))
             self.held.setdefault(wid, {}).update(items)
             self.pending += len(items)
@@ -249,13 +254,18 @@ class EpochRun:
     def _recover(self) -> None:
         """A worker that died is replaced and the items it held go back to the front
         of the queue (they were not yielded: exactly once holds). One stopped for a step
-        over step_timeout is no death: its stuck item fails, the others run again."""
+        (or a read) over step_timeout is no death: its stuck item fails, the others run
+        again; a hung read of several items fails none: each is read again alone."""
         for wid in self.pool.dead():
             self.stalls.forget(lambda who: who[0] == wid)  # its steps ended with it: none "went on"
             lost = self.held.pop(wid, {})
             stuck = self.timed_out.pop(wid, None)
+            stopped = stuck is not None
+            if stopped and stuck[1] == READ and stuck[0] not in self.alone:
+                self.solo.update(lost)  # which of the task's items hung is unknown: each is read alone now
+                stuck = None
             mine = stuck is not None and stuck[0] in lost
-            if stuck is None:
+            if not stopped:
                 self.deaths.append(self._death(wid, lost))
                 if len(self.deaths) > RESTARTS:
                     raise WorkerDied(f"{len(self.deaths)} preprocessing workers died this epoch; giving up. "
@@ -292,7 +302,8 @@ class EpochRun:
     def _timed_out(self, wid: int, i: int, j: int, secs: float, of_this_epoch: bool) -> None:
         """Item i's step j ran past step_timeout: the item fails as on_error says (one
         an earlier epoch left behind, exactly_once=False, is only reported)."""
-        what = (f"item {i} ({self.describe(i)}): step {j} ({self.pool.pipeline.steps[j].name}) ran for "
+        doing = READING if j == READ else f"step {j} ({self.pool.pipeline.steps[j].name})"
+        what = (f"item {i} ({self.describe(i)}): {doing} ran for "
                 f"{secs:.1f} s, over step_timeout={self.plan.step_timeout:g} s; its worker process ({wid}) was "
                 f"stopped, the other items it held run again")
         if not of_this_epoch:
@@ -332,13 +343,22 @@ class EpochRun:
         limit = self.timeout.known_slow
         if limit is not None:
             slow = [i for i in list(self.upcoming)[:window] if (self.known_cost(i) or 0.0) > limit][:n]
+            if self.solo.intersection(slow):
+                slow = slow[:1]  # one read of its own
             if slow:
                 for i in slow:
                     self.upcoming.remove(i)
                 self.stats.known_slow_first += len(slow)
                 self.in_background += len(slow)  # counted as sent
                 return [(i, True) for i in slow]
-        return [(self.upcoming.popleft(), False) for _ in range(min(n, len(self.upcoming)))]
+        out: list[int] = []
+        while self.upcoming and len(out) < n:
+            if self.upcoming[0] in self.solo:  # alone in its task: its read is its own
+                if not out:
+                    out.append(self.upcoming.popleft())
+                break
+            out.append(self.upcoming.popleft())
+        return [(i, False) for i in out]
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]

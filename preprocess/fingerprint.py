@@ -12,7 +12,8 @@ attributes), and for
 functions their bytecode (with the argument names and, from 3.11, the exception
 table), constants, defaults, attributes, closures and the globals they reference,
 recursively (a user's own module by its source file and the attributes the code
-names). Two steps with equal fingerprints compute the same function of
+names). A string or path that names a regular file here adds the file's content (a
+step may read it when it runs: a vocabulary, a mean/std table). Two steps with equal fingerprints compute the same function of
 their input (given equal library versions). What cannot be fingerprinted (an open
 file, a lock, a C object without state we can read) raises Uncacheable with the
 path to it: fail closed, never a random or partial key."""
@@ -24,14 +25,19 @@ import hashlib
 import importlib.metadata
 import os
 import re
+import stat
 import struct
 import sys
+import time
 import types
 from typing import Any
 
 import numpy as np
 
 MAX_DEPTH = 40
+FILE_HASH_LIMIT = 256 << 20  # a named file larger than this is keyed by size and mtime, not hashed
+RACY_S = 2.0  # a file's hash is remembered once it has not changed for this long
+_FILE_KEYS: dict[tuple, bytes] = {}  # (file, its stat) -> its key part
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))  # x[..., 0]
 _BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.MethodWrapperType, np.ufunc)
@@ -105,6 +111,8 @@ class _Hasher:
             raise Uncacheable(f"{path}: nested deeper than {MAX_DEPTH} levels")
         if isinstance(x, _SCALARS):
             self.put(type(x).__name__, x if isinstance(x, bytes) else repr(x).encode())
+            if isinstance(x, str):
+                self.file(x, path)
             return
         if id(x) in self.stack:  # a cycle: its start is being hashed already
             self.put("cycle")
@@ -130,12 +138,29 @@ class _Hasher:
         elif isinstance(x, re.Pattern):  # a C object without __dict__: its pattern and flags are all its state
             self.put("regex")
             self.value((x.pattern, x.flags), path, d)
+        elif isinstance(x, os.PathLike):  # a pathlib path: by what it names (its slots cache str(), lazily)
+            name = os.fsdecode(os.fspath(x))
+            self.put("pathlike", f"{type(x).__module__}.{type(x).__qualname__}:{name}".encode())
+            self.file(name, path)
         elif _torch_kind(x) == "tensor":
             self.tensor(x, path, d)
         elif _torch_kind(x) == "descriptor":  # torch.float32, torch.device("cpu"): named by their str
             self.put(f"torch.{type(x).__name__}", str(x).encode())
         else:
             self._code_like(x, path, d)
+
+    def file(self, name: str, path: str) -> None:
+        """A string (or path) that names a regular file here: the file's content is keyed too,
+        since a step may read it when it runs (a vocabulary, a mean/std table); a changed
+        file must not serve outputs made with the old one. Directories are not followed."""
+        if not name or len(name) > 4096 or "\0" in name or "\n" in name:
+            return
+        try:
+            st = os.stat(name)
+        except (OSError, ValueError):
+            return  # names no file here: keyed as the string it is
+        if stat.S_ISREG(st.st_mode):
+            self.put("file", _file_key(name, st, path))
 
     def container(self, x: tuple | list | dict | set | frozenset, path: str, d: int) -> None:
         if isinstance(x, (tuple, list)):
@@ -346,6 +371,30 @@ class _Hasher:
 
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def _file_key(name: str, st: os.stat_result, path: str) -> bytes:
+    """SHA-256 of a file's bytes; over FILE_HASH_LIMIT, its size and mtime (a cheap proxy:
+    a huge file is named by a step to read parts of it, and hashing it would stall the
+    loader). Remembered per (file, size, mtime, ctime) once it is older than RACY_S: a
+    rewrite within the file system's clock tick could keep both (git's racy-clean case)."""
+    if st.st_size > FILE_HASH_LIMIT:
+        return b"stat" + struct.pack("<Qq", st.st_size, st.st_mtime_ns)
+    k = (os.path.realpath(name), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if k in _FILE_KEYS:
+        return _FILE_KEYS[k]
+    h = hashlib.sha256()
+    try:
+        with open(name, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise Uncacheable(f"{path}: names the file {name!r}, whose content is part of the key (a step may "
+                          f"read it) but cannot be read ({e})") from None
+    key = b"sha256" + h.digest()
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9:
+        _FILE_KEYS[k] = key
+    return key
 
 
 def _dict_items(x: dict, path: str, d: int) -> list[tuple[Any, Any]]:

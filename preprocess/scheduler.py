@@ -5,22 +5,24 @@ stream. Duck-typed on the dataset: `read(indices)` (items before the transform),
 `digest` (hashes, location) and `len()`; it never imports the client package."""
 from __future__ import annotations
 
+import contextlib
 import random
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .autoorder import choose_order, revise
+from .autoorder import VERIFY_ITEMS, choose_order, first_disagreement, revise
 from .costs import DIGEST_BYTES, CostMemory, default_dir, open_memory
 from .determinism import check_declared
-from .engine import EpochPlan, EpochRun, PipelineError
+from .engine import EpochPlan, EpochRun, PipelineError, StepTimeout
 from .feed import PlainFeed, run_item
 from .fingerprint import Uncacheable
+from .inline import READ, InlineRunner, Overdue, marked_read
 from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 from .pool import MAX_IDS, WorkerPool, is_whole
 from .profile import Trace, trace
-from .stall import STEP_WARNING_S, StallWatch, Watchdog, bind, bound, check_limits, local_slot
+from .stall import READING, STEP_WARNING_S, StallWatch, Watchdog, bind, bound, check_limits, local_slot, log
 from .stats import PreprocessStats, StepStats
 from .timeout import SlowTimeout
 from .workerctl import max_workers
@@ -45,10 +47,6 @@ class Scheduler:
         if not is_whole(prefetch_batches) or prefetch_batches < 1:
             raise ValueError(f"prefetch_batches must be an int >= 1, got {prefetch_batches!r}")
         check_limits(step_warning, step_timeout)
-        if step_timeout is not None and num_workers == 0:
-            raise ValueError("step_timeout= needs worker processes (num_workers >= 1 or None): a step stuck in "
-                             "the loader's own process cannot be stopped (a Python thread cannot be killed); "
-                             "step_warning= still names it")
         pipeline.check_picklable()  # before any worker starts
         self.ds, self.pipeline, self.job_seed, self.on_error = ds, pipeline, job_seed, on_error
         self.feed = PlainFeed(ds) if feed is None else feed  # where items come from (feed.py)
@@ -71,6 +69,7 @@ class Scheduler:
         self.last_run: EpochRun | None = None
         self.last_stats: PreprocessStats | None = None
         self._watchdogs: weakref.WeakSet[Watchdog] = weakref.WeakSet()  # of in-process epochs (_inline)
+        self._sample_names: dict[bytes, int] = {}  # digest -> index of the items profiled in this process
 
     # ---- before the first epoch ---------------------------------------------------
     def prepare(self, start_workers: bool = True) -> None:
@@ -93,11 +92,13 @@ class Scheduler:
         idx = random.Random(f"{self.job_seed}/sample").sample(range(n), min(n, self.sample_items))
         ctxs = [ItemContext(self.job_seed, -1, item_digest(ds, i)) for i in idx]
         self.sample_indices = idx
-        raw = self.feed.read(idx)
+        raw = self._sample_read(idx)
         if pairs(ds):
             raw = [x for x, _ in raw]
         tr = self._trace_sample(raw, ctxs, idx)
         self.sample = tr
+        if self.auto_order:
+            self._verify_order("before the first epoch")
         try:
             self.fingerprint = self.pipeline.fingerprint()
         except Uncacheable as e:
@@ -147,14 +148,46 @@ class Scheduler:
             self.memory.update(measured)
             self.known.update((d[:DIGEST_BYTES], s) for d, s in measured)
         if self.auto_order and self.epochs_run == 1 and self.sample is not None:
-            report = revise(self.pipeline, {j: (s.bytes_in, s.bytes_out) for j, s in stats.steps.items()
-                                            if s.items}, self.sample)
+            epoch_bytes = {j: (s.bytes_in, s.bytes_out) for j, s in stats.steps.items() if s.items}
+            # it runs the steps on the sample again: watched (and bounded) as when the loader was made
+            report = self._run_watched(lambda: revise(self.pipeline, epoch_bytes, self.sample))
             if report is not None:
+                self._verify_order("after the first epoch")
                 self.fingerprint = None
                 try:
                     self.fingerprint = self.pipeline.fingerprint()
                 except Uncacheable as e:
                     self.uncacheable = str(e)
+
+    def _verify_order(self, when: str) -> None:
+        """AutoOrder's swaps were checked pair by pair on the sample items only: before its
+        order serves any item, the whole order is checked against the written one on up to
+        VERIFY_ITEMS other items. Where one differs the written order runs from then on, and a
+        warning names the item (never silently other items than the pipeline as written makes)."""
+        written = tuple(range(len(self.pipeline.steps)))
+        if self.pipeline.order == written:
+            return
+        ds, n, seen = self.ds, len(self.ds), set(self.sample_indices)
+        rng = random.Random(f"{self.job_seed}/verify/{when}")
+        pick = rng.sample(range(n), min(n, VERIFY_ITEMS + len(seen)))
+        idx = [i for i in pick if i not in seen][:VERIFY_ITEMS]
+        if not idx:
+            return
+        raw = self._sample_read(idx)
+        if pairs(ds):
+            raw = [x for x, _ in raw]
+        ctxs = [ItemContext(self.job_seed, -1, item_digest(ds, i)) for i in idx]
+        self._sample_names.update((c.digest, i) for c, i in zip(ctxs, idx))  # named if a step sticks
+        k = self._run_watched(lambda: first_disagreement(self.pipeline, written, raw, ctxs))
+        if k is None:
+            return
+        i = idx[k]
+        report = (f"AutoOrder went back to the written order: {self.pipeline.describe()} gave item {i} "
+                  f"({self._describe(i)}) another output than the order as written ({when}); mark the steps "
+                  "whose order matters keep_position=True")
+        log.warning("preprocessing: %s", report)
+        self.pipeline.set_order(written, report)
+        self.auto_order = False  # no later revision brings such an order back
 
     def _inline(self, batches: Iterable[list[int]], epoch: int, batch_size: int, stats: PreprocessStats,
                 measured: list[tuple[int, float]]) -> Iterator[tuple[list[int], list[Any]]]:
@@ -162,87 +195,192 @@ class Scheduler:
         seconds of work go to `measured`, as the workers report theirs (engine.EpochRun).
         Batches are regrouped as the workers' are, so a skipped item leaves no short batch
         mid-epoch (and, with drop_last, none at its end either). A watchdog thread warns
-        about a step stuck on an item (stall.py)."""
+        about a step stuck on an item (stall.py); with step_timeout the reads and steps run
+        in a helper thread, abandoned once one is over it (inline.py)."""
         done: list[int] = []
         out: list[Any] = []
         slot = local_slot()
         watch = self._stall_watch(lambda i: f"{i} ({self._describe(i)})")
-        dog = Watchdog(watch, {"inline": slot})
-        self._watchdogs.add(dog)  # close() stops it: an iterator kept past close() keeps its thread
-        with dog:
-            for batch in batches:
-                prev = bound()  # bound per batch: the generator may be resumed from another thread
-                bind(slot)
-                try:
-                    for i, f in zip(batch, self.feed.fetch(batch, epoch), strict=True):
-                        slot.item(i)
-                        self._inline_item(i, f, epoch, stats, measured, done, out)
-                        slot.idle()
-                finally:
-                    bind(prev)
-                    stats.stalled = watch.warned
-                while len(done) >= batch_size:
-                    yield done[:batch_size], out[:batch_size]
-                    del done[:batch_size], out[:batch_size]
+        runner = InlineRunner(watch) if self.step_timeout else None
+        dog = Watchdog(watch, {"inline": slot}) if runner is None else contextlib.nullcontext()
+        if runner is None:
+            self._watchdogs.add(dog)  # close() stops it: an iterator kept past close() keeps its thread
+        try:
+            with dog:
+                for batch in batches:
+                    try:
+                        if runner is None:
+                            self._inline_batch(slot, batch, epoch, stats, measured, done, out)
+                        else:
+                            self._bounded_batch(runner, batch, epoch, stats, measured, done, out)
+                    finally:
+                        stats.stalled = watch.warned
+                    while len(done) >= batch_size:
+                        yield done[:batch_size], out[:batch_size]
+                        del done[:batch_size], out[:batch_size]
+        finally:
+            if runner is not None:
+                runner.close()
         if done and self.drop_last:
             stats.dropped += len(done)
         elif done:
             yield done, out
         self.feed.idle()
 
-    def _inline_item(self, i: int, f: Any, epoch: int, stats: PreprocessStats, measured: list[tuple[int, float]],
-                     done: list[int], out: list[Any]) -> None:
-        """Run item i (fed as f) in this process: appended to done/out, or skipped."""
+    def _inline_batch(self, slot: Any, batch: list[int], epoch: int, stats: PreprocessStats,
+                      measured: list[tuple[int, float]], done: list[int], out: list[Any]) -> None:
+        prev = bound()  # bound per batch: the generator may be resumed from another thread
+        bind(slot)
+        try:
+            for i, f in zip(batch, self.feed.fetch(batch, epoch), strict=True):
+                slot.item(i)
+                self._account(i, *self._run_one(i, f, epoch), stats, measured, done, out)
+                slot.idle()
+        finally:
+            bind(prev)
+
+    def _bounded_batch(self, runner: InlineRunner, batch: list[int], epoch: int, stats: PreprocessStats,
+                       measured: list[tuple[int, float]], done: list[int], out: list[Any]) -> None:
+        """A batch with step_timeout: a read over it is retried item by item (only the hung
+        item fails); a step over it fails its item (inline.py). Results are taken here, in
+        the loader's thread: an abandoned thread that goes on later changes nothing."""
+        try:
+            fed = runner.call(marked_read, lambda ix: self.feed.fetch(ix, epoch), batch)
+        except Overdue as e:
+            if len(batch) == 1:
+                return self._overdue(e, stats)
+            for i in batch:
+                self._bounded_batch(runner, [i], epoch, stats, measured, done, out)
+            return None
+        for i, f in zip(batch, fed, strict=True):
+            try:
+                result = runner.call(self._marked_one, i, f, epoch)
+            except Overdue as e:
+                self._overdue(e, stats)
+            else:
+                self._account(i, *result, stats, measured, done, out)
+        return None
+
+    def _marked_one(self, i: int, f: Any, epoch: int) -> tuple[Any, list, StepError | None]:
+        bound().item(i)
+        return self._run_one(i, f, epoch)
+
+    def _run_one(self, i: int, f: Any, epoch: int) -> tuple[Any, list, StepError | None]:
+        """Run item i (fed as f) in this thread: (output, step records, its step's error)."""
         records: list = []
         x, tgt = f.item if pairs(self.ds) else (f.item, None)
         ctx = ItemContext(self.job_seed, epoch, item_digest(self.ds, i))
         try:
             y = run_item(self.pipeline, self.feed, f.keep, f.token, x, ctx, f.start, None, records)[0]
         except StepError as e:
+            return None, records, e
+        return ((y, tgt) if pairs(self.ds) else y), records, None
+
+    def _account(self, i: int, y: Any, records: list, error: StepError | None, stats: PreprocessStats,
+                 measured: list[tuple[int, float]], done: list[int], out: list[Any]) -> None:
+        """Item i's outcome: appended to done/out, or skipped (or raised, on_error="raise")."""
+        if error is not None:
             if self.on_error == "raise":
-                raise PipelineError(f"item {i} ({self._describe(i)}): {e}") from e
+                raise PipelineError(f"item {i} ({self._describe(i)}): {error}") from error
             stats.skipped += 1
         else:
             done.append(i)
-            out.append((y, tgt) if pairs(self.ds) else y)
+            out.append(y)
             stats.items += 1
             if records:  # one no step ran on is no measurement (the workers never get those: feed.resolve)
                 measured.append((i, sum(r[1] for r in records)))
         stats.add(records)
 
+    def _overdue(self, e: Overdue, stats: PreprocessStats, sample: bool = False) -> None:
+        """A step (or read) in this process ran past step_timeout: its item fails as on_error
+        says (the sample's, before the first epoch, always raises), as in a worker process."""
+        i, j = e.item, e.step
+        doing = self._watched_name(j) if j == READ else f"step {j} ({self._watched_name(j)})"
+        what = (f"item {self._sample_name(i) if sample else f'{i} ({self._describe(i)})'}: {doing} ran for "
+                f"{e.seconds:.1f} s, over step_timeout={self.step_timeout:g} s; in the loader's own process: "
+                "its thread was left behind (a thread cannot be stopped), the rest goes on in another")
+        if sample:
+            raise StepTimeout(f"preparing the pipeline on sample items: {what}") from None
+        stats.timed_out += 1
+        if self.on_error == "skip":
+            stats.skipped += 1
+            if len(stats.errors) < 10:
+                stats.errors.append(what)
+            log.warning("preprocessing: %s; the item is skipped (on_error='skip')", what)
+            return
+        raise StepTimeout(what) from None
+
     def _describe(self, i: int) -> str:
         return describe(self.ds, i)
 
+    def _sample_read(self, idx: list[int]) -> list[Any]:
+        """The sample items' read; with step_timeout bounded as the epochs' are (inline.py)."""
+        if not self.step_timeout:
+            return self.feed.read(idx)
+        runner = InlineRunner(self._stall_watch(lambda i: f"{i} ({self._describe(i)}; a sample item)"))
+        try:
+            return runner.call(marked_read, self.feed.read, idx)
+        except Overdue as e:
+            raise StepTimeout(f"preparing the pipeline: reading sample items {idx[:8]} (the first: item "
+                              f"{e.item} ({self._describe(e.item)})) ran for {e.seconds:.1f} s, over "
+                              f"step_timeout={self.step_timeout:g} s; its thread was left behind") from None
+        finally:
+            runner.close()
+
     def _trace_sample(self, raw: list[Any], ctxs: list[ItemContext], idx: list[int]) -> Trace:
         """Profile the pipeline on the sample (determinism check, AutoOrder) in this process,
-        a step stuck there named by the watchdog (the steps mark their item by its context)."""
-        names = {c.digest: i for c, i in zip(ctxs, idx)}
+        a step stuck there named by the watchdog (the steps mark their item by its context);
+        with step_timeout in a helper thread, one over it failing the loader (inline.py)."""
+        self._sample_names = {c.digest: i for c, i in zip(ctxs, idx)}
 
-        def item_name(c: Any) -> str:
-            i = names.get(getattr(c, "digest", None))
-            return "?" if i is None else f"{i} ({self._describe(i)}; a sample item, run before the first epoch)"
+        def run() -> Trace:
+            tr = trace(self.pipeline, raw, ctxs)
+            check_declared(self.pipeline, tr)
+            if self.auto_order:
+                choose_order(self.pipeline, tr)
+                tr = trace(self.pipeline, tr.inputs[0], tr.ctxs)  # the items that got through, with their own contexts
+            return tr
 
+        try:
+            return self._run_watched(run)
+        except StepError as e:
+            raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+
+    def _run_watched(self, fn: Callable[[], Any]) -> Any:
+        """fn() on sample items in this process (their steps mark the item by its context): a
+        stuck step is warned about; with step_timeout fn runs in a helper thread, and a step
+        over it raises StepTimeout naming the item and the step (inline.py)."""
+        watch = self._stall_watch(self._sample_name)
+        if self.step_timeout:
+            runner = InlineRunner(watch, by_context=True)
+            try:
+                return runner.call(fn)
+            except Overdue as e:
+                self._overdue(e, PreprocessStats({}), sample=True)
+                raise AssertionError("unreachable: _overdue raised") from e
+            finally:
+                runner.close()
         slot, prev = local_slot(by_context=True), bound()
         bind(slot)
         try:
-            with Watchdog(self._stall_watch(item_name), {"profile": slot}):
-                tr = trace(self.pipeline, raw, ctxs)
-                check_declared(self.pipeline, tr)
-                if self.auto_order:
-                    choose_order(self.pipeline, tr)
-                    tr = trace(self.pipeline, tr.inputs[0], tr.ctxs)  # the items that got through, with their own contexts
-        except StepError as e:
-            raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+            with Watchdog(watch, {"profile": slot}):
+                return fn()
         finally:
             bind(prev)
-        return tr
 
-    def _stall_watch(self, item_name: Any) -> StallWatch:
-        """Warnings about a step stuck in this process (before the first epoch, and with
-        num_workers=0): no timeout here, a thread cannot be stopped (stall.py)."""
-        return StallWatch(self.step_warning, None, lambda j: self.pipeline.steps[j].name, item_name,
+    def _sample_name(self, c: Any) -> str:
+        i = self._sample_names.get(getattr(c, "digest", None))
+        return "?" if i is None else f"{i} ({self._describe(i)}; a sample item, run before the first epoch)"
+
+    def _watched_name(self, j: int) -> str:
+        return READING if j == READ else self.pipeline.steps[j].name
+
+    def _stall_watch(self, item_name: Callable[[Any], str]) -> StallWatch:
+        """Steps stuck in this process (before the first epoch, and with num_workers=0):
+        warned about; with step_timeout, over it their caller abandons them (inline.py)."""
+        return StallWatch(self.step_warning, self.step_timeout, self._watched_name, item_name,
                           lambda _: "in the loader's own process", "a step that never returns holds up the "
-                          "loader, and a thread cannot be stopped (step_timeout= applies in worker processes)")
+                          "loader (step_timeout= fails its item instead)")
 
     def yielded(self) -> set[int]:
         """Items of the current (or last) epoch handed to the training loop so far."""

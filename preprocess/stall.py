@@ -8,9 +8,10 @@ a few integers, in shared memory for a worker process). One watcher reads the
 slots: the scheduler's dispatcher thread between results for worker processes, or
 one Watchdog thread where steps run in this process. Nothing is made per item.
 
-A thread cannot be stopped in Python: a timeout ends a step only where its process
-can be ended with it (a worker process, a Ray actor); in the loader's own process
-a stuck step is warned about only."""
+A thread cannot be stopped in Python: a timeout ends a step where its process can be
+ended with it (a worker process, a Ray actor); in the loader's own process the step
+runs in a helper thread that is abandoned (inline.py). An item's read is watched too
+(READ in place of the step)."""
 from __future__ import annotations
 
 import logging
@@ -24,6 +25,8 @@ log = logging.getLogger("preprocess")
 
 STEP_WARNING_S = 60.0  # default: seconds in one step on one item before the first warning
 NOT_RUNNING = -1
+READ = -2  # in a slot's step field: the item's read (the cache, the store), not a step of the pipeline
+READING = "reading it (the cache, the store)"
 FIELDS = 3  # per thread: item, step (written position), when that step started (time.monotonic_ns)
 
 _bound = threading.local()
@@ -125,7 +128,9 @@ class StallWatch:
         return bool(self.warn_s or self.timeout_s)
 
     def what(self, item: Any, j: int) -> str:
-        return f"item {self.item_name(item)}: step {j} ({self.step_name(j)})"
+        # j < 0: not a step of the pipeline (inline.READ: the item's read), named by step_name
+        doing = f"step {j} ({self.step_name(j)})" if j >= 0 else self.step_name(j)
+        return f"item {self.item_name(item)}: {doing}"
 
     def check(self, running: Iterable[Running], now_ns: int | None = None) -> list[tuple[Running, float]]:
         """The steps over the timeout, with their seconds; warns about the others due.

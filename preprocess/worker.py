@@ -35,7 +35,7 @@ from .channel import ChannelWriter
 from .feed import PlainFeed, run_item
 from .items import item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
-from .stall import FIELDS, NOT_RUNNING, Slot, bind
+from .stall import FIELDS, NOT_RUNNING, READ, Slot, bind
 
 EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take it
 PARENT_CHECK_S = 1.0  # an idle worker checks this often that the scheduler's process still lives
@@ -71,7 +71,10 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         if tuple(order) != pipeline.order:
             pipeline.order = tuple(order)
         try:  # reading the items, and taking them apart: a failure is the task's, named (never a crash)
+            slot.item(items[0][0])
+            slot.at(READ)  # a hung read is watched as a stuck step is (engine.EpochRun._watch)
             fed = feed.fetch([i for i, _ in items], epoch)
+            slot.idle()
             parts = [(i, to_bg, f, *_unpack(ds, epoch, job_seed, i, f, with_target))
                      for (i, to_bg), f in zip(items, fed, strict=True)]
         except Exception:
