@@ -57,16 +57,25 @@ class Flushes:
             # values from the mark on may not be written yet: those of puts under way, and the
             # index records of puts a write stop ended (their ids not deleted yet)
             mark = min((*self._writing, *self._stranded.values()), default=self._seq)
-            self._dirty_since = None  # a write from here on marks it again
+            dirty, self._dirty_since = self._dirty_since, None  # a write from here on marks it again
             self._flushing += 1
+        again = True
         try:
-            self._flush_files(mark)
+            again = self._flush_files(mark)
         finally:
             with self._lock:
                 self._flushing -= 1
+                if again and dirty is not None:  # still unflushed: the flusher tries again
+                    self._dirty_since = min(dirty, self._dirty_since or dirty)
 
-    def _flush_files(self, mark: int) -> None:
-        self.room.before_flush(self._unflushed_bytes())
+    def _flush_files(self, mark: int) -> bool:
+        """Returns whether a later flush may do what this one could not (False: it was made,
+        or RocksDB failed it and refuses every write until reopened)."""
+        try:
+            self.room.before_flush(self._unflushed_bytes())
+        except OSError as e:  # the reserve could not be given up: the flush would not fit either
+            self._flush_failed(f"making room for it: {e!r}")
+            return True
         try:
             self._db.flush()
             self._large.flush()
@@ -75,14 +84,26 @@ class Flushes:
         except Exception as e:
             if rocksdb_error(e):  # it stays read-only now
                 self.room.write_failed(e)
-            else:  # not the store's: the next flush tries again
-                log.warning("flushing the store failed: %r", e)
-            return
+                return False
+            self._flush_failed(repr(e))  # not the store's: the next flush tries again
+            return True
+        if self._failing:
+            self._failing = False
+            log.warning("flushing the store works again")
         if self.durability == "cache":
             self._flushed_mark(mark)
             with self._lock:
                 self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
+        return False
+
+    _failing = False  # the last flush failed, not for RocksDB's own error (said once)
+
+    def _flush_failed(self, why: str) -> None:
+        """Said once, not at each of the flusher's retries (every CHECK_S while it lasts)."""
+        if not self._failing:
+            self._failing = True
+            log.warning("flushing the store failed (%s); tried again until it works", why)
 
     def _drop_stranded(self) -> None:
         """Delete what is left on disk of the ids of puts a write stop ended (put_many): an

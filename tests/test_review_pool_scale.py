@@ -273,7 +273,7 @@ def test_a_dead_workers_replacement_no_node_can_take_breaks_the_pool_naming_it()
     fake, pool = make_pool(2)
     run_one_each(pool)
     fake.nodes = lambda: [{"Alive": False, "Resources": {"CPU": 4.0}}, {"Alive": True, "Resources": {"CPU": 0.5}}]
-    with pytest.warns(RuntimeWarning, match="workers lost.*no live node of the Ray cluster has CPU: 1 .*CPU: 0.5"):
+    with pytest.warns(RuntimeWarning, match="workers lost.*no live node of the Ray cluster .*has CPU: 1 .*CPU: 0.5"):
         run_one_each(pool, lambda h: h.fail(ray.exceptions.ActorDiedError()))
     assert pool.broken and pool.replaced == 0 and len(fake.handles) == 2 and pool.workers == {}
 

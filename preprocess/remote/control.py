@@ -7,7 +7,8 @@ workers are started or drained (pool.resize), local ones set through
 When the remote pool breaks (the cluster is gone), or is left with no worker and may
 start none (deaths used up its replacements, or Ray could not schedule one), the policy
 is dropped and the local workers are set to `fallback_local`, once. A paused controller (nothing the
-workers could make would be read: pause()) drains the remote workers and leaves
+workers could make would be read: pause()) stops the remote workers at once, their queued
+tasks with them, and leaves
 every item to the local ones until resume()."""
 from __future__ import annotations
 
@@ -125,6 +126,9 @@ class Controller:
             return
         self.paused = True
         self.pool.resize(0)
+        stop = getattr(self.pool, "stop_draining", None)  # now: their queued tasks' outputs would not be read either
+        if stop is not None:
+            stop()
         if self.set_local is not None:
             self.set_local(max(self.local, self.fallback_local))
 

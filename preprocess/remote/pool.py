@@ -4,8 +4,10 @@ Worker states: starting (configured; takes one task, queued by Ray behind its
 configuration, until it answers one) -> running -> draining (removed by a scaling decision,
 starting ones first: takes no new task, is killed once its queued tasks are done, a starting
 one at once; a scale-up takes it back before starting any worker) -> gone; or dead (its
-process died, or Ray reports it unavailable: it is killed all the same, lest it come back
-and run on unaccounted; its unfinished tasks are reported failed, and unless it was draining
+process died, or Ray reports it unavailable, or it cannot take the job's spec (a step's module
+not installed there: each of its tasks would fail at once, and it would take the most): it is
+killed all the same, lest it come back and run on unaccounted; its unfinished tasks are
+reported failed, and unless it was draining
 it is replaced, at most `max_replace` times over the pool's life; once deaths have used those
 up, a scale-up starts no worker either: they would crash alike). Workers that no node of the
 cluster can take (each asks for more than any node has) are not started: Ray would keep them
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cluster import leave, stays_open
-from .runner import FAILED, PrefixRunner, Report
+from .runner import FAILED, PrefixRunner, Report, SpecMismatch
 from .spec import WorkSpec
 
 
@@ -113,6 +115,7 @@ class Task:
     wid: int
     epoch: int
     indices: list[int]
+    version: int = 0           # of the spec it was sent for
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -123,7 +126,7 @@ class PoolCounts:
     made: int = 0
     present: int = 0
     failed: int = 0            # items a worker could not make (the trainer made them)
-    lost: int = 0              # items of tasks whose worker died or whose cluster went
+    lost: int = 0              # items of tasks whose worker died, or was stopped first, or whose cluster went
     deaths: int = 0
     seconds: float = 0.0       # work reported by the workers
 
@@ -246,7 +249,7 @@ class RemotePool:
         w = min(live, key=lambda w: w.queued)
         try:  # a client ref is hashed once the server answers: a lost cluster shows here too
             ref = w.handle.run.remote(self.spec.version, epoch, list(indices))
-            self.tasks[ref] = Task(w.wid, epoch, list(indices))
+            self.tasks[ref] = Task(w.wid, epoch, list(indices), self.spec.version)
         except Exception as e:
             self._break(e)
             return None
@@ -298,6 +301,8 @@ class RemotePool:
                 w.finished += 1
             self.counts.failed += len(task.indices)
             self._warn_once_task(e)
+            if self._refused_spec(task, e):  # every task of its would fail so: it takes none more
+                self._died(task.wid)
             self._stop_drained()  # a drained worker's last task may be a failed one
             return
         except Exception as e:
@@ -308,6 +313,13 @@ class RemotePool:
             w.finished += 1
         self._count(report)
         self._stop_drained()
+
+    def _refused_spec(self, task: Task, e: BaseException) -> bool:
+        """The worker could not take the spec this task was sent for, the current one (its
+        configure failed: a step's module missing on its node). A task of an older version
+        refused after a set_spec is not that: the worker has the newer one."""
+        cause = e if isinstance(e, SpecMismatch) else getattr(e, "cause", None)
+        return isinstance(cause, SpecMismatch) and task.version == self.spec.version
 
     def _count(self, report: Report) -> None:
         c = self.counts
@@ -400,11 +412,32 @@ class RemotePool:
         share, self.share = self.share, None
         leave(self.ray, share)
 
+    def stop_draining(self) -> None:
+        """Kill the draining workers now, without waiting for their queued tasks (what they make
+        would not be read: a paused controller's); those tasks count as lost, their items are the
+        trainer's. Where a kill fails the pool breaks (that counts the rest)."""
+        if not self._live():
+            return
+        gone = {wid for wid, w in self.workers.items() if w.draining}
+        for wid in gone:
+            w = self.workers.pop(wid)
+            try:
+                self.ray.kill(w.handle)
+            except Exception as e:
+                self._break(e)
+                return
+        self._drop_tasks(lambda t: t.wid in gone)
+
+    def _drop_tasks(self, which: Any) -> None:
+        """Forget the unfinished tasks ``which`` picks, counting their items lost."""
+        for ref in [r for r, t in self.tasks.items() if which(t)]:
+            self.counts.lost += len(self.tasks.pop(ref).indices)
+
     def close(self) -> None:
-        """Stop every worker (without waiting for their tasks) and give up this pool's
-        share of the connection (the last share leaves the cluster)."""
+        """Stop every worker (without waiting for their tasks: their items count as lost) and give
+        up this pool's share of the connection (the last share leaves the cluster)."""
         if not self.broken and self.ray.is_initialized():  # bounded: the cluster may be lost unnoticed
             kill_all(self.ray, [w.handle for w in self.workers.values()])
         self.workers.clear()
-        self.tasks.clear()
+        self._drop_tasks(lambda t: True)
         self._leave()
