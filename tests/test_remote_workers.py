@@ -205,7 +205,10 @@ def test_loader_remote_auto_takes_the_cluster_and_the_counts_from_the_manager(he
             rw = loader.remote
             assert rw is not None and isinstance(rw.controller.policy, ManagedPolicy)
             assert sum(len(b) for b in loader) == n and sorted(loader.preprocess.yielded()) == list(range(n))
-            assert loader.epoch_stats[-1].transformed["hits"] == rw.pool.counts.made > 0
+            # every item a remote worker made is a hit; so may be ones it found made already (a task
+            # sent again after a worker's report was lost; a loaded host's local worker first)
+            c = rw.pool.counts
+            assert 0 < c.made <= loader.epoch_stats[-1].transformed["hits"] <= c.made + c.present, c
             first = rw.controller.decisions[0].change
             assert (first.remote, first.reason) == (2, "first measurement: try one more worker")  # the manager's
             assert rw.pool.size <= 2                                                            # its max_workers
