@@ -183,6 +183,22 @@ def stalled_put(connect: Callable[[], socket.socket], held: Callable[[], object]
     raise AssertionError(f"no stalled 60 MiB put body admitted in {tries} tries")
 
 
+def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped: kill() returns before
+    a thread on another (or a descheduled) CPU has stopped, and on a loaded host one could still
+    answer a request sent right after."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            states = [open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except (FileNotFoundError, ProcessLookupError):
+            return False  # a thread came or went as the list was read: look again
+        return all(st in "Tt" for st in states)
+    wait_until(stopped, f"process {pid} stopped", timeout)
+
+
 def wait_until(cond: Callable[[], object], what: str, timeout: float = 8.0) -> object:
     """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ from cacheserver import ops
 from cacheserver.client import readpath
 from cacheserver.client.ring_client import RingClient
 from cacheserver.client.server_client import ServerClient
-from procs import cacheserver, wait_until
+from procs import cacheserver, sigstop, wait_until
 
 ITEMS = [(hashlib.sha256(i.to_bytes(2, "big")).digest(), bytes([i]) * 1000) for i in range(64)]
 IDS = [k for k, _ in ITEMS]
@@ -46,7 +46,7 @@ class Stopped:
         self.server = server
 
     def __enter__(self) -> "Stopped":
-        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        sigstop(self.server.proc.pid)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -117,7 +117,7 @@ def test_the_first_open_waits_for_a_hung_server_no_longer_than_its_probe(tmp_pat
         def ping_then_hang(self, sock):
             instance = real_ping(self, sock)
             if not stopped:
-                os.kill(s.proc.pid, signal.SIGSTOP)
+                sigstop(s.proc.pid)
                 stopped.append(True)
             return instance
 
