@@ -64,6 +64,11 @@ class RayHead:
 
         os.environ.update(HEAD_ENV)
         deadline = time.monotonic() + timeout
+        # not before the head says it is up: a Ray Client connect that fails half-way (its server
+        # still starting) stalls ~40 s in its own disconnect (joining its log stream's thread)
+        while b"Ray runtime started" not in self._log_bytes() and self.proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
         while True:
             try:
                 ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
@@ -74,9 +79,12 @@ class RayHead:
                                        f"log tail:\n{self.tail()}") from None
                 time.sleep(0.5)
 
-    def tail(self) -> str:
+    def _log_bytes(self) -> bytes:
         with open(os.path.join(self.tmp, "head.log"), "rb") as f:
-            return f.read()[-3000:].decode(errors="replace")
+            return f.read()
+
+    def tail(self) -> str:
+        return self._log_bytes()[-3000:].decode(errors="replace")
 
     def kill(self) -> None:
         """SIGKILL the head's whole process group: the cluster is gone at once."""
