@@ -18,7 +18,10 @@ from procs import ROOT, free_port
 # Ray resolves 127.0.0.1 to the host's outward address unless told it is not a cluster;
 # token auth off: the tests' client and the head share no token file.
 HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray waits 30 s for its GCS server's port file; on a loaded 2-core CI host (the other
+            # pytest worker busy) the GCS took longer: "Timed out waiting for file .../gcs_server_port"
+            "RAY_gcs_server_port_wait_time_s": "120"}
 
 
 # Ports Ray's components take by default whatever we pass (dashboard, its agent's HTTP server,

@@ -233,13 +233,16 @@ def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
 
 @pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(300)
-def test_the_step_runs_in_a_ray_worker(tmp_path):
+def test_the_step_runs_in_a_ray_worker(tmp_path, monkeypatch):
     """A Ray task (a worker process Ray starts) runs the shipped step; skipped without
     the `ray` extra (make venv does not install it)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (the 'ray' extra)")
     step = TFMap(features)
     records = [bytes(r) for r in tf.data.TFRecordDataset(write_shards(str(tmp_path / "d"), 8, 1)[0])
                .as_numpy_iterator()]
+    from rayhead import HEAD_ENV
+    for k, v in HEAD_ENV.items():  # its GCS start-up wait too (a loaded CI host)
+        monkeypatch.setenv(k, v)
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,  # our own, never a shared one
              runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}})
     try:
