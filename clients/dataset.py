@@ -59,9 +59,9 @@ GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server a
 MAX_IDS = Limits.max_batch_items
 
 
-def by_parts(fn: Callable[[list], list], keys: Sequence, n: int = MAX_IDS) -> list:
-    """fn on keys in parts of at most n (MAX_IDS): its answers, in order."""
-    keys = list(keys)
+def by_parts(fn: Callable[[Sequence], list], keys: Sequence, n: int = MAX_IDS) -> list:
+    """fn on keys in parts of at most n (MAX_IDS): its answers, in order (no copy of a batch
+    that fits in one: the sampler's look-ahead calls this every batch)."""
     if len(keys) <= n:
         return fn(keys)
     return [x for k in range(0, len(keys), n) for x in fn(keys[k:k + n])]

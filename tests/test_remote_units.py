@@ -52,6 +52,9 @@ class RecordingPool:
     def resize(self, n):
         self.size = self.target = n
 
+    def stop_draining(self):
+        pass
+
 
 def batches(n, B):
     return [list(range(k, min(n, k + B))) for k in range(0, n, B)]

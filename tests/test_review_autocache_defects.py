@@ -3,6 +3,7 @@ loopback, real files."""
 import math
 import os
 import sys
+from contextlib import closing
 
 import pytest
 
@@ -13,6 +14,7 @@ from autocache_steps import Slow, as_array, noise, shrink, total  # noqa: E402
 from test_autocache_defects import index_of, plus1  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
 from preprocess import Pipeline, autocache, step  # noqa: E402
+from procs import manager_with_server  # noqa: E402
 from test_autocache import collect, make_items, wait_kept  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,17 +26,12 @@ def test_a_fixed_transformed_loader_reports_its_pipeline_to_the_manager(tmp_path
     it: status showed no pipeline, the set had no plan (GetPlan: unknown dataset, warned
     every epoch) and no allocation, and its benefit went uncounted."""
     from manager.manager_client import ManagerClient
-    from procs import cachemanager, cacheserver, wait_ring
 
-    m = cachemanager(str(tmp_path / "mgr")).start()
-    srv = cacheserver(str(tmp_path / "s0"), "1GB", 0, "--manager", m.address).start()
     path = make_items(tmp_path / "ds", n=96, size=4096)
     p = Pipeline([as_array, Slow(0.01), shrink, autocache, step(noise, random=True), total])
-    ds = loader = None
-    try:
-        wait_ring(m.address, 1)
-        ds = CachedDataset(path, manager=m.address, job="job-t", transform=p)
-        loader = ds.loader(8, num_workers=0, seed=3, autocache="transformed", epochs=3, cost_dir=False)
+    with manager_with_server(str(tmp_path)) as (m, _), \
+            closing(CachedDataset(path, manager=m.address, job="job-t", transform=p)) as ds, \
+            closing(ds.loader(8, num_workers=0, seed=3, autocache="transformed", epochs=3, cost_dir=False)) as loader:
         ac = loader.autocache
         assert ac.mode == "transformed" and ac.state == "fixed", ac.reason
         with ManagerClient(m.address, timeout=2) as mc:
@@ -49,13 +46,6 @@ def test_a_fixed_transformed_loader_reports_its_pipeline_to_the_manager(tmp_path
         (_, s2), = collect(loader, 1)  # put under the set's plan: every item found in epoch 2
         assert s2.transformed["hits"] == 96 and s2.store_bytes == 0
         assert "fixed by the loader's autocache='transformed'" in ac.reason
-    finally:
-        if loader is not None:
-            loader.close()
-        if ds is not None:
-            ds.close()
-        srv.kill()
-        m.kill()
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -160,19 +150,15 @@ def test_a_transformed_loader_rekeyed_by_auto_order_reports_the_new_pipeline(tmp
 
     from manager.manager_client import ManagerClient
     from preprocess_steps import HalveBut, scale_values, with_values
-    from procs import cachemanager, cacheserver, wait_ring
     from test_preprocess_loader import indexed_items
 
     n, seed = 40, 5
     sampled = random.Random(f"{seed}/sample").sample(range(n), 16)  # as Scheduler._profile draws them
     pipe = Pipeline([index_of, with_values, scale_values, HalveBut(sampled)], auto_order=True)
-    m = cachemanager(str(tmp_path / "mgr")).start()
-    srv = cacheserver(str(tmp_path / "s0"), "1GB", 0, "--manager", m.address).start()
-    ds = loader = None
-    try:
-        wait_ring(m.address, 1)
-        ds = CachedDataset(indexed_items(tmp_path / "ds", n), manager=m.address, job="job-r", transform=pipe)
-        loader = ds.loader(8, num_workers=0, seed=seed, autocache="transformed", cost_dir=False)
+    path = indexed_items(tmp_path / "ds", n)
+    with manager_with_server(str(tmp_path)) as (m, _), \
+            closing(CachedDataset(path, manager=m.address, job="job-r", transform=pipe)) as ds, \
+            closing(ds.loader(8, num_workers=0, seed=seed, autocache="transformed", cost_dir=False)) as loader:
         first = loader.autocache.key
         assert sorted(i for b in loader for i, _ in b) == list(range(n))
         assert sorted(i for b in loader for i, _ in b) == list(range(n))  # epoch 2 starts rekeyed
@@ -182,10 +168,3 @@ def test_a_transformed_loader_rekeyed_by_auto_order_reports_the_new_pipeline(tmp
             st = mc.status_dict()
         reported = {p["decision"]["fingerprint"]: p["decision"]["jobs"] for p in st.get("pipelines", [])}
         assert reported.get(second) == ["job-r"], reported
-    finally:
-        if loader is not None:
-            loader.close()
-        if ds is not None:
-            ds.close()
-        srv.kill()
-        m.kill()

@@ -25,6 +25,15 @@ class SteppingWallClock(types.SimpleNamespace):
         return time.time() + self.step
 
 
+
+def stop(d: ManagerDaemon) -> None:
+    """The parts a test's unstarted daemon opened (no snapshot: the test's state is thrown away)."""
+    d.loop.stop()
+    d.actuator.stop()
+    d.grpc.stop(0).wait(5)
+    d._grpc_pool.shutdown(wait=False)
+    d.store.close(snapshot=False)
+
 def test_a_wall_clock_step_keeps_live_servers_and_jobs(tmp_path, monkeypatch):
     clock = SteppingWallClock()
     monkeypatch.setattr(managerd, "time", clock)
@@ -51,11 +60,7 @@ def test_a_wall_clock_step_keeps_live_servers_and_jobs(tmp_path, monkeypatch):
         assert d.store.model.registry.addresses() == ["127.0.0.1:1"], "a live server left the ring"
         assert "j" in d.store.model.jobs
     finally:
-        d.loop.stop()
-        d.actuator.stop()
-        d.grpc.stop(0).wait(5)
-        d._grpc_pool.shutdown(wait=False)
-        d.store.close(snapshot=False)
+        stop(d)
 
 
 def test_a_silent_server_still_leaves_after_the_step():
@@ -92,8 +97,4 @@ def test_a_wall_clock_step_fires_no_timer_of_the_model(tmp_path, monkeypatch):
         assert ds in d.store.model.datasets, "an idle dataset was forgotten by a step of the wall clock"
         assert d.clock() - d.store.model.datasets[ds].idle_since < 60
     finally:
-        d.loop.stop()
-        d.actuator.stop()
-        d.grpc.stop(0).wait(5)
-        d._grpc_pool.shutdown(wait=False)
-        d.store.close(snapshot=False)
+        stop(d)

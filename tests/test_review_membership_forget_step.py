@@ -13,7 +13,7 @@ import manager.managerd as managerd
 from manager.managerd import DaemonConfig, ManagerDaemon
 from manager.model import ManagerConfig
 from procs import wait_until
-from test_review_liveness_clock_step import SteppingWallClock
+from test_review_liveness_clock_step import SteppingWallClock, stop
 
 
 def _join_two(d: ManagerDaemon, clock: SteppingWallClock) -> None:
@@ -27,14 +27,6 @@ def _round(d: ManagerDaemon, clock: SteppingWallClock) -> list[str]:
     d.liveness.beat("s2", clock.time())  # s2 stays in the ring
     d.loop.run_once()
     return sorted(d.store.model.registry.servers)
-
-
-def _stop(d: ManagerDaemon) -> None:
-    d.loop.stop()
-    d.actuator.stop()
-    d.grpc.stop(0).wait(5)
-    d._grpc_pool.shutdown(wait=False)
-    d.store.close(snapshot=False)
 
 
 @pytest.mark.parametrize("before_leave, after_leave", [(0.0, 7200.0), (-7200.0, 0.0)], ids=["forward", "back"])
@@ -55,4 +47,4 @@ def test_a_wall_clock_step_neither_forgets_at_once_nor_puts_forgetting_off(tmp_p
         wait_until(lambda: _round(d, clock) == ["s2"], "the server forgotten 1 s after it left", 5)
         assert time.monotonic() - left < 2.5
     finally:
-        _stop(d)
+        stop(d)

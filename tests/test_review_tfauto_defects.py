@@ -12,14 +12,10 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 
 from clients import tf_dataset  # noqa: E402
 from manager.manager_client import ManagerClient  # noqa: E402
 from procs import manager_with_server  # noqa: E402
+from test_review_tf_autocache import N, chain  # noqa: E402
 from tfexamples import digested_shards, parse  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-N = 160
-
-
-def chain(ds):
-    return ds.map(parse)
 
 
 @pytest.fixture(scope="module")

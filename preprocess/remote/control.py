@@ -126,9 +126,7 @@ class Controller:
             return
         self.paused = True
         self.pool.resize(0)
-        stop = getattr(self.pool, "stop_draining", None)  # now: their queued tasks' outputs would not be read either
-        if stop is not None:
-            stop()
+        self.pool.stop_draining()  # now: their queued tasks' outputs would not be read either
         if self.set_local is not None:
             self.set_local(max(self.local, self.fallback_local))
 
