@@ -44,7 +44,7 @@ class Flusher:
     """A daemon thread that asks `dirty()` for (dirty_since, last_write, last_unflushed_read)
     and calls `flush()`."""
 
-    def __init__(self, dirty: Callable[[], tuple[float | None, float, float]], flush: Callable[[], None],
+    def __init__(self, dirty: Callable[[], tuple[float | None, float, float]], flush: Callable[[], object],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._dirty, self._flush, self._clock = dirty, flush, clock
         self._last_flush = float("-inf")

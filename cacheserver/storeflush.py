@@ -34,16 +34,18 @@ class Flushes:
         with self._lock:
             return self._dirty_since, self._last_write, self._last_unflushed_read
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Write the memtables to table files; with durability "cache" this makes
         every value written before the call safe from a crash. None once closing
         begins (but close's own), and none RocksDB would hold for a write stop
-        that nothing ends (stallwrite.py: it would wait there for ever)."""
-        self._flush(final=False)
+        that nothing ends (stallwrite.py: it would wait there for ever). Returns
+        whether it flushed; a failure is recorded (logged, a RocksDB error fails
+        the store), not raised, and the flusher tries again where that may help."""
+        return self._flush(final=False)
 
-    def _flush(self, final: bool) -> None:
+    def _flush(self, final: bool) -> bool:
         if self.progress.stuck() is not None:
-            return
+            return False
         if self._stranded:
             self._drop_stranded()
         if self._state_owed:  # server state a write stop kept off the disk (Recovery.keep_state)
@@ -53,29 +55,30 @@ class Flushes:
                 self._put_failed(e)
         with self._lock:
             if self.closing and not final:
-                return
+                return False
             # values from the mark on may not be written yet: those of puts under way, and the
             # index records of puts a write stop ended (their ids not deleted yet)
             mark = min((*self._writing, *self._stranded.values()), default=self._seq)
             dirty, self._dirty_since = self._dirty_since, None  # a write from here on marks it again
             self._flushing += 1
-        again = True
+        flushed, again = False, True
         try:
-            again = self._flush_files(mark)
+            flushed, again = self._flush_files(mark)
         finally:
             with self._lock:
                 self._flushing -= 1
                 if again and dirty is not None:  # still unflushed: the flusher tries again
                     self._dirty_since = min(dirty, self._dirty_since or dirty)
+        return flushed
 
-    def _flush_files(self, mark: int) -> bool:
-        """Returns whether a later flush may do what this one could not (False: it was made,
-        or RocksDB failed it and refuses every write until reopened)."""
+    def _flush_files(self, mark: int) -> tuple[bool, bool]:
+        """(whether it flushed, whether a later flush may do what this one could not: False
+        where all was done, or RocksDB failed and refuses every write until reopened)."""
         try:
             self.room.before_flush(self._unflushed_bytes())
         except OSError as e:  # the reserve could not be given up: the flush would not fit either
             self._flush_failed(f"making room for it: {e!r}")
-            return True
+            return False, True
         try:
             self._db.flush()
             self._large.flush()
@@ -84,18 +87,34 @@ class Flushes:
         except Exception as e:
             if rocksdb_error(e):  # it stays read-only now
                 self.room.write_failed(e)
-                return False
+                return False, False
             self._flush_failed(repr(e))  # not the store's: the next flush tries again
-            return True
+            return False, True
         if self._failing:
             self._failing = False
             log.warning("flushing the store works again")
-        if self.durability == "cache":
-            self._flushed_mark(mark)
-            with self._lock:
-                self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         self.counters.add("flushes")
-        return False
+        if self.durability != "cache":
+            return True, False
+        with self._lock:  # in table files now, whether or not their mark below is written
+            self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
+        return True, self._write_mark(mark)
+
+    def _write_mark(self, mark: int) -> bool:
+        """Write the durable mark of a flush made; returns whether a later flush should (a write
+        stop kept it off the disk; not after RocksDB's own error, which fails the store). Nothing
+        is lost without it: the values are in table files, and a restart checks those from the
+        older mark on (_recover_unflushed). Raised, it went out of close() before RocksDB and
+        the data dir were released, and out of OPEN_FOLLOWER as an internal error."""
+        try:
+            self._flushed_mark(mark)
+            return False
+        except Exception as e:
+            if rocksdb_error(e):  # the store fails, as at a put's error: no later flush writes it
+                self.room.write_failed(e)
+                return False
+            self._flush_failed(f"writing its durable mark: {e!r}")
+            return True
 
     _failing = False  # the last flush failed, not for RocksDB's own error (said once)
 
@@ -124,11 +143,11 @@ class Flushes:
         """Flush the memtables (every column family, so the log can go) if they
         hold at least `min_bytes`. A follower that opens replays the live log
         (~3 ms/MB measured) and so does every other one; one flush (~2 ms/MB)
-        makes each open ~5 ms instead. Returns whether it flushed."""
+        makes each open ~5 ms instead. Returns whether it flushed: not when the flush was
+        skipped (a write stop, closing) or failed (core.open_follower backs off only after one)."""
         if self._unflushed_bytes() < min_bytes:
             return False
-        self.flush()
-        return True
+        return self.flush()
 
     def _end_flushes(self, timeout: float = CLOSE_FLUSH_WAIT_S) -> bool:
         """Wait for the flushes under way (none starts: closing); one that RocksDB holds for a
@@ -151,16 +170,19 @@ class Flushes:
         is raised only where nothing failed before (then it is news), once both are released."""
         with self._lock:
             self.closing = True  # no flush starts from here on but the last one below
-        cancelled = self._end_flushes()
-        if self._flusher is not None:
-            self._flusher.stop()
-        self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
-        if not cancelled:
-            self._flush(final=True)
+        cancelled = False
         try:
-            errors = self._release_db()
-        finally:
-            os.close(self._dir_lock)
+            cancelled = self._end_flushes()
+            if self._flusher is not None:
+                self._flusher.stop()
+            self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
+            if not cancelled:
+                self._flush(final=True)
+        finally:  # whatever went wrong above: a lock kept here stays kept for the process's life
+            try:
+                errors = self._release_db()
+            finally:
+                os.close(self._dir_lock)
         if not errors:
             return
         if self.room.state != "failed" and not cancelled:
