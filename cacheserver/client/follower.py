@@ -10,10 +10,18 @@ the open inside a get cost its request timeout before the get's own request wait
 second one, and a ring's other servers were sent nothing meanwhile. Only the first open, at
 the client's resolution, is waited for, at most `wait_s` (the probe timeout, bounded):
 a client's first gets read from the follower, as callers expect.
+
+An open that fails for now (the server busy or silent, no fd or thread to be had, a table
+file compacted away while RocksDB listed it) is tried again after a back-off; only one that
+cannot go away (no permission, a store this RocksDB cannot read, the data dir gone: lasting())
+gives the follower up for the client's life. A follower that could not catch up (no fd for
+a new table file) reads nothing more, its gets go to the server, and is replaced after a
+back-off: never RocksDB's error up through a get, never values the server may have replaced.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +31,7 @@ from .readpath import LOCAL, OpenRetry, ReadPaths
 
 log = logging.getLogger("cacheserver.client")
 # The first open, at a client's resolution (inside its first call), is waited for at most
-# this long (and no longer than the probe timeout the ping just met): a store's RocksDB open
+# this long (and no longer than the client's probe timeout): a store's RocksDB open
 # takes ms to a second; past this, gets go over the socket until the open ends.
 FIRST_OPEN_WAIT_S = 5.0
 
@@ -32,10 +40,33 @@ class Refused(Exception):
     """The server did not take OPEN_FOLLOWER now (busy, or no answer in time): try later."""
 
 
+# What RocksDB says (its Status text: rocksdict raises a bare Exception) of a failure that
+# opening again cannot mend: the files are not this process's to read, or not in a format
+# this RocksDB reads (another version's, or damaged).
+LASTING_TEXT = ("Permission denied", "Operation not permitted")
+LASTING_STATUS = ("Corruption:", "Invalid argument:", "Not implemented:")
+
+
+def lasting(err: BaseException, db_path: str) -> bool:
+    """Whether a follower's failed open would fail again however long the client waits:
+    no permission, a store this RocksDB cannot read, the data dir gone (its CURRENT file,
+    which RocksDB only ever replaces by a rename, is missing), or an error that is none of
+    RocksDB's or the system's (a bug). Anything else, a process out of fds (EMFILE) or
+    memory, a table file compacted away while the open listed it, is tried again later."""
+    if type(err) is not Exception and not isinstance(err, OSError):
+        return True
+    text = str(err)
+    if any(t in text for t in LASTING_TEXT) or text.startswith(LASTING_STATUS):
+        return True
+    if "No such file or directory" in text and f"{os.sep}CURRENT:" in text:  # no store where it looked
+        return True
+    return not os.path.isfile(os.path.join(db_path, "CURRENT"))
+
+
 class Follower:
     """One server client's follower; thread-safe. `open_reader(db_path)` asks the server and
-    opens a LocalReader (Refused: not now; any other error: never, for this client); it runs
-    in a thread of its own (open_soon)."""
+    opens a LocalReader (Refused, or an error that is not lasting(): not now; a lasting one:
+    never, for this client); it runs in a thread of its own (open_soon)."""
 
     def __init__(self, address: str, paths: ReadPaths, open_reader: Callable[[str], LocalReader]) -> None:
         self.address = address
@@ -67,9 +98,20 @@ class Follower:
             self.drop()
             return None
         local = self.local
+        if local is not None and local.failed is not None:  # behind the primary: a new one, later
+            self._replace(local)
+            local = None
         if local is None:
             self.open_soon()
         return local
+
+    def _replace(self, local: LocalReader) -> None:
+        with self._lock:
+            if self.local is not local:  # another thread's get did it
+                return
+            self.local = None  # dropped, not closed: another get may still hold it
+        log.info("cache server %s: same-host follower could not catch up (%s); reopening it in %.1fs",
+                 self.address, local.failed, self.retry.refused())
 
     def drop(self) -> None:
         # Dropped, not closed: a get in another thread may still hold it;
@@ -79,8 +121,7 @@ class Follower:
     def open_soon(self) -> threading.Event | None:
         """Start opening the follower in a thread if there is none and an open is due; the
         open under way's Event (set once it ends), None if none is (one is open, the server
-        refused for now, or for good: db_path None after no permission, an incompatible
-        RocksDB, the data dir gone)."""
+        refused for now, or for good: db_path None after a lasting() failure)."""
         with self._lock:
             db_path = self.db_path
             if self._opening is not None or self.local is not None or db_path is None or not self.retry.due():
@@ -115,16 +156,16 @@ class Follower:
     def _try_open(self, db_path: str) -> LocalReader | None:
         try:
             local = self._open_reader(db_path)
-        except Refused as e:  # a transient refusal must not cost the follower for good
-            log.info("cache server %s: same-host follower not opened for now (%s); trying again "
-                     "in %.1fs", self.address, e, self.retry.refused())
-            return None
-        except Exception as e:  # the socket path still works, slower: say why, once
+        except Exception as e:  # the socket path still works, slower meanwhile
+            if isinstance(e, Refused) or not lasting(e, db_path):  # not to cost the follower for good
+                log.info("cache server %s: same-host follower not opened for now (%s: %s); trying again "
+                         "in %.1fs", self.address, type(e).__name__, e, self.retry.refused())
+                return None
             with self._lock:
                 ours = self.db_path == db_path
                 if ours:
                     self.db_path = None
-            if ours:  # not an open cut short by close() or retire()
+            if ours:  # not an open cut short by close() or retire(): say why, once
                 log.warning("cache server %s: same-host reads go over its socket; no follower of %s (%s: %s)",
                             self.address, db_path, type(e).__name__, e)
             return None

@@ -88,16 +88,21 @@ class LocalReader:
         self._db.set_read_options(plain_read_options() if self._plain else hot_read_options())
         self._lock = threading.Lock()  # catch-ups and close() one at a time
         self.closed = False
+        # why a catch-up failed (no fd for a new table file, a MANIFEST rolled over meanwhile):
+        # behind the primary from then on, it reads nothing more and is replaced (follower.py)
+        self.failed: str | None = None
         self._last_catch_up = time.monotonic()
         # opening replays the log as a catch-up does, and more: a conservative first cost
         self._interval = catch_up_interval(self._last_catch_up - t)
 
     def read(self, ids: Sequence[bytes]) -> list[bytes | memoryview | None]:
         """The values under these ids (None: absent or unreadable, and all of them once
-        closed): a plain store's as RocksDB's bytes (no copy: the caller keeps them), a
-        sealed one's past the trailer."""
+        closed or failed): a plain store's as RocksDB's bytes (no copy: the caller keeps
+        them), a sealed one's past the trailer."""
         if time.monotonic() - self._last_catch_up >= MAX_STALE_S:
             self.catch_up()
+        if self.failed is not None:  # never a value the server may have replaced since
+            return [None] * len(ids)
         get = self._db.get
         out: list[bytes | memoryview | None] = []
         for k in ids:
@@ -111,12 +116,16 @@ class LocalReader:
     def catch_up(self) -> bool:
         """Follow the primary's newest writes, unless the last catch-up was too recent
         for its cost (catch_up_interval), or the reader is closed (a get in another thread
-        may still hold it: what it lacks is read over the socket)."""
+        may still hold it: what it lacks is read over the socket), or failed to catch up."""
         with self._lock:
             t = time.monotonic()
-            if self.closed or t - self._last_catch_up < self._interval:
+            if self.closed or self.failed is not None or t - self._last_catch_up < self._interval:
                 return False
-            self._db.try_catch_up_with_primary()
+            try:
+                self._db.try_catch_up_with_primary()
+            except Exception as e:  # rocksdict's errors: the get goes to the server, not up to training
+                self.failed = f"{type(e).__name__}: {e}"
+                return False
             self._last_catch_up = time.monotonic()
             self._interval = catch_up_interval(self._last_catch_up - t)
             return True

@@ -49,8 +49,10 @@ Opening a follower first asks the server to flush (OPEN_FOLLOWER). A server that
 "busy" (--max-connections, --max-inflight-bytes) or does not answer in time refused only
 for now: the open is tried again after a back-off (OpenRetry) that doubles, from
 RETRY_FIRST_S to RETRY_MAX_S, while it keeps failing, so a busy server is not asked on
-every get (so is an open that could not make its scratch dir: scratch.py); a follower that
-RocksDB cannot open (no permission, another version) is never tried again. The open runs
+every get (so is an open that could not make its scratch dir: scratch.py, or that RocksDB
+could not open for now: no fd left, a MANIFEST rolled over meanwhile); a follower RocksDB
+can never open (no permission, another version's store, the data dir gone: follower.lasting)
+is never tried again. The open runs
 in a thread of its own, holding no lock through the ask or RocksDB's open: the get that
 finds it due and the others go over the socket meanwhile, so a server that does not answer
 costs a get one request timeout, not the open's as well (follower.py).

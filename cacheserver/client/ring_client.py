@@ -5,9 +5,11 @@ elsewhere later), so a dying server never surfaces as an error to training.
 
 A hung server (stopped, a frozen VM, a black hole) fails only by timing out, so each
 try costs its caller a wait: the back-off doubles with each failure in a row (up to
-MAX_DOWN_S), and a server tried again must first answer Info within PROBE_TIMEOUT_S,
-not the request timeout (30 s by default), before it gets requests. A hung server
-then costs a few percent of an epoch, where a 30 s wait every 2 s cost 15 times it.
+MAX_DOWN_S), and a server must first answer Info within PROBE_TIMEOUT_S, not the
+request timeout (30 s by default), before it gets requests: at the ring's first call,
+and each time it is tried again. A hung server then costs a few percent of an epoch,
+where a 30 s wait every 2 s cost 15 times it, and one hung at a job's start costs the
+start a probe, not the request timeout.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ log = logging.getLogger("cacheserver.ring")
 TRANSIENT = (ConnectionError, OSError, TimeoutError, grpc.RpcError)
 PEERS_TIMEOUT_S = 5.0  # asking one server for its ring at start-up
 MAX_DOWN_S = 60.0  # longest back-off of a server that keeps failing
-PROBE_TIMEOUT_S = 2.0  # a failed server tried again: its Info (and same-host ping) must come within this
+PROBE_TIMEOUT_S = 2.0  # a server's first Info (and same-host ping), at start or tried again, within this
 
 
 def parse_spec(spec: str) -> list[str]:
@@ -85,11 +87,14 @@ class RingClient:
         for a in addresses:
             check_address(a)
         self.ring = HashRing(addresses, vnodes)
-        self._client_kw = client_kw
+        # every client's first contact (Info) waits a probe, not the request timeout: at the
+        # start as when a failed server is tried again (a caller's probe_timeout= is kept)
+        self._client_kw = {"probe_timeout": PROBE_TIMEOUT_S, **client_kw}
         # each server's --max-batch-size, as its Info last said (kept when its client is replaced)
         self._limits: dict[str, int] = {}
         self._batch_limit: int | None = None  # the smallest of them
-        self.clients = {a: ServerClient(a, plain=plain, on_limit=self._heard, **client_kw) for a in self.ring.nodes}
+        self.clients = {a: ServerClient(a, plain=plain, on_limit=self._heard, **self._client_kw)
+                        for a in self.ring.nodes}
         self._down_until: dict[str, float] = {}
         self._fails: dict[str, int] = {}  # failures in a row, per server
         self._answering: set[str] = set()  # down for an error the server itself answered (busy): reachable
@@ -155,8 +160,7 @@ class RingClient:
         # Drop pooled sockets and the fast path: the server may come back as a new instance.
         # Retired, not closed: another thread may be in a call on it (a prefetch beside the loader).
         old = self.clients[node]
-        self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw,
-                                          probe_timeout=PROBE_TIMEOUT_S, on_limit=self._heard)
+        self.clients[node] = ServerClient(node, plain=self.plain, **self._client_kw, on_limit=self._heard)
         old.retire()
 
     def _answered(self, node: str) -> None:

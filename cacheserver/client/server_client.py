@@ -159,7 +159,9 @@ class ServerClient:
                 s.close()  # values read unhashed come only from this user's own processes
                 raise RecordsMismatch(f"cache server {self.address}: its Unix socket {info.unix_socket} "
                                       f"is another user's, not this user's embedded cache")
-            s.settimeout(self._probe_timeout)
+            # the request timeout, not the probe's: Info has just answered, and a ping cut short
+            # by a loaded host would keep this client on TCP, without its follower, for good
+            s.settimeout(self.timeout)
             try:
                 instance = self._ping(s)
             except BaseException:
@@ -168,7 +170,6 @@ class ServerClient:
             if instance != info.instance:  # a namesake path, not this server
                 s.close()
                 return False
-            s.settimeout(self.timeout)
             self._target, self.transport = ("unix", info.unix_socket), "unix"
             self._pool.put(s)
             self._open_local(info.db_path)
@@ -188,14 +189,15 @@ class ServerClient:
                 check_private(os.path.dirname(db_path))
             except (PlaintextDir, OSError):
                 return
-        # opened now (waited for no longer than the ping could take), or in the background
+        # opened now (waited for no longer than a probe), or in the background
         if self._fol.enable(db_path, min(self._probe_timeout, FIRST_OPEN_WAIT_S)) is not None:
             self.transport = "local"
 
     def _new_follower(self, db_path: str) -> LocalReader:
         """Open a follower (in a thread of its own: follower.py); the time it takes counts as
         follower cost (readpath.py). Refused: not now (the server did not take OPEN_FOLLOWER,
-        or this process could not make the follower's scratch dir); RocksDB's own errors: never."""
+        or this process could not make the follower's scratch dir); RocksDB's own errors: not
+        now either, unless they cannot go away (follower.lasting)."""
         t = time.perf_counter()
         try:
             self.ask(ops.OPEN_FOLLOWER, ())  # the server shortens the log the follower replays
@@ -204,7 +206,7 @@ class ServerClient:
         try:
             local = LocalReader(db_path, self.plain)
         except OSError as e:  # its scratch dir (scratch.py): a full or missing temp dir, no fds left
-            raise Refused(f"{type(e).__name__}: {e}") from e  # RocksDB's own errors are not OSErrors
+            raise Refused(f"{type(e).__name__}: {e}") from e  # RocksDB's own are not OSErrors: lasting() judges them
         self.paths.follower(time.perf_counter() - t)
         return local
 
