@@ -288,18 +288,26 @@ class Autocache:
     def _look_for_others(self, engine: Any) -> None:
         # not the sample's items: the probe puts their outputs whatever is decided, so a
         # run with the same seed (this job restarted, another loader) would find its own
-        sample, n = set(engine.sample_indices or ()), len(self.ds)
-        idx = [i for i in range(0, n, max(1, n // FOUND_LOOKUP)) if i not in sample][:FOUND_LOOKUP]
-        if not idx:
-            return
-        got = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in idx])
-        if sum(got) >= FOUND_SHARE * len(idx):
-            from manager.policy.autocache import Decision
-
-            self.mode, self.state = "transformed", "found"
-            self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} items' transformed "
-                                                        f"items were cached already (another job)")
+        if self.found_others(set(engine.sample_indices or ())):
             self._report_found(engine)
+
+    def found_others(self, skip: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Whether the transformed items of FOUND_LOOKUP items spread over the dataset (none
+        in `skip`) are cached already, FOUND_SHARE of them (another job ran this pipeline):
+        then this one runs transformed at once (state "found"), nothing measured."""
+        n = len(self.ds)
+        idx = [i for i in range(0, n, max(1, n // FOUND_LOOKUP)) if i not in skip][:FOUND_LOOKUP]
+        if not idx:
+            return False
+        got = self.transformed().lookup([self.ds.digest.hashes[i].tobytes() for i in idx])
+        if sum(got) < FOUND_SHARE * len(idx):
+            return False
+        from manager.policy.autocache import Decision
+
+        self.mode, self.state = "transformed", "found"
+        self.decision = Decision("transformed", {}, f"transformed: {sum(got)} of {len(idx)} items' transformed "
+                                                    f"items were cached already (another job)")
+        return True
 
     def _report_found(self, engine: Any) -> None:
         """Found, under a manager: report the pipeline all the same (on the probes and the

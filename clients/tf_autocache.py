@@ -15,7 +15,11 @@ Python generator, one sampler batch at a time:
                  with a manager the pipeline is reported after the first batch (its
                  outputs are spare entries until then: the set has no plan yet)
     compute      the store is read, the chain runs on every item, nothing is cached
-    auto         runs as source (reads inserted) while timing the chain, then
+    auto         first looks up the transformed items of items spread over the
+                 dataset: where another job (or an earlier run) cached them, it runs
+                 transformed at once ("found", as the PyTorch loader's Autocache;
+                 under a manager the pipeline is reported after the first batch);
+                 else runs as source (reads inserted) while timing the chain, then
                  decides (clients/autocache.choose) as the PyTorch loader does, at
                  the latest at the end of an epoch (a resumed one holds only its rest)
 
@@ -100,13 +104,16 @@ class TransformedEpochs:
 
     def __init__(self, source: Any, runner: ChainRunner, ac: Autocache) -> None:
         self.source, self.runner, self.ac = source, runner, ac
-        # fixed at transformed under a manager: the pipeline is reported once, after the first
-        # batch (no probe runs before: the chain has not run yet); until then the set has no plan
-        self.unreported = ac.requested == "transformed" and source.cached.coordinator is not None
+        # fixed at transformed (or auto, found cached) under a manager: the pipeline is reported
+        # once, after the first batch (no probe runs before: the chain has not run yet); until
+        # then the set has no plan
+        self.unreported = ((ac.requested == "transformed" or ac.state == "found")
+                           and source.cached.coordinator is not None)
         self._last: tuple[list[int], list[Any]] | None = None  # the last batch and its outputs (auto)
 
     def epoch(self) -> Iterator[Any]:
         src = self.source
+        src.check_pass()  # a resumed epoch the dataset's declared cardinality cannot hold
         if not self.unreported:  # unreported, the manager knows no such set: GetPlan would be refused
             self.ac.refresh_plan()  # the manager's plan of the transformed set, before each epoch (as the loader)
         run = EpochRun(src.cached, src.sampler, src)
@@ -149,23 +156,30 @@ class TransformedEpochs:
         return got
 
     def _report_fixed(self, batch: list[int], out: list[Any]) -> None:
-        """Fixed at transformed, under a manager: report the pipeline (as auto's decision
-        does, as the PyTorch loader's Autocache._report_fixed does), else the manager knows
-        no transformed set: no plan (GetPlan refused every epoch), no allocation, none of
-        the job's gain. Costs as at the start (done=0); the mode stays as asked."""
+        """Fixed at transformed (or auto, found cached), under a manager: report the pipeline
+        (as auto's decision does, as the PyTorch loader's Autocache._report_fixed and
+        _report_found do), else the manager knows no transformed set: no plan (GetPlan refused
+        every epoch), no allocation, none of the job's gain. Costs as at the start (done=0).
+        Fixed, the mode stays as asked; found, the manager's decision for the pipeline holds."""
         if not self.unreported:
             return
         ac = self.ac
         self.unreported = False
         try:
-            ac.costs = self._costs(batch, out, 0)
+            costs = self._costs(batch, out, 0)
         except Exception as e:  # a report is for the manager's books: never fail the epoch for it
             log.warning("autocache: timing the chain's read path for the manager's report failed: %s", e)
             return
-        d = ac.ds.coordinator.autocache_decision(ac.ds.dataset_tag, ac.key, ac.costs)
-        if d is not None and d.mode != "transformed":
-            log.warning("autocache: the manager would run this chain as %s (%s); kept transformed as asked, "
-                        "but the manager allocates no room to its transformed set", d.mode, d.reason)
+        fixed = ac.state != "found"
+        d = ac.ds.coordinator.autocache_decision(ac.ds.dataset_tag, ac.key, costs)
+        if fixed:
+            ac.costs = costs
+            if d is not None and d.mode != "transformed":
+                log.warning("autocache: the manager would run this chain as %s (%s); kept transformed as "
+                            "asked, but the manager allocates no room to its transformed set", d.mode, d.reason)
+        elif d is not None:  # unreachable, the found decision holds
+            ac.costs, ac.decision = costs, d
+            ac.mode, ac.state = d.mode, ("found" if d.mode == "transformed" else "estimated")
         ac.refresh_plan()  # the rest of the epoch follows the set's plan
 
     def _maybe_decide(self, batch: list[int], out: list[Any]) -> None:
@@ -215,17 +229,29 @@ class TransformedEpochs:
                 v._state.close()
 
 
+def look_for_others(ac: Autocache) -> None:
+    """Auto: where another job cached this chain's transformed items, run transformed at
+    once (state "found"), as the PyTorch loader does. No profiled sample here to leave
+    out: the chain has not run in this job yet."""
+    if ac.requested == "auto" and ac.key:
+        ac.found_others()
+
+
 def transformed_dataset(source: Any, transform: Callable[[Any], Any], autocache: str,
                         epochs: int | None) -> "tf.data.Dataset":
-    """The dataset of `transform`'s elements in an autocache mode other than source."""
+    """The dataset of `transform`'s elements in an autocache mode other than source; its
+    cardinality is `source.declared` (None: not declared, tf_source._declared)."""
     import tensorflow as tf
 
     ac = Autocache(source.cached, autocache, epochs)
     ac.set_point(*chain_key(transform))
+    look_for_others(ac)
     runner = ChainRunner(transform)
     source.autocache = ac
     if source.sampler.lookup is not None:  # the look-ahead finds what this mode reads as hits
         source.sampler.lookup = ac.lookup_codes
     source.starter.start = TransformedEpochs(source, runner, ac).epoch  # let go of on close (tf_batches.Starter)
     ds = tf.data.Dataset.from_generator(source.starter, output_signature=runner.spec)
-    return ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))
+    if source.declared is None:
+        return ds
+    return ds.apply(tf.data.experimental.assert_cardinality(source.declared))

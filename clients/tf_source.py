@@ -26,6 +26,9 @@ stats); `.repeat()` and `model.fit(epochs=...)` start one per pass. One
 iteration at a time: an iterator still open when another starts has its epoch
 ended, and its next step raises an error that says so (tf_batches.overlapped).
 `rank`/`world_size` give each training process its share of every epoch.
+`ds.mlcache.state_dict()` saves where an epoch is; `tf_dataset(..., state=)` resumes
+it: the first pass is that epoch's rest (the dataset's cardinality, one per dataset,
+is then not declared), the later ones whole epochs.
 
 With `map_fn=` (a function of TF ops) the items go through our preprocessing
 workers instead and the dataset yields the function's outputs (tf_transform.py).
@@ -68,6 +71,7 @@ class TFSource(EpochLog):
         self.read_parallel = max(1, read_parallel)
         self.preprocess = engine  # a preprocess.Scheduler running map_fn in its workers, or None
         self.autocache: Any = None  # clients.autocache.Autocache in a mode other than source (transform or map_fn)
+        self.declared: int | None = None  # the items per pass the dataset asserts (its cardinality), if any
         self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
         self.tickets = TicketFeed(lambda: _EpochReads(self))  # the same, read_parallel batches at once
         self.starter = Starter(self.epoch)  # from_generator's (map_fn=, autocache modes): the same epochs
@@ -77,6 +81,7 @@ class TFSource(EpochLog):
         """One epoch: numpy object arrays of item bytes, one per sampler batch (with a
         map_fn: the function's outputs). An epoch that stops early (abandoned, or a read
         failed) is recorded with complete=False."""
+        self.check_pass()
         run = EpochRun(self.cached, self.sampler, self)
         complete = False
         try:
@@ -115,6 +120,36 @@ class TFSource(EpochLog):
         out[:] = items
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where training is (the PyTorch loader's format): the epoch in progress and the
+        items of the batches already handed over; resume with tf_dataset(..., state=)."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a state that starts an epoch whole (one saved at an epoch's end); one saved
+        mid-epoch is a ValueError unless this dataset declares no cardinality (check_pass):
+        pass it to tf_dataset(..., state=) instead. The sampler is left as it was then."""
+        before = self.sampler.state_dict()
+        self.sampler.load_state_dict(sampler_state(state))
+        try:
+            self.check_pass()
+        except ValueError:
+            self.sampler.load_state_dict(before)
+            raise
+
+    def check_pass(self) -> None:
+        """At a pass's start: a dataset that asserts whole epochs (`declared`, its cardinality,
+        fixed when it was made) cannot run the rest of a resumed one. Refused here, before
+        anything is read, rather than by TensorFlow's check at the pass's end, after the
+        training loop took the rest (the state stays loaded: a new tf_dataset can take it)."""
+        done = self.sampler.progress.resumed(self.sampler.epoch)[0]
+        if self.declared is None or not done:
+            return
+        raise ValueError(f"this tf_dataset declares {self.declared} items per pass (ds.cardinality(), fixed "
+                         f"when it was made), but the sampler state loaded into it resumes epoch "
+                         f"{self.sampler.epoch} after {done} items: pass the state when making the dataset, "
+                         f"tf_dataset(..., state=state), whose first pass is that epoch's rest")
+
     def close(self) -> None:
         """Ends an iteration left open and releases the cache client and workers; the
         dataset cannot be iterated again (TensorFlow keeps its feeds, which let go of this)."""
@@ -133,6 +168,7 @@ class _EpochReads:
     the sampler plans in order, reads run in several of TensorFlow's threads at once."""
 
     def __init__(self, source: TFSource) -> None:
+        source.check_pass()
         self.source = source
         self.run = EpochRun(source.cached, source.sampler, source)
         self.batches = iter(source.sampler)
@@ -157,7 +193,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
                map_fn: Callable[[Any], Any] | None = None, num_workers: int | None = None,
                rank: int | None = None, world_size: int | None = None,
                transform: Any = None, autocache: str = "source", epochs: int | None = None,
-               **dataset_kwargs: Any) -> "tf.data.Dataset":
+               state: dict[str, Any] | None = None, **dataset_kwargs: Any) -> "tf.data.Dataset":
     """A tf.data.Dataset of tf.string items, one per digest entry, read through the cache.
 
     `transform` (a function of a tf.data.Dataset of items returning one element per
@@ -177,7 +213,7 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     whether the outputs are kept, as for the PyTorch loader's transform. `rank`/`world_size` give this
     process its share of every epoch, as DistributedSampler (with tf.distribute:
     `input_context.input_pipeline_id` and `num_input_pipelines`).
-    The dataset's `mlcache` attribute (a TFSource) holds `epoch_stats` and `close()`."""
+    `state` (ds.mlcache.state_dict()): the first pass is its epoch's rest. `ds.mlcache`: epoch_stats, close()."""
     import tensorflow as tf
 
     options = _check_arguments(read_batch, read_ahead, read_parallel, rank, world_size, map_fn, num_workers,
@@ -189,12 +225,14 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
     try:
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
                                miss_seed=miss_seed, rank=rank or 0, world_size=1 if world_size is None else world_size)
+        if state is not None:  # before the dataset is made: its cardinality depends on it (_declared)
+            sampler.load_state_dict(sampler_state(state))
         if map_fn is not None:  # autocache keeps map_fn's outputs, as the PyTorch loader its transform's
             engine, ac = tf_transform.make_engine(cached, map_fn, num_workers, seed, options, autocache, epochs)
             if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
                 sampler.lookup = ac.lookup_codes
         source = TFSource(cached, sampler, read_ahead, engine, read_parallel)
-        source.autocache = ac
+        source.autocache, source.declared = ac, _declared(sampler, options)
     except BaseException:
         if engine is not None:
             engine.close()
@@ -274,9 +312,28 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
         ds = batches.unbatch()
     else:
         ds = tf_transform.element_dataset(source.starter, tf_transform.tf_map_step(engine).element_spec)
-    if options.get("on_error", "raise") == "raise" and options.get("exactly_once", True):
-        ds = ds.apply(tf.data.experimental.assert_cardinality(source.sampler.share.size))  # else items may be left out
+    if source.declared is not None:
+        ds = ds.apply(tf.data.experimental.assert_cardinality(source.declared))
     return ds if transform is None else apply_chain(transform, ds)
+
+
+def sampler_state(state: Any) -> dict[str, Any]:
+    """The sampler's part of a state_dict() (TFSource's or the PyTorch loader's, alike)."""
+    if not isinstance(state, dict) or not isinstance(state.get("sampler"), dict):
+        what = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"a tf_dataset resumes from what ds.mlcache.state_dict() (or a loader's state_dict()) "
+                         f"returned (a dict with 'sampler'), got {what}")
+    return state["sampler"]
+
+
+def _declared(sampler: SubstitutableBatchSampler, options: dict[str, Any]) -> int | None:
+    """The items every pass yields, which the dataset asserts (its cardinality, for Keras'
+    progress and as a check that none was left out); None where passes differ."""
+    if options.get("on_error", "raise") != "raise" or not options.get("exactly_once", True):
+        return None  # items may be left out
+    if sampler.progress.resumed(sampler.epoch)[0]:
+        return None  # the first pass is a resumed epoch's rest, the later ones whole epochs
+    return sampler.share.size
 
 
 def _keep_share(source: TFSource, ds: "tf.data.Dataset") -> "tf.data.Dataset":
