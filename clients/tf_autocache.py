@@ -171,12 +171,13 @@ class TransformedEpochs:
             log.warning("autocache: timing the chain's read path for the manager's report failed: %s", e)
             return
         fixed = ac.state != "found"
-        d = ac.ds.coordinator.autocache_decision(ac.ds.dataset_tag, ac.key, costs)
+        # fixed: the manager counts the job on the transformed set whatever it decides
+        d = ac.ds.coordinator.autocache_decision(ac.ds.dataset_tag, ac.key, costs, fixed=fixed)
         if fixed:
             ac.costs = costs
             if d is not None and d.mode != "transformed":
-                log.warning("autocache: the manager would run this chain as %s (%s); kept transformed as "
-                            "asked, but the manager allocates no room to its transformed set", d.mode, d.reason)
+                log.warning("autocache: the manager would run this chain as %s (%s); kept transformed as asked "
+                            "(the manager counts this job on its transformed set all the same)", d.mode, d.reason)
         elif d is not None:  # unreachable, the found decision holds
             ac.costs, ac.decision = costs, d
             ac.mode, ac.state = d.mode, ("found" if d.mode == "transformed" else "estimated")

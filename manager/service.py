@@ -357,7 +357,7 @@ def decision_message(rec: PipelineRecord) -> mpb.AutocacheDecision:
     d = rec.decision or {"mode": "", "costs": {}, "reason": ""}
     return mpb.AutocacheDecision(dataset=rec.dataset, fingerprint=rec.fingerprint, mode=d["mode"],
                                  costs=d["costs"], reason=d["reason"], decided_at=rec.decided_at, tag=rec.tag,
-                                 jobs=sorted(rec.measured),
+                                 jobs=sorted(rec.measured), fixed=rec.fixed,
                                  room_bytes=-1.0 if rec.room_bytes is None else rec.room_bytes)
 
 

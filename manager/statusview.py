@@ -61,6 +61,7 @@ def restrict(r: mpb.StatusResponse, jobs: set[str], roots: set[str]) -> mpb.Stat
     del r.pipelines[:]
     for p in kept_p:
         _keep(p.decision.jobs, lambda j: j in jobs)
+        _keep(p.decision.fixed, lambda j: j in jobs)
         r.pipelines.append(p)
     r.other_jobs, r.other_datasets = n_jobs - len(r.jobs), n_datasets - len(r.datasets)
     return r

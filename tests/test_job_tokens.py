@@ -264,3 +264,16 @@ def test_a_pre_token_job_re_registered_under_the_first_token_release_is_still_bo
             _refused(lambda: later.report_batches("old", _batches()))
     finally:
         m.kill()
+
+
+def test_a_tenant_sees_only_its_own_jobs_on_a_shared_pipeline():
+    """Two tenants' jobs on one (dataset, pipeline): the status a tenant is shown names
+    neither the other's jobs nor which of them are fixed at transformed."""
+    from cacheserver.proto import manager_pb2 as mpb
+    from manager.statusview import restrict
+
+    r = mpb.StatusResponse()
+    r.pipelines.add(decision=mpb.AutocacheDecision(dataset=DS, jobs=["mine", "theirs"], fixed=["mine", "theirs"]))
+    r.pipelines.add(decision=mpb.AutocacheDecision(dataset=DS_CH, jobs=["theirs"], fixed=["theirs"]))
+    shown = restrict(r, {"mine"}, {DS})
+    assert [(list(p.decision.jobs), list(p.decision.fixed)) for p in shown.pipelines] == [(["mine"], ["mine"])]

@@ -38,7 +38,7 @@ def test_a_fixed_transformed_loader_reports_its_pipeline_to_the_manager(tmp_path
             st = mc.status_dict()
         assert [x["decision"]["fingerprint"] for x in st.get("pipelines", [])] == [ac.key]
         d = st["pipelines"][0]["decision"]
-        assert d["jobs"] == ["job-t"] and d["tag"] == ac.transformed().tag
+        assert d["jobs"] == ["job-t"] and d["tag"] == ac.transformed().tag and d["fixed"] == ["job-t"]
         sets = {x["dataset"]: x for x in st["datasets"]}
         assert int(sets[d["tag"]]["allocated_bytes"]) > 0  # the set counts in allocation
         (_, s1), = collect(loader, 1)

@@ -42,6 +42,7 @@ def test_a_fixed_transformed_chain_reports_its_pipeline_to_the_manager(shards, t
             assert [x["decision"]["fingerprint"] for x in st.get("pipelines", [])] == [ac.key]
             d = st["pipelines"][0]["decision"]
             assert d["jobs"] == ["job-t"] and d["tag"] == ac.transformed().tag
+            assert d.get("fixed") == ["job-t"]  # counted on the set whatever the manager decides
             sets = {x["dataset"]: x for x in st["datasets"]}
             assert int(sets[d["tag"]]["allocated_bytes"]) > 0  # the set counts in allocation
             assert ac.costs is not None and ac.costs.cacheable and ac.costs.prefix_s > 0
@@ -63,7 +64,8 @@ def test_a_fixed_transformed_chain_reports_its_pipeline_to_the_manager(shards, t
             assert ds.mlcache.autocache.costs.prefix_s > 0
             with ManagerClient(m.address, timeout=2) as mc:
                 st = mc.status_dict()
-            assert sorted(st["pipelines"][0]["decision"]["jobs"]) == ["job-t", "job-u"]
+            d = st["pipelines"][0]["decision"]
+            assert sorted(d["jobs"]) == ["job-t", "job-u"] and sorted(d.get("fixed", [])) == ["job-t", "job-u"]
         finally:
             ds.mlcache.close()
 
