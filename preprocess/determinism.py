@@ -13,7 +13,7 @@ from typing import Any
 from .measure import same
 from .pipeline import Pipeline
 from .profile import Trace, private
-from .seeding import generator_states, seed_globals
+from .seeding import SEEDING, generator_states, seed_globals
 
 SEEDS = (0x5EED_0001, 0x5EED_0002)
 ITEMS = 3
@@ -56,12 +56,15 @@ def _run_twice(fn: Callable[[Any], Any], x: Any, seeds: tuple[int, int]) -> tupl
     is still a draw. A generator the step seeds itself (random.seed(0)) ends alike: not counted."""
     outs, runs = [], []
     for seed in seeds:
-        seed_globals(seed)
-        before = generator_states()
-        try:
-            outs.append(fn(private(x)))  # each run on its own copy: a step may change it
-        except Exception:
-            return [], []
-        runs.append((before, generator_states()))
+        # under the process's seeding lock, as a random step runs: another thread's step (a loader
+        # iterated meanwhile) must neither draw between these states nor be re-seeded mid-step here
+        with SEEDING.held():
+            seed_globals(seed)
+            before = generator_states()
+            try:
+                outs.append(fn(private(x)))  # each run on its own copy: a step may change it
+            except Exception:
+                return [], []
+            runs.append((before, generator_states()))
     (b0, a0), (_, a1) = runs
     return outs, [g for g in b0 if a0[g] != b0[g] and a0[g] != a1[g]]

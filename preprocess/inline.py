@@ -3,10 +3,13 @@ when the loader is made): the work runs in one helper thread and the loader's th
 waits for it, at most step_timeout per step or read (docs/preprocess.md, "Stuck steps").
 
 A Python thread cannot be killed, so a stuck one is abandoned, not stopped: it keeps
-its item's memory and any lock it holds for as long as it hangs (a later step that
-needs that lock then times out too, named, rather than waiting for ever); the next work
-goes to a fresh helper thread. The waiting thread is the watcher: it warns as the
-Watchdog does (stall.StallWatch), so no other thread is made."""
+its item's memory and any lock of its own step's for as long as it hangs (a later step
+that needs that lock then times out too, named, rather than waiting for ever); the next
+work goes to a fresh helper thread. The seeding lock (seeding.SEEDING) is taken from it
+(fenced): a step stuck in one item's random step holds up no other item's seeding, and
+the abandoned thread runs no further step once (if ever) its stuck one returns. The
+waiting thread is the watcher: it warns as the Watchdog does (stall.StallWatch), so no
+other thread is made."""
 from __future__ import annotations
 
 import queue
@@ -15,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .seeding import SEEDING
 from .stall import READ, Running, Slot, StallWatch, bind, bound, every, local_slot
 
 __all__ = ["READ", "InlineRunner", "Overdue", "marked_read"]
@@ -46,6 +50,7 @@ class InlineRunner:
         self.watch, self.by_context = watch, by_context
         self.abandoned = 0
         self._jobs: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
         self.slot: Slot = local_slot(by_context)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -72,20 +77,23 @@ class InlineRunner:
     def _start(self) -> None:
         self.slot = local_slot(self.by_context)
         self._jobs = jobs = queue.Queue()
-        threading.Thread(target=_serve, args=(jobs, self.slot), name="preprocess-inline", daemon=True).start()
+        self._thread = threading.Thread(target=_serve, args=(jobs, self.slot), name="preprocess-inline", daemon=True)
+        self._thread.start()
 
-    def _abandon(self) -> None:
-        """Leave the stuck thread: it stops once (if ever) its call returns."""
+    def _abandon(self, stuck: bool = True) -> None:
+        """Leave the thread: it stops once (if ever) its call returns. A stuck one is fenced:
+        it loses the seeding lock if it holds it, and runs no further step."""
         jobs, self._jobs = self._jobs, None
         if jobs is not None:
             jobs.put(None)
-        self.abandoned += 1
+            if stuck:
+                SEEDING.fence(self._thread)
+        self.abandoned += stuck
 
     def close(self) -> None:
         """Stop the helper thread once its current call (if any) returns; the watch's
         warned steps are over."""
-        self._abandon()
-        self.abandoned -= 1
+        self._abandon(stuck=False)
         self.watch.check([])
 
 

@@ -5,8 +5,8 @@ AutoOrder changes it). Random steps are seeded per item from (job seed, epoch,
 item digest, the step's written position) before they run (seeding.py)."""
 from __future__ import annotations
 
+import logging
 import pickle
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -14,11 +14,12 @@ from typing import Any
 
 from .fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
 from .measure import nbytes
-from .seeding import item_seed, seed_globals
+from .seeding import SEEDING, Abandoned, item_seed, seed_globals
 from .stall import bound
 from .steps import Step, as_step
 
-_SEEDED = threading.Lock()  # one seeded random step at a time per process
+log = logging.getLogger("preprocess")
+
 EVERY_EPOCH = -2  # what a per_epoch=False step is seeded with in place of the epoch
 
 # (written position, seconds, bytes in, bytes out) of one step on one item
@@ -53,6 +54,10 @@ autocache = _Marker()
 
 
 class Pipeline:
+    """Steps run per item in `order`. `auto_order=True`: AutoOrder may reorder steps between
+    barriers, checked against the written order on sample items only (autoorder.VERIFY_ITEMS):
+    mark a step whose effect depends on rare items keep_position=True (docs/preprocess.md)."""
+
     def __init__(self, steps: Iterable[Callable[[Any], Any] | Step | _Marker], *, auto_order: bool = False,
                  cache_at: int | None = None) -> None:
         written = list(steps)
@@ -88,6 +93,8 @@ class Pipeline:
         return self.is_random(j) and (self.steps[j].per_epoch or j in self.caught_random)
 
     def set_order(self, order: Sequence[int], report: str = "") -> None:
+        if SEEDING.fenced():  # AutoOrder's work in a thread left behind after step_timeout: ended, not applied
+            raise Abandoned("a thread left behind after step_timeout does not change the pipeline's order")
         if sorted(order) != list(range(len(self.steps))):
             raise ValueError(f"order {list(order)} is not a permutation of {len(self.steps)} steps")
         k = self.cache_at
@@ -124,19 +131,31 @@ class Pipeline:
         if slot is not None:
             slot.at(j, ctx)
         try:
+            if SEEDING.fenced():  # left behind after step_timeout: its result is thrown away
+                raise Abandoned(f"the thread running step {j} was left behind after step_timeout")
             if ctx is not None and self.is_random(j):
-                # the generators are global: a worker's background thread must not re-seed them
-                # between this seeding and this step's draws
-                epoch = ctx.epoch if self.per_epoch(j) else EVERY_EPOCH
-                with _SEEDED:
-                    seed_globals(item_seed(ctx.job_seed, epoch, ctx.digest, j))
-                    return s.fn(x)
+                return self._seeded(j, x, ctx)
             return s.fn(x)
         except Exception as e:
             raise StepError(j, s.name, e) from e
         finally:
             if slot is not None:
                 slot.out()
+
+    def _seeded(self, j: int, x: Any, ctx: ItemContext) -> Any:
+        """Step j seeded for its item. The generators are global: no other thread (a worker's
+        background one) may re-seed them between this seeding and this step's draws."""
+        epoch = ctx.epoch if self.per_epoch(j) else EVERY_EPOCH
+        holder = SEEDING.acquire()
+        try:
+            seed_globals(item_seed(ctx.job_seed, epoch, ctx.digest, j))
+            return self.steps[j].fn(x)
+        finally:
+            if SEEDING.release(holder):  # it was left behind holding the lock, and other steps ran since
+                log.warning("preprocessing: step %d (%s), left behind after step_timeout, returned after other "
+                            "items' random steps ran without waiting for it: had it drawn from random's, numpy's "
+                            "or torch's global generator meanwhile, those items may have drawn other numbers "
+                            "than their seeds give", j, self.steps[j].name)
 
     def apply(self, x: Any, ctx: ItemContext | None = None) -> Any:
         """All steps on one item, in the current order. Without ctx random steps are not

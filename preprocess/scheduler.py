@@ -149,15 +149,33 @@ class Scheduler:
             self.known.update((d[:DIGEST_BYTES], s) for d, s in measured)
         if self.auto_order and self.epochs_run == 1 and self.sample is not None:
             epoch_bytes = {j: (s.bytes_in, s.bytes_out) for j, s in stats.steps.items() if s.items}
-            # it runs the steps on the sample again: watched (and bounded) as when the loader was made
-            report = self._run_watched(lambda: revise(self.pipeline, epoch_bytes, self.sample))
-            if report is not None:
-                self._verify_order("after the first epoch")
+            if self._revise(epoch_bytes):
                 self.fingerprint = None
                 try:
                     self.fingerprint = self.pipeline.fingerprint()
                 except Uncacheable as e:
                     self.uncacheable = str(e)
+
+    def _revise(self, epoch_bytes: dict[int, tuple[int, int]]) -> bool:
+        """AutoOrder's revision after the first epoch (True: the order changed). It runs the
+        steps on sample items again, watched and bounded as when the loader was made; a step
+        over step_timeout there keeps the order the epoch ran, unrevised from then on (a
+        warning): the epoch's items are all made, and a revised order not verified whole
+        must serve none."""
+        p = self.pipeline
+        before = (p.order, p.order_report, dict(p.auto_factors))
+        try:
+            report = self._run_watched(lambda: revise(p, epoch_bytes, self.sample))
+            if report is not None:
+                self._verify_order("after the first epoch")
+        except StepTimeout as e:
+            p.set_order(before[0], before[1])
+            p.auto_factors = before[2]
+            self.auto_order = False
+            log.warning("preprocessing: AutoOrder kept the order %s, unrevised: revising it after the first epoch "
+                        "ran past step_timeout (%s)", p.describe(), e)
+            return False
+        return p.order != before[0]
 
     def _verify_order(self, when: str) -> None:
         """AutoOrder's swaps were checked pair by pair on the sample items only: before its
