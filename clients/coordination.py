@@ -14,7 +14,8 @@
   reports how much of the loading chunk is cached (a sampled Lookup);
 - prefetches missing items of the loading chunk at a capped rate (servers
   cannot read stores or decrypt, so loading is the clients' work).
-Everything tolerates a manager that is down: the last plan holds.
+Everything tolerates a manager that is down: the last plan holds, and batch times of
+reports it never applied (unreachable, or it no longer knew the job) go with the next one.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -47,6 +48,12 @@ RELEASE_BACKOFF_S = 2.0  # after a failed chunk release, the first wait before t
 MAX_RELEASE_BACKOFF_S = 60.0
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 _READ_TRIES = 10_000  # SharedPlan reads of a plan being written before giving up
+REPORT_MAX = 1000  # batches a report carries
+# Codes of a failed batch report that the manager never applied: the connection failed before
+# the call was sent (UNAVAILABLE), or it refused the unknown job before journaling anything
+# (NOT_FOUND). DEADLINE_EXCEEDED and CANCELLED are not here: the manager may have journaled the
+# report and then lost the reply, and it keeps no report ids to drop one sent twice.
+_NOT_APPLIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 
 
 class SharedPlan:
@@ -146,6 +153,7 @@ class JobCoordinator:
         self._mode = "normal"  # what the manager's last reply said the servers apply to this job
         self.prefetch_bandwidth = prefetch_bandwidth
         self._batches: deque = deque(maxlen=10_000)
+        self._batches_lock = threading.Lock()  # batch_time (main thread) vs. put back (the thread)
         self._hit_ratios: deque = deque(maxlen=10_000)   # per sampled batch, not yet handed over
         self._sampler: Any = None                         # watch_hits
         self._stats: Any = None                           # its counters of the epoch
@@ -158,6 +166,10 @@ class JobCoordinator:
         self._chunk_reads: dict[tuple[int, int, int], int] = {}  # (n, k, chunk) -> of them in it
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # Held across each call that answers this job's plan and the taking of its answer: the
+        # manager answers them in the order they are taken, so a plan fetched before a chunk
+        # release (same version, the released chunk still listed) never replaces the release's.
+        self._plan_calls = threading.Lock()
         self.reached = False  # whether the manager has answered yet
         self._thread: threading.Thread | None = None
         # A lone process (no launcher secret) keeps its token of a named job for its next run.
@@ -194,7 +206,9 @@ class JobCoordinator:
         if kept is not None:
             self.client.set_job_token(ds.job, kept)
         try:
-            info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
+            with self._plan_calls:
+                info = self.client.register_job(ds.job, self.dataset, ds.digest.total_bytes, len(ds.digest), n_gpus)
+                self._set_plan(info.plan)
         except self._unavailable as e:
             log.warning("cache manager %s unavailable (%s): training without a plan", self.client.address, e)
             return False
@@ -202,7 +216,6 @@ class JobCoordinator:
             if e.code != grpc.StatusCode.PERMISSION_DENIED:
                 raise
             raise JobRefused(f"{e}. {self._refused_hint(kept)}.", e.code) from None
-        self._set_plan(info.plan)
         self.reached = True
         return True
 
@@ -229,6 +242,11 @@ class JobCoordinator:
             self._thread = threading.Thread(target=self._run, name="mlcache-coordinator", daemon=True)
             self._thread.start()
 
+    def _take_plan(self, call: Callable[[], Plan]) -> None:
+        """Take the plan `call` (a manager call) answers, one such call at a time (_plan_calls)."""
+        with self._plan_calls:
+            self._set_plan(call())
+
     def _set_plan(self, plan: Plan) -> None:
         with self._lock:
             if self.plan is None or plan.version != self.plan.version or plan.chunks != self.plan.chunks:
@@ -247,7 +265,8 @@ class JobCoordinator:
         # Batches are handed over in the order they were sampled: the oldest
         # sampled batch's hit fraction belongs to this one.
         h = self._hit_ratios.popleft() if self._hit_ratios else None
-        self._batches.append((end, duration) if h is None else (end, duration, h))
+        with self._batches_lock:
+            self._batches.append((end, duration) if h is None else (end, duration, h))
 
     def _note_hits(self) -> None:
         st = getattr(self._sampler, "stats", None)
@@ -282,7 +301,7 @@ class JobCoordinator:
             return
         self._released.add(c)
         try:
-            self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
+            self._take_plan(lambda: self.client.release_chunk(self.ds.job, self.dataset, c))
         except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
             if not isinstance(e, self._unavailable):
                 log.warning("releasing chunk %d failed (%s): trying again later", c, e)
@@ -447,22 +466,30 @@ class JobCoordinator:
     def _report(self) -> None:
         """Report the queued batches; with none, report only where an answer said the manager
         may have forgotten the job (an empty report journals nothing; NOT_FOUND if it forgot)."""
-        batch = []
-        while self._batches and len(batch) < 1000:
-            batch.append(self._batches.popleft())
+        with self._batches_lock:
+            batch = [self._batches.popleft() for _ in range(min(REPORT_MAX, len(self._batches)))]
         checking = self._check.is_set()
         if not batch and not checking:
             return
         self._check.clear()  # a refusal of this report is not one to check again on
         try:
             reply = self.client.report_batches(self.ds.job, batch)
-        except self._unavailable:
-            if checking:
+        except ManagerError as e:
+            if e.code in _NOT_APPLIED:  # the manager's regression still wants them: the next report
+                self._put_back(batch)
+            if checking and isinstance(e, self._unavailable):
                 self._check.set()
             raise
         self._mode = reply.mode
         if self.plan is None or reply.plan_version != self.plan.version:
-            self._set_plan(self.client.get_plan(self.dataset, self.ds.job))
+            self._take_plan(lambda: self.client.get_plan(self.dataset, self.ds.job))
+
+    def _put_back(self, batch: list) -> None:
+        """Batches of a report the manager never applied, back in front of those queued since,
+        in order; beyond the queue's bound the oldest go first."""
+        with self._batches_lock:
+            room = (self._batches.maxlen or 0) - len(self._batches)
+            self._batches.extendleft(reversed(batch[max(0, len(batch) - room):]))
 
     @staticmethod
     def _chunk_sample(plan: Plan, chunk: int, n: int) -> list[int]:
@@ -474,7 +501,7 @@ class JobCoordinator:
         if sample:
             present = self.ds.lookup(sample, not_spare=True)  # spare entries are not the chunk's room
             try:
-                self._set_plan(self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
+                self._take_plan(lambda: self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
             except ManagerError as e:
                 self._may_be_forgotten(e)
                 raise
@@ -497,11 +524,11 @@ class JobCoordinator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        try:
-            self._report()
-            self.client.unregister_job(self.ds.job)
-        except Exception:
-            pass
+        for last in (self._report, lambda: self.client.unregister_job(self.ds.job)):
+            try:  # a failed last report still unregisters the job
+                last()
+            except Exception:
+                pass
         self.client.close()
         if self._token_file is not None:
             self._token_file.release()
