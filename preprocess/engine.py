@@ -96,7 +96,9 @@ class EpochRun:
         self.stalls = StallWatch(plan.step_warning, plan.step_timeout,
                                  lambda j: READING if j == READ else pool.pipeline.steps[j].name,
                                  lambda i: f"{i} ({describe(i)})", self._where)
-        self.timed_out: dict[int, tuple[int, int, float]] = {}  # worker stopped -> (item, step, seconds)
+        # worker stopped -> (item, step, seconds, whether the step began in this epoch)
+        self.timed_out: dict[int, tuple[int, int, float, bool]] = {}
+        self.began_ns = time.monotonic_ns()  # monotonic_ns is one clock across the host's processes
         self.alone: set[int] = set()  # items sent in a task of their own (their read is theirs alone)
         self.solo: set[int] = set()   # items to send alone: a read of several, them among, hung
         self._next_watch = 0.0
@@ -264,7 +266,9 @@ class EpochRun:
             if stopped and stuck[1] == READ and stuck[0] not in self.alone:
                 self.solo.update(lost)  # which of the task's items hung is unknown: each is read alone now
                 stuck = None
-            mine = stuck is not None and stuck[0] in lost
+            # the index alone does not tell this epoch's copy of an item from one an earlier
+            # epoch left behind (exactly_once=False) whose step hangs while this one's waits
+            mine = stuck is not None and stuck[3] and stuck[0] in lost
             if not stopped:
                 self.deaths.append(self._death(wid, lost))
                 if len(self.deaths) > RESTARTS:
@@ -279,7 +283,7 @@ class EpochRun:
             self.stats.rerun += len(lost)
             self.pool.resize(self.pool.size + 1)
             if stuck is not None:
-                self._timed_out(wid, *stuck, of_this_epoch=mine)
+                self._timed_out(wid, *stuck[:3], of_this_epoch=mine)
 
     def _watch(self) -> None:
         """Steps stuck on an item (stall.py): warned about; one over step_timeout has its
@@ -289,9 +293,9 @@ class EpochRun:
             return
         self._next_watch = now + every(self.stalls)
         now_ns = time.monotonic_ns()  # before the slots are read (StallWatch.check)
-        for ((wid, _), i, j, _), secs in self.stalls.check(self.pool.progress(), now_ns):
+        for ((wid, _), i, j, started_ns), secs in self.stalls.check(self.pool.progress(), now_ns):
             if wid not in self.timed_out:
-                self.timed_out[wid] = (i, j, secs)
+                self.timed_out[wid] = (i, j, secs, started_ns >= self.began_ns)
                 self.pool.kill(wid)
         self.stats.stalled = self.stalls.warned
 

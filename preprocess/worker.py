@@ -23,6 +23,7 @@ decoder, the OOM killer) the scheduler names the item it died on
 process once the step is over step_timeout (engine.py, stall.py)."""
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import queue
@@ -59,17 +60,17 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
     bgq: queue.Queue = queue.Queue()
-    bg = threading.Thread(target=_background, args=(wid, pipeline, bgq, out, feed, running), name="slow-items",
+    bg = threading.Thread(target=_background, args=(wid, bgq, out, feed, running), name="slow-items",
                           daemon=True)
     bg.start()
     with_target = pairs(ds)
+    pipe = pipeline
     while True:
         task = _next_task(task_q, feed)
         if task is None:
             break
         _, run, epoch, order, t_out, items = task
-        if tuple(order) != pipeline.order:
-            pipeline.order = tuple(order)
+        pipe = in_order(pipe, order)
         try:  # reading the items, and taking them apart: a failure is the task's, named (never a crash)
             slot.item(items[0][0])
             slot.at(READ)  # a hung read is watched as a stuck step is (engine.EpochRun._watch)
@@ -83,10 +84,10 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         for i, to_bg, f, x, tgt, ctx in parts:
             job = (run, i, x, tgt, ctx, f.start, [], time.perf_counter(), f.keep, f.token)
             if to_bg:
-                bgq.put(job)
+                bgq.put((pipe, job))
                 continue
             slot.item(i)
-            _advance(wid, pipeline, job, t_out, out, bgq, feed)
+            _advance(wid, pipe, job, t_out, out, bgq, feed)
             slot.idle()
     bgq.put(None)
     bg.join()
@@ -109,6 +110,20 @@ def _next_task(task_q: Any, feed: Any) -> tuple | None:
         except queue.Empty:
             if parent is not None and not parent.is_alive():
                 return None
+
+
+def in_order(pipe: Pipeline, order: Any) -> Pipeline:
+    """The pipeline to run a task's items with: `pipe` if it runs in the task's order, else
+    a copy in it (sharing the steps). Never pipe itself reordered: an item of an earlier
+    epoch (exactly_once=False) may still run on it in the background, and must finish in
+    the order it started in (a step run twice, another skipped, would be kept under the
+    old order's key by autocache)."""
+    order = tuple(order)
+    if order == pipe.order:
+        return pipe
+    view = copy.copy(pipe)
+    view.order = order
+    return view
 
 
 def _unpack(ds: Any, epoch: int, job_seed: int, i: int, f: Any, with_target: bool) -> tuple:
@@ -139,7 +154,7 @@ def _advance(wid: int, pipeline: Pipeline, job: tuple, t_out: float | None, out:
         return
     if pos < len(pipeline.order):  # over its time: the rest runs in the background
         out.send(("moved", run, wid, i))
-        bgq.put((run, i, x, tgt, ctx, pos, records, started, keep, token))
+        bgq.put((pipeline, (run, i, x, tgt, ctx, pos, records, started, keep, token)))
         return
     try:
         out.send(("done", run, wid, i, x if tgt is NO_TARGET else (x, tgt), records, bgq is None))
@@ -158,13 +173,15 @@ def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: 
     out.send(("error", run, wid, i, j, name, text, records))
 
 
-def _background(wid: int, pipeline: Pipeline, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
+def _background(wid: int, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
+    """Items over their time, each run on in the pipeline (the order) it started with."""
     slot = Slot(running, BACKGROUND)
     bind(slot)
     while True:
-        job = bgq.get()
-        if job is None:
+        entry = bgq.get()
+        if entry is None:
             return
+        pipeline, job = entry
         try:
             slot.item(job[1])
             _advance(wid, pipeline, job, None, out, None, feed)
