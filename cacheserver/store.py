@@ -42,9 +42,9 @@ from .hitlog import HitLog
 from .record import wrap
 from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
-from .stallwrite import Progress, Writes, puts
+from .stallwrite import Progress, puts
 from .storeevict import Evictions
-from .storeflush import Flushes, rocksdb_error
+from .storeflush import Flushes, GatedWrites, WriteGate, rocksdb_error
 from .storereads import Reads
 from .storerecovery import _META, Recovery
 from .tagtable import UNTAGGED, Tag, TagTable, TagUsage, is_spare
@@ -76,7 +76,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self.counters = counters
         self._lock = threading.Lock()
         self.overhead = OVERHEAD
-        self.closing = False
+        self._gate = WriteGate()  # what close waits for: flushes and writes under way (storeflush.py)
         self._protected: Callable[[Tag], bool] = lambda tag: False
 
         self._dir_lock = lock_dir(path)
@@ -124,7 +124,6 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self._large = self._db.get_column_family("large")
         self._large_cf = self._db.get_column_family_handle("large")
         self._writers()
-        self._flushing = 0  # flushes under way (close waits for them)
         self._writing: set[int] = set()  # first sequence numbers of puts being written
         # id -> sequence of a put a write stop ended (put_many): its index record may be in without
         # its value; deleted once writes go again (Flushes._drop_stranded), holding the durable mark
@@ -163,10 +162,11 @@ class Store(Recovery, Flushes, Reads, Evictions):
             self._vopts = rocksdict.WriteOptions()
             self._vopts.disable_wal = True
         # Every write waits out a RocksDB write stop outside RocksDB, or gives up on one that
-        # nothing ends (stallwrite.py).
+        # nothing ends (stallwrite.py); a close gives up on them before it releases RocksDB (storeflush.py).
         self.progress = Progress(self._db)
-        self._logged = Writes(self._db, self._wopts, self.progress)
-        self._unlogged = self._logged if self._vopts is self._wopts else Writes(self._db, self._vopts, self.progress)
+        self._logged = GatedWrites(self._db, self._wopts, self.progress, self._gate)
+        self._unlogged = (self._logged if self._vopts is self._wopts
+                          else GatedWrites(self._db, self._vopts, self.progress, self._gate))
 
     # ---- index helpers (call with the lock held, or before serving) -----
     def _index_add(self, key: bytes, charge: int, tid: int) -> None:

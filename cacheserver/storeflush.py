@@ -1,18 +1,102 @@
 """A store's flushes and its close (Store's part): memtables written to table files
 (with durability "cache" this is what makes values safe from a crash: flusher.py), the
-follower-friendly flush, and a close that ends the flushes under way, including one
-RocksDB holds for a write stop that nothing ends (stallwrite.py).
+follower-friendly flush, and a close that ends the flushes and writes under way, including
+those that wait out a write stop that nothing ends (stallwrite.py), before it releases RocksDB.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import rocksdict
+
+from .diskbudget import BLOB_MIN
+from .stallwrite import Progress, Writes, WriteStopped
 
 log = logging.getLogger("cacheserver")
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
 CLOSE_FLUSH_WAIT_S = 30.0  # a close waits this long at most for a flush RocksDB holds for a write stop
+GIVEN_UP_WAIT_S = 5.0  # ...and this long for flushes and writes it gave up on (each ends at its next try)
+POLL_S = 0.05
+
+
+class WriteGate:
+    """What a close waits for before it releases RocksDB: the flushes under way (from the flusher,
+    puts, requests) and the writes under way (GatedWrites). A writer left running wrote to a
+    closed store. Its lock is never held across RocksDB calls, unlike the store's."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._flushes = self._writes = 0
+        self.closing = False  # no flush starts but close's own
+        self._shut = False  # no write starts, and one waiting out a write stop gives up
+
+    def begin_flush(self, final: bool) -> bool:
+        with self._cond:
+            if self.closing and not final:
+                return False
+            self._flushes += 1
+            return True
+
+    def end_flush(self) -> None:
+        with self._cond:
+            self._flushes -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closing = True
+
+    def flushes_done(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._flushes == 0, timeout)
+
+    def check(self) -> None:
+        if self._shut:
+            raise WriteStopped("the store closes: a write under way was given up")
+
+    def enter(self) -> None:
+        with self._cond:
+            self.check()
+            self._writes += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._writes -= 1
+            self._cond.notify_all()
+
+    def shut(self, timeout: float = 0.0) -> bool:
+        """No write starts from here on, and those under way give up; returns whether they ended."""
+        with self._cond:
+            self._shut = True
+            return self._cond.wait_for(lambda: self._writes == 0, timeout)
+
+
+class GatedWrites(Writes):
+    """stallwrite.Writes counted by the store's WriteGate. A write waiting out a write stop builds
+    its batch again at each try: once the gate shuts, that build raises WriteStopped, so a close
+    waits one poll for it, not STUCK_S (or for ever, for a stop RocksDB's work would end)."""
+
+    def __init__(self, db: rocksdict.Rdict, opts: rocksdict.WriteOptions, progress: Progress,
+                 gate: WriteGate) -> None:
+        super().__init__(db, opts, progress)
+        self.gate = gate
+
+    def __call__(self, build: Callable[[], rocksdict.WriteBatch]) -> None:
+        gate = self.gate
+        gate.enter()
+
+        def checked() -> rocksdict.WriteBatch:
+            gate.check()
+            return build()
+        try:
+            super().__call__(checked)
+        finally:
+            gate.leave()
 
 
 def rocksdb_error(err: BaseException) -> bool:
@@ -27,7 +111,7 @@ class Flushes:
     _db: Any
     _lock: Any
     progress: Any
-    closing: bool
+    _gate: WriteGate
     _state_owed: dict[str, bytes]  # server state a write stop kept off the disk (storerecovery.py)
 
     def _dirty_state(self) -> tuple[float | None, float, float]:
@@ -43,9 +127,24 @@ class Flushes:
         the store), not raised, and the flusher tries again where that may help."""
         return self._flush(final=False)
 
+    @property
+    def closing(self) -> bool:
+        """close() began: no flush starts but its own (nor does a put start one: diskadmit.py)."""
+        return self._gate.closing
+
     def _flush(self, final: bool) -> bool:
+        if self.closing and not final:  # first: a flusher's tick after close touches no RocksDB
+            return False
         if self.progress.stuck() is not None:
             return False
+        if not self._gate.begin_flush(final):  # close waits for it (_end_flushes), its first steps too
+            return False
+        try:
+            return self._flush_begun(final)
+        finally:
+            self._gate.end_flush()
+
+    def _flush_begun(self, final: bool) -> bool:
         if self._stranded:
             self._drop_stranded()
         if self._state_owed:  # server state a write stop kept off the disk (Recovery.keep_state)
@@ -60,13 +159,11 @@ class Flushes:
             # index records of puts a write stop ended (their ids not deleted yet)
             mark = min((*self._writing, *self._stranded.values()), default=self._seq)
             dirty, self._dirty_since = self._dirty_since, None  # a write from here on marks it again
-            self._flushing += 1
         flushed, again = False, True
         try:
             flushed, again = self._flush_files(mark)
         finally:
             with self._lock:
-                self._flushing -= 1
                 if again and dirty is not None:  # still unflushed: the flusher tries again
                     self._dirty_since = min(dirty, self._dirty_since or dirty)
         return flushed
@@ -125,19 +222,40 @@ class Flushes:
             log.warning("flushing the store failed (%s); tried again until it works", why)
 
     def _drop_stranded(self) -> None:
-        """Delete what is left on disk of the ids of puts a write stop ended (put_many): an
-        index record without its value, or a replaced value, that a restart would index, or
-        keep unaccounted. Ids put again since are held as put; ids being put wait."""
+        """Delete what is left on disk of the ids of puts and deletes a write stop ended (put_many,
+        _delete_keys): an index record without its value, or a value no longer indexed, that a
+        restart would index, or keep unaccounted. An id put again since keeps its new records; its
+        old value's copy in the other family goes (a large one in the blob files where it came
+        back small, or the reverse): nothing else would ever delete it. Ids being put wait."""
         with self._lock:
-            stranded = self._stranded
-            gone = [k for k in stranded if k not in self._index and k not in self._pending]
+            stranded, index = self._stranded, self._index
+            ready = [k for k in stranded if k not in self._pending]
+            gone = [k for k in ready if k not in index]
+            back = [(k, index[k][0] >= BLOB_MIN + self.overhead) for k in ready if k in index]
             try:
-                if gone:
-                    self._delete_keys(gone)
-            except Exception:  # stopped again, or a failed store (the flush records it): kept for later
+                if ready:
+                    self._logged(lambda: self._stale_batch(gone, back))
+            except Exception as e:  # stopped again, or a failed store (the flush records it): kept for later
+                self._put_failed(e)
                 return
-            for k in [k for k in stranded if k in self._index] + gone:
+            for k in ready:
                 del stranded[k]
+
+    def _stale_batch(self, gone: list[bytes], back: list[tuple[bytes, bool]]) -> rocksdict.WriteBatch:
+        """Deletes of every record of the ``gone`` ids, and of the copy in the family the held value
+        of each (id, large) in ``back`` is not in (written fresh by its put: no legacy large value
+        in the default family among them, as _restore keeps none stranded)."""
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        for k in gone:
+            wb.delete(k)
+            wb.delete(k, self._meta_cf)
+            wb.delete(k, self._large_cf)
+        for k, large in back:
+            if large:
+                wb.delete(k)
+            else:
+                wb.delete(k, self._large_cf)
+        return wb
 
     def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
         """Flush the memtables (every column family, so the log can go) if they
@@ -150,36 +268,43 @@ class Flushes:
         return self.flush()
 
     def _end_flushes(self, timeout: float = CLOSE_FLUSH_WAIT_S) -> bool:
-        """Wait for the flushes under way (none starts: closing); one that RocksDB holds for a
-        write stop that nothing ends (stallwrite.py), or past ``timeout``, is cancelled with
-        RocksDB's background work, which ends the store's writes. Returns whether it was."""
+        """Wait for the flushes under way, the writes of their first steps included (none starts:
+        closing). One that waits out a write stop that nothing ends (stallwrite.py), or past
+        ``timeout``, is given up: its writes at their next try (the gate shuts), a flush RocksDB
+        holds for the stop with RocksDB's background work, cancelled. Returns whether it was."""
         deadline = time.monotonic() + timeout
-        while self._flushing:
+        while not self._gate.flushes_done(POLL_S):
             why = self.progress.stuck()
             if why is not None or time.monotonic() >= deadline:
-                log.warning("closing the store while RocksDB holds a flush for a write stop (%s); values not "
+                log.warning("closing the store while a flush waits out a write stop (%s); values not "
                             "yet flushed are refetched as misses after restart", why or "it lasted too long")
+                self._gate.shut()
                 self._db.cancel_all_background(True)
+                if not self._gate.flushes_done(GIVEN_UP_WAIT_S):
+                    log.error("a flush still runs %.0f s after the close gave it up", GIVEN_UP_WAIT_S)
                 return True
-            time.sleep(0.05)
         return False
 
     def close(self) -> None:
         """Flush, then release RocksDB (its LOCK) and the data dir, also after a failed write:
-        the embedded cache retries by reopening the same dir in this process. RocksDB's error
-        is raised only where nothing failed before (then it is news), once both are released."""
-        with self._lock:
-            self.closing = True  # no flush starts from here on but the last one below
+        the embedded cache retries by reopening the same dir in this process. Flushes and writes
+        under way end first (a write waiting out a write stop gives up: WriteStopped), or each
+        wrote to a closed store. RocksDB's error is raised only where nothing failed before (then
+        it is news), once both are released."""
+        self._gate.close()  # not under the store's lock: a writer may hold that for a whole stop
         cancelled = False
         try:
             cancelled = self._end_flushes()
             if self._flusher is not None:
-                self._flusher.stop()
+                self._flusher.stop()  # its flushes are over; a later tick starts none (closing)
             self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
             if not cancelled:
                 self._flush(final=True)
         finally:  # whatever went wrong above: a lock kept here stays kept for the process's life
             try:
+                if not self._gate.shut(GIVEN_UP_WAIT_S):  # puts, state: each gives up at its next try
+                    log.error("closing the store while a write still runs %.0f s after it was given up",
+                              GIVEN_UP_WAIT_S)
                 errors = self._release_db()
             finally:
                 os.close(self._dir_lock)
