@@ -18,12 +18,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """Plain lines for a terminal. An event's fields follow its message as key=value: without
+    them a text log lost what only they carry (the port `--metrics-port 0` picked, final counters)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        return line
+
+
+def _text_value(value: object) -> str:
+    """A bare word where that reads back unambiguously; JSON otherwise (spaces, quotes, dicts)."""
+    if isinstance(value, str) and value and not any(c.isspace() or c in '"=' for c in value):
+        return value
+    return json.dumps(value, default=str)
+
+
 def setup(level: str = "info", fmt: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.Formatter.converter = time.gmtime
     root = logging.getLogger()
     root.handlers[:] = [handler]

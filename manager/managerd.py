@@ -124,6 +124,13 @@ class ManagerDaemon:
     def address(self) -> str:
         return join_hostport(self.host, self.port)
 
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of the metrics endpoint: the bound port, which --metrics-port 0 leaves to the OS."""
+        if self.metrics_server is None:
+            return None
+        return join_hostport(self.host, self.metrics_server[0].server_address[1])
+
     def start(self) -> None:
         self.grpc.start()
         for name in ("", SERVICE_NAME):
@@ -134,7 +141,8 @@ class ManagerDaemon:
         event(log, "cachemanager started", listen=self.address, state_dir=self.cfg.state_dir,
               journal_seq=self.store.seq, replayed=self.store.replayed, servers=len(m.registry.servers),
               ring_version=m.registry.version, jobs=len(m.jobs), datasets=len(m.datasets),
-              budget=m.budget(), tls=self.cfg.tls is not None, ray=self.cfg.scaling.ray_address or None)
+              budget=m.budget(), tls=self.cfg.tls is not None, ray=self.cfg.scaling.ray_address or None,
+              metrics=self.metrics_address)
 
     def stop(self, grace: float = 5.0) -> None:
         """Drain: refuse new calls, finish those in flight, push queued server calls, snapshot."""

@@ -23,6 +23,13 @@ class RandomCrop:
     random = True
 
     def __init__(self, scale: tuple[float, float] = (0.25, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
+        # torchvision's RandomCrop(224) takes a size: refused here, not at the first item deep in a worker
+        for name, pair in (("scale", scale), ("ratio", ratio)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                    and all(isinstance(v, (int, float)) and v > 0 for v in pair) and pair[0] <= pair[1]):
+                raise ValueError(f"RandomCrop({name}={pair!r}): {name} is a (low, high) pair of positive numbers, "
+                                 "low <= high (scale: fractions of the area, e.g. (0.25, 1.0); ratio: aspect "
+                                 "ratios); it takes no size: for one, follow RandomCrop() with Resize(size)")
         self.scale, self.ratio = scale, ratio
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

@@ -257,6 +257,45 @@ def test_daemonset_tls_secret_is_readable_by_the_server(manifests):
     assert group_reads or mode & 0o004, f"defaultMode {mode:o}, fsGroup {pod.get('fsGroup')}"
 
 
+# ---- what the files and deploy/README.md's install steps must agree on ----------------------
+DEPLOY_README = os.path.join(ROOT, "deploy", "README.md")
+
+
+def test_systemd_paths_and_user_agree_with_the_install_steps(unit):
+    """The store is the unit's only writable path, on the mount it waits for; the binary, the
+    user, the env file and the TLS files are where deploy/README.md's steps put them."""
+    with open(DEPLOY_README) as f:
+        readme = f.read()
+    svc, env = unit["Service"], read_env_file(ENV)
+    assert env["DATA_DIR"] == "/var/lib/" + svc["StateDirectory"][0]  # ProtectSystem=strict: else read-only
+    assert any(env["DATA_DIR"].startswith(p) for p in unit["Unit"]["RequiresMountsFor"])
+    venv = shlex.split(svc["ExecStart"][0])[0].rsplit("/bin/", 1)[0]
+    assert f"python3 -m venv {venv}" in readme and f"{venv}/bin/pip install" in readme, venv
+    user = svc["User"][0]
+    assert svc["Group"] == [user] and re.search(rf"useradd --system .*\b{user}$", readme, re.M), user
+    assert f"cacheserver.env {svc['EnvironmentFile'][0]}" in readme
+    for key, name in (("TLS_CERT", "server.pem"), ("TLS_KEY", "server-key.pem"), ("TLS_CA", "ca.pem")):
+        where = os.path.dirname(env[key])
+        assert os.path.basename(env[key]) == name and re.search(rf"install .*{re.escape(name)}.* {where}/", readme), key
+
+
+def test_daemonset_ids_paths_and_ports_agree_with_the_readme(manifests):
+    """One uid/gid for the server, its data dir's owner, the image's USER and same-host
+    clients' group; the scrape annotation names the metrics port the server binds."""
+    with open(DEPLOY_README) as f:
+        readme = f.read()
+    spec, c, argv, _ = _daemonset(manifests)
+    args = parse_flags(argv[1:])
+    uid, gid = spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]
+    (init,) = spec["initContainers"]
+    assert f"chown {uid}:{gid} {args.data_dir}" in init["command"][-1]
+    assert f"USER {uid}:{gid}" in readme and f"supplementalGroups: [{gid}]" in readme
+    annotations = manifests[("DaemonSet", "cacheserver")]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    host_path = {v["name"]: v for v in spec["volumes"]}["data"]["hostPath"]["path"]
+    assert f"`{host_path}`" in readme and f"{args.data_dir}/data.sock" in readme
+
+
 # ---- the daemons, started as the files start them ---------------------------------
 # What names the machine (addresses, ports, the store's directory and size, TLS files) is
 # replaced by loopback, free ports and tmp_path; every other argument is the file's own.
