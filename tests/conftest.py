@@ -137,3 +137,55 @@ def shm(tmp_path, monkeypatch):
     monkeypatch.setattr(coalesce, "DEFAULT_DIR", str(root))
     monkeypatch.setattr(coalesce, "_swept", set())
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def ray_heads():
+    """The pytest process's shared Ray head (tests/rayhead.py SharedHead), for the Ray test
+    modules that neither kill nor reconfigure theirs: started by the first test that asks
+    for it, stopped at the session's end. Skipped without the `ray` extra."""
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+    from rayhead import SharedHead
+
+    heads = _shared["ray"] = SharedHead()
+    try:
+        yield heads
+    finally:
+        heads.close()
+        _shared.clear()
+
+
+_shared: dict = {}  # the session's SharedHead, once a test asked for it
+_groups: dict = {}  # module path -> its xdist group
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last Ray test of a run of them (the "ray" group's modules run together on
+    one worker), the shared head stops: idle, it held ~1 GB and some CPU through the rest
+    of the worker's modules. A later test that asks for it starts it again."""
+    result = yield
+    heads = _shared.get("ray")
+    if heads is not None and (nextitem is None or _group_of(nextitem.path) != "ray"):
+        heads.close()
+    return result
+
+
+def _group_of(path) -> str | None:
+    if path not in _groups:
+        _groups[path] = _module_group(path)
+    return _groups[path]
+
+
+@pytest.fixture(scope="module")
+def ray_module(ray_heads):
+    """A module's turn on the shared Ray head: idle as its first test starts (no actor or
+    task of another module on it), left by this process after its last."""
+    with ray_heads.module():
+        yield
+
+
+@pytest.fixture
+def shared_head(ray_heads, ray_module):
+    """The shared Ray head (a rayhead.RayHead), live: started anew if an earlier test left it dead."""
+    return ray_heads.live()

@@ -21,7 +21,10 @@ HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled
             "RAY_USAGE_STATS_ENABLED": "0",
             # Ray waits 30 s for its GCS server's port file; on a loaded 2-core CI host (the other
             # pytest worker busy) the GCS took longer: "Timed out waiting for file .../gcs_server_port"
-            "RAY_gcs_server_port_wait_time_s": "120"}
+            "RAY_gcs_server_port_wait_time_s": "120",
+            # and 30 s for the client server it starts per Ray Client connection: "Starting Ray
+            # client server failed" on a host loaded by the other pytest worker and the head
+            "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
 
 
 # Ports Ray's components take by default whatever we pass (dashboard, its agent's HTTP server,
@@ -53,6 +56,9 @@ class RayHead:
         self.proc = subprocess.Popen(
             [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
              f"--ray-client-server-port={self.client_port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+             # no log monitor: it only forwards workers' output to drivers, and every test's
+             # client joins with log_to_driver=False (worker_logs reads the workers' files)
+             "--include-log-monitor=false",
              "--object-store-memory=100000000", "--disable-usage-stats", f"--temp-dir={self.tmp}"],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -60,9 +66,10 @@ class RayHead:
     def address(self) -> str:
         return f"ray://127.0.0.1:{self.client_port}"
 
-    def connect(self, timeout: float = 150.0):
+    def connect(self, timeout: float = 150.0, **init):
         """Join as a Ray Client (this process); returns the ray module. The bound is for a
-        loaded machine: the head and the client's server each start Python processes."""
+        loaded machine: the head and the client's server each start Python processes.
+        `init`: more of ray.init's arguments (a job's runtime_env)."""
         import ray
 
         os.environ.update(HEAD_ENV)
@@ -74,7 +81,7 @@ class RayHead:
             time.sleep(0.1)
         while True:
             try:
-                ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+                ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, **init)
                 return ray
             except Exception as e:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -130,22 +137,85 @@ def started(ds, pipe, address, tries=3, **kw):
     pytest.fail(f"start() gave no remote workers in {tries} tries: {said}")
 
 
-@contextlib.contextmanager
-def unjoined_head(cpus: int = 2):
-    """A head nobody is connected to (a module fixture's): start() makes (and leaves) the
-    connection. Waits for the head to come up; at the end no share of a connection outlives it."""
-    import ray
-
+def leave(ray) -> None:
+    """This process off the cluster, and no share of a connection start() made outliving it
+    (a failed test's shares must not reach the next test's connection)."""
     from preprocess.remote import cluster
 
-    for k, v in HEAD_ENV.items():
-        os.environ.setdefault(k, v)
-    h = RayHead(cpus=cpus)
-    try:
-        h.connect()
-        disconnect(ray)
-        yield h
-    finally:
-        disconnect(ray)
-        cluster._Joined.users = 0  # a failed test's shares must not outlive the module
-        h.close()
+    disconnect(ray)
+    cluster._Joined.users = 0
+
+
+def held_cpus(ray, wait: float) -> float:
+    """CPUs of the cluster that actors or tasks hold, once they are free or `wait` s passed:
+    an earlier client's actors end as its session is released (Ray's view of the
+    resources follows a moment later)."""
+    deadline = time.monotonic() + wait
+    while True:
+        held = ray.cluster_resources().get("CPU", 0.0) - ray.available_resources().get("CPU", 0.0)
+        if held <= 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
+class SharedHead:
+    """One Ray head (2 CPUs) for the test modules of a pytest process that neither kill nor
+    reconfigure theirs (conftest's ray_heads, shared_head): a head's start-up is 5-8 s on a
+    loaded CI host. Started on first use, closed at the session's end. A module starts on
+    it idle (`idle`: nothing of an earlier module's left on it, this process not joined)
+    and leaves it at its end (`module`); a test gets it live (`live`: started anew if dead)."""
+
+    CPUS = 2
+    IDLE_WAIT_S = 10.0  # then a new head: cheaper than waiting out a lost client's reconnect grace (10-30 s)
+
+    def __init__(self) -> None:
+        self.head: RayHead | None = None
+        self.starts = 0
+
+    def live(self) -> RayHead:
+        """The head, up; started anew (and waited for) where there was none or it died."""
+        if self.head is None or self.head.proc.poll() is not None:
+            self._start()
+        return self.head
+
+    def idle(self, wait: float = IDLE_WAIT_S) -> RayHead:
+        """The live head with no CPU held (no actor or task of an earlier module left), this
+        process not joined to it; one still busy after `wait` s is replaced, with a warning."""
+        starts = self.starts
+        h = self.live()
+        if self.starts != starts:
+            return h  # new: nothing on it
+        ray = h.connect()
+        try:
+            held = held_cpus(ray, wait)
+        finally:
+            leave(ray)
+        if held > 0:
+            warnings.warn(f"the shared Ray head had {held:g} CPU(s) held {wait:g} s after the last "
+                          f"module left it (actors or tasks left running): replaced", RuntimeWarning)
+            self._start()
+        return self.head
+
+    @contextlib.contextmanager
+    def module(self):
+        """A module's turn: the head idle at its start; at its end this process leaves it."""
+        import ray
+
+        try:
+            yield self.idle()
+        finally:
+            leave(ray)
+
+    def _start(self) -> None:
+        self.close()
+        self.head = RayHead(cpus=self.CPUS)
+        self.starts += 1
+        leave(self.head.connect())  # waits for it to come up
+
+    def close(self) -> None:
+        import ray
+
+        leave(ray)
+        if self.head is not None:
+            self.head.close()
+            self.head = None

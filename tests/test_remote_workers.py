@@ -24,21 +24,21 @@ from preprocess import Pipeline  # noqa: E402
 from preprocess.items import item_digest  # noqa: E402
 from preprocess.remote.managed import ManagedPolicy  # noqa: E402
 from procs import manager_with_server  # noqa: E402
-from rayhead import RayHead, disconnect, started  # noqa: E402
+from rayhead import started  # noqa: E402
 from remote_steps import HangElsewhere, Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest)
 
 
-@pytest.fixture(scope="module")
-def head():
-    h = RayHead(cpus=2)
-    try:
-        yield h, h.connect()
-    finally:
-        disconnect(ray)  # also after a lost cluster, when Ray no longer counts itself initialized
-        h.close()
+@pytest.fixture
+def head(shared_head):
+    """The pytest process's shared Ray head (conftest), this process joined to it as the user
+    (the pools use that connection) from the module's first test on, and again where a test
+    found the head dead (the dead one's connection is dropped with it)."""
+    if not ray.is_initialized():
+        shared_head.connect()
+    return shared_head, ray
 
 
 def trainer_epoch(ds, pipe, rw, feed, n, B, seed, epoch=0):

@@ -24,7 +24,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import pool as poolmod  # noqa: E402
-from rayhead import disconnect, started, unjoined_head  # noqa: E402
+from rayhead import disconnect, started  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
@@ -33,10 +33,10 @@ ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
 TWO = dict(autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
 
 
-@pytest.fixture(scope="module")
-def head():
-    with unjoined_head() as h:
-        yield h
+@pytest.fixture
+def head(shared_head):
+    """The pytest process's shared Ray head (conftest), idle as this module began."""
+    return shared_head
 
 
 class Flaky:

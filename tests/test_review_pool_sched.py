@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
-from rayhead import started, unjoined_head  # noqa: E402
+from rayhead import started  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_review_pool_deaths import Flaky, dataset, warm  # noqa: E402
 
@@ -28,10 +28,11 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one R
 TWO = dict(autoscale=AutoscaleConfig(min_workers=2, max_workers=2))
 
 
-@pytest.fixture(scope="module")
-def head():
-    with unjoined_head(cpus=2) as h:
-        yield h
+@pytest.fixture
+def head(shared_head):
+    """The pytest process's shared Ray head (conftest), idle as this module began: its 2 CPUs
+    are what these tests fill."""
+    return shared_head
 
 
 class Unplaced(Flaky):

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 from clients.dataset import CachedDataset  # noqa: E402
 from manager.policy.autoscale import AutoscaleConfig  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
-from rayhead import started, unjoined_head  # noqa: E402
+from rayhead import started  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 from test_review_pool_deaths import is_dead, warm  # noqa: E402
@@ -31,10 +31,10 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one R
 ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
 
 
-@pytest.fixture(scope="module")
-def head():
-    with unjoined_head() as h:
-        yield h
+@pytest.fixture
+def head(shared_head):
+    """The pytest process's shared Ray head (conftest), idle as this module began."""
+    return shared_head
 
 
 def dataset(tmp_path, job, pipe, server, n=32):

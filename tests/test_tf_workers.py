@@ -233,18 +233,15 @@ def test_the_step_runs_where_the_users_code_is_absent(tmp_path):
 
 @pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(300)
-def test_the_step_runs_in_a_ray_worker(tmp_path, monkeypatch):
+def test_the_step_runs_in_a_ray_worker(tmp_path, shared_head):
     """A Ray task (a worker process Ray starts) runs the shipped step; skipped without
-    the `ray` extra (make venv does not install it)."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (the 'ray' extra)")
+    the `ray` extra (make venv does not install it). On the tests' shared Ray head (conftest),
+    joined as a job whose workers find our package but not the tests."""
     step = TFMap(features)
     records = [bytes(r) for r in tf.data.TFRecordDataset(write_shards(str(tmp_path / "d"), 8, 1)[0])
                .as_numpy_iterator()]
-    from rayhead import HEAD_ENV
-    for k, v in HEAD_ENV.items():  # its GCS start-up wait too (a loaded CI host)
-        monkeypatch.setenv(k, v)
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,  # our own, never a shared one
-             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}})
+    from rayhead import disconnect
+    ray = shared_head.connect(runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}})
     try:
         def run_step(step, records):  # local: Ray ships it by value (no test module there)
             return [step(r) for r in records]
@@ -252,7 +249,7 @@ def test_the_step_runs_in_a_ray_worker(tmp_path, monkeypatch):
         remote = ray.remote(run_step)
         got = ray.get(remote.remote(step, records), timeout=240)
     finally:
-        ray.shutdown()
+        disconnect(ray)
     assert as_rows(got) == as_rows([step(r) for r in records])
 
 
