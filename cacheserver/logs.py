@@ -1,6 +1,7 @@
 """Structured logs: one JSON object per line on stderr (journald/kubectl friendly)."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -35,6 +36,15 @@ def _text_value(value: object) -> str:
     if isinstance(value, str) and value and not any(c.isspace() or c in '"=' for c in value):
         return value
     return json.dumps(value, default=str)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format, the daemons' alike (setup's arguments)."""
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written to stderr (default: %(default)s)")
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="json: one JSON object per line (for log collectors); text: plain lines for a terminal "
+                        "(default: %(default)s)")
 
 
 def setup(level: str = "info", fmt: str = "json") -> None:

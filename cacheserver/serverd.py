@@ -72,45 +72,41 @@ def _port(text: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cacheserver", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each default is stated once, by hand as "(default: %(default)s)" (true to the code) or as
+    # what an absent flag means; ArgumentDefaultsHelpFormatter added "(default: None)" to flags
+    # whose help said what their absence does, and --claim-ttl said it twice.
+    p = argparse.ArgumentParser(prog="cacheserver", description=__doc__)
     p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
     p.add_argument("--data-dir", required=True, help="directory for the RocksDB store (local NVMe)")
     p.add_argument("--capacity", required=True, type=_size,
                    help="bytes to store at most, e.g. 200GB, 512MiB; never exceeded")
-    p.add_argument("--peers", default="", help="comma-separated gRPC addresses of all ring members")
-    p.add_argument("--manager", default=None, help="cache manager address HOST:PORT")
+    p.add_argument("--peers", default="",
+                   help="comma-separated gRPC addresses of all ring members, this server included "
+                        "(default: none: a ring of this server alone, or the manager's ring with --manager)")
+    p.add_argument("--manager", default=None,
+                   help="cache manager address HOST:PORT; the ring then follows the manager's (default: none)")
     p.add_argument("--metrics-port", type=_port, default=None,
-                   help="serve Prometheus metrics on this port (0: a free one, logged at start; empty: off)")
+                   help="serve Prometheus metrics on this port (0: a free one, logged at start; empty: off) "
+                        "(default: off)")
     p.add_argument("--data-listen", default="auto",
-                   help="data-plane address HOST:PORT; 'auto' = gRPC port + 1; 'off' disables")
+                   help="data-plane address HOST:PORT; 'auto' = gRPC port + 1; 'off' disables "
+                        "(default: %(default)s)")
     p.add_argument("--unix-socket", default="auto",
-                   help="same-host data-plane socket path; 'auto' = DATA_DIR/data.sock; 'off' disables")
+                   help="same-host data-plane socket path; 'auto' = DATA_DIR/data.sock; 'off' disables "
+                        "(default: %(default)s)")
     p.add_argument("--eviction", default="lru", choices=["lru", "none"],
-                   help="fallback when full: evict least recently used unreferenced entries, or refuse")
-    p.add_argument("--max-item-size", type=_size, default=64 << 20, help="largest accepted value")
-    p.add_argument("--max-batch-size", type=_size, default=256 << 20,
-                   help="largest put batch (sum of values); a get's answer stops at it too (the rest: misses)")
-    p.add_argument("--max-inflight-bytes", type=_size, default=1 << 30,
-                   help="request bodies and get answers held at once across all data-plane connections and "
-                        "gRPC calls; past it a request is answered 'server busy'")
-    # positive: 0 would answer every data-plane connection 'server busy' (clients: server down)
-    p.add_argument("--max-connections", type=_positive_int, default=4096, metavar="N",
-                   help="open data-plane connections at most; one past it is answered 'server busy'")
-    p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
-                   help="a data-plane request that stalls this long while being sent or answered is cut off, "
-                        "as is one not sent or answered within this plus 1 s per MiB")
-    p.add_argument("--max-grpc-calls", type=_positive_int, default=64, metavar="N",
-                   help="gRPC calls served at once (each may hold up to --max-batch-size); past it a call "
-                        "is refused with RESOURCE_EXHAUSTED")
+                   help="fallback when full: evict least recently used unreferenced entries, or refuse "
+                        "(default: %(default)s)")
+    _add_limit_flags(p)
     p.add_argument("--durability", default="cache", choices=list(DURABILITY),
                    help="what a killed server may lose: 'cache' the inserts of its last few seconds "
                         "(refetched as misses; values skip the RocksDB log, about half the CPU per insert), "
-                        "'process' nothing acknowledged, 'power' nothing even on power loss (fsync)")
+                        "'process' nothing acknowledged, 'power' nothing even on power loss (fsync) "
+                        "(default: %(default)s)")
     p.add_argument("--sync-writes", action="store_true", help="the same as --durability power")
     p.add_argument("--claim-ttl", type=_positive_seconds, default=DEFAULT_TTL, metavar="SECONDS",
                    help="how long a client's claim to be reading a miss from the store makes other "
-                        "jobs wait for its insert (default %(default)s)")
+                        "jobs wait for its insert (default: %(default)s)")
     p.add_argument("--salvage", action="store_true",
                    help="if the store's files are damaged, keep what is readable and drop the rest "
                         "(a cache refetches it) instead of refusing to start")
@@ -118,12 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared secret of the cache manager (mode 600): only callers that send it may change "
                         "job modes, chunk references and active chunks, evict, and see tenants in Stats")
     add_tls_flags(p, serves=True, peers="clients")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="least severe log lines written to stderr")
-    p.add_argument("--log-format", default="json", choices=["json", "text"],
-                   help="json: one JSON object per line (for log collectors); text: plain lines for a terminal")
-    p.add_argument("--drain-seconds", type=_drain_seconds, default=6.0, help="grace for calls in flight at SIGTERM")
+    logs.add_flags(p)
+    p.add_argument("--drain-seconds", type=_drain_seconds, default=6.0,
+                   help="grace for calls in flight at SIGTERM (default: %(default)s)")
     return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """The size, connection and time limits of build_parser."""
+    # Sizes as strings: argparse parses a string default with the flag's type, and help shows it.
+    p.add_argument("--max-item-size", type=_size, default="64MiB",
+                   help="largest accepted value (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=_size, default="256MiB",
+                   help="largest put batch (sum of values); a get's answer stops at it too (the rest: misses) "
+                        "(default: %(default)s)")
+    p.add_argument("--max-inflight-bytes", type=_size, default="1GiB",
+                   help="request bodies and get answers held at once across all data-plane connections and "
+                        "gRPC calls; past it a request is answered 'server busy' (default: %(default)s)")
+    # positive: 0 would answer every data-plane connection 'server busy' (clients: server down)
+    p.add_argument("--max-connections", type=_positive_int, default=4096, metavar="N",
+                   help="open data-plane connections at most; one past it is answered 'server busy' "
+                        "(default: %(default)s)")
+    p.add_argument("--request-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                   help="a data-plane request that stalls this long while being sent or answered is cut off, "
+                        "as is one not sent or answered within this plus 1 s per MiB (default: %(default)s)")
+    p.add_argument("--max-grpc-calls", type=_positive_int, default=64, metavar="N",
+                   help="gRPC calls served at once (each may hold up to --max-batch-size); past it a call "
+                        "is refused with RESOURCE_EXHAUSTED (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -260,12 +260,27 @@ class Digest:
         return self._extras.name_offsets is not None
 
     def name(self, i: int) -> str:
-        """Item ``i``'s name within its file (a tar member's name), version 2."""
+        """Item ``i``'s name within its file (a tar member's name), version 2. Only tar digests
+        record names; LookupError says why this one has none."""
         no = self._extras.name_offsets
-        if no is None:
-            raise LookupError("this digest records no item names (made before format version 2)")
         i = self._idx(i)
+        if no is None:
+            raise LookupError(self._no_names(i))
         return bytes(memoryview(self._extras.names)[int(no[i]):int(no[i + 1])]).decode("utf-8")
+
+    def _no_names(self, i: int) -> str:
+        """Why item ``i`` has no name. A files or tfrecord digest never records names (an item is a
+        whole file or a record: its location says which); the message blamed the format version,
+        yet tools/digest writes such digests in version 3."""
+        path, offset, _ = self.location(i)
+        if self.kind is Kind.FILES:
+            return (f"a files digest records no item names: item {i} is the whole file {path!r} "
+                    "(Digest.location(i).path); only tar digests name their items (members)")
+        if self.kind is Kind.TFRECORD:
+            return (f"a tfrecord digest records no item names: item {i} is the record at byte {offset} of "
+                    f"{path!r} (Digest.location(i)); only tar digests name their items (members)")
+        why = "format version 1 predates them" if self.version == 1 else "its writer gave none"
+        return f"this tar digest records no item names ({why}): remake it with tools/digest --format tar"
 
     @cached_property
     def total_bytes(self) -> int:

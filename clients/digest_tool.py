@@ -114,13 +114,15 @@ def _info_parser(prog: str) -> argparse.ArgumentParser:
 def _verify_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{prog} verify",
-        description="Re-read items from the store and compare their SHA-256 with the digest.",
+        description="Re-read items from the store and compare each one's size and SHA-256 with the "
+                    "digest, and its BLAKE3 too in a format-3 digest (which tools/digest writes).",
         epilog="Exit codes: 0 all match, 1 mismatches or errors (each named), 2 usage error.")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--sample", type=_positive, metavar="N", help="check N random items instead of all")
     p.add_argument("--seed", type=int, help="random seed for --sample")
     p.add_argument("--workers", "-j", type=_positive, default=None, metavar="N",
-                   help="parallel readers (threads)")
+                   help="parallel readers, threads (default: cores for a local store, 4 x cores and at "
+                        "least 8 for a remote one)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     _add_storage_options(p)
     return p

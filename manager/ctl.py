@@ -243,7 +243,7 @@ def cmd_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _ring_members(args: argparse.Namespace, parser: argparse.ArgumentParser, tls) -> tuple[list[str], str, str]:
-    """(members, where they came from, a note): --peers, several ADDRs, or one ADDR's --peers."""
+    """(members, where they came from, a note): --peers, several ADDRs, or one ADDR's ring."""
     peers = _split_list([args.peers] if args.peers else [])
     for p in peers:
         try:
@@ -261,14 +261,18 @@ def _ring_members(args: argparse.Namespace, parser: argparse.ArgumentParser, tls
     addr = args.addrs[0]
     with _client(addr, tls, args.timeout) as c:
         info = _rpc(addr, "Info", c.info, tls)
-    members, source = list(info.peers), f"--peers of {addr}"
+    # Info.peers is the server's --peers, or the manager's ring once a server run with --manager
+    # has one (cacheserver/server.py): Info does not say which, so the label names both.
+    members, source = list(info.peers), f"the ring of {addr} (its --peers, or its manager's ring)"
     if not members:
-        return [addr], source, f"{addr} was started without --peers: it is a ring of one"
-    return members, source, "" if addr in members else f"note: {addr} is not in its own --peers list"
+        return [addr], source, (f"{addr} reports no ring (started without --peers, and no ring from a "
+                                "manager yet): it is a ring of one")
+    return members, source, "" if addr in members else f"note: {addr} is not in its own ring"
 
 
 def _ring_checks(nodes: list[str], tls, timeout: float) -> dict[str, str]:
-    """Per member: "ok" if it answers Info with the same --peers, else what differs."""
+    """Per member: "ok" if it answers Info with the same ring (its --peers or its manager's),
+    else what differs."""
     checks: dict[str, str] = {}
     for m in nodes:
         try:
@@ -313,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (_add_certs, _add_stats, _add_ring, add_local_cluster_parser, add_status_parser):
         add(sub)  # add_status_parser: the manager's own view, `cachectl status`
+    for command in sub.choices.values():  # one layout: status's own showed "(default: None)"
+        command.formatter_class = HelpFormatter
     return p
 
 
@@ -331,7 +337,9 @@ def _add_certs(sub: Any) -> None:
                    help="IP addresses for the SubjectAltName; list every address clients dial "
                         "(default: 127.0.0.1)")
     c.add_argument("--clients", type=int, default=1, help="number of client certificates")
-    c.add_argument("--days", type=int, default=certs.CERT_DAYS, help="validity of server/client certificates")
+    c.add_argument("--days", type=int, default=certs.CERT_DAYS,
+                   help=f"validity in days of the server, manager and client certificates (the CA's: "
+                        f"{certs.CA_DAYS})")
     c.add_argument("--key-type", choices=certs.KEY_TYPES, default="ec", help="EC P-256 or RSA 2048")
     c.add_argument("--force", action="store_true", help="replace existing files")
     c.set_defaults(func=cmd_certs, subparser=c)
@@ -352,12 +360,13 @@ def _add_ring(sub: Any) -> None:
     from cacheserver.client.hashring import DEFAULT_VNODES
     r = sub.add_parser("ring", formatter_class=HelpFormatter, help="show ring members and their share of the key space",
                        description="Members come from --peers, from several ADDRs, or, with one ADDR, "
-                                   "from that server's --peers (its Info).")
+                                   "from that server's ring (its Info): its --peers, or the manager's ring "
+                                   "when it runs with --manager.")
     r.add_argument("addrs", metavar="ADDR", nargs="*", type=_check_addr, help="server gRPC address(es)")
     r.add_argument("--peers", default="", help="comma-separated ring members")
     r.add_argument("--vnodes", type=int, default=DEFAULT_VNODES, help="virtual nodes per member (as clients use)")
     r.add_argument("--check", action="store_true",
-                   help="also ask every member for its Info: reachable, and same --peers")
+                   help="also ask every member for its Info: reachable, and the same ring")
     r.add_argument("--json", action="store_true", help="print JSON")
     _add_tls(r)
     r.set_defaults(func=cmd_ring, subparser=r)

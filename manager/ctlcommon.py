@@ -12,10 +12,12 @@ class CtlError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones (None, False) whose help already says what happens."""
+    """Shows defaults, except the empty ones (None, False, "": `ring --peers` showed "(default: )")
+    whose help already says what happens, and those the help states itself."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
+        empty = action.default is None or action.default is False or action.default == ""  # not 0
+        if empty or "(default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 

@@ -161,48 +161,68 @@ class ManagerDaemon:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cachemanager", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each default is stated once, by hand as "(default: %(default)s)" (true to the code) or as
+    # what an absent flag means; ArgumentDefaultsHelpFormatter appended a second "(default: None)".
+    p = argparse.ArgumentParser(prog="cachemanager", description=__doc__)
     p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
     p.add_argument("--state-dir", required=True, help="directory for the journal and snapshots")
     p.add_argument("--budget", type=parse_size, default=None,
                    help="cache bytes to allocate (default: total capacity of the servers in the ring)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0: a free one, logged at start) (default: off)")
     add_tls_flags(p, serves=True, peers="servers and clients", cert_note=", also towards servers")
     p.add_argument("--cluster-token-file", default=None, metavar="FILE",
                    help="the servers' --cluster-token-file: sent with mode changes and evictions; callers "
                         "that send it see every job in Status and may report chunk loads without a job")
-    p.add_argument("--heartbeat-seconds", type=float, default=5.0, help="heartbeat interval told to servers")
+    p.add_argument("--heartbeat-seconds", type=float, default=5.0,
+                   help="heartbeat interval told to servers (default: %(default)s)")
     p.add_argument("--heartbeat-misses", type=int, default=3,
-                   help="a server missing this many heartbeats leaves the ring")
+                   help="a server missing this many heartbeats leaves the ring (below 1: 1) (default: %(default)s)")
     p.add_argument("--forget-servers-after", type=float, default=86400.0, metavar="SECONDS",
                    help="a server out of the ring this long is forgotten: its record (cachectl status) and the "
-                        "evictions owed to it go; back later, it joins as a new server (docs/manager.md)")
+                        "evictions owed to it go; back later, it joins as a new server (docs/manager.md) "
+                        "(default: %(default)s)")
     p.add_argument("--decision-seconds", type=float, default=5.0,
-                   help="period of the decision loop (time-outs, allocation)")
+                   help="period of the decision loop (time-outs, allocation) (default: %(default)s)")
     p.add_argument("--reconcile-seconds", type=float, default=5.0,
                    help="period of reconciling every server with the state (a safety net for missed calls; "
-                        "a joining server is reconciled at once)")
-    p.add_argument("--chunk-size", type=parse_size, default=15 * 10**9,
-                   help="largest chunk (a chunk is min(this, 10%% of the dataset))")
+                        "a joining server is reconciled at once) (default: %(default)s)")
+    _add_policy_flags(p)
+    p.add_argument("--snapshot-every", type=int, default=1000,
+                   help="journal events between snapshots (default: %(default)s)")
+    p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
+    p.add_argument("--server-timeout", type=float, default=2.0,
+                   help="seconds per call to a cache server (default: %(default)s)")
+    logs.add_flags(p)
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="grace for calls in flight at SIGTERM (default: %(default)s)")
+    return p
+
+
+def _add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """The allocation and double-buffering flags of build_parser."""
+    p.add_argument("--chunk-size", type=parse_size, default="15GB",  # a string: argparse parses it, help shows it
+                   help="largest chunk (a chunk is min(this, 10%% of the dataset)) (default: %(default)s)")
     p.add_argument("--chunks", action="store_true",
-                   help="allocate by the FULL / CHUNKED (double buffering) / NONE knapsack instead of the default "
+                   help="allocate by the FULL / CHUNKED (double buffering) / NONE knapsack; without it: "
                         "benefit-sized shares with one shared LRU (docs/manager-policy.md)")
     p.add_argument("--bypass-probes", action="store_true",
-                   help="measure each job's benefit by Quiver's probes (batches in bypass, then normal) instead "
-                        "of the default: regressing reported batch times on their miss fraction, with a bypass "
-                        "probe only for a job whose regression stays unsure")
+                   help="measure each job's benefit by Quiver's probes (batches in bypass, then normal); without "
+                        "it: by regressing reported batch times on their miss fraction, with a bypass probe only "
+                        "for a job whose regression stays unsure")
     p.add_argument("--no-chunks", action="store_true",
-                   help="no double-buffered chunks: a dataset that does not fit in full shares the room "
-                        "full datasets leave, as spare entries (LRU with substitutable hits)")
+                   help="implies --chunks, without double-buffered chunks: a dataset that does not fit in full "
+                        "shares the room full datasets leave, as spare entries (LRU with substitutable hits)")
     p.add_argument("--job-timeout-seconds", type=float, default=900.0,
-                   help="a job not heard from for this long is unregistered")
+                   help="a job not heard from for this long is unregistered (default: %(default)s)")
     p.add_argument("--dataset-grace-seconds", type=float, default=300.0,
-                   help="a dataset keeps its space this long after its last job left")
+                   help="a dataset keeps its space this long after its last job left (default: %(default)s)")
     p.add_argument("--straggler-seconds", type=float, default=600.0,
-                   help="forced-eviction timeout of a marked chunk before pass times are known")
+                   help="forced-eviction timeout of a marked chunk before pass times are known "
+                        "(default: %(default)s)")
     p.add_argument("--straggler-min-seconds", type=float, default=60.0,
-                   help="lower clamp of the adaptive straggler timeout (1.5 x median pass time)")
+                   help="lower clamp of the adaptive straggler timeout (1.5 x median pass time) "
+                        "(default: %(default)s)")
     p.add_argument("--max-marked-seconds", type=float, default=None,
                    help="evict a marked chunk after this long regardless (default: off)")
     p.add_argument("--policy-config", default=None, metavar="FILE",
@@ -211,15 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", default=None, metavar="ray://HOST:PORT",
                    help="the Ray cluster for remote preprocessing workers (its head's client server): jobs with "
                         "remote='auto' get it, and their worker counts are decided here (docs/preprocess.md)")
-    p.add_argument("--snapshot-every", type=int, default=1000, help="journal events between snapshots")
-    p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal (tests only)")
-    p.add_argument("--server-timeout", type=float, default=2.0, help="seconds per call to a cache server")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="least severe log lines written to stderr")
-    p.add_argument("--log-format", default="json", choices=["json", "text"],
-                   help="json: one JSON object per line (for log collectors); text: plain lines for a terminal")
-    p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for calls in flight at SIGTERM")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:

@@ -112,7 +112,7 @@ def test_ring_from_server_info(ring_of_two):
     a, b = ring_of_two
     r = cachectl("ring", a)
     assert r.returncode == 0, r.stderr
-    assert f"ring: 2 members from --peers of {a}, 160 vnodes each" in r.stdout
+    assert f"ring: 2 members from the ring of {a} (its --peers, or its manager's ring), 160 vnodes each" in r.stdout
     share = HashRing([a, b]).describe()
     for m in (a, b):
         assert re.search(rf"^\s+{re.escape(m)}\s+{100 * share[m]:.1f}%\s+#+$", r.stdout, re.M), r.stdout
