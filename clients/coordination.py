@@ -49,6 +49,11 @@ MAX_RELEASE_BACKOFF_S = 60.0
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 _READ_TRIES = 10_000  # SharedPlan reads of a plan being written before giving up
 REPORT_MAX = 1000  # batches a report carries
+# Items a prefetch reads between two checks of the stop: close() waits for the part in hand
+# only (a slow store may take seconds an item), not for the whole prefetch. As many as the
+# default fetch_threads, so a part still reads them all at once from a high-latency store.
+PREFETCH_PART = 16
+CLOSE_WAIT_S = 5.0  # close() waits at most this long for the thread
 # Codes of a failed batch report that the manager never applied: the connection failed before
 # the call was sent (UNAVAILABLE), or it refused the unknown job before journaling anything
 # (NOT_FOUND). DEADLINE_EXCEEDED and CANCELLED are not here: the manager may have journaled the
@@ -124,6 +129,12 @@ class SharedPlan:
         return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading
 
 
+def _listing(plan: Plan) -> tuple[int, int, int]:
+    """Which plan listed a chunk: its chunking and version (a new buffer, or the chunk's
+    turn to load again, comes with a new version)."""
+    return plan.n_items, plan.k, plan.version
+
+
 class CoordinatedDataset(Protocol):
     """What the coordinator needs of its dataset (clients/dataset.py's CachedDataset)."""
     job: str
@@ -158,8 +169,10 @@ class JobCoordinator:
         self._sampler: Any = None                         # watch_hits
         self._stats: Any = None                           # its counters of the epoch
         self._seen = (0, 0)
-        self._consumed: Counter = Counter()
-        self._released: set[int] = set()
+        self._read: np.ndarray | None = None  # items consumed this epoch (see consumed())
+        self._consumed: Counter = Counter()  # chunk -> of its items in _read, in chunking _counted_as
+        self._counted_as: tuple[int, int] | None = None  # (n_items, k)
+        self._released: dict[int, tuple[int, int, int]] = {}  # chunk -> _listing() it was released under
         self._release_after = 0.0  # no release is tried before this (monotonic) while the manager fails
         self._release_backoff = RELEASE_BACKOFF_S
         self._expected: np.ndarray | None = None  # items this epoch reads (None: all)
@@ -280,18 +293,45 @@ class JobCoordinator:
 
     def consumed(self, batch: list[int]) -> None:
         """Note the batch's hit fraction; count items read per chunk; a chunk read
-        to the end is released."""
+        to the end is released.
+
+        The manager may re-chunk mid-epoch (a new DoubleBuffer: the budget or the servers
+        changed, or its flags): items read are kept whatever the plan, and counted per chunk
+        in the current chunking only, so counts of one chunking never stand for another's. A
+        release answers the plan that listed the chunk; a later plan listing it again (a new
+        buffer, or its turn again) is a new assignment, released once its items are read."""
         self._note_hits()
         plan = self.plan
+        fresh = self._mark_read(batch)  # also under a full or no plan: a chunked one may follow
         if plan is None or plan.option != Option.CHUNKED:
             return
-        for i in batch:
-            self._consumed[plan.chunk_of(i)] += 1
+        if self._counted_as != (plan.n_items, plan.k):  # re-chunked: counts of the old chunking mean nothing
+            self._consumed.clear()
+            self._counted_as = (plan.n_items, plan.k)
+        for i in fresh:
+            c = plan.chunk_of(int(i))
+            if c in self._consumed:  # else counted from _read when first needed
+                self._consumed[c] += 1
         for c in plan.chunks:
-            if c not in self._released and self._consumed[c] >= self._to_read(plan, c):
-                self._release(c)
+            if c not in self._consumed:
+                self._consumed[c] = self._count_read(plan, c)
+            if self._released.get(c) != _listing(plan) and self._consumed[c] >= self._to_read(plan, c):
+                self._release(c, plan)
 
-    def _release(self, c: int) -> None:
+    def _mark_read(self, batch: Sequence[int]) -> np.ndarray:
+        """Mark the batch's items read this epoch; returns those not read before."""
+        if self._read is None:
+            self._read = np.zeros(len(self.ds.digest), bool)
+        idx = np.unique(np.asarray(batch, np.int64))
+        fresh = idx[~self._read[idx]]
+        self._read[fresh] = True
+        return fresh
+
+    def _count_read(self, plan: Plan, c: int) -> int:
+        read = self._read
+        return 0 if read is None else sum(int(read[r.start:r.stop].sum()) for r in plan.members(c))
+
+    def _release(self, c: int, plan: Plan) -> None:
         """Release a chunk read to the end. The call runs in the training loop's thread, so
         once the manager fails (each try may wait out the call's deadline, or it answers that it
         no longer knows the job) it is tried again only after a back-off that doubles, not after
@@ -299,14 +339,14 @@ class JobCoordinator:
         now = time.monotonic()
         if now < self._release_after:
             return
-        self._released.add(c)
+        self._released[c] = _listing(plan)
         try:
             self._take_plan(lambda: self.client.release_chunk(self.ds.job, self.dataset, c))
         except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
             if not isinstance(e, self._unavailable):
                 log.warning("releasing chunk %d failed (%s): trying again later", c, e)
                 self._may_be_forgotten(e)  # NOT_FOUND: the coordinator's thread registers again
-            self._released.discard(c)
+            self._released.pop(c, None)
             self._release_after = now + self._release_backoff
             self._release_backoff = min(2 * self._release_backoff, MAX_RELEASE_BACKOFF_S)
         else:
@@ -316,6 +356,8 @@ class JobCoordinator:
         self._hit_ratios.clear()  # batches sampled ahead but never handed over
         self._consumed.clear()
         self._released.clear()
+        if self._read is not None:
+            self._read[:] = False
 
     def expect(self, items: Sequence[int] | None) -> None:
         """The items this epoch reads (None: all): a DDP rank's share, or what a resumed
@@ -435,13 +477,16 @@ class JobCoordinator:
                 self._report()
                 self._send_unsent()
                 # One read of the plan: the main thread may swap it meanwhile (a released
-                # chunk), and its `loading` may then be None.
+                # chunk), and its `loading` may then be None. Nothing touches the dataset once
+                # close() began: it closes the dataset's process state next, and a lookup or
+                # prefetch would make that state again (its clients and threads leaked).
                 plan = self.plan
-                if plan is not None and plan.loading is not None:
+                if plan is not None and plan.loading is not None and not self._stop.is_set():
                     if time.monotonic() - last_loaded > 2.0:
                         last_loaded = time.monotonic()
                         self._report_loaded(plan, plan.loading)
-                    self._prefetch(plan, plan.loading)
+                    if not self._stop.is_set():
+                        self._prefetch(plan, plan.loading)
             except self._unavailable:
                 continue  # the last plan holds
             except ManagerError as e:
@@ -517,13 +562,18 @@ class JobCoordinator:
             if size > budget:
                 break
             take.append(i)
-        if take:
-            self.ds.prefetch(take)
+        for k in range(0, len(take), PREFETCH_PART):
+            if self._stop.is_set():
+                return
+            self.ds.prefetch(take[k:k + PREFETCH_PART])
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(CLOSE_WAIT_S)  # it stops after the prefetch part in hand
+            if self._thread.is_alive():
+                log.warning("the cache coordination thread of job %s did not stop within %.0f s (a store "
+                            "read or manager call still runs)", self.ds.job, CLOSE_WAIT_S)
         for last in (self._report, lambda: self.client.unregister_job(self.ds.job)):
             try:  # a failed last report still unregisters the job
                 last()
