@@ -31,6 +31,7 @@ import operator
 import os
 import pickle
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +48,7 @@ from .coordination import JobCoordinator, SharedPlan
 from .digest import Digest, Kind
 from .storeread import read_items
 from .embedded import DEFAULT_CAPACITY, EmbeddedCache
-from .procstate import ProcessState, per_process
+from .procstate import DatasetClosed, ProcessState, close_after, per_process, take
 from .samples import Samples
 from .stats import SharedCounters
 from .stats import worker_row as _worker_row
@@ -112,14 +113,34 @@ class CachedDataset(_TorchDataset):
         self.plan = SharedPlan()  # without a manager: insert everything as chunk 0
         self.coordinator: JobCoordinator | None = None
         self.embedded: EmbeddedCache | None = None
+        self._state: ProcessState | None = None
+        self._closed = False  # close() ran in this process (or before this copy was pickled)
+        self._draining: threading.Thread | None = None  # close()'s coordination thread, still ending
         if isinstance(cache, str):
             if not cache.strip(" ,"):
                 raise ValueError(f"cache={cache!r} names no server: pass 'host:port[,host:port...]', "
                                  f"cache=None for the embedded cache or cache=False for none")
             parse_spec(cache)  # a malformed address fails here, not at the first batch
+        try:
+            self._connect(cache, manager, n_gpus, bool(job), cache_dir, capacity)
+        except BaseException:
+            # a registered job and its token file (or a started embedded cache) outlived the
+            # error: the corrected retry of a job= was refused as "held by a running process"
+            try:
+                self.close()
+            except Exception:  # the error raised is the construction's, not the clean-up's
+                log.exception("closing a CachedDataset whose construction failed")
+            raise
+        self.counters = SharedCounters()
+        self._ids: list[bytes | None] | None = None
+
+    def _connect(self, cache: str | None | bool, manager: str | None, n_gpus: int, named: bool,
+                 cache_dir: str | None, capacity: int | str) -> None:
+        """Register the job with the manager (taking its ring where no cache is given), then
+        set the cache up (_set_cache)."""
         if manager is not None:
             split_hostport(manager, "cache manager address")
-            self.coordinator = JobCoordinator(self, manager, n_gpus, keep_token=bool(job))
+            self.coordinator = JobCoordinator(self, manager, n_gpus, keep_token=named)
             if cache is None:
                 cache = self.coordinator.ring_spec()
                 if cache is None:
@@ -127,9 +148,6 @@ class CachedDataset(_TorchDataset):
                            else "cannot be reached and no ring of it is saved")
                     raise ValueError(f"cache manager {manager} {why}, and no cache= addresses were given")
         self._set_cache(cache, cache_dir, capacity)
-        self.counters = SharedCounters()
-        self._state: ProcessState | None = None
-        self._ids: list[bytes | None] | None = None
 
     def _set_cache(self, cache: str | None | bool, cache_dir: str | None, capacity: int | str) -> None:
         """The ring every process reads (cache_spec: resolved addresses, or None for no
@@ -185,6 +203,7 @@ class CachedDataset(_TorchDataset):
         state["embedded"] = None  # owned by the process that started it
         state["coordinator"] = None  # the main process talks to the manager
         state["_ids"] = None  # cheap to derive again
+        state["_draining"] = None  # a thread of this process
         # Workers reload the digest from its file (fast), else from its bytes.
         state["digest"] = None if self._digest_path else self.digest.to_bytes()
         return state
@@ -215,6 +234,12 @@ class CachedDataset(_TorchDataset):
         return pickle.dumps(clone)  # __getstate__: the digest as bytes (no path), no process state
 
     def _proc(self) -> ProcessState:
+        if self._closed:
+            st = self._state
+            if st is not None and st.pid == os.getpid() and threading.current_thread() is self._draining:
+                return st  # the coordination thread ending its step: the state closes once it ends
+            raise DatasetClosed(f"this CachedDataset (digest {self._digest_path or self.digest.root}) was "
+                                f"closed: make a new one to read again")
         return per_process(self, "_state", lambda: ProcessState(self))
 
     # ---- ids ------------------------------------------------------------
@@ -523,15 +548,28 @@ class CachedDataset(_TorchDataset):
                            rank=rank, world_size=world_size, **dataloader_kwargs)
 
     def close(self) -> None:
-        if self.coordinator is not None:
-            self.coordinator.close()
-            self.coordinator = None
-        if self._state is not None:
-            self._state.close()
-            self._state = None
-        if self.embedded is not None:
-            self.embedded.release()  # closed when no other dataset of this process shares it
-            self.embedded = None
+        """Let go of what the dataset holds in this process: its job at the manager, the
+        process's clients and threads, its share of the embedded cache. Reads after it raise
+        DatasetClosed; closing again does nothing. A coordination thread that outlives the
+        coordinator's close() (amid a slow store read) keeps the process state until it ends."""
+        self._closed = True
+        coord = take(self, "coordinator")
+        if coord is not None:
+            self._draining = coord._thread  # may use the state while coord.close() waits for it
+            coord.close()
+            if self._draining is not None and self._draining.is_alive():
+                close_after(self._draining, self._release)
+                return
+        if self._draining is None or not self._draining.is_alive():  # else close_after releases
+            self._release()
+
+    def _release(self) -> None:
+        state = take(self, "_state")
+        if state is not None:
+            state.close()
+        embedded = take(self, "embedded")
+        if embedded is not None:
+            embedded.release()  # closed when no other dataset of this process shares it
 
 
 def _as_pipeline(transform: Any) -> Any:

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from cacheserver import inproc
-from cacheserver.client.server_client import RecordsMismatch
+from cacheserver.client.server_client import ClientClosed, RecordsMismatch
 
 from . import capability, checked
 from .procstate import ProcessState
@@ -107,6 +107,8 @@ def _put_part(ds: Any, st: ProcessState, items: list, chunk: int, replace: bool)
             st.ring.put(items, ds.job, ds.dataset_tag, chunk, replace=replace, unsent=unsent)
         except RecordsMismatch:  # the wrong server for this cache's records, not a refusal
             raise
+        except ClientClosed:  # the dataset closed under this batch (another thread): not a refusal
+            return list(range(len(items)))
         except ValueError as e:  # refused whole (over its --max-item-size or --max-batch-size):
             # not cached, as a full cache; training goes on from the store
             _warn_once("put refused", f"a cache server refused a put of {len(items)} items, "

@@ -50,6 +50,32 @@ def per_process(owner: Any, attr: str, make: Callable[[], T]) -> T:
     return st
 
 
+def take(owner: Any, attr: str) -> Any:
+    """owner.<attr>, set to None: handed to one caller only, however many threads ask at
+    once (two close() calls must not both close one state, or release one cache twice)."""
+    with _making:
+        value = getattr(owner, attr)
+        setattr(owner, attr, None)
+    return value
+
+
+class DatasetClosed(RuntimeError):
+    """A read of a CachedDataset in a process after its close(): it would have opened the
+    process's clients and threads again, which nobody closes then."""
+
+
+def close_after(thread: threading.Thread, close: Callable[[], None]) -> None:
+    """close() once `thread` has ended, from a daemon thread: the coordination thread that
+    CachedDataset.close() waited for in vain may be amid a store read or a put with the
+    process state, which then must stay open under it (a put on a closed client was lost,
+    its items read from the store for nothing, and warned about as a server's refusal)."""
+    def wait_then_close() -> None:
+        thread.join()
+        close()
+
+    threading.Thread(target=wait_then_close, name="mlcache-close-after", daemon=True).start()
+
+
 class ProcessState:
     """What one process opens for the dataset; never pickled."""
 

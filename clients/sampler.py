@@ -88,6 +88,7 @@ from cacheserver.vocab import HIT, PENDING
 from .ddpseed import check_same_seed
 from .epochshare import Progress, Share
 from .frontwalk import FrontWalk
+from .procstate import DatasetClosed
 
 # A look-up answers per item (vocab.py): HIT (or True) cached, 0 (False) not,
 # PENDING not cached but another job is reading it from the store now (it will
@@ -237,6 +238,8 @@ class SubstitutableBatchSampler:
             return [False] * len(window)
         try:
             present = self.lookup(window)
+        except DatasetClosed:  # closed under the epoch: it ends, as the loader's next read would end it
+            raise
         except Exception:  # the cache is an optimisation: never fail the epoch for it
             self.stats.lookup_failures += 1
             return [False] * len(window)
