@@ -12,7 +12,7 @@ from .core import Limits
 from .malloc import keep_freed_memory
 from .runtime import run_until_signal
 from .server import CacheServer, ServerConfig
-from .sizes import parse_size
+from .sizes import size_flag
 from .store import DURABILITY, DataDirBusy
 from .tls import add_tls_flags, tls_from_args
 
@@ -54,15 +54,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _size(text: str) -> int:
-    """parse_size for argparse, keeping its message (argparse replaces a ValueError's by
-    "invalid parse_size value")."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _port(text: str) -> int | None:
     if text == "":  # an empty setting (systemd's METRICS_PORT=) turns metrics off
         return None
@@ -78,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheserver", description=__doc__)
     p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
     p.add_argument("--data-dir", required=True, help="directory for the RocksDB store (local NVMe)")
-    p.add_argument("--capacity", required=True, type=_size,
+    p.add_argument("--capacity", required=True, type=size_flag,
                    help="bytes to store at most, e.g. 200GB, 512MiB; never exceeded")
     p.add_argument("--peers", default="",
                    help="comma-separated gRPC addresses of all ring members, this server included "
@@ -123,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     """The size, connection and time limits of build_parser."""
     # Sizes as strings: argparse parses a string default with the flag's type, and help shows it.
-    p.add_argument("--max-item-size", type=_size, default="64MiB",
+    p.add_argument("--max-item-size", type=size_flag, default="64MiB",
                    help="largest accepted value (default: %(default)s)")
-    p.add_argument("--max-batch-size", type=_size, default="256MiB",
+    p.add_argument("--max-batch-size", type=size_flag, default="256MiB",
                    help="largest put batch (sum of values); a get's answer stops at it too (the rest: misses) "
                         "(default: %(default)s)")
-    p.add_argument("--max-inflight-bytes", type=_size, default="1GiB",
+    p.add_argument("--max-inflight-bytes", type=size_flag, default="1GiB",
                    help="request bodies and get answers held at once across all data-plane connections and "
                         "gRPC calls; past it a request is answered 'server busy' (default: %(default)s)")
     # positive: 0 would answer every data-plane connection 'server busy' (clients: server down)

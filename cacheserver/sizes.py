@@ -1,6 +1,7 @@
 """Human byte sizes ("200GB", "1.5GiB", "64MB") for flags and reports."""
 from __future__ import annotations
 
+import argparse
 import re
 
 _UNITS = {
@@ -23,6 +24,16 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (expected e.g. 200GB, 512MiB, 1048576)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def size_flag(text: str) -> int:
+    """parse_size as an argparse ``type=``: argparse replaces a ValueError's message by
+    "invalid parse_size value: ...", naming a function; this keeps parse_size's own
+    ("not a size: ... (expected e.g. 200GB, ...)") after the flag's name."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_size(n: float) -> str:

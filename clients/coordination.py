@@ -14,8 +14,9 @@
   reports how much of the loading chunk is cached (a sampled Lookup);
 - prefetches missing items of the loading chunk at a capped rate (servers
   cannot read stores or decrypt, so loading is the clients' work).
-Everything tolerates a manager that is down: the last plan holds, and batch times of
-reports it never applied (unreachable, or it no longer knew the job) go with the next one.
+Everything tolerates a manager that is down: the last plan holds, and a batch report whose
+call failed is sent again under its number (the manager applies a number once: its reply may
+have been lost after it applied the report).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import multiprocessing
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ from manager import jobtokens
 from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
 from manager.policy.autocache import Decision, PipelineCosts
 
+from .batchreports import BatchReports
 from .jobtokenfile import JobTokenFile
 
 log = logging.getLogger("mlcache.client")
@@ -48,18 +50,11 @@ RELEASE_BACKOFF_S = 2.0  # after a failed chunk release, the first wait before t
 MAX_RELEASE_BACKOFF_S = 60.0
 SPARE = -1  # the chunk tag of an item outside the plan's chunks
 _READ_TRIES = 10_000  # SharedPlan reads of a plan being written before giving up
-REPORT_MAX = 1000  # batches a report carries
 # Items a prefetch reads between two checks of the stop: close() waits for the part in hand
 # only (a slow store may take seconds an item), not for the whole prefetch. As many as the
 # default fetch_threads, so a part still reads them all at once from a high-latency store.
 PREFETCH_PART = 16
 CLOSE_WAIT_S = 5.0  # close() waits at most this long for the thread
-# Codes of a failed batch report that the manager never applied: the connection failed before
-# the call was sent (UNAVAILABLE), or it refused the unknown job before journaling anything
-# (NOT_FOUND). DEADLINE_EXCEEDED and CANCELLED are not here: the manager may have journaled the
-# report and then lost the reply, and it keeps no report ids to drop one sent twice.
-_NOT_APPLIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
-
 
 class SharedPlan:
     """The current plan in shared memory: [seq, option, k, n_items, n_chunks, chunks...].
@@ -163,12 +158,7 @@ class JobCoordinator:
         self.quiet_report_seconds = max(report_seconds, quiet_report_seconds)
         self._mode = "normal"  # what the manager's last reply said the servers apply to this job
         self.prefetch_bandwidth = prefetch_bandwidth
-        self._batches: deque = deque(maxlen=10_000)
-        self._batches_lock = threading.Lock()  # batch_time (main thread) vs. put back (the thread)
-        self._hit_ratios: deque = deque(maxlen=10_000)   # per sampled batch, not yet handed over
-        self._sampler: Any = None                         # watch_hits
-        self._stats: Any = None                           # its counters of the epoch
-        self._seen = (0, 0)
+        self.reports = BatchReports()  # batch times for the manager (clients/batchreports.py)
         self._read: np.ndarray | None = None  # items consumed this epoch (see consumed())
         self._consumed: Counter = Counter()  # chunk -> of its items in _read, in chunking _counted_as
         self._counted_as: tuple[int, int] | None = None  # (n_items, k)
@@ -272,24 +262,10 @@ class JobCoordinator:
         give each batch's hit fraction, sent with the batch's time to the manager,
         which regresses batch time on it to measure the job's benefit without
         bypass probes."""
-        self._sampler = sampler
+        self.reports.sampler = sampler
 
     def batch_time(self, end: float, duration: float) -> None:
-        # Batches are handed over in the order they were sampled: the oldest
-        # sampled batch's hit fraction belongs to this one.
-        h = self._hit_ratios.popleft() if self._hit_ratios else None
-        with self._batches_lock:
-            self._batches.append((end, duration) if h is None else (end, duration, h))
-
-    def _note_hits(self) -> None:
-        st = getattr(self._sampler, "stats", None)
-        if st is None:
-            return
-        if st is not self._stats:  # a new epoch's counters
-            self._stats, self._seen = st, (0, 0)
-        hits, misses = st.planned_hits - self._seen[0], st.planned_misses - self._seen[1]
-        self._seen = (st.planned_hits, st.planned_misses)
-        self._hit_ratios.append(hits / (hits + misses) if hits + misses > 0 else None)
+        self.reports.add(end, duration)
 
     def consumed(self, batch: list[int]) -> None:
         """Note the batch's hit fraction; count items read per chunk; a chunk read
@@ -300,7 +276,7 @@ class JobCoordinator:
         in the current chunking only, so counts of one chunking never stand for another's. A
         release answers the plan that listed the chunk; a later plan listing it again (a new
         buffer, or its turn again) is a new assignment, released once its items are read."""
-        self._note_hits()
+        self.reports.sampled()
         plan = self.plan
         fresh = self._mark_read(batch)  # also under a full or no plan: a chunked one may follow
         if plan is None or plan.option != Option.CHUNKED:
@@ -353,7 +329,7 @@ class JobCoordinator:
             self._release_backoff = RELEASE_BACKOFF_S
 
     def epoch_start(self) -> None:
-        self._hit_ratios.clear()  # batches sampled ahead but never handed over
+        self.reports.epoch_start()
         self._consumed.clear()
         self._released.clear()
         if self._read is not None:
@@ -509,10 +485,10 @@ class JobCoordinator:
             log.exception("registering job %s again failed", self.ds.job)
 
     def _report(self) -> None:
-        """Report the queued batches; with none, report only where an answer said the manager
-        may have forgotten the job (an empty report journals nothing; NOT_FOUND if it forgot)."""
-        with self._batches_lock:
-            batch = [self._batches.popleft() for _ in range(min(REPORT_MAX, len(self._batches)))]
+        """Report the queued batches (a failed report first, again under its number); with
+        none, report only where an answer said the manager may have forgotten the job (an
+        empty report journals nothing; NOT_FOUND if it forgot)."""
+        batch = self.reports.next_report()
         checking = self._check.is_set()
         if not batch and not checking:
             return
@@ -520,21 +496,14 @@ class JobCoordinator:
         try:
             reply = self.client.report_batches(self.ds.job, batch)
         except ManagerError as e:
-            if e.code in _NOT_APPLIED:  # the manager's regression still wants them: the next report
-                self._put_back(batch)
+            self.reports.failed(batch, e.code)  # sent again, whole, under its number, where still wanted
             if checking and isinstance(e, self._unavailable):
                 self._check.set()
             raise
+        self.reports.answered(reply.report_seq)
         self._mode = reply.mode
         if self.plan is None or reply.plan_version != self.plan.version:
             self._take_plan(lambda: self.client.get_plan(self.dataset, self.ds.job))
-
-    def _put_back(self, batch: list) -> None:
-        """Batches of a report the manager never applied, back in front of those queued since,
-        in order; beyond the queue's bound the oldest go first."""
-        with self._batches_lock:
-            room = (self._batches.maxlen or 0) - len(self._batches)
-            self._batches.extendleft(reversed(batch[max(0, len(batch) - room):]))
 
     @staticmethod
     def _chunk_sample(plan: Plan, chunk: int, n: int) -> list[int]:

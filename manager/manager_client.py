@@ -18,9 +18,10 @@ server's message.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -121,6 +122,32 @@ class JobInfo:
 class BatchReply:
     mode: str
     plan_version: int         # > your plan's version: call get_plan
+    # Of a numbered report: the highest number of its stream the manager has applied; 0 for an
+    # unnumbered one, or from a manager that predates numbering (it counts a report sent again twice).
+    report_seq: int = 0
+
+
+@dataclass(frozen=True)
+class NumberedBatches:
+    """Batches sent as report ``seq`` of ``stream`` (report_batches): the manager applies a
+    number of a job's stream once, so a report whose call failed after the manager may have
+    applied it (a deadline, a lost reply) can be sent again, whole, under the same number.
+    Iterates over its batches."""
+    stream: int               # a random 64-bit id per reporting client (new_report_stream)
+    seq: int                  # 1, 2, ... within the stream
+    batches: tuple[BatchLike, ...]
+
+    def __iter__(self) -> Iterator[BatchLike]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def new_report_stream() -> int:
+    """A report stream id: random from the OS, so processes that seeded ``random`` alike (DDP
+    ranks of one job) never share one, which would drop one's reports as the other's repeats."""
+    return int.from_bytes(os.urandom(8), "big") or 1
 
 
 @dataclass(frozen=True)
@@ -230,7 +257,8 @@ class ManagerClient:
     def report_batches(self, job: str, batches: Iterable[BatchLike]) -> BatchReply:
         """``batches``: (end, duration[, hit_ratio]) tuples or policy ``Batch``es,
         ``end`` from time.time() on this machine (the manager corrects for clock
-        offset). The reply's ``mode`` is what the servers apply to the job now."""
+        offset), or ``NumberedBatches`` of them (applied once however often sent). The
+        reply's ``mode`` is what the servers apply to the job now."""
         msgs = []
         for b in batches:
             end, dur, hit = (b.end, b.duration, b.hit_ratio) if isinstance(b, Batch) else (
@@ -239,8 +267,11 @@ class ManagerClient:
             if hit is not None:
                 m.hit_ratio = float(hit)
             msgs.append(m)
-        r = self._call("ReportBatches", mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time()), job=job)
-        return BatchReply(_mode_name(r.mode), r.plan_version)
+        req = mpb.ReportBatchesRequest(job=job, batches=msgs, sent_at=time.time())
+        if isinstance(batches, NumberedBatches):
+            req.report_stream, req.report_seq = batches.stream, batches.seq
+        r = self._call("ReportBatches", req, job=job)
+        return BatchReply(_mode_name(r.mode), r.plan_version, r.report_seq)
 
     def get_plan(self, dataset: str, job: str = "") -> Plan:
         r = self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job), job=job or None)

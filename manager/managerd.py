@@ -25,7 +25,7 @@ from cacheserver.healthsvc import HealthServicer
 from cacheserver.logs import event
 from cacheserver.proto import manager_pb2_grpc as mpb_grpc
 from cacheserver.runtime import bind_grpc, join_hostport, release_grpc, run_until_signal
-from cacheserver.sizes import parse_size
+from cacheserver.sizes import size_flag
 from cacheserver.roles import Roles, read_token
 from cacheserver.tls import TlsFiles, add_tls_flags, tls_from_args
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cachemanager", description=__doc__)
     p.add_argument("--listen", required=True, help="gRPC address HOST:PORT (port 0 picks a free one)")
     p.add_argument("--state-dir", required=True, help="directory for the journal and snapshots")
-    p.add_argument("--budget", type=parse_size, default=None,
+    p.add_argument("--budget", type=size_flag, default=None,
                    help="cache bytes to allocate (default: total capacity of the servers in the ring)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one, logged at start) (default: off)")
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_policy_flags(p: argparse.ArgumentParser) -> None:
     """The allocation and double-buffering flags of build_parser."""
-    p.add_argument("--chunk-size", type=parse_size, default="15GB",  # a string: argparse parses it, help shows it
+    p.add_argument("--chunk-size", type=size_flag, default="15GB",  # a string: argparse parses it, help shows it
                    help="largest chunk (a chunk is min(this, 10%% of the dataset)) (default: %(default)s)")
     p.add_argument("--chunks", action="store_true",
                    help="allocate by the FULL / CHUNKED (double buffering) / NONE knapsack; without it: "

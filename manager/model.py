@@ -13,7 +13,7 @@ Events (dicts; ``type`` and ``now`` always present):
   server_join {server_id, address, capacity}   server_leave {server_id, reason}
   server_forget {server_id, reason}            (out of the ring past --forget-servers-after)
   job_register {job, dataset, dataset_bytes, n_items, n_gpus, token_hash}
-  job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]]}
+  job_unregister {job, reason}                 batches {job, batches: [[end, dur, hit|None]][, stream, seq]}
   release {job, dataset, chunk}                loaded {dataset, chunk, fraction}
   tick {}                                      configure {config}
   pipeline {job, dataset, fingerprint, costs[, fixed]}  (autocache: pipelines.py)
@@ -34,7 +34,7 @@ from .effects import Effect, RingChanged, ServerForgotten, SetMode, note
 from .evictledger import Owed, checked as checked_owed
 from .jobtokens import journaled_hash
 from .membership import Registry
-from .modelrecords import MAX_DECISIONS, DatasetRecord, JobRecord, ManagerConfig, Rejected, canonical
+from .modelrecords import MAX_DECISIONS, DatasetRecord, JobRecord, ManagerConfig, Rejected, canonical, report_number
 from .pipelines import PipelineRecord, job_left, move_gains, pipeline_key
 from .pipelines import report as report_pipeline
 from .policy import Allocation, Batch, CacheMode, DoubleBuffer, Option, ProbeBoard
@@ -194,9 +194,14 @@ class ManagerModel(AllocationStep):
 
     def _on_batches(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
         rec = self._job(str(ev["job"]))
+        number = report_number(ev)
+        if number is not None and rec.applied(number[0]) >= number[1]:
+            return []  # a report sent again (its reply was lost): its batches are counted already
         batches = [Batch(float(b[0]), float(b[1]), None if b[2] is None else float(b[2]))
                    for b in ev["batches"]]
         rec.batches += len(batches)
+        if number is not None:
+            rec.note_report(*number, now)
         self.admission.observe(rec.dataset, batches, self.config.admission)
         return self._transitions(self.board.report(rec.job, batches, now))
 
@@ -324,7 +329,7 @@ class ManagerModel(AllocationStep):
         return {
             "config": self.config.to_dict(), "now": self.now,
             "registry": self.registry.to_dict(), "board": self.board.to_dict(),
-            "jobs": {k: asdict(v) for k, v in sorted(self.jobs.items())},
+            "jobs": {k: v.to_dict() for k, v in sorted(self.jobs.items())},
             "datasets": {k: asdict(v) for k, v in sorted(self.datasets.items())},
             "allocs": {k: v.to_dict() for k, v in sorted(self.allocs.items())},
             "buffers": {k: v.to_dict() for k, v in sorted(self.buffers.items())},

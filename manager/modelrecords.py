@@ -59,6 +59,9 @@ class ManagerConfig:
                    BufferConfig(**d.get("buffer", {})), AdmissionConfig(**d.get("admission", {})))
 
 
+MAX_REPORT_STREAMS = 1024  # report streams a job's record remembers (its processes, a DDP job's ranks)
+
+
 @dataclass
 class JobRecord:
     job: str
@@ -67,6 +70,41 @@ class JobRecord:
     registered_at: float
     batches: int = 0
     token_hash: str = ""  # SHA-256 of the job's token (jobtokens.py); "": from a state before tokens
+    # Report stream (16 hex digits) -> [the last report number applied, when]: a batch report
+    # sent again under its number (its reply was lost) is not counted twice. Left out of the
+    # state while empty: states and journals from before numbering read (and digest) as before.
+    reports: dict[str, list] = field(default_factory=dict)
+
+    def applied(self, stream: str) -> int:
+        """The highest report number of ``stream`` applied (0: none)."""
+        got = self.reports.get(stream)
+        return int(got[0]) if got else 0
+
+    def note_report(self, stream: str, seq: int, now: float) -> None:
+        """Report ``seq`` of ``stream`` applied. Beyond MAX_REPORT_STREAMS the stream heard
+        from least recently goes (ties by name: the same in a replay, whatever the dict order)."""
+        self.reports[stream] = [seq, now]
+        if len(self.reports) > MAX_REPORT_STREAMS:
+            del self.reports[min(self.reports, key=lambda s: (self.reports[s][1], s))]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not d["reports"]:
+            del d["reports"]
+        return d
+
+
+def report_number(ev: Mapping[str, Any]) -> tuple[str, int] | None:
+    """A batches event's (stream, seq); None for an unnumbered one. Rejected for a malformed
+    number: a journal line that parses is damage, not a report to count."""
+    if "stream" not in ev and "seq" not in ev:
+        return None
+    stream, seq = ev.get("stream"), ev.get("seq")
+    if not (isinstance(stream, str) and len(stream) == 16 and set(stream) <= set("0123456789abcdef")):
+        raise Rejected("INVALID_ARGUMENT", f"report stream must be 16 lower-case hex digits, got {stream!r}")
+    if type(seq) is not int or seq < 1:
+        raise Rejected("INVALID_ARGUMENT", f"report seq must be a whole number >= 1, got {seq!r}")
+    return stream, seq
 
 
 @dataclass

@@ -231,16 +231,28 @@ class ManagerService(mpb_grpc.ManagerServicer):
         batches = [[b.end + shift, b.duration, b.hit_ratio if b.HasField("hit_ratio") else None]
                    for b in request.batches]
         _check_batches(batches)
+        # A numbered report (its client sends a report whose call failed again, under the
+        # same number) is applied once: one whose number the job's stream had is not journaled.
+        stream = f"{request.report_stream:016x}"
+        number = {"stream": stream, "seq": request.report_seq} if request.report_seq else {}
         with self.store.lock:
             self._act_as(request.job, context)
-            if batches:
-                self.store.submit({"type": "batches", "job": request.job, "batches": batches, "now": now})
+            m = self.store.model
+            rec = m.jobs.get(request.job)
+            repeat = bool(number) and rec is not None and rec.applied(stream) >= request.report_seq
+            if batches and not repeat:
+                self.store.submit({"type": "batches", "job": request.job, "batches": batches, "now": now,
+                                   **number})
             m = self.store.model
             if request.job not in m.jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it again")
+            if repeat:
+                log.info("job %s sent report %d of stream %s again: applied once, not counted again",
+                         request.job, request.report_seq, stream)
+            rec = m.jobs[request.job]
             self.liveness.touch_job(request.job, now)
-            return mpb.ReportBatchesResponse(mode=_mode(m, request.job),
-                                             plan_version=m.plan_version(m.jobs[request.job].dataset))
+            return mpb.ReportBatchesResponse(mode=_mode(m, request.job), plan_version=m.plan_version(rec.dataset),
+                                             report_seq=rec.applied(stream) if number else 0)
 
     @_rpc
     def GetPlan(self, request: mpb.GetPlanRequest, context) -> mpb.Plan:

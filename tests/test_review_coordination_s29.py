@@ -87,7 +87,7 @@ def test_batches_reported_while_the_manager_is_down_reach_it_once_it_is_back(job
     wait_until(lambda: _reported(box[0].address, "outage") == 70, "the 40 batches of the outage counted", 15)
     time.sleep(1.0)  # five more report periods: none is sent twice
     assert _reported(box[0].address, "outage") == 70
-    assert not coord._batches
+    assert not coord.reports.queued
 
 
 def test_batches_refused_for_an_unknown_job_reach_the_manager_after_it_registers_again(job, tmp_path):
@@ -112,7 +112,7 @@ def test_a_full_queue_keeps_the_newest_batches_when_a_failed_report_is_put_back(
     ds, box, _ = job
     coord = ds.coordinator
     box[0].kill()
-    size = coord._batches.maxlen
+    size = coord.reports.queued.maxlen
     for b in range(size):
         coord.batch_time(float(b), 0.01)
     real = coord.client.report_batches
@@ -124,7 +124,7 @@ def test_a_full_queue_keeps_the_newest_batches_when_a_failed_report_is_put_back(
     coord.client.report_batches = during
     with pytest.raises(ManagerUnavailable):
         coord._report()
-    assert [b[0] for b in coord._batches] == [float(b) for b in range(500, size + 500)]
+    assert [b[0] for b in coord.reports.queued] == [float(b) for b in range(500, size + 500)]
 
 
 @pytest.fixture

@@ -82,9 +82,9 @@ def _numeric_flags(heading: str) -> list[str]:
     """Flags taking a number of seconds or a count; sizes and ports (where "-1" is no size
     or port at all, not a value below a bound) are left out."""
     from cacheserver import serverd
-    from cacheserver.sizes import parse_size
+    from cacheserver.sizes import parse_size, size_flag
     mod, _ = _daemon(heading)
-    not_numbers = {parse_size, serverd._size, serverd._port}
+    not_numbers = {parse_size, size_flag, serverd._port}
     return [a.option_strings[-1] for a in mod.build_parser()._actions
             if a.option_strings and a.type is not None and a.type not in not_numbers]
 

@@ -1,0 +1,101 @@
+"""A job's batch times on their way to the manager (clients/coordination.py's reports): each
+batch's time and its hit fraction (the sampler's planned hits, for the manager's regression of
+batch time on it), queued by the training loop and taken in numbered reports by the
+coordination thread.
+
+A report whose call failed is put back and sent again, whole, under its number: the manager
+applies a number once, so a reply lost after it applied the report (a deadline, a kill -9)
+counts the batches once. Sent again always where the manager never applied it (the call never
+reached it; NOT_FOUND: it forgot the job); after any other failure only once a reply showed the
+manager numbers reports (an older one would count it twice). Refusals the same report would
+meet again (REFUSED) drop its batches.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from typing import Any
+
+import grpc
+
+from manager.manager_client import NumberedBatches, new_report_stream
+
+REPORT_MAX = 1000  # batches a report carries
+QUEUED_MAX = 10_000  # batch times kept for the manager at most (the oldest go first)
+NOT_APPLIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+
+
+class BatchReports:
+    """Thread-safe between the training loop (`sampled`, `add`) and the coordination thread
+    (`next_report`, `failed`, `answered`)."""
+
+    def __init__(self) -> None:
+        self.queued: deque = deque(maxlen=QUEUED_MAX)  # (end, duration[, hit fraction])
+        self._lock = threading.Lock()
+        # reports numbered 1, 2, ... in a stream of its own; _again: a failed one put back
+        self._stream, self._seq, self._again = new_report_stream(), 0, None
+        self.numbered = False  # a reply showed that the manager applies a report's number once
+        self._hit_ratios: deque = deque(maxlen=QUEUED_MAX)  # per sampled batch, not yet handed over
+        self.sampler: Any = None  # its `stats` (planned_hits, planned_misses; new each epoch)
+        self._stats: Any = None
+        self._seen = (0, 0)
+
+    def sampled(self) -> None:
+        """A batch was sampled: note its hit fraction (the sampler's counts since the last)."""
+        st = getattr(self.sampler, "stats", None)
+        if st is None:
+            return
+        if st is not self._stats:  # a new epoch's counters
+            self._stats, self._seen = st, (0, 0)
+        hits, misses = st.planned_hits - self._seen[0], st.planned_misses - self._seen[1]
+        self._seen = (st.planned_hits, st.planned_misses)
+        self._hit_ratios.append(hits / (hits + misses) if hits + misses > 0 else None)
+
+    def epoch_start(self) -> None:
+        self._hit_ratios.clear()  # batches sampled ahead but never handed over
+
+    def add(self, end: float, duration: float) -> None:
+        # Batches are handed over in the order they were sampled: the oldest
+        # sampled batch's hit fraction belongs to this one.
+        h = self._hit_ratios.popleft() if self._hit_ratios else None
+        with self._lock:
+            self.queued.append((end, duration) if h is None else (end, duration, h))
+
+    def next_report(self) -> NumberedBatches | list:
+        """The failed report put back, with its number (less batches the queue's bound dropped
+        since), else the next REPORT_MAX queued batches under a new number; [] with none."""
+        with self._lock:
+            again, self._again = self._again, None
+            n = 0
+            if again is not None:  # its batches are those up to its last one, if still queued
+                n = next((i + 1 for i, b in enumerate(itertools.islice(self.queued, REPORT_MAX))
+                          if b is again[1]), 0)
+            if not n:  # nothing left of it: the next report
+                again, n = None, min(REPORT_MAX, len(self.queued))
+            if not n:
+                return []
+            if again is None:
+                self._seq += 1
+            return NumberedBatches(self._stream, self._seq if again is None else again[0],
+                                   tuple(self.queued.popleft() for _ in range(n)))
+
+    def failed(self, report: NumberedBatches | list, code: Any) -> None:
+        """The report's call failed with `code`: put it back where the manager still wants it."""
+        if report and (code in NOT_APPLIED or (self.numbered and code not in REFUSED)):
+            self._put_back(report)
+
+    def answered(self, report_seq: int) -> None:
+        self.numbered = self.numbered or report_seq > 0
+
+    def _put_back(self, report: NumberedBatches) -> None:
+        """A failed report's batches, back in front of those queued since, in order, to be sent
+        again under its number; beyond the queue's bound the oldest go first."""
+        with self._lock:
+            room = (self.queued.maxlen or 0) - len(self.queued)
+            kept = report.batches[max(0, len(report) - room):]
+            self.queued.extendleft(reversed(kept))
+            if kept:
+                self._again = (report.seq, kept[-1])
