@@ -140,6 +140,21 @@ class Writes:
             pause = min(POLL_MAX_S, pause * 2 or POLL_MIN_S)
             time.sleep(pause)  # the GIL goes to other threads meanwhile
 
+    def once(self, build: Callable[[], rocksdict.WriteBatch]) -> bool:
+        """One try that waits for nothing (for a caller that must not wait: a get): whether the
+        batch went in; False while writes are stopped or paced. RocksDB's other errors are raised."""
+        db = self.db
+        if db.property_int_value(STOPPED) or db.property_int_value(DELAYED):
+            return False  # a paced write's refusal would push its pacing further
+        try:
+            db.write(build(), self.quick)
+        except Exception as e:  # RocksDB's errors are bare Exceptions
+            if is_stall(e):
+                return False
+            raise
+        self.progress.went_in()
+        return True
+
 
 def puts(records: Sequence[tuple[bytes, bytes]], cf: rocksdict.ColumnFamily) -> rocksdict.WriteBatch:
     """A batch of (key, record) puts into one column family."""

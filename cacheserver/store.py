@@ -209,22 +209,34 @@ class Store(Recovery, Flushes, Reads, Evictions):
         every key): a tombstone there costs a table file at the next flush."""
         keys = list(keys)
         large = keys if large is None else list(large)
-
-        def batch() -> rocksdict.WriteBatch:
-            wb = rocksdict.WriteBatch(raw_mode=True)
-            for k in keys:
-                wb.delete(k)
-                wb.delete(k, self._meta_cf)
-            for k in large:
-                wb.delete(k, self._large_cf)
-            return wb
         try:
-            self._logged(batch)
+            self._logged(lambda: self._delete_batch(keys, large))
         except Exception as e:  # their ids left the index (evicted, dropped): deleted once writes go again
             for k in keys:
                 self._stranded.setdefault(k, self._seq)
             self._put_failed(e)  # RocksDB's own error fails the store, as a put's does
             raise
+
+    def _delete_soon(self, keys: list[bytes]) -> None:
+        """Delete every record of ``keys`` (out of the index; lock held) without waiting out a write
+        stop, for a get: one try, and what it could not delete is stranded, deleted by the first
+        flush once writes go again (Flushes._drop_stranded) or found, and dropped, by a restart."""
+        try:
+            if self._logged.once(lambda: self._delete_batch(keys, keys)):
+                return
+        except Exception as e:  # a closing store's, or RocksDB's own: that fails the store, as a put's does
+            self._put_failed(e)
+        for k in keys:
+            self._stranded.setdefault(k, self._seq)
+
+    def _delete_batch(self, keys: list[bytes], large: list[bytes]) -> rocksdict.WriteBatch:
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        for k in keys:
+            wb.delete(k)
+            wb.delete(k, self._meta_cf)
+        for k in large:
+            wb.delete(k, self._large_cf)
+        return wb
 
     # ---- public API -----------------------------------------------------
     def set_protector(self, protected: Callable[[Tag], bool]) -> None:

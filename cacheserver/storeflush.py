@@ -98,6 +98,13 @@ class GatedWrites(Writes):
         finally:
             gate.leave()
 
+    def once(self, build: Callable[[], rocksdict.WriteBatch]) -> bool:
+        self.gate.enter()  # a closed gate raises WriteStopped: nothing written
+        try:
+            return super().once(build)
+        finally:
+            self.gate.leave()
+
 
 def rocksdb_error(err: BaseException) -> bool:
     """An error of RocksDB's own (an I/O error, corruption): rocksdict raises those as bare
@@ -152,6 +159,8 @@ class Flushes:
                 self._pay_state()
             except Exception as e:  # stopped again: owed still; RocksDB's own error fails the store
                 self._put_failed(e)
+        if self.progress.stuck() is not None:  # those steps may have waited a stop out: RocksDB would hold
+            return False  # the flush for it, for ever where its compactions fail (dirty still: retried)
         with self._lock:
             if self.closing and not final:
                 return False
@@ -278,12 +287,38 @@ class Flushes:
             if why is not None or time.monotonic() >= deadline:
                 log.warning("closing the store while a flush waits out a write stop (%s); values not "
                             "yet flushed are refetched as misses after restart", why or "it lasted too long")
-                self._gate.shut()
-                self._db.cancel_all_background(True)
+                self._cancel_background()
                 if not self._gate.flushes_done(GIVEN_UP_WAIT_S):
                     log.error("a flush still runs %.0f s after the close gave it up", GIVEN_UP_WAIT_S)
                 return True
         return False
+
+    def _given_up_last(self) -> bool:
+        """After close's own flush did not go in: where it was skipped for a write stop that nothing
+        ends, RocksDB's work is cancelled (returns True), as RocksDB's close flushes too, and
+        would hold that flush for the stop."""
+        why = self.progress.stuck()
+        if why is None:
+            return False
+        log.warning("closing the store during a write stop (%s); values not yet flushed are refetched "
+                    "as misses after restart", why)
+        self._cancel_background()
+        return True
+
+    def _cancel_background(self) -> None:
+        """End RocksDB's background work, and so a flush it holds for a write stop. Its stops are
+        lifted first: RocksDB's cancel begins with a flush of values written without the log, which
+        it too holds for the stop, for ever where the stop is one of compactions failing (a close
+        hung there). A flush may go in now; one without room fails, as RocksDB's close would. Writes
+        under way give up first (the gate shuts), or one would go in once the stop is lifted, and
+        its value, acknowledged, be lost with the memtable."""
+        self._gate.shut(GIVEN_UP_WAIT_S)  # each gives up at its next try; close logs one that does not
+        for view in (self._db, self._meta, self._server, self._large):  # a stop in any holds all
+            try:
+                view.set_options({"disable_auto_compactions": "true"})  # no level 0 or pending-bytes stop then
+            except Exception as e:  # a failed store's: the cancel below ends what it can
+                log.warning("closing the store: its write stop could not be lifted (%s)", e)
+        self._db.cancel_all_background(True)
 
     def close(self) -> None:
         """Flush, then release RocksDB (its LOCK) and the data dir, also after a failed write:
@@ -298,8 +333,8 @@ class Flushes:
             if self._flusher is not None:
                 self._flusher.stop()  # its flushes are over; a later tick starts none (closing)
             self.admit.stop()  # a background flush (diskadmit.py) ends first, none starts later
-            if not cancelled:
-                self._flush(final=True)
+            if not cancelled and not self._flush(final=True):
+                cancelled = self._given_up_last()
         finally:  # whatever went wrong above: a lock kept here stays kept for the process's life
             try:
                 if not self._gate.shut(GIVEN_UP_WAIT_S):  # puts, state: each gives up at its next try

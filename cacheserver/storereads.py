@@ -1,6 +1,7 @@
 """A store's reads (Store's part): presence with hits counted, and values, served without
 the store's lock (hits are applied later: hitlog.py); a record that fails its check on
-read is deleted, counted (`corrupt_dropped`) and answered as a miss.
+read is deleted, counted (`corrupt_dropped`) and answered as a miss, the read waiting out no
+write stop (its delete then left for the first flush once writes go again: Store._delete_soon).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .record import strip, unwrap
+
+DROP_LOCK_WAIT_S = 0.05  # a get waits this long at most to drop a corrupt record: longer is a writer's stop
 
 
 class Reads:
@@ -23,6 +26,7 @@ class Reads:
     _hits: Any
     plain: bool
     counters: Any
+    _delete_soon: Any  # Store's
 
     def touch(self, keys: Sequence[bytes]) -> bytes:
         """Presence flags, counted as accesses by the eviction policy."""
@@ -78,14 +82,17 @@ class Reads:
 
     def _drop_bad(self, bad: list[tuple[bytes, tuple[int, int]]]) -> None:
         """Drop records that failed their read, each only while the index holds the entry its read
-        found: an id dropped by another reader and put again since holds a new, good value."""
-        with self._lock:
+        found: an id dropped by another reader and put again since holds a new, good value. The get
+        waits for no write stop: not for the lock, which a put may hold through one (then a later
+        read that finds the record drops it; it is a miss at each), nor for the delete (_delete_soon)."""
+        if not self._lock.acquire(timeout=DROP_LOCK_WAIT_S):
+            return
+        try:
             drop = [k for k, entry in bad if self._index.get(k) is entry]
             for k in drop:
                 self._index_remove(k)
             if drop:
                 self.counters.add("corrupt_dropped", len(drop))
-                try:
-                    self._delete_keys(drop)
-                except Exception:  # a write stop, or a failed store: left for later (_delete_keys), the get
-                    pass  # answers its misses all the same: reads go on while writes cannot
+                self._delete_soon(drop)
+        finally:
+            self._lock.release()
