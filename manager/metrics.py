@@ -18,14 +18,16 @@ from cacheserver.proto import manager_pb2 as mpb
 from cacheserver.vocab import CacheMode, Option
 
 # The manager process's own counters (cacheserver/counters.py): one per RPC, and
-# its calls to the servers.
+# its calls to the servers. batch_reports_repeated: a numbered batch report sent
+# again (its reply was lost) is not journaled, so it is counted here, per process.
 MANAGER_COUNTERS = ("server_calls", "server_call_failures", "reconciles", "reconcile_fixes", "job_token_refused",
-                    "server_refused", "chunk_evictions_skipped",
+                    "server_refused", "chunk_evictions_skipped", "batch_reports_repeated",
                     *(f"rpc_{m.name}" for m in mpb.DESCRIPTOR.services_by_name["Manager"].methods))
 
-# Decision counters kept in the state (model.counters), always exported.
+# Decision counters kept in the state (model.counters), always exported: every name
+# the model counts (tests/test_review_manager_metrics_s29.py checks none is left out).
 DECISION_COUNTERS = ("decisions", "probes_started", "probes_finished", "probes_aborted", "mode_switches",
-                     "chunk_evictions", "chunk_evictions_forced", "ring_changes")
+                     "chunk_evictions", "chunk_evictions_forced", "ring_changes", "autocache_decisions")
 
 
 def gather(store: Any, counters: Any) -> dict[str, Any]:

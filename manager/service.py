@@ -247,6 +247,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             if request.job not in m.jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it again")
             if repeat:
+                self.counters.add("batch_reports_repeated")
                 log.info("job %s sent report %d of stream %s again: applied once, not counted again",
                          request.job, request.report_seq, stream)
             rec = m.jobs[request.job]
