@@ -22,6 +22,7 @@ load() from any state -> resuming, whose next start() continues the saved epoch.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import deque
 
 import numpy as np
@@ -174,11 +175,42 @@ class Progress:
                "items_delivered": 0 if done is None else sum(done)}
         return out if batches is None else {**out, "batches_delivered": batches}
 
+    def check(self, state: dict) -> None:
+        """A state's progress must be whole: a bitmap cut short read as "not delivered" (numpy pads
+        it with zeros), so the resumed epoch yielded those items again; other damage surfaced as a
+        bare KeyError or a numpy error. ValueError naming the field, before anything is loaded."""
+        if "epoch" not in state:
+            raise ValueError(f"the loader state has no 'epoch' (its keys: {sorted(map(str, state))})")
+        for key in ("epoch", "items_delivered", "batches_delivered"):
+            value = state.get(key, 0)
+            try:
+                whole = operator.index(value)
+            except TypeError:
+                raise ValueError(f"the loader state's {key!r} must be an integer, got {value!r}") from None
+            if key != "epoch" and whole < 0:
+                raise ValueError(f"the loader state's {key!r} must be >= 0, got {whole}")
+        packed = state.get("delivered", b"")
+        if not isinstance(packed, (bytes, bytearray)):
+            raise ValueError(f"the loader state's 'delivered' must be bytes (a bitmap), got {type(packed).__name__}")
+        if not packed:
+            return
+        if len(packed) != (self.n + 7) // 8:
+            raise ValueError(f"the loader state's 'delivered' bitmap has {len(packed)} bytes; one of {self.n} items "
+                             f"has {(self.n + 7) // 8}: the state is damaged")
+        bits = np.unpackbits(np.frombuffer(bytes(packed), np.uint8))
+        if bits[self.n:].any():
+            raise ValueError(f"the loader state's 'delivered' bitmap marks items past the last ({self.n - 1}): "
+                             f"the state is damaged")
+        if "items_delivered" in state and int(bits.sum()) != state["items_delivered"]:
+            raise ValueError(f"the loader state's 'items_delivered' {state['items_delivered']} does not match its "
+                             f"'delivered' bitmap ({int(bits.sum())} items): the state is damaged")
+
     def load(self, state: dict) -> int:
-        """Take a saved state; returns the epoch the next iteration runs."""
-        epoch, packed = int(state["epoch"]), state.get("delivered", b"")
+        """Take a saved state (checked: check()); returns the epoch the next iteration runs."""
+        self.check(state)
+        epoch, packed = operator.index(state["epoch"]), state.get("delivered", b"")
         if packed:
-            bits = np.unpackbits(np.frombuffer(packed, np.uint8), count=self.n)
+            bits = np.unpackbits(np.frombuffer(bytes(packed), np.uint8), count=self.n)
             batches = state.get("batches_delivered")
             self._resume = (epoch, bytearray(bits.tobytes()), None if batches is None else int(batches))
         else:

@@ -216,6 +216,7 @@ class SubstitutableBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iteration runs the saved epoch's other items."""
         self.share.check(state)
+        self.progress.check(state)  # before its counts are used below
         if state.get("batch_size") != self.batch_size or "batches_delivered" not in state:
             # its batches are not ours, or not counted (an older version's state): as many as its
             # items make, from which the count goes on (a count from 0 padded DDP ranks with repeats)
