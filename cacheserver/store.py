@@ -569,8 +569,10 @@ class Store(Recovery, Flushes, Reads, Evictions):
         return self._large.get(key) or self._db.get(key)
 
     def usage_by_tag(self) -> dict[Tag, TagUsage]:
-        with self._lock:
-            return self._tags.usage()
+        """Tag -> its entries' count and charges, without the store's lock: a put may hold that
+        through a write stop (stallwrite.py), and Stats and chunk calls wait on none; as exact
+        as tagtable.py says (a put or retag under way may show half done)."""
+        return self._tags.usage()
 
     # ---- server-wide small state ---------------------------------------
     def get_state(self, key: str) -> bytes | None:

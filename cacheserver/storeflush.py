@@ -15,7 +15,7 @@ from typing import Any
 import rocksdict
 
 from .diskbudget import BLOB_MIN
-from .stallwrite import Progress, Writes, WriteStopped
+from .stallwrite import STOPPED, Progress, Writes, WriteStopped
 
 log = logging.getLogger("cacheserver")
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
@@ -270,9 +270,14 @@ class Flushes:
         """Flush the memtables (every column family, so the log can go) if they
         hold at least `min_bytes`. A follower that opens replays the live log
         (~3 ms/MB measured) and so does every other one; one flush (~2 ms/MB)
-        makes each open ~5 ms instead. Returns whether it flushed: not when the flush was
+        makes each open ~5 ms instead. Not while writes are stopped, even for a stop that RocksDB's
+        compactions are ending: RocksDB holds a flush until the stop ends, and the server's request
+        thread waited that out (a compaction's length) to spare a follower a replay; the follower
+        replays the longer log instead. Returns whether it flushed: not when the flush was
         skipped (a write stop, closing) or failed (core.open_follower backs off only after one)."""
         if self._unflushed_bytes() < min_bytes:
+            return False
+        if self._db.property_int_value(STOPPED):
             return False
         return self.flush()
 
