@@ -62,15 +62,17 @@ def serve(impostor: Impostor, address: str) -> grpc.Server:
 
 
 def stopped_embedded(tmp_path):
-    """A dataset whose embedded plain cache was filled and then stopped (its process state
-    gone, as a DataLoader worker's begins): what it reads next goes to the cache's old address."""
+    """A DataLoader worker's copy of a dataset (pickled: no process state) whose embedded plain
+    cache was filled and then stopped: what it reads goes to the cache's old address."""
     path, items = make(tmp_path / "ds", True, n=6)
     ds = CachedDataset(path, cache_dir=str(tmp_path / "emb"))
     assert ds.plain_records
     assert ds.__getitems__(list(range(len(items)))) == items
     address = ds.embedded.address
+    worker = CachedDataset.__new__(CachedDataset)
+    worker.__setstate__(ds.__getstate__())  # as unpickled (its shared memory shared in-process)
     ds.close()
-    return ds, items, address
+    return worker, items, address
 
 
 @pytest.mark.parametrize("via", ["grpc", "tcp"])

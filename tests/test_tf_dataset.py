@@ -231,7 +231,7 @@ def test_with_a_manager_ring_registration_and_batch_reports(shards, tmp_path):
         wait_ring(m.address, 2)
         ds = tf_dataset(digest, manager=m.address, job="tf-job", n_gpus=2, read_batch=16, seed=6)
         assert sorted(ds.mlcache.cached.cache_spec.split(",")) == sorted(s.address for s in servers)
-        assert ds.mlcache.cached.coordinator._sampler is ds.mlcache.sampler  # hit fractions go with batch times
+        assert ds.mlcache.cached.coordinator.reports.sampler is ds.mlcache.sampler  # hit fractions go with batch times
         got = epoch(ds.repeat(2))
         assert Counter(got[:N]) == Counter(records) and Counter(got[N:]) == Counter(records)
         assert sum(s.inserted for s in ds.mlcache.epoch_stats) > 0  # the plan allowed caching (hits: probing decides)
