@@ -125,8 +125,10 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self._large_cf = self._db.get_column_family_handle("large")
         self._writers()
         self._writing: set[int] = set()  # first sequence numbers of puts being written
-        # id -> sequence of a put a write stop ended (put_many): its index record may be in without
-        # its value; deleted once writes go again (Flushes._drop_stranded), holding the durable mark
+        # id -> sequence of a put or delete a write stop ended (put_many, _delete_keys, _delete_soon,
+        # a start's deletes): records on disk the index does not account for (an index record
+        # without its value, a value no longer indexed, an old copy in the other size class);
+        # deleted once writes go again (Flushes._drop_stranded), holding the durable mark
         self._stranded: dict[bytes, int] = {}
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable

@@ -19,7 +19,7 @@ from .stallwrite import STOPPED, Progress, Writes, WriteStopped
 
 log = logging.getLogger("cacheserver")
 FOLLOWER_FLUSH_MIN_BYTES = 4 << 20  # smaller logs replay in ~10 ms: not worth a flush
-CLOSE_FLUSH_WAIT_S = 30.0  # a close waits this long at most for a flush RocksDB holds for a write stop
+CLOSE_FLUSH_WAIT_S = 30.0  # a close waits this long at most for a flush under way (its first steps too) through a write stop
 GIVEN_UP_WAIT_S = 5.0  # ...and this long for flushes and writes it gave up on (each ends at its next try)
 POLL_S = 0.05
 
@@ -118,6 +118,7 @@ class Flushes:
     _db: Any
     _lock: Any
     progress: Any
+    _delete_batch: Any  # Store's
     _gate: WriteGate
     _state_owed: dict[str, bytes]  # server state a write stop kept off the disk (storerecovery.py)
 
@@ -127,8 +128,8 @@ class Flushes:
 
     def flush(self) -> bool:
         """Write the memtables to table files; with durability "cache" this makes
-        every value written before the call safe from a crash. None once closing
-        begins (but close's own), and none RocksDB would hold for a write stop
+        every value written before the call safe from a crash. None (False) once
+        closing begins (but close's own), and none RocksDB would hold for a write stop
         that nothing ends (stallwrite.py: it would wait there for ever). Returns
         whether it flushed; a failure is recorded (logged, a RocksDB error fails
         the store), not raised, and the flusher tries again where that may help."""
@@ -140,14 +141,12 @@ class Flushes:
         return self._gate.closing
 
     def _flush(self, final: bool) -> bool:
-        if self.closing and not final:  # first: a flusher's tick after close touches no RocksDB
-            return False
-        if self.progress.stuck() is not None:
-            return False
-        if not self._gate.begin_flush(final):  # close waits for it (_end_flushes), its first steps too
+        # first: a flusher's tick after close touches no RocksDB; close waits for one begun
+        # (_end_flushes), its first steps too
+        if not self._gate.begin_flush(final):
             return False
         try:
-            return self._flush_begun(final)
+            return self.progress.stuck() is None and self._flush_begun(final)
         finally:
             self._gate.end_flush()
 
@@ -216,8 +215,8 @@ class Flushes:
             self._flushed_mark(mark)
             return False
         except Exception as e:
-            if rocksdb_error(e):  # the store fails, as at a put's error: no later flush writes it
-                self.room.write_failed(e)
+            self._put_failed(e)  # RocksDB's own error fails the store: no later flush writes it
+            if rocksdb_error(e):
                 return False
             self._flush_failed(f"writing its durable mark: {e!r}")
             return True
@@ -254,11 +253,7 @@ class Flushes:
         """Deletes of every record of the ``gone`` ids, and of the copy in the family the held value
         of each (id, large) in ``back`` is not in (written fresh by its put: no legacy large value
         in the default family among them, as _restore keeps none stranded)."""
-        wb = rocksdict.WriteBatch(raw_mode=True)
-        for k in gone:
-            wb.delete(k)
-            wb.delete(k, self._meta_cf)
-            wb.delete(k, self._large_cf)
+        wb = self._delete_batch(gone, gone)
         for k, large in back:
             if large:
                 wb.delete(k)
@@ -317,7 +312,7 @@ class Flushes:
         hung there). A flush may go in now; one without room fails, as RocksDB's close would. Writes
         under way give up first (the gate shuts), or one would go in once the stop is lifted, and
         its value, acknowledged, be lost with the memtable."""
-        self._gate.shut(GIVEN_UP_WAIT_S)  # each gives up at its next try; close logs one that does not
+        self._gate.shut()  # each gives up at its next try; close waits for them, and logs one that does not
         for view in (self._db, self._meta, self._server, self._large):  # a stop in any holds all
             try:
                 view.set_options({"disable_auto_compactions": "true"})  # no level 0 or pending-bytes stop then

@@ -315,9 +315,13 @@ class JobCoordinator:
         now = time.monotonic()
         if now < self._release_after:
             return
+        # not behind the coordination thread's plan call in flight (up to its deadline): the
+        # training loop tries again at its next batch
+        if not self._plan_calls.acquire(blocking=False):
+            return
         self._released[c] = _listing(plan)
         try:
-            self._take_plan(lambda: self.client.release_chunk(self.ds.job, self.dataset, c))
+            self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
         except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
             if not isinstance(e, self._unavailable):
                 log.warning("releasing chunk %d failed (%s): trying again later", c, e)
@@ -327,6 +331,8 @@ class JobCoordinator:
             self._release_backoff = min(2 * self._release_backoff, MAX_RELEASE_BACKOFF_S)
         else:
             self._release_backoff = RELEASE_BACKOFF_S
+        finally:
+            self._plan_calls.release()
 
     def epoch_start(self) -> None:
         self.reports.epoch_start()

@@ -317,8 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (_add_certs, _add_stats, _add_ring, add_local_cluster_parser, add_status_parser):
         add(sub)  # add_status_parser: the manager's own view, `cachectl status`
-    for command in sub.choices.values():  # one layout: status's own showed "(default: None)"
-        command.formatter_class = HelpFormatter
     return p
 
 

@@ -243,7 +243,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             if batches and not repeat:
                 self.store.submit({"type": "batches", "job": request.job, "batches": batches, "now": now,
                                    **number})
-            m = self.store.model
+            m = self.store.model  # a failed write reloads the state: another model
             if request.job not in m.jobs:
                 raise Rejected("NOT_FOUND", f"unknown job {request.job!r}: register it again")
             if repeat:

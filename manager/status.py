@@ -18,7 +18,7 @@ from cacheserver.roles import read_token
 from cacheserver.tls import add_tls_flags, tls_from_args
 from cacheserver.vocab import CacheMode, Option
 
-from .ctlcommon import seconds
+from .ctlcommon import HelpFormatter, seconds
 from .tables import table
 
 PROG = "cachectl"
@@ -26,7 +26,7 @@ PROG = "cachectl"
 
 def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "status", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "status", formatter_class=HelpFormatter,
         help="show the manager's servers, datasets, options, chunks, jobs and measured benefits",
         description="Ask a cache manager for its Status: the ring, every dataset's cache option "
                     "and chunk states (who reads which chunk), every job's probe phase and "

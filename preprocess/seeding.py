@@ -89,16 +89,15 @@ class SeedLock:
             since = self._fenced.get(holder)
             return 0 if since is None else self._taken - since
 
-    def fence(self, thread: threading.Thread) -> bool:
+    def fence(self, thread: threading.Thread) -> None:
         """`thread` was left behind: refuse it the lock from now on, and take the lock from
-        it if it holds it (True then)."""
+        it if it holds it."""
         with self._cond:
             took = self._holder is thread
             self._fenced[thread] = self._taken if took else None
             if took:
                 self._holder = None
             self._cond.notify_all()  # a fenced waiter raises rather than wait on
-            return took
 
     def fenced(self) -> bool:
         """Was this thread left behind?"""

@@ -1,3 +1,4 @@
+import functools
 import os
 import re
 import shutil
@@ -47,20 +48,19 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    root, groups = config.rootpath, {}
+    root = config.rootpath
 
     class ModuleOrGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist that could rename: its group
                 return nodeid.rsplit("@", 1)[-1]
             path = nodeid.split("::", 1)[0]
-            if path not in groups:
-                groups[path] = _module_group(root / path) or path
-            return groups[path]
+            return _module_group(root / path) or path
 
     return ModuleOrGroup(config, log)
 
 
+@functools.cache
 def _module_group(path) -> str | None:
     """The xdist_group a test module names (one per module: its tests run together)."""
     try:
@@ -156,7 +156,6 @@ def ray_heads():
 
 
 _shared: dict = {}  # the session's SharedHead, once a test asked for it
-_groups: dict = {}  # module path -> its xdist group
 
 
 @pytest.hookimpl(wrapper=True)
@@ -166,15 +165,9 @@ def pytest_runtest_teardown(item, nextitem):
     of the worker's modules. A later test that asks for it starts it again."""
     result = yield
     heads = _shared.get("ray")
-    if heads is not None and (nextitem is None or _group_of(nextitem.path) != "ray"):
+    if heads is not None and (nextitem is None or _module_group(nextitem.path) != "ray"):
         heads.close()
     return result
-
-
-def _group_of(path) -> str | None:
-    if path not in _groups:
-        _groups[path] = _module_group(path)
-    return _groups[path]
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ cacheserver processes on loopback: chunk releases stay right when the manager re
 dataset mid-epoch (restarted on its state dir with another --chunk-size or --budget: a new
 DoubleBuffer), and close() stops the coordination thread promptly while it prefetches from a
 slow store, leaving nothing of the dataset's process state behind."""
+import contextlib
 import os
 import sys
 import threading
@@ -139,44 +140,53 @@ def _store_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("store-fetch")]
 
 
-def test_close_stops_a_thread_prefetching_from_a_slow_store_and_leaves_no_state(tmp_path, monkeypatch):
-    """close() waited 5 s for the coordination thread, gave up while it prefetched the loading
-    chunk from a slow store (one prefetch: up to 64 items), and closed the dataset's process state
-    under it; the thread went on reading from the store. The thread now checks the stop between
-    parts of a prefetch: close() returns once the part in hand is read, the thread is gone,
-    the store is read no more, and no process state is left."""
+@contextlib.contextmanager
+def slow_chunked(tmp_path, monkeypatch):
+    """A chunked dataset (1000 items of 1 kB: chunk 0 of 10 is 100 items, 100 kB) read from an
+    object store capped at 10 kB/s (the chunk 10 s, a prefetch part of PREFETCH_PART = 16 items
+    1.6 s, past the store's first 16 KiB burst), under a real manager and server; yields
+    (dataset, store, server). Its coordinator reports every 0.1 s and prefetches the whole
+    loading chunk at once; the test starts its thread."""
     monkeypatch.setenv(DIR_ENV, str(tmp_path / "tokens"))
     m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "500kB", "--chunk-size", "100kB").start()
     srv = cacheserver(str(tmp_path / "srv"), "64MB", 0, "--manager", m.address).start()
     ds = None
     try:
         wait_ring(m.address, 1)
-        # 1000 items of 1 kB: chunk 0 (of 10) is 100 items, 100 kB, 10 s from this store; a
-        # prefetch part (PREFETCH_PART, 16 items) 1.6 s
         path, _ = make_dataset(tmp_path / "ds", n=1000, lo=1_000, hi=1_000)
         with objstore.ObjectStore(tmp_path / "ds", bandwidth="10kB") as store:
             d = Digest.load(path)
             d.root = store.url
             d.save(str(tmp_path / "http.digest"))
             ds = CachedDataset(str(tmp_path / "http.digest"), manager=m.address, job="slow")
-            coord = ds.coordinator
-            assert coord.plan.loading is not None and coord.plan.k == 10
-            coord.report_seconds = 0.1
-            coord.prefetch_bandwidth = 1e9  # the whole loading chunk in one prefetch
-            coord.start()
-            wait_until(lambda: store.stats(by_path=False)["bytes_served"] > 0, "a prefetch reading the store", 15)
-            t0 = time.monotonic()
-            ds.close()
-            took = time.monotonic() - t0
-            thread = coord._thread
-            assert took < 3.5, f"close() took {took:.1f} s"
-            assert not thread.is_alive()
-            served = store.stats(by_path=False)["bytes_served"]
-            time.sleep(2.0)
-            assert store.stats(by_path=False)["bytes_served"] == served  # nothing read after close
-            assert ds._state is None and not _store_threads()
+            ds.coordinator.report_seconds = 0.1
+            ds.coordinator.prefetch_bandwidth = 1e9  # the whole loading chunk in one prefetch
+            yield ds, store, srv
     finally:
         if ds is not None:
             ds.close()
         srv.kill()
         m.kill()
+
+
+def test_close_stops_a_thread_prefetching_from_a_slow_store_and_leaves_no_state(tmp_path, monkeypatch):
+    """close() waited 5 s for the coordination thread, gave up while it prefetched the loading
+    chunk from a slow store (one prefetch: up to 64 items), and closed the dataset's process state
+    under it; the thread went on reading from the store. The thread now checks the stop between
+    parts of a prefetch: close() returns once the part in hand is read, the thread is gone,
+    the store is read no more, and no process state is left."""
+    with slow_chunked(tmp_path, monkeypatch) as (ds, store, _):
+        coord = ds.coordinator
+        assert coord.plan.loading is not None and coord.plan.k == 10
+        coord.start()
+        wait_until(lambda: store.stats(by_path=False)["bytes_served"] > 0, "a prefetch reading the store", 15)
+        t0 = time.monotonic()
+        ds.close()
+        took = time.monotonic() - t0
+        thread = coord._thread
+        assert took < 3.5, f"close() took {took:.1f} s"
+        assert not thread.is_alive()
+        served = store.stats(by_path=False)["bytes_served"]
+        time.sleep(2.0)
+        assert store.stats(by_path=False)["bytes_served"] == served  # nothing read after close
+        assert ds._state is None and not _store_threads()

@@ -172,12 +172,15 @@ def test_a_load_report_answered_before_a_release_does_not_bring_the_released_chu
     t.start()
     try:
         assert answered.wait(10)
-        coord.consumed([i for r in plan.members(c) for i in r])  # chunk c read to its end: released
+        t0 = time.monotonic()
+        coord.consumed([i for r in plan.members(c) for i in r])  # chunk c read to its end
+        assert time.monotonic() - t0 < 1.0  # the training loop does not wait behind the load report
         released.set()
     finally:
         released.set()
         t.join(15)
     assert not t.is_alive()
+    coord.consumed([])  # the next batch: the release the load report's call held off goes now
     with ManagerClient(ds.coordinator.client.address, timeout=2) as mc:
         mc.set_job_token("racer", coord.client.job_token("racer"))
         now = mc.get_plan(coord.dataset, "racer")

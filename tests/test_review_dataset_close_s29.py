@@ -4,23 +4,18 @@ coordinator's close() keeps the process state it is using until it ends, and onl
 state closed; a dataset refuses reads once closed rather than opening its clients again; and a
 construction that fails after registering its job lets go of the job and its token file."""
 import logging
-import os
-import sys
 import threading
 
 import pytest
 
 pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-
-import objstore  # noqa: E402
 from clients import coordination  # noqa: E402
 from clients.dataset import CachedDataset  # noqa: E402
-from clients.digest import Digest  # noqa: E402
 from clients.jobtokenfile import DIR_ENV  # noqa: E402
 from clients.procstate import DatasetClosed  # noqa: E402
 from procs import cachemanager, cacheserver, wait_ring, wait_until  # noqa: E402
+from test_review_coordination2_s29 import slow_chunked  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 
 
@@ -35,49 +30,29 @@ def test_a_coordination_thread_outliving_close_keeps_its_state_until_it_ends(tmp
     through a closed client and lost ("a cache server refused a put ... the client ... is closed",
     a warning said once per process, so a real refusal later went unsaid). Now the state stays
     open until the thread ends, then is closed: every item read is cached, nothing is left."""
-    monkeypatch.setenv(DIR_ENV, str(tmp_path / "tokens"))
     monkeypatch.setattr(coordination, "CLOSE_WAIT_S", 0.2)  # close() gives up amid the first part
-    m = cachemanager(str(tmp_path / "m"), 0, "--chunks", "--budget", "500kB", "--chunk-size", "100kB").start()
-    srv = cacheserver(str(tmp_path / "srv"), "64MB", 0, "--manager", m.address).start()
-    ds = None
-    try:
-        wait_ring(m.address, 1)
-        # 1000 items of 1 kB: a prefetch part (16 items) takes 1.6 s from this store, past its
-        # first 16 KiB (a burst: the first part may pass at once)
-        path, _ = make_dataset(tmp_path / "ds", n=1000, lo=1_000, hi=1_000)
-        with objstore.ObjectStore(tmp_path / "ds", bandwidth="10kB") as store:
-            d = Digest.load(path)
-            d.root = store.url
-            d.save(str(tmp_path / "http.digest"))
-            ds = CachedDataset(str(tmp_path / "http.digest"), manager=m.address, job="slow")
-            coord = ds.coordinator
-            coord.report_seconds = 0.1
-            coord.prefetch_bandwidth = 1e9  # the whole loading chunk in one prefetch
-            coord.start()
-            wait_until(lambda: store.stats(by_path=False)["bytes_served"] >= 18_000, "a paced prefetch part", 15)
-            with caplog.at_level(logging.WARNING):
-                ds.close()
-                thread = coord._thread
-                assert thread.is_alive()  # the case under review: close() returned before the thread ended
-                with pytest.raises(DatasetClosed, match="was closed"):
-                    ds[0]  # this thread may not use the state the coordination thread still holds
-                thread.join(30)
-                assert not thread.is_alive()
-                wait_until(lambda: ds._state is None and not _state_threads(), "the state closed after the thread", 10)
-            assert not [r for r in caplog.records if "is closed" in r.getMessage()], caplog.text
-            read = sorted(int(p.rsplit("img", 1)[1][:5]) for p, e in store.stats()["by_path"].items()
-                          if p.endswith(".bin") and e["bytes"] >= 1000)
-            assert read
-            check = CachedDataset(str(tmp_path / "http.digest"), cache=srv.address)
-            try:
-                assert all(check.lookup(read)), "items read from the store after close() were not put"
-            finally:
-                check.close()
-    finally:
-        if ds is not None:
+    with slow_chunked(tmp_path, monkeypatch) as (ds, store, srv):
+        coord = ds.coordinator
+        coord.start()
+        wait_until(lambda: store.stats(by_path=False)["bytes_served"] >= 18_000, "a paced prefetch part", 15)
+        with caplog.at_level(logging.WARNING):
             ds.close()
-        srv.kill()
-        m.kill()
+            thread = coord._thread
+            assert thread.is_alive()  # the case under review: close() returned before the thread ended
+            with pytest.raises(DatasetClosed, match="was closed"):
+                ds[0]  # this thread may not use the state the coordination thread still holds
+            thread.join(30)
+            assert not thread.is_alive()
+            wait_until(lambda: ds._state is None and not _state_threads(), "the state closed after the thread", 10)
+        assert not [r for r in caplog.records if "is closed" in r.getMessage()], caplog.text
+        read = sorted(int(p.rsplit("img", 1)[1][:5]) for p, e in store.stats()["by_path"].items()
+                      if p.endswith(".bin") and e["bytes"] >= 1000)
+        assert read
+        check = CachedDataset(str(tmp_path / "http.digest"), cache=srv.address)
+        try:
+            assert all(check.lookup(read)), "items read from the store after close() were not put"
+        finally:
+            check.close()
 
 
 def test_a_closed_dataset_refuses_reads_instead_of_opening_its_clients_again(tmp_path):

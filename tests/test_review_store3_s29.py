@@ -152,6 +152,23 @@ def timed_get(s: Store, keys: list[bytes]) -> tuple[float, list]:
     return time.monotonic() - t0, got
 
 
+def put_holding_the_lock(s: Store) -> tuple[threading.Thread, list]:
+    """A put that must evict, its delete waiting out the write stop with the store's lock held."""
+    out: list = []
+    size = s.capacity - s.used - OVERHEAD + 1  # one byte more than the room left
+
+    def put():
+        try:
+            out.append(s.put_many([(os.urandom(32), os.urandom(size))]))
+        except BaseException as e:
+            out.append(e)
+    th = threading.Thread(target=put, daemon=True)
+    th.start()
+    time.sleep(0.5)
+    assert th.is_alive() and s._lock.locked(), out
+    return th, out
+
+
 @pytest.mark.parametrize("held", [False, True], ids=["stopped", "lock-held-by-a-stopped-put"])
 def test_a_corrupt_record_read_during_a_write_stop_is_a_miss_at_once(tmp_path, slow_give_up, held):
     path = str(tmp_path / "s")
@@ -161,19 +178,8 @@ def test_a_corrupt_record_read_during_a_write_stop_is_a_miss_at_once(tmp_path, s
     assert s.put_many([(good, b"g" * SMALL)]) == (1, 0, 0)
     k = damaged(s)
     s._db.set_options(STOP)
-    out: list = []
     if held:  # a put that must evict holds the store's lock while its delete waits out the stop
-        size = s.capacity - s.used - OVERHEAD + 1
-
-        def put():
-            try:
-                out.append(s.put_many([(os.urandom(32), os.urandom(size))]))
-            except BaseException as e:
-                out.append(e)
-        th = threading.Thread(target=put, daemon=True)
-        th.start()
-        time.sleep(0.5)
-        assert th.is_alive() and s._lock.locked(), out
+        th, out = put_holding_the_lock(s)
     took, got = timed_get(s, [k, good])
     assert got[0] is None and bytes(got[1]) == b"g" * SMALL
     assert took < 1.0, f"a get waited {took:.1f} s for a write stop"

@@ -25,29 +25,13 @@ from cacheserver.counters import Counters
 from cacheserver.eviction import LRUPolicy
 from cacheserver.server import CacheServer, ServerConfig
 from cacheserver.store import OVERHEAD, Store, TagUsage
+from test_review_store3_s29 import put_holding_the_lock
 from test_review_store_s29 import level0_files, past_the_follower_minimum
 from test_review_write_stop import STOP
 
 SMALL = 1000
 STOPPED = stallwrite.STOPPED
 COMPACTING = "rocksdb.num-running-compactions"
-
-
-def put_holding_the_lock(s: Store) -> tuple[threading.Thread, list]:
-    """A put that must evict, its delete waiting out the write stop with the store's lock held."""
-    out: list = []
-    size = s.capacity - s.used - OVERHEAD + 1  # one byte more than the room left
-
-    def put():
-        try:
-            out.append(s.put_many([(os.urandom(32), os.urandom(size))]))
-        except BaseException as e:
-            out.append(e)
-    th = threading.Thread(target=put, daemon=True)
-    th.start()
-    time.sleep(0.5)
-    assert th.is_alive() and s._lock.locked(), out
-    return th, out
 
 
 def timed(fn, *args):
