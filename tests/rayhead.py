@@ -22,8 +22,8 @@ HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled
             # Ray waits 30 s for its GCS server's port file; on a loaded 2-core CI host (the other
             # pytest worker busy) the GCS took longer: "Timed out waiting for file .../gcs_server_port"
             "RAY_gcs_server_port_wait_time_s": "120",
-            # and 30 s for the client server it starts per Ray Client connection: "Starting Ray
-            # client server failed" on a host loaded by the other pytest worker and the head
+            # and 30 s for the client server it starts per Ray Client connection to take calls
+            # ("Proxy failed to Connect to backend" on a host loaded by the other pytest worker)
             "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
 
 
@@ -47,10 +47,13 @@ def ray_free_ports(n: int) -> list[int]:
 
 
 class RayHead:
-    def __init__(self, cpus: int = 2) -> None:
+    def __init__(self, cpus: int = 2, env: dict[str, str] | None = None, path: tuple[str, ...] = ()) -> None:
+        """`env`: more of the head's environment; `path`: directories before the repository on
+        its PYTHONPATH (a fault test's sitecustomize)."""
         self.tmp = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths have a length limit
         self.port, self.client_port = ray_free_ports(2)
-        env = dict(os.environ, **HEAD_ENV, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+        env = {**os.environ, **HEAD_ENV, **(env or {}),
+               "PYTHONPATH": os.pathsep.join([*path, ROOT, os.path.join(ROOT, "tests")])}
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "wb")
         self.proc = subprocess.Popen(

@@ -16,7 +16,7 @@ from clients.dataset import CachedDataset  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.remote import start  # noqa: E402
 from procs import cacheserver, free_port  # noqa: E402
-from rayhead import RayHead, disconnect  # noqa: E402
+from rayhead import RayHead, disconnect, leave  # noqa: E402
 from remote_steps import Jitter, Slow, decode, decode_entry  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 from test_remote_workers import expected, trainer_epoch  # noqa: E402
@@ -86,3 +86,57 @@ def test_cluster_never_reached_runs_local_only(server, tmp_path):
     with pytest.raises(ValueError, match="not the embedded cache"):
         start(CachedDataset(path, cache=False, transform=pipe), pipe, 0, "ray://127.0.0.1:1")
     ds.close()
+
+
+FAIL_ONCE = '''import os
+_marker = os.environ.get("RAYHEAD_FAIL_CLIENT_SERVER", "")
+if _marker:
+    with open("/proc/self/cmdline", "rb") as _f:
+        _cmd = _f.read()
+    if b"--mode=specific-server" in _cmd and os.path.exists(_marker):
+        os._exit(3)  # a client server that dies starting
+    if b"--mode=proxy" in _cmd:  # the proxy sees it die before it counts it started, as in CI
+        import ray.util.client.server.proxier as _p
+
+        _match, _start = _p._match_running_client_server, _p.ProxyManager.start_specific_server
+        _p._match_running_client_server = lambda cmd: _match(cmd) and not os.path.exists(_marker)
+
+        def _once(self, *a, **kw):
+            try:
+                return _start(self, *a, **kw)
+            finally:
+                if os.path.exists(_marker):
+                    os.rename(_marker, _marker + ".used")
+        _p.ProxyManager.start_specific_server = _once
+'''
+
+
+def test_a_client_server_that_dies_starting_is_tried_again(tmp_path):
+    """The head's proxy starts a client server per Ray Client connection; the first one
+    dies starting (a sitecustomize on the head's path exits it before the proxy counts it
+    started). Before: connect() gave up ("Starting Ray client server failed", seen in CI on a
+    loaded host; "Proxy failed to Connect to backend" where it dies later) and the job ran
+    local workers only; now it connects on the second try."""
+    from preprocess.remote.cluster import connect
+
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAIL_ONCE)
+    marker = tmp_path / "fail-once"
+    # Ray's own wait for a client server (30 s; the other tests' heads wait 120 s): Ray's client
+    # hears of the dead one only after it (its log stream waits for that server's channel)
+    env = {"RAYHEAD_FAIL_CLIENT_SERVER": str(marker), "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "30"}
+    head = RayHead(cpus=1, env=env, path=(str(fault),))
+    try:
+        head.connect()  # up, through a client server of its own; the fault armed afterwards
+        disconnect(ray)
+        marker.write_text("")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            joined, share = connect(head.address)
+        assert not marker.exists() and os.path.exists(str(marker) + ".used")  # the first one did die
+        assert share is not None and joined.is_initialized()
+        assert joined.get(joined.put(7)) == 7
+    finally:
+        leave(ray)
+        head.close()

@@ -2,6 +2,7 @@
 transform chain finding another job's transformed items. Real cacheserver processes (and a
 real cachemanager), real TFRecords, real tf.data."""
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -47,6 +48,7 @@ def saved_state(digest, server, kind: str) -> tuple[dict, list[bytes]]:
     try:
         it = ds.as_numpy_iterator()
         first = [ident(next(it)) for _ in range(CUT)]
+        time.sleep(0.3)  # time for a read ahead (tf.data's injected prefetch counted a 4th batch)
         state = {"sampler": ds.mlcache.sampler.state_dict()}  # as TFSource.state_dict() has it
         assert (state["sampler"]["epoch"], state["sampler"]["items_delivered"]) == (0, CUT)
         return state, first

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from manager.workers import check_ray_address
@@ -20,6 +21,13 @@ from manager.workers import check_ray_address
 GRACE_ENV = "RAY_CLIENT_RECONNECT_GRACE_PERIOD"
 DEFAULT_GRACE_S = 10  # Ray's default is 30 s of stalled calls before a lost cluster is reported
 CHECK_TIMEOUT_S = 3.0
+# The head's proxy starts a client server process per connection; one that dies starting (a
+# loaded head, its port taken meanwhile) fails the connection with one of these texts, at once
+# or after the proxy's wait for it (RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S, 30 s). The next
+# try gets a new server on another port.
+SERVER_START_FAILED = ("Starting Ray client server failed", "Proxy failed to Connect to backend")
+START_TRIES = 2
+START_RETRY_S = 1.0
 
 
 class ClusterUnavailable(RuntimeError):
@@ -87,12 +95,23 @@ def connect(address: str) -> tuple[Any, int | None]:
         disconnect(ray)  # a client whose cluster was lost stays half-connected until shut down
         _Joined.users = 0  # shares of a lost connection are void
         _Joined.generation += 1
-        try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        except Exception as e:
-            raise ClusterUnavailable(f"Ray cluster {address}: {type(e).__name__}: {e}") from None
+        _init(ray, address)
         _Joined.users = 1
         return ray, _Joined.generation
+
+
+def _init(ray: Any, address: str) -> None:
+    """ray.init as a Ray Client; a client server that died starting is tried once more."""
+    for attempt in range(START_TRIES):
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            return
+        except Exception as e:
+            if attempt + 1 < START_TRIES and any(t in str(e) for t in SERVER_START_FAILED):
+                disconnect(ray)
+                time.sleep(START_RETRY_S)
+                continue
+            raise ClusterUnavailable(f"Ray cluster {address}: {type(e).__name__}: {e}") from None
 
 
 def leave(ray: Any, share: int | None) -> None:
