@@ -101,7 +101,7 @@ class ManagerLink:
         capacity, used, items = self.stats()
         if not self.registered:
             r = self.stub.RegisterServer(mpb.RegisterServerRequest(
-                address=self.address, server_id=self.server_id, capacity=capacity, used=used),
+                address=self.address, server_id=self.server_id, capacity=capacity, used=used, items=items),
                 timeout=self.timeout, metadata=self._md)
             self.registered = True
             if r.heartbeat_seconds > 0:

@@ -167,7 +167,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
         now = self._now()
         with self.store.lock:
             self._refuse_taken_address(request.server_id, request.address, now)
-            self.liveness.beat(request.server_id, now, request.used)
+            self.liveness.beat(request.server_id, now, request.used, request.items)
             if (request.used and self.on_unknown_with_entries is not None
                     and request.server_id not in self.store.model.registry.servers):
                 self.on_unknown_with_entries(request.address)

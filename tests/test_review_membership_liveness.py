@@ -114,3 +114,33 @@ def test_out_of_the_ring_at_a_restart_counts_from_the_journal_and_again_after_a_
     reg.forget("a")
     reg.forget("b")
     assert live.forgettable(reg, 5112.0, 60.0) == [] and live._out == {}
+
+
+def test_a_registering_servers_items_show_before_its_first_heartbeat(tmp_path):
+    """A real cache server with 5 items restarts under a manager that asks for a heartbeat a
+    minute apart. Before: RegisterServer carried no item count, so status said 0 items until
+    the first heartbeat (its used bytes came through); now both come with the registration."""
+    import hashlib
+
+    from cacheserver.client.server_client import ServerClient
+
+    data = str(tmp_path / "srv")
+    srv = cacheserver(data, "64MB").start()
+    try:
+        with ServerClient(srv.address) as c:
+            c.put([(hashlib.sha256(b"%d" % i).digest(), b"v" * 1000) for i in range(5)], "j")
+    finally:
+        srv.stop()
+    d = ManagerDaemon(DaemonConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "m"), fsync=False,
+                                   model=ManagerConfig(budget=None), heartbeat_s=60.0, decision_s=0.2,
+                                   reconcile_s=0.2))
+    d.start()
+    srv = cacheserver(data, "64MB", 0, "--manager", d.address).start()
+    try:
+        with ManagerClient(d.address) as mc:
+            rows = wait_until(lambda: [s for s in mc.status().servers if s.alive], "the server in the ring")
+            assert rows[0].used > 0 and rows[0].last_heartbeat_age < 30  # its registration, no heartbeat yet
+            assert rows[0].items == 5
+    finally:
+        srv.kill()
+        d.stop(grace=1.0)
