@@ -177,7 +177,10 @@ class ManagerModel(AllocationStep):
         job_left(self.pipelines, job)
         out: list[Effect] = [note("job unregistered", job=job, reason=ev.get("reason", ""))]
         probe = self.board.jobs.get(job)
+        if probe is not None and probe.probing:  # counted here: removing the job makes no transition
+            self._count("probes_aborted")
         if probe is not None and probe.mode is CacheMode.BYPASS:
+            self._count("mode_switches")
             out.append(SetMode(job, CacheMode.NORMAL.value, "job left during a probe"))
         out += self._transitions(self.board.remove_job(job, now))
         if rec.dataset in self.buffers:

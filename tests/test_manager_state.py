@@ -384,3 +384,25 @@ def test_batch_reports_are_journaled_without_an_fsync_of_their_own(tmp_path, mon
     again = StateStore(str(tmp_path), CFG, fsync=False).open()
     assert again.model.digest() == digest  # the unsynced report was replayed
     again.close()
+
+
+def test_a_job_that_leaves_during_its_probe_counts_the_probe_aborted():
+    """Before: a job unregistered while its probe ran was counted in probes_started, never in
+    probes_finished or probes_aborted (the metrics said a probe was still under way)."""
+    from manager.policy.probing import Phase
+
+    m = ManagerModel(CFG)
+    m.apply({"type": "job_register", "job": "a", "dataset": "big", "dataset_bytes": 5_000_000, "n_items": 500,
+             "n_gpus": 1, "now": 1000.0})
+    t = 1000.0
+    for _ in range(40):  # warm-up batches, then the first probe starts
+        t += 0.1
+        m.apply({"type": "batches", "job": "a", "now": t, "batches": [[t, 0.1, 1.0]]})
+        m.apply({"type": "tick", "now": t})
+        if m.board.jobs["a"].phase is Phase.PROBE_BYPASS:
+            break
+    assert m.board.jobs["a"].phase is Phase.PROBE_BYPASS and m.counters.get("probes_started") == 1
+    m.apply({"type": "job_unregister", "job": "a", "reason": "done", "now": t + 0.1})
+    c = m.counters
+    assert c.get("probes_started", 0) == c.get("probes_finished", 0) + c.get("probes_aborted", 0) == 1
+    assert ManagerModel.from_dict(m.to_dict()).counters == c
