@@ -37,7 +37,7 @@ from manager import jobtokens
 from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
 from manager.policy.autocache import Decision, PipelineCosts
 
-from .batchreports import BatchReports
+from .batchreports import QUEUED_MAX, REPORT_MAX, BatchReports
 from .jobtokenfile import JobTokenFile
 
 log = logging.getLogger("mlcache.client")
@@ -511,6 +511,14 @@ class JobCoordinator:
         if self.plan is None or reply.plan_version != self.plan.version:
             self._take_plan(lambda: self.client.get_plan(self.dataset, self.ds.job))
 
+    def _report_queued(self) -> None:
+        """close()'s last reports: every queued batch, REPORT_MAX a report (a failed one
+        first), until none is left or a call fails."""
+        for _ in range(QUEUED_MAX // REPORT_MAX + 2):  # the queue's bound, and a put-back report
+            if not self.reports.queued:
+                return
+            self._report()
+
     @staticmethod
     def _chunk_sample(plan: Plan, chunk: int, n: int) -> list[int]:
         members = [i for r in plan.members(chunk) for i in r]
@@ -549,7 +557,7 @@ class JobCoordinator:
             if self._thread.is_alive():
                 log.warning("the cache coordination thread of job %s did not stop within %.0f s (a store "
                             "read or manager call still runs)", self.ds.job, CLOSE_WAIT_S)
-        for last in (self._report, lambda: self.client.unregister_job(self.ds.job)):
+        for last in (self._report_queued, lambda: self.client.unregister_job(self.ds.job)):
             try:  # a failed last report still unregisters the job
                 last()
             except Exception:

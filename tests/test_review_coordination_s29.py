@@ -90,6 +90,26 @@ def test_batches_reported_while_the_manager_is_down_reach_it_once_it_is_back(job
     assert not coord.reports.queued
 
 
+def test_close_reports_every_queued_batch(job):
+    """close() sent one last report of at most REPORT_MAX (1000) batches: the rest of the
+    queue (a slow manager, an outage just over) never reached the manager."""
+    from clients.batchreports import REPORT_MAX
+
+    ds, box, port = job
+    coord = ds.coordinator
+    sent, real = [], coord.client.report_batches
+
+    def counted(j, batches):
+        reply = real(j, batches)  # the real call: this only counts what the manager answered
+        sent.append(len(batches))
+        return reply
+    coord.client.report_batches = counted
+    _queue(coord, 2 * REPORT_MAX + 500)
+    ds.close()  # never started: close() sends them all
+    assert sum(sent) == 2 * REPORT_MAX + 500 and len(sent) == 3
+    assert not coord.reports.queued
+
+
 def test_batches_refused_for_an_unknown_job_reach_the_manager_after_it_registers_again(job, tmp_path):
     """A manager restarted on an empty state dir answers the report NOT_FOUND without applying
     it; the job registers again, and the batches of that report went nowhere."""
