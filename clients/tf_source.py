@@ -304,7 +304,7 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
 
         # a function of one item passed as transform= fails inside the chain: say so, as in source mode
         ds = transformed_dataset(source, lambda d: apply_chain(transform, d), autocache, epochs)
-        return ds if source.read_ahead else _no_injected_prefetch(ds)
+        return _no_read_ahead(source, ds)
     if engine is None:
         batches = (batches_dataset(source.feed) if source.read_parallel == 1
                    else ticket_batches_dataset(source.tickets, source.read_parallel))
@@ -313,19 +313,20 @@ def _elements(source: TFSource, engine: Any, options: dict[str, Any], transform:
         ds = batches.unbatch()
     else:
         ds = tf_transform.element_dataset(source.starter, tf_transform.tf_map_step(engine).element_spec)
-    if not source.read_ahead:
-        ds = _no_injected_prefetch(ds)
+    ds = _no_read_ahead(source, ds)  # before the user's transform: options it sets win
     if source.declared is not None:
         ds = ds.apply(tf.data.experimental.assert_cardinality(source.declared))
     return ds if transform is None else apply_chain(transform, ds)
 
 
-def _no_injected_prefetch(ds: "tf.data.Dataset") -> "tf.data.Dataset":
+def _no_read_ahead(source: TFSource, ds: "tf.data.Dataset") -> "tf.data.Dataset":
     """read_ahead=0 reads nothing ahead of the pipeline: tf.data's own optimization would
     otherwise inject a prefetch that reads the next batch in its thread, and a state_dict()
     saved between batches counted it (its items lost on resume)."""
     import tensorflow as tf
 
+    if source.read_ahead:
+        return ds
     opts = tf.data.Options()
     opts.experimental_optimization.inject_prefetch = False
     return ds.with_options(opts)

@@ -223,6 +223,17 @@ def wait_ring(address: str, n: int, timeout: float = 30.0) -> None:
     assert got == n, f"manager {address} lists {got} cache servers after {timeout} s, not {n}"
 
 
+def batches_counted(address: str, job: str) -> int | None:
+    """Batches the manager at `address` counts for `job` (its status); None: no such job."""
+    from manager.manager_client import ManagerClient
+
+    with ManagerClient(address, timeout=2) as mc:
+        for j in mc.status_dict(wait=True)["jobs"]:
+            if j["job"] == job:
+                return int(j.get("batches", 0))
+    return None
+
+
 @contextlib.contextmanager
 def manager_with_server(root: str, *manager_args: str) -> Iterator[tuple[Daemon, Daemon]]:
     """A cachemanager and one cacheserver in its ring (registered: the manager's ring lists it),

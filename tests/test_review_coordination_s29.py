@@ -13,20 +13,11 @@ pytest.importorskip("torch")
 from clients.dataset import CachedDataset  # noqa: E402
 from clients.jobtokenfile import DIR_ENV  # noqa: E402
 from manager.manager_client import ManagerClient, ManagerUnavailable  # noqa: E402
-from procs import cachemanager, cacheserver, free_port, wait_ring, wait_until  # noqa: E402
+from procs import batches_counted, cachemanager, cacheserver, free_port, wait_ring, wait_until  # noqa: E402
 from test_dataset import make_dataset  # noqa: E402
 
 # 1 MB in 100 items over 100 kB chunks, 300 kB of room: a chunked plan of 10 chunks
 CHUNKS = ("--chunks", "--budget", "300kB", "--chunk-size", "100kB")
-
-
-def _reported(address: str, job: str) -> int | None:
-    """Batches the manager at ``address`` counts for ``job`` (None: it lists no such job)."""
-    with ManagerClient(address, timeout=2) as mc:
-        for j in mc.status_dict(wait=True)["jobs"]:
-            if j["job"] == job:
-                return int(j.get("batches", 0))
-    return None
 
 
 def _failed_reports(coord) -> list:
@@ -76,7 +67,7 @@ def test_batches_reported_while_the_manager_is_down_reach_it_once_it_is_back(job
     coord = ds.coordinator
     _queue(coord, 30)
     coord.start()
-    wait_until(lambda: _reported(box[0].address, "outage") == 30, "the first 30 batches counted", 10)
+    wait_until(lambda: batches_counted(box[0].address, "outage") == 30, "the first 30 batches counted", 10)
     failed = _failed_reports(coord)
     assert box[0].stop() == 0  # SIGTERM: it drains and exits, its state dir kept
     _queue(coord, 40)
@@ -84,9 +75,9 @@ def test_batches_reported_while_the_manager_is_down_reach_it_once_it_is_back(job
     wait_until(lambda: any(c is not None and c.name == "UNAVAILABLE" for c in failed),
                "a batch report refused for want of a manager", 10)
     box[0] = cachemanager(str(tmp_path / "m1"), port).start()  # the same state dir: it knows the job
-    wait_until(lambda: _reported(box[0].address, "outage") == 70, "the 40 batches of the outage counted", 15)
+    wait_until(lambda: batches_counted(box[0].address, "outage") == 70, "the 40 batches of the outage counted", 15)
     time.sleep(1.0)  # five more report periods: none is sent twice
-    assert _reported(box[0].address, "outage") == 70
+    assert batches_counted(box[0].address, "outage") == 70
     assert not coord.reports.queued
 
 
@@ -120,10 +111,10 @@ def test_batches_refused_for_an_unknown_job_reach_the_manager_after_it_registers
     box[0] = cachemanager(str(tmp_path / "m2"), port).start()  # it knows no job
     failed = _failed_reports(coord)
     _queue(coord, 25)
-    wait_until(lambda: _reported(box[0].address, "outage") == 25, "the batches counted after registering again", 15)
+    wait_until(lambda: batches_counted(box[0].address, "outage") == 25, "the batches counted after registering again", 15)
     assert any(c is not None and c.name == "NOT_FOUND" for c in failed)  # the path this test is about
     time.sleep(1.0)
-    assert _reported(box[0].address, "outage") == 25
+    assert batches_counted(box[0].address, "outage") == 25
 
 
 def test_a_full_queue_keeps_the_newest_batches_when_a_failed_report_is_put_back(job):

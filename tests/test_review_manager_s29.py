@@ -18,20 +18,11 @@ from cacheserver.sizes import size_flag
 from manager.manager_client import ManagerClient, NumberedBatches, new_report_stream
 from manager.model import ManagerModel, Rejected
 from manager.state import StateStore
-from procs import cachemanager, free_port, manager_once, sigstop, wait_until
+from procs import batches_counted, cachemanager, free_port, manager_once, sigstop, wait_until
 from test_manager_state import CFG, random_events, run
 from test_review_evictions import PausableProxy
 
 DS = "c0ffee" * 8
-
-
-def _counted(address: str, job: str) -> int | None:
-    """Batches the manager at ``address`` counts for ``job`` (None: no such job)."""
-    with ManagerClient(address, timeout=2) as mc:
-        for j in mc.status_dict(wait=True)["jobs"]:
-            if j["job"] == job:
-                return int(j.get("batches", 0))
-    return None
 
 
 def _batches(n: int) -> list[tuple[float, float, float]]:
@@ -51,17 +42,17 @@ def test_a_numbered_report_sent_again_is_counted_once_also_after_a_kill_9(tmp_pa
             a, b = new_report_stream(), new_report_stream()
             first = NumberedBatches(a, 1, tuple(_batches(5)))
             assert [mc.report_batches("job", first).report_seq for _ in range(2)] == [1, 1]
-            assert _counted(m.address, "job") == 5
+            assert batches_counted(m.address, "job") == 5
             second = NumberedBatches(a, 2, tuple(_batches(3)))
             mc.report_batches("job", second)
             m.kill()  # SIGKILL: the reports were journaled (not fsynced: the page cache keeps them)
             m = cachemanager(str(tmp_path / "m"), port).start()
             assert mc.report_batches("job", second).report_seq == 2  # its reply "lost": sent again
             assert mc.report_batches("job", first).report_seq == 2   # an older one is not applied either
-            assert _counted(m.address, "job") == 8
+            assert batches_counted(m.address, "job") == 8
             assert mc.report_batches("job", NumberedBatches(b, 1, tuple(_batches(4)))).report_seq == 1
             assert mc.report_batches("job", _batches(2)).report_seq == 0  # unnumbered: applied every time
-            assert _counted(m.address, "job") == 14
+            assert batches_counted(m.address, "job") == 14
     finally:
         m.kill()
 
@@ -186,19 +177,19 @@ def test_a_report_whose_reply_was_lost_is_sent_again_and_counted_once(tmp_path, 
         coord = dataset(proxy.address).coordinator
         _queue(coord, 10)
         coord.start()
-        wait_until(lambda: _counted(m.address, "lost") == 10, "the first report counted", 10)
+        wait_until(lambda: batches_counted(m.address, "lost") == 10, "the first report counted", 10)
         calls = _watch(coord)
         proxy.open.clear()  # replies held from here
         _queue(coord, 20)  # (the thread may report a part of them first: the rest waits behind it)
-        wait_until(lambda: _counted(m.address, "lost") > 10, "the second report applied", 10)
+        wait_until(lambda: batches_counted(m.address, "lost") > 10, "the second report applied", 10)
         wait_until(lambda: any(c == "DEADLINE_EXCEEDED" for _, c in calls), "its call failed by its deadline", 10)
         lost = next(seq for seq, c in calls if c == "DEADLINE_EXCEEDED")
         proxy.open.set()
         wait_until(lambda: (lost, "ok") in calls, "the report sent again, under its number", 15)
         assert lost is not None
-        wait_until(lambda: _counted(m.address, "lost") >= 30, "every batch counted", 10)
+        wait_until(lambda: batches_counted(m.address, "lost") >= 30, "every batch counted", 10)
         time.sleep(1.0)  # five more report periods: nothing counted twice, nothing left over
-        assert _counted(m.address, "lost") == 30 and not coord.reports.queued
+        assert batches_counted(m.address, "lost") == 30 and not coord.reports.queued
     finally:
         proxy.close()
         m.kill()
@@ -213,16 +204,16 @@ def test_a_report_cut_off_by_its_deadline_before_the_manager_applied_it_is_count
         coord = dataset(m.address).coordinator
         _queue(coord, 10)
         coord.start()
-        wait_until(lambda: _counted(m.address, "lost") == 10, "the first report counted", 10)
+        wait_until(lambda: batches_counted(m.address, "lost") == 10, "the first report counted", 10)
         calls = _watch(coord)
         sigstop(m.pid)
         _queue(coord, 15)
         wait_until(lambda: any(c == "DEADLINE_EXCEEDED" for _, c in calls), "a report given up on", 10)
         m.kill()  # never resumed: the report was not applied
         m = cachemanager(str(tmp_path / "m"), port).start()
-        wait_until(lambda: _counted(m.address, "lost") == 25, "the report counted after the restart", 15)
+        wait_until(lambda: batches_counted(m.address, "lost") == 25, "the report counted after the restart", 15)
         time.sleep(1.0)
-        assert _counted(m.address, "lost") == 25
+        assert batches_counted(m.address, "lost") == 25
     finally:
         m.kill()
 

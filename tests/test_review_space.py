@@ -110,12 +110,29 @@ def test_a_write_stop_nothing_ends_fails_the_put_clearly_and_lets_go_after(tmp_p
 # the write stop (level 0 full), and the compaction fails for lack of room. RocksDB then
 # compacts nothing until the room that compaction needs is free (retrying each second):
 # writes stay stopped, and a flush waits inside RocksDB, for as long as the disk stays full.
-NO_ROOM = COMMON + textwrap.dedent("""
-    stallwrite.STUCK_S = 2.0
-    top = sys.argv[1]
+# Script helpers on a small file system at `top`: its free bytes; and the practical stop below
+# (ballast fills it, compactions run, the one at the stop fails for lack of room, then room
+# for a flush or small puts, not for that compaction, is freed). Returns the ballast's path.
+FULL_DISK = textwrap.dedent("""
     def free():
         st = os.statvfs(top)
         return st.f_bavail * st.f_frsize
+
+    def fail_a_compaction(db):
+        ballast = os.path.join(top, "ballast")
+        with open(ballast, "wb") as f:
+            f.write(b"\\0" * (free() - (1 << 20)))
+        db.set_options({"disable_auto_compactions": "false"})
+        deadline = time.monotonic() + 20
+        while not db.property_int_value("rocksdb.background-errors") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.truncate(ballast, os.path.getsize(ballast) - (3 << 20))
+        return ballast
+""")
+
+NO_ROOM = COMMON + FULL_DISK + textwrap.dedent("""
+    stallwrite.STUCK_S = 2.0
+    top = sys.argv[1]
     s = Store(os.path.join(top, "st"), 40 << 20, LRUPolicy(), Counters())
     db = s._db
     db.set_options({"disable_auto_compactions": "true"})
@@ -126,14 +143,7 @@ NO_ROOM = COMMON + textwrap.dedent("""
         kept.update(items)
         s.flush()
     s.put_many([(os.urandom(32), b"u" * 1000)])  # one not flushed yet
-    ballast = os.path.join(top, "ballast")
-    with open(ballast, "wb") as f:
-        f.write(b"\\0" * (free() - (1 << 20)))
-    db.set_options({"disable_auto_compactions": "false"})
-    deadline = time.monotonic() + 20
-    while not db.property_int_value("rocksdb.background-errors") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.truncate(ballast, os.path.getsize(ballast) - (3 << 20))  # room for puts, not for that compaction
+    ballast = fail_a_compaction(db)
     note(errors=db.property_int_value("rocksdb.background-errors"), free=free(),
          stopped=db.property_int_value("rocksdb.is-write-stopped"))
     note(flush=in_thread(s.flush, 20))  # RocksDB held it for the stop: for ever

@@ -27,7 +27,7 @@ from cacheserver import stallwrite
 from cacheserver.counters import Counters
 from cacheserver.eviction import LRUPolicy
 from cacheserver.store import OVERHEAD, Store
-from test_review_space import COMMON, run_script
+from test_review_space import COMMON, FULL_DISK, run_script
 from test_review_store_s29 import level0_files
 from test_review_write_stop import GO, STOP
 
@@ -37,12 +37,9 @@ CAPACITY = 7 * (SMALL + OVERHEAD)  # room for one more than the test puts: a lar
 # The stop that a flush's first step waits out begins inside that step (ballast fills the file
 # system while level 0 is at its stop trigger: the compaction fails for lack of room). Before it, a
 # stop with no compaction due left what the step writes: stranded ids, or owed server state.
-FIRST_STEP_STOPS = COMMON + textwrap.dedent("""
+FIRST_STEP_STOPS = COMMON + FULL_DISK + textwrap.dedent("""
     stallwrite.STUCK_S = 1.0
     top, step, caller = sys.argv[1:4]
-    def free():
-        st = os.statvfs(top)
-        return st.f_bavail * st.f_frsize
     s = Store(os.path.join(top, "st"), 40 << 20, LRUPolicy(), Counters())
     s._flusher.stop()  # flushes only where the script makes them
     db = s._db
@@ -67,20 +64,13 @@ FIRST_STEP_STOPS = COMMON + textwrap.dedent("""
                     "level0_slowdown_writes_trigger": "4", "level0_stop_writes_trigger": "4",
                     "max_bytes_for_level_base": str(2 << 20)})  # the store's own again (diskbudget.size_lsm)
     note(stranded=len(s._stranded), owed=len(s._state_owed), stopped=db.property_int_value("rocksdb.is-write-stopped"))
-    ballast = os.path.join(top, "ballast")
     if step == "before_flush":  # after the flush's own checks: RocksDB holds the flush for the stop
         real = s.room.before_flush
     else:
         real = getattr(s, step)
 
     def stop_begins(*args):
-        with open(ballast, "wb") as f:
-            f.write(b"\\0" * (free() - (1 << 20)))
-        db.set_options({"disable_auto_compactions": "false"})
-        deadline = time.monotonic() + 20
-        while not db.property_int_value("rocksdb.background-errors") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.truncate(ballast, os.path.getsize(ballast) - (3 << 20))  # room for a flush, not for that compaction
+        fail_a_compaction(db)
         note(errors=db.property_int_value("rocksdb.background-errors"),
              stopped_in_step=db.property_int_value("rocksdb.is-write-stopped"))
         real(*args)
