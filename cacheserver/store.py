@@ -127,8 +127,9 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self._writing: set[int] = set()  # first sequence numbers of puts being written
         # id -> sequence of a put or delete a write stop ended (put_many, _delete_keys, _delete_soon,
         # a start's deletes): records on disk the index does not account for (an index record
-        # without its value, a value no longer indexed, an old copy in the other size class);
-        # deleted once writes go again (Flushes._drop_stranded), holding the durable mark
+        # without its value, a value no longer indexed); deleted once writes go again
+        # (Flushes._drop_stranded), holding the durable mark, or by the logged batch of a put of
+        # the id (_write_index), which so leaves no old copy in the other size class
         self._stranded: dict[bytes, int] = {}
         self._dirty_since: float | None = None  # oldest unflushed value (monotonic time)
         self._unflushed: dict[bytes, int] = {}  # id -> sequence of values only in the memtable
@@ -219,17 +220,25 @@ class Store(Recovery, Flushes, Reads, Evictions):
             self._put_failed(e)  # RocksDB's own error fails the store, as a put's does
             raise
 
-    def _delete_soon(self, keys: list[bytes]) -> None:
-        """Delete every record of ``keys`` (out of the index; lock held) without waiting out a write
-        stop, for a get: one try, and what it could not delete is stranded, deleted by the first
-        flush once writes go again (Flushes._drop_stranded) or found, and dropped, by a restart."""
+    def _delete_soon(self, keys: list[bytes], large: list[bytes] | None = None, raising: bool = False) -> None:
+        """Delete the records of ``keys`` (out of the index; lock held; from the large values' family
+        only ``large``, None: every key) without waiting out a write stop, for a get or the manager's
+        eviction: one try, and what it could not delete is stranded, deleted by the first flush once
+        writes go again (Flushes._drop_stranded; the flusher is asked for one: _retry_soon) or at a
+        restart found again, and indexed and counted, or dropped (a corrupt record). ``raising``:
+        RocksDB's own error is raised too, once its ids are stranded."""
+        error = None
         try:
-            if self._logged.once(lambda: self._delete_batch(keys, keys)):
+            if self._logged.once(lambda: self._delete_batch(keys, keys if large is None else large)):
                 return
         except Exception as e:  # a closing store's, or RocksDB's own: that fails the store, as a put's does
             self._put_failed(e)
+            error = e if raising and rocksdb_error(e) else None
         for k in keys:
             self._stranded.setdefault(k, self._seq)
+        self._retry_soon()
+        if error is not None:
+            raise error
 
     def _delete_batch(self, keys: list[bytes], large: list[bytes]) -> rocksdict.WriteBatch:
         wb = rocksdict.WriteBatch(raw_mode=True)
@@ -300,10 +309,11 @@ class Store(Recovery, Flushes, Reads, Evictions):
             self._seq += len(accepted)
             if accepted:
                 self._writing.add(seq0)
+            stale = {k for k, _, _ in accepted if k in self._stranded} if self._stranded else set()
         written = logged = False
         try:
             if accepted:
-                self._write_index(accepted, seq0, tag, replaced)
+                self._write_index(accepted, seq0, tag, replaced, stale)
                 logged = True
                 self._write_unlogged(accepted, seq0)
             written = True
@@ -321,6 +331,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
                         self.policy.admitted(key)
+                    for key in stale:  # the put's logged batch deleted what the stop left of them
+                        self._stranded.pop(key, None)
                 elif logged:  # its index records are in, maybe not its values; replaced values are deleted
                     self._stranded.update((key, seq0 + i) for i, (key, _, _) in enumerate(accepted))
                 else:  # nothing of it reached the disk: what it would have replaced is held as before
@@ -505,10 +517,13 @@ class Store(Recovery, Flushes, Reads, Evictions):
             for k in dropped:
                 del replaced[k]
 
-    def _write_index(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, Replaced]) -> None:
+    def _write_index(self, accepted: list, seq0: int, tag: Tag, replaced: dict[bytes, Replaced],
+                     stale: set[bytes]) -> None:
         """Write the index records of accepted (id, value, charge) items, logged, with their values
-        where those are logged too; a replaced record is deleted in this batch where the new value
-        does not overwrite it. Durability "cache": the index records first, so a crash leaves at
+        where those are logged too; a replaced record, or any record of a ``stale`` (stranded) id, is
+        deleted in this batch where the new value does not overwrite it: left for a flush, a close or
+        a kill before it kept an old copy in the other family for good, counted by no one. Durability
+        "cache": the index records first, so a crash leaves at
         most an entry without its value, which _recover_unflushed finds; the values then go
         unlogged (_write_unlogged): the log is RocksDB's costliest part of a write (a CRC-32C of
         every byte: about 2x the server CPU of an insert; tools/bench/misspath)."""
@@ -517,6 +532,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
         def batch() -> rocksdict.WriteBatch:
             wb = rocksdict.WriteBatch(raw_mode=True)
             for i, (key, value, _) in enumerate(accepted):
+                if key in stale:
+                    self._delete_stale(wb, key, value, both)
                 self._delete_other(wb, key, value, replaced, both)
                 if both:
                     self._put_value(wb, key, value)

@@ -1,7 +1,8 @@
 """A store's evictions (Store's part): room made for puts (spare entries first, then the
 fallback policy, sparing protected chunks) and the manager's evictions by tag. Each
 deletes its victims' records under the store's lock, so that no put of one of them
-interleaves; a delete a write stop ends leaves them for later (Store._delete_keys).
+interleaves; a delete a write stop ends leaves them for later (Store._delete_keys), and
+the manager's evictions wait out no stop at all (Store._delete_soon).
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ class Evictions:
         return charge
 
     def evict_tags(self, match: Callable[[Tag], bool]) -> tuple[int, int]:
-        """Delete every entry whose tag matches (manager-directed eviction)."""
+        """Delete every entry whose tag matches (manager-directed eviction). Its ids are misses
+        at once; their deletes wait out no write stop (the manager's call would run past its
+        deadline, and every put wait for the lock): one try, and what a stop refused is stranded,
+        deleted once writes go again (Store._delete_soon). RocksDB's own error is raised."""
         victims: list[bytes] = []
         large: list[bytes] = []
         with self._lock:
@@ -65,7 +69,7 @@ class Evictions:
             freed = sum(self._remove_victim(k, victims, large) for k in keys)
             try:
                 if keys:  # under the lock, as evict_for: a put of one of them in between would be deleted
-                    self._delete_keys(keys, large)
+                    self._delete_soon(keys, large, raising=True)  # RocksDB's own error: the manager hears of it
             finally:  # out of the index and the usage either way (a stopped delete goes in later)
                 if keys:
                     self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})

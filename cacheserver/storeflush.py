@@ -126,6 +126,14 @@ class Flushes:
         with self._lock:
             return self._dirty_since, self._last_write, self._last_unflushed_read
 
+    def _retry_soon(self) -> None:
+        """Have the flusher flush (durability "cache") where a write stop left deletes or server state
+        for the next flush (_stranded, _state_owed): it flushes only what puts made dirty, and with
+        no put after, they waited on disk, the durable mark held back, until one came. A flush
+        skipped for the stop leaves it dirty: tried again each tick, once writes go it goes in."""
+        if self._dirty_since is None:  # no lock: a put may hold it through a stop; a lost race only flushes
+            self._dirty_since = time.monotonic()
+
     def flush(self) -> bool:
         """Write the memtables to table files; with durability "cache" this makes
         every value written before the call safe from a crash. None (False) once
@@ -232,9 +240,9 @@ class Flushes:
     def _drop_stranded(self) -> None:
         """Delete what is left on disk of the ids of puts and deletes a write stop ended (put_many,
         _delete_keys): an index record without its value, or a value no longer indexed, that a
-        restart would index, or keep unaccounted. An id put again since keeps its new records; its
-        old value's copy in the other family goes (a large one in the blob files where it came
-        back small, or the reverse): nothing else would ever delete it. Ids being put wait."""
+        restart would index, or keep unaccounted. An id put again since lost its old copies with
+        that put (Store._write_index) and left this map; one indexed here all the same keeps its
+        held value, and its copy in the other family goes. Ids being put wait."""
         with self._lock:
             stranded, index = self._stranded, self._index
             ready = [k for k in stranded if k not in self._pending]
@@ -260,6 +268,15 @@ class Flushes:
             else:
                 wb.delete(k, self._large_cf)
         return wb
+
+    def _delete_stale(self, wb: rocksdict.WriteBatch, key: bytes, value: bytes | memoryview, both: bool) -> None:
+        """Every record a stop left of a stranded id, in both families (which one its old value is in
+        is not known), but in the one this batch writes the new value to (``both``)."""
+        large = len(value) >= BLOB_MIN
+        if not (both and large):
+            wb.delete(key, self._large_cf)
+        if not (both and not large):
+            wb.delete(key)
 
     def flush_for_followers(self, min_bytes: int = FOLLOWER_FLUSH_MIN_BYTES) -> bool:
         """Flush the memtables (every column family, so the log can go) if they

@@ -147,28 +147,35 @@ class Recovery:
     def keep_state(self, key: str, value: bytes) -> None:
         """Save server state the store's holder derives and can set again (the chunk table:
         chunkrefs.py; its repair at start too). While a write stop keeps it off the disk it is
-        owed, not an error: get_state answers it, the first put writes it (_pay_owed), and no
-        caller waits out the stop again (a start's readers, the manager's calls)."""
+        owed, not an error: get_state answers it, the first put or flush writes it (_pay_owed,
+        _retry_soon), and no caller waits out the stop (a start's readers, the manager's calls:
+        an EvictChunk's save of the table waited STUCK_S, past the manager's deadline)."""
         with self._state_lock:
             first = key not in self._state_owed
             self._state_owed[key] = value
         try:
-            if self.progress.refusing() is None:  # not another STUCK_S once a write gave up
-                self._pay_state()
+            if self.progress.refusing() is None and self._pay_state(wait=False):
                 return
-        except WriteStopped:
+        except WriteStopped:  # a closing store's
             pass
         except Exception as e:  # RocksDB's own error fails the store, as a put's does
             self._put_failed(e)
             raise
+        self._retry_soon()
         if first:
             log.warning("writes are stopped; server state %r is written once they go again", key)
 
-    def _pay_state(self: Any) -> None:
+    def _pay_state(self: Any, wait: bool = True) -> bool:
+        """Write the state owed; ``wait``: waiting out a write stop, else one try each. Whether all went in."""
         with self._state_lock:
             for key, value in list(self._state_owed.items()):
-                self._logged(lambda k=key.encode(), v=value: puts([(k, v)], self._server_cf))
+                build = (lambda k=key.encode(), v=value: puts([(k, v)], self._server_cf))
+                if wait:
+                    self._logged(build)
+                elif not self._logged.once(build):
+                    return False
                 del self._state_owed[key]
+        return True
 
     def _pay_owed(self: Any) -> None:
         """What a write stop kept off the disk, before a put's writes: server state (keep_state),

@@ -78,8 +78,7 @@ def test_an_id_put_again_after_a_stop_ended_its_eviction_leaves_no_old_copy(tmp_
         assert stopped_eviction(s) == key
     else:  # the manager's eviction of its chunk
         s._db.set_options(STOP)
-        with pytest.raises(stallwrite.WriteStopped):
-            s.evict_tags(lambda t: t == tag)
+        s.evict_tags(lambda t: t == tag)  # answers at once: the delete is left for a flush
         assert key not in s._index and key in s._stranded
     s._db.set_options(GO)
     value = os.urandom(back)

@@ -189,9 +189,9 @@ def test_chunk_calls_during_a_stop_are_answered_and_written_once_writes_go(tmp_p
         with ServerClient(srv.address) as c:
             assert c.put([(k, b"x" * 2000) for k in ids(3)], dataset="ds", chunk=1)[0] == 3
             stop_writes(srv.store)
-            assert c.active_chunk("ds", 1) == 1  # raised: the table's write gave up on the stop
-            assert c.ref_chunk("ds", 1, "job-a") == 1  # at once: no second wait for the stop
-            assert len(give_ups) == 1 and srv.core.chunks.is_protected(("ds", 1))
+            assert c.active_chunk("ds", 1) == 1  # the table's write tried once, left owed
+            assert c.ref_chunk("ds", 1, "job-a") == 1  # at once: no wait for the stop
+            assert len(give_ups) == 0 and srv.core.chunks.is_protected(("ds", 1))
             srv.store._db.set_options(GO)
             assert c.put([(os.urandom(32), b"n" * 1000)])[0] == 1  # writes the table first
     finally:
@@ -206,8 +206,7 @@ def test_evictions_a_stop_cuts_short_are_counted(tmp_path):
             s.put_many([(os.urandom(32), b"n" * 1000)])  # evicts one for itself
         assert s.used == 7 * SLOT and s.counters["evicted_items"] == 1  # was 0: out of the index, uncounted
         assert s.counters["evicted_bytes"] == SLOT
-        with pytest.raises(stallwrite.WriteStopped):
-            s.evict_tags(lambda tag: True)
+        s.evict_tags(lambda tag: True)  # answers at once: the deletes are left for a flush
         assert s.items == 0 and s.counters["evicted_items"] == 8
         s._db.set_options(GO)
         s.flush()  # the deletes go in

@@ -195,16 +195,16 @@ def test_an_eviction_never_deletes_a_put_made_while_it_runs(tmp_path):
     s = Store(str(tmp_path / "ev"), 10**7, LRUPolicy(), Counters())
     k, value, puts, threads = ids(1)[0], os.urandom(1000), [], []
     s.put_many([(k, value)], ("A", 0))
-    delete = s._delete_keys
+    delete = s._delete_soon
 
-    def put_meanwhile(keys, large=None):
+    def put_meanwhile(keys, large=None, raising=False):
         t = threading.Thread(target=lambda: puts.append(s.put_many([(k, value)], ("B", 0))))
         t.start()
         t.join(0.3)  # it cannot finish while the eviction holds the lock
-        delete(keys, large)
+        delete(keys, large, raising)
         threads.append(t)
 
-    s._delete_keys = put_meanwhile
+    s._delete_soon = put_meanwhile
     assert s.evict_tags(lambda tag: tag[0] == "A") == (1, 1000 + OVERHEAD)
     threads[0].join(10)
     assert puts == [(1, 0, 0)] and bytes(s.get_many([k])[0]) == value
