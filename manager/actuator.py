@@ -64,6 +64,12 @@ def desired_from(m: Any) -> Desired:
     return d
 
 
+def _queued(q: "queue.Queue[Any]", dataset: str) -> bool:
+    """Whether an EvictDataset of ``dataset`` waits in ``q``."""
+    with q.mutex:
+        return any(isinstance(i, EvictDataset) and i.dataset == dataset for i in q.queue)
+
+
 def _apply(c: ServerClient, e: Effect) -> None:
     if isinstance(e, SetMode):
         c.set_job_mode(e.job, CacheMode(e.mode).code)
@@ -136,7 +142,7 @@ class _Worker:
                 elif self._send(self._client(), item):
                     self.owner.counters.add("server_calls")
                     if isinstance(item, EvictDataset):
-                        self.owner.paid(self.address, item.dataset)
+                        self.owner.paid(self.address, item.dataset, self.q)
                 if self.failing:
                     log.info("server %s reachable again", self.address)
                     self.failing = False
@@ -162,7 +168,7 @@ class _Worker:
         for ds in self.owner.owed(self.address):  # before Stats: the fixes below re-set the active chunk
             log.info("reconcile %s: EvictDataset %s, which it missed", self.address, ds)
             c.evict_dataset(ds)
-            self.owner.paid(self.address, ds)
+            self.owner.paid(self.address, ds, self.q)
         st = c.stats()  # Stats first, then the state: the state is the newer of the two
         want = self.owner.desired()
         fixes: list[Effect] = []
@@ -262,11 +268,14 @@ class Actuator:
         (yet; ``save``: journal it now; not while holding self._lock, taken under the state's)."""
         if isinstance(item, EvictDataset) and addresses:
             with self._owed_lock:
-                for addr in addresses:
-                    if addr in self._known:  # not one forgotten meanwhile (a retired worker's last call)
-                        self._owed.setdefault(addr, set()).add(item.dataset)
+                self._owe_locked(addresses, item)
             if save:
                 self.save_owed()
+
+    def _owe_locked(self, addresses: list[str], item: EvictDataset) -> None:
+        for addr in addresses:
+            if addr in self._known:  # not one forgotten meanwhile (a retired worker's last call)
+                self._owed.setdefault(addr, set()).add(item.dataset)
 
     def owe_chunked(self, address: str) -> None:
         """A server registers under an id the state does not know, with entries: forgotten
@@ -296,10 +305,14 @@ class Actuator:
         with self._owed_lock:
             return sorted(self._owed.get(address, ()))
 
-    def paid(self, address: str, dataset: str) -> None:
+    def paid(self, address: str, dataset: str, pending: "queue.Queue[Any] | None" = None) -> None:
+        """An EvictDataset of ``dataset`` reached ``address``; still owed while another of it waits
+        in ``pending`` (the server's queue: a re-plan's call behind the reconcile that paid the
+        owed one, or two re-plans): the puts between the two are the old plan's, and a load
+        report counts only once none is owed (model.evicting)."""
         with self._owed_lock:
             left = self._owed.get(address)
-            if left is None or dataset not in left:
+            if left is None or dataset not in left or (pending is not None and _queued(pending, dataset)):
                 return
             left.discard(dataset)
             if not left:
@@ -370,11 +383,18 @@ class Actuator:
         # restart (reconcile cannot tell the old plan's chunk tags from the new one's).
         for e in calls:
             self.owe(everyone, e, save=False)
-        if any(isinstance(e, EvictDataset) for e in calls):
+        evictions = any(isinstance(e, EvictDataset) for e in calls)
+        if evictions:
             self.save_owed()
-        for w in workers:
-            for e in calls:
-                w.q.put(e)
+        with self._owed_lock:  # owed again and queued at once: a paid() in between (an earlier
+            for e in calls:    # eviction of the dataset landing) sees it queued, or owes it after
+                if isinstance(e, EvictDataset):
+                    self._owe_locked(everyone, e)
+            for w in workers:
+                for e in calls:
+                    w.q.put(e)
+        if evictions:
+            self.save_owed()  # journals only what such a paid() dropped meanwhile
 
     def reconcile(self, address: str | None = None) -> None:
         """Reconcile every server, or only the one at ``address``: a server that registered

@@ -19,6 +19,7 @@ Events (dicts; ``type`` and ``now`` always present):
   pipeline {job, dataset, fingerprint, costs[, fixed]}  (autocache: pipelines.py)
   workers {job, kind, state}                   (a job's worker-scaling policy: workerstate.py)
   evictions_owed {owed}                        (EvictDatasets servers missed: evictledger.py)
+  plan_floor {floor}                           (a state started afresh: versions start at its clock)
 
 A request the model refuses raises ``Rejected`` before anything is mutated,
 so refused requests are never journaled.
@@ -65,7 +66,8 @@ class ManagerModel(AllocationStep):
     owed: Owed = field(default_factory=dict)  # server address -> datasets whose EvictDataset it missed
     # Plan versions of a dataset created now start here: above every version a forgotten
     # dataset handed out, so a name forgotten and registered again never goes back (a
-    # client keeps the newer of two plans it holds).
+    # client keeps the newer of two plans it holds); and, for a state started afresh, at its
+    # wall clock in ms (plan_floor event), above what a manager whose state was lost gave out.
     plan_floor: int = 0
 
     def __post_init__(self) -> None:
@@ -226,6 +228,16 @@ class ManagerModel(AllocationStep):
             return []
         return self.effects_of_actions(buf.loaded(int(ev["chunk"]), float(ev["fraction"]), now))
 
+    def evicting(self, ds: str, chunk: int) -> list[str]:
+        """Servers in the ring that have not taken an EvictDataset of ``ds`` yet (``owed``);
+        Rejected for a chunk out of range. A load report of a re-planned dataset's chunk counts
+        only once there are none: the late eviction deletes the new plan's puts too (Stats and
+        tags cannot tell them from the old plan's), so a chunk activated before it would be
+        active yet empty on that server for a whole pass (service.ReportLoaded)."""
+        self._buffer_for(None, ds, chunk)
+        ring = set(self.registry.addresses())
+        return sorted(a for a, owed in self.owed.items() if a in ring and ds in owed)
+
     def _on_pipeline(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
         """A job's first-epoch costs of a pipeline: the (dataset, pipeline) is decided
         by its first report; a transformed set becomes a dataset of its own."""
@@ -267,6 +279,14 @@ class ManagerModel(AllocationStep):
             self.owed = checked_owed(ev["owed"])
         except ValueError as e:
             raise Rejected("INVALID_ARGUMENT", str(e)) from None
+        return []
+
+    def _on_plan_floor(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        """Versions of datasets created from now on start at least at ``floor`` (never lowered)."""
+        floor = ev.get("floor")
+        if type(floor) is not int or floor < 0:
+            raise Rejected("INVALID_ARGUMENT", f"plan_floor: floor must be a whole number >= 0, got {floor!r}")
+        self.plan_floor = max(self.plan_floor, floor)
         return []
 
     def _new_dataset(self, name: str, size: int, n_items: int) -> DatasetRecord:

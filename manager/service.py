@@ -278,8 +278,9 @@ class ManagerService(mpb_grpc.ManagerServicer):
             raise Rejected("INVALID_ARGUMENT", f"fraction must be in [0, 1], got {request.fraction}")
         with self.store.lock:
             self._may_report_loaded(request.dataset, request.job, context)
-            self.store.submit({"type": "loaded", "dataset": request.dataset, "chunk": request.chunk,
-                               "fraction": request.fraction})
+            if not self.store.model.evicting(request.dataset, request.chunk):  # else not counted (model.py)
+                self.store.submit({"type": "loaded", "dataset": request.dataset, "chunk": request.chunk,
+                                   "fraction": request.fraction})
             return plan_message(self.store.model.plan(request.dataset, request.job))
 
     @_rpc

@@ -185,6 +185,8 @@ class StateStore:
                 self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 if on_loaded is not None:
                     on_loaded()
+                if self.seq == 0:
+                    self._start_versions()
                 if self.model.config != self.config:
                     # Flags changed since the state was written: the change is an
                     # event like any other, so replay stays exact.
@@ -194,6 +196,16 @@ class StateStore:
             self.close(snapshot=False)  # the lock too: a repaired directory opens again in this process
             raise
         return self
+
+    def _start_versions(self) -> None:
+        """A state with no event yet (a new or emptied --state-dir) starts its plan versions at
+        the wall clock in ms: a manager that lost its state may have handed out versions from 1
+        on, and a client holding one of them would take a new plan of the same number for the
+        one it has (and keep that plan's release bookkeeping). Above them as long as those grew
+        by fewer than 1000 a second on average (a few per chunk turn) and the clock did not go
+        back across the restart. Journaled, so replay gives the same versions. Its ``now`` is the
+        state's own (0): the model's clock never goes back, and events may carry earlier times."""
+        self.submit({"type": "plan_floor", "floor": int(self.clock() * 1000), "now": self.model.now})
 
     def _load(self) -> None:
         snap_seq = 0

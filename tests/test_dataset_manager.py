@@ -132,9 +132,9 @@ def test_a_registration_replaces_a_plan_of_a_higher_version(cluster):
     ds = "ab" * 32
     with ManagerClient(m.address, timeout=5) as mc:
         mc.register_job("job-v", ds, 1000, 10)
-        mc._cache.plans[(ds, "job-v")] = dataclasses.replace(mc.get_plan(ds, "job-v"), version=10**6, option="full")
+        mc._cache.plans[(ds, "job-v")] = dataclasses.replace(mc.get_plan(ds, "job-v"), version=2**62, option="full")
         info = mc.register_job("job-v", ds, 1000, 10)
-        assert info.plan.version < 10**6 and mc.get_plan(ds, "job-v") == info.plan
+        assert info.plan.version < 2**62 and mc.get_plan(ds, "job-v") == info.plan
 
 
 def test_a_registration_drops_the_jobs_other_cached_plans(cluster):
@@ -146,11 +146,11 @@ def test_a_registration_drops_the_jobs_other_cached_plans(cluster):
     ds, other = "cd" * 32, "ef" * 32
     with ManagerClient(m.address, timeout=5) as mc:
         mc.register_job("job-w", ds, 1000, 10)
-        stale = dataclasses.replace(mc.get_plan(ds), version=10**6, option="full")
+        stale = dataclasses.replace(mc.get_plan(ds), version=2**62, option="full")
         mc._cache.plans[(ds, "")] = stale
         mc._cache.plans[(other, "job-w")] = dataclasses.replace(stale, dataset=other)
         mc.register_job("job-w", ds, 1000, 10)
-        assert mc.get_plan(ds).version < 10**6
+        assert mc.get_plan(ds).version < 2**62
         assert (other, "job-w") not in mc._cache.plans
 
 
