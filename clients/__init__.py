@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .dataset import CachedDataset
-    from .tf_source import tf_dataset
+    from .tf_source import InexactStateWarning, tf_dataset
 
-__all__ = ["CachedDataset", "tf_dataset"]
+__all__ = ["CachedDataset", "InexactStateWarning", "tf_dataset"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,8 +20,8 @@ def __getattr__(name: str) -> Any:
         from .dataset import CachedDataset
 
         return CachedDataset
-    if name == "tf_dataset":
-        from .tf_source import tf_dataset
+    if name in ("tf_dataset", "InexactStateWarning"):  # the warning a read-ahead state's resume gives
+        from . import tf_source
 
-        return tf_dataset
+        return getattr(tf_source, name)
     raise AttributeError(f"module 'clients' has no attribute {name!r}")

@@ -28,7 +28,9 @@ ended, and its next step raises an error that says so (tf_batches.overlapped).
 `rank`/`world_size` give each training process its share of every epoch.
 `ds.mlcache.state_dict()` saves where an epoch is; `tf_dataset(..., state=)` resumes
 it: the first pass is that epoch's rest (the dataset's cardinality, one per dataset,
-is then not declared), the later ones whole epochs.
+is then not declared), the later ones whole epochs. Batches read ahead of the training
+loop count as taken: a state saved so records it and warns (InexactStateWarning), as
+its resume does (docs/client.md).
 
 With `map_fn=` (a function of TF ops) the items go through our preprocessing
 workers instead and the dataset yields the function's outputs (tf_transform.py).
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -58,12 +61,17 @@ READ_AHEAD = 4  # batches read ahead of the one the pipeline is taking (a prefet
 READ_PARALLEL = 1  # batches read at once (TicketFeed from 2); 2 cost more CPU and time here (docs/benchmarks.md)
 
 
+class InexactStateWarning(UserWarning):
+    """A state saved mid-epoch by a tf_dataset that reads ahead of the training loop: what it
+    read ahead counts as taken, so a resume from it leaves those items out of that epoch."""
+
+
 class TFSource(EpochLog):
     """What `tf_dataset` returns as `ds.mlcache`: the CachedDataset, the sampler, and the
     epoch log (`epoch_stats`, `batch_times`, callbacks), as on the PyTorch loader."""
 
     def __init__(self, cached: CachedDataset, sampler: SubstitutableBatchSampler, read_ahead: int,
-                 engine: Any = None, read_parallel: int = 1) -> None:
+                 engine: Any = None, read_parallel: int = 1, resumed: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.cached = cached
         self.sampler = sampler
@@ -75,6 +83,8 @@ class TFSource(EpochLog):
         self.feed = Feed(self.epoch)  # the epochs of the dataset's iterations (tf_batches.py)
         self.tickets = TicketFeed(lambda: _EpochReads(self))  # the same, read_parallel batches at once
         self.starter = Starter(self.epoch)  # from_generator's (map_fn=, autocache modes): the same epochs
+        self._warned = False  # InexactStateWarning given at a save (once: states are saved often)
+        self._resumed_ahead = _ahead_of(resumed)  # the loaded state's "reads_ahead", while its epoch waits
         self.attach_coordinator(cached, sampler)
 
     def epoch(self) -> Iterator[Any]:
@@ -122,8 +132,30 @@ class TFSource(EpochLog):
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is (the PyTorch loader's format): the epoch in progress and the
-        items of the batches already handed over; resume with tf_dataset(..., state=)."""
-        return {"sampler": self.sampler.state_dict()}
+        items of the batches already handed over; resume with tf_dataset(..., state=).
+        A dataset that reads ahead of its consumer counts what it read ahead as handed over:
+        its state says so ("reads_ahead"), and a mid-epoch one warns (InexactStateWarning)."""
+        state: dict[str, Any] = {"sampler": self.sampler.state_dict()}
+        # a loaded state whose epoch has not started yet is saved as it was loaded, no more exact
+        pending = self.sampler.progress.resumed(self.sampler.epoch)[0]
+        ahead = self._resumed_ahead if pending else self.reads_ahead()
+        if ahead is not None:
+            state["reads_ahead"] = ahead
+            if state["sampler"]["items_delivered"] and not self._warned:
+                self._warned = True
+                st = state["sampler"]
+                warnings.warn(inexact_message("this state is saved", st["items_delivered"], st["epoch"], ahead),
+                              InexactStateWarning, stacklevel=2)
+        return state
+
+    def reads_ahead(self) -> dict[str, int] | None:
+        """What reads ahead of this dataset's consumer, None if nothing: read_ahead (a prefetch
+        of batches; on the other paths tf.data's injected prefetch, which read_ahead=0 turns
+        off) and read_parallel (parallel reads, on the plain path only: _elements)."""
+        parallel = self.read_parallel if self.preprocess is None and self.autocache is None else 1
+        if not self.read_ahead and parallel == 1:
+            return None
+        return {"read_ahead": self.read_ahead, "read_parallel": parallel}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a state that starts an epoch whole (one saved at an epoch's end); one saved
@@ -133,9 +165,11 @@ class TFSource(EpochLog):
         self.sampler.load_state_dict(sampler_state(state))
         try:
             self.check_pass()
+            _warn_if_inexact(state, self.sampler)  # a mid-epoch state loads where none is declared
         except ValueError:
             self.sampler.load_state_dict(before)
             raise
+        self._resumed_ahead = _ahead_of(state)
 
     def check_pass(self) -> None:
         """At a pass's start: a dataset that asserts whole epochs (`declared`, its cardinality,
@@ -226,12 +260,12 @@ def tf_dataset(digest: str | os.PathLike | Digest, cache: str | None | bool = No
         sampler = make_sampler(cached, read_batch, seed=seed, lookahead=lookahead, substitute=substitute,
                                miss_seed=miss_seed, rank=rank or 0, world_size=1 if world_size is None else world_size)
         if state is not None:  # before the dataset is made: its cardinality depends on it (_declared)
-            sampler.load_state_dict(sampler_state(state))
+            _resume(sampler, state)
         if map_fn is not None:  # autocache keeps map_fn's outputs, as the PyTorch loader its transform's
             engine, ac = tf_transform.make_engine(cached, map_fn, num_workers, seed, options, autocache, epochs)
             if ac is not None and substitute:  # the look-ahead finds what this mode reads as hits
                 sampler.lookup = ac.lookup_codes
-        source = TFSource(cached, sampler, read_ahead, engine, read_parallel)
+        source = TFSource(cached, sampler, read_ahead, engine, read_parallel, state)
         source.autocache, source.declared = ac, _declared(sampler, options)
     except BaseException:
         if engine is not None:
@@ -278,6 +312,9 @@ def _check_arguments(read_batch: int, read_ahead: int, read_parallel: int, rank:
         if name in dataset_kwargs:
             raise TypeError(f"tf_dataset does not take {name}=: it yields each digest entry's bytes; "
                             f"decode in a .map() of the dataset, or pass map_fn= to run it in our workers")
+    if "drop_last" in dataset_kwargs:  # else CachedDataset's TypeError, which says nothing of what to do
+        raise TypeError("tf_dataset does not take drop_last=: every pass yields each item once, the last "
+                        "read_batch partial; drop a short last batch in your pipeline, .batch(n, drop_remainder=True)")
     options = {k: dataset_kwargs.pop(k) for k in tf_transform.SCHEDULER_OPTIONS if k in dataset_kwargs}
     if map_fn is None and (options or num_workers is not None):
         named = [*options, *(["num_workers"] if num_workers is not None else [])]
@@ -339,6 +376,41 @@ def sampler_state(state: Any) -> dict[str, Any]:
         raise ValueError(f"a tf_dataset resumes from what ds.mlcache.state_dict() (or a loader's state_dict()) "
                          f"returned (a dict with 'sampler'), got {what}")
     return state["sampler"]
+
+
+def _resume(sampler: SubstitutableBatchSampler, state: Any) -> None:
+    sampler.load_state_dict(sampler_state(state))
+    _warn_if_inexact(state, sampler, 4)
+
+
+def _ahead_of(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if state is None else state.get("reads_ahead")
+
+
+def _warn_if_inexact(state: dict[str, Any], sampler: SubstitutableBatchSampler, stacklevel: int = 3) -> None:
+    """Resuming mid-epoch from a state saved while reading ahead (TFSource.state_dict): say
+    that the items read ahead are left out, rather than lose them silently. A warning, not an
+    error: after a crash, an epoch short of a few batches beats no resume."""
+    ahead = state.get("reads_ahead")
+    if ahead is None or not sampler.progress.resumed(sampler.epoch)[0]:
+        return
+    if not (isinstance(ahead, dict) and all(isinstance(ahead.get(k), numbers.Integral)
+                                            for k in ("read_ahead", "read_parallel"))):
+        raise ValueError(f"the state's 'reads_ahead' must be a dict of integers 'read_ahead' and "
+                         f"'read_parallel' (as ds.mlcache.state_dict() saves it), got {ahead!r}")
+    done = sampler.progress.resumed(sampler.epoch)[0]
+    warnings.warn(inexact_message("this resumed epoch was saved", done, sampler.epoch, ahead), InexactStateWarning,
+                  stacklevel=stacklevel)
+
+
+def inexact_message(what: str, items: int, epoch: int, ahead: dict[str, Any]) -> str:
+    """InexactStateWarning's text for a state saved `items` into `epoch` reading `ahead`."""
+    return (f"{what} {items} items into epoch {epoch} by a tf_dataset that reads ahead "
+            f"of the training loop (read_ahead={ahead['read_ahead']}, read_parallel={ahead['read_parallel']}): "
+            f"the items read ahead but not yet taken (a few batches of read_batch) count as taken, and a resume "
+            f"leaves them out of that epoch. For a state with no item left out save it with read_ahead=0, "
+            f"read_parallel=1, nothing after tf_dataset reading ahead (prefetch, a parallel map), at a multiple "
+            f"of read_batch items (docs/client.md, Resume)")
 
 
 def _declared(sampler: SubstitutableBatchSampler, options: dict[str, Any]) -> int | None:
