@@ -16,17 +16,19 @@
   cannot read stores or decrypt, so loading is the clients' work).
 Everything tolerates a manager that is down: the last plan holds, and a batch report whose
 call failed is sent again under its number (the manager applies a number once: its reply may
-have been lost after it applied the report).
+have been lost after it applied the report). A step that outlives close()'s wait (a slow store
+read or look-up) ends without another manager call.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -145,6 +147,10 @@ class JobRefused(ManagerError):
     """The manager refused to register the job: another holder of its name (its token) runs it."""
 
 
+class _Closed(Exception):
+    """close() has begun: the coordination thread makes no more manager calls."""
+
+
 class JobCoordinator:
     def __init__(self, ds: CoordinatedDataset, manager: str, n_gpus: int = 1, report_seconds: float = 0.5,
                  prefetch_bandwidth: float = 20e6, quiet_report_seconds: float = 2.0,
@@ -169,6 +175,11 @@ class JobCoordinator:
         self._chunk_reads: dict[tuple[int, int, int], int] = {}  # (n, k, chunk) -> of them in it
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # Held by the thread across its manager calls; close() takes it to set _closed: a step
+        # that outlives close()'s wait then calls no manager through the closed client, nor
+        # registers the job again after close() unregistered it.
+        self._calls = threading.Lock()
+        self._closed = False
         # Held across each call that answers this job's plan and the taking of its answer: the
         # manager answers them in the order they are taken, so a plan fetched before a chunk
         # release (same version, the released chunk still listed) never replaces the release's.
@@ -452,41 +463,62 @@ class JobCoordinator:
         busy = self._mode != "normal" or (plan is not None and plan.option == Option.CHUNKED)
         return self.report_seconds if busy else self.quiet_report_seconds
 
+    @contextlib.contextmanager
+    def _manager_open(self) -> Iterator[None]:
+        """The thread's manager calls, each under this: _Closed once close() has begun."""
+        with self._calls:
+            if self._closed:
+                raise _Closed
+            yield
+
+    def _step(self, last_loaded: float) -> float:
+        """One round of the thread's work; returns when it last reported the loading chunk."""
+        with self._manager_open():
+            self._report()
+            self._send_unsent()
+        # One read of the plan: the main thread may swap it meanwhile (a released
+        # chunk), and its `loading` may then be None. Nothing touches the dataset once
+        # close() began: it closes the dataset's process state next, and a lookup or
+        # prefetch would make that state again (its clients and threads leaked).
+        plan = self.plan
+        if plan is not None and plan.loading is not None and not self._stop.is_set():
+            if time.monotonic() - last_loaded > 2.0:
+                last_loaded = time.monotonic()
+                self._report_loaded(plan, plan.loading)
+            if not self._stop.is_set():
+                self._prefetch(plan, plan.loading)
+        return last_loaded
+
     def _run(self) -> None:
         last_loaded = 0.0
         while not self._stop.wait(self.period()):
             try:
-                self._report()
-                self._send_unsent()
-                # One read of the plan: the main thread may swap it meanwhile (a released
-                # chunk), and its `loading` may then be None. Nothing touches the dataset once
-                # close() began: it closes the dataset's process state next, and a lookup or
-                # prefetch would make that state again (its clients and threads leaked).
-                plan = self.plan
-                if plan is not None and plan.loading is not None and not self._stop.is_set():
-                    if time.monotonic() - last_loaded > 2.0:
-                        last_loaded = time.monotonic()
-                        self._report_loaded(plan, plan.loading)
-                    if not self._stop.is_set():
-                        self._prefetch(plan, plan.loading)
+                last_loaded = self._step(last_loaded)
+            except _Closed:
+                return
             except self._unavailable:
                 continue  # the last plan holds
-            except ManagerError as e:
-                if e.code == grpc.StatusCode.NOT_FOUND:
+            except Exception as e:  # never let coordination break training
+                if self._stop.is_set():  # cut short by close() (or the process's exit): expected
+                    log.debug("cache coordination step ended by close()", exc_info=True)
+                    return
+                if isinstance(e, ManagerError) and e.code == grpc.StatusCode.NOT_FOUND:
                     self._register_again()
                 else:
                     log.exception("cache coordination step failed")
-            except Exception:  # never let coordination break training
-                log.exception("cache coordination step failed")
 
     def _register_again(self) -> None:
         """The manager forgot the job (it expired, or restarted on an empty state dir)."""
-        log.warning("cache manager %s no longer knows job %s: registering it again", self.client.address, self.ds.job)
         try:
-            if self._register(self._n_gpus):
-                self._report_pipelines_again()
-            else:  # unreachable: the next step checks again, whether or not batches are queued
-                self._check.set()
+            with self._manager_open():
+                log.warning("cache manager %s no longer knows job %s: registering it again", self.client.address,
+                            self.ds.job)
+                if self._register(self._n_gpus):
+                    self._report_pipelines_again()
+                else:  # unreachable: the next step checks again, whether or not batches are queued
+                    self._check.set()
+        except _Closed:
+            return
         except Exception:  # never let coordination break training: the next report tries again
             log.exception("registering job %s again failed", self.ds.job)
 
@@ -529,7 +561,8 @@ class JobCoordinator:
         if sample:
             present = self.ds.lookup(sample, not_spare=True)  # spare entries are not the chunk's room
             try:
-                self._take_plan(lambda: self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
+                with self._manager_open():  # the look-up may have outlasted close()'s wait
+                    self._take_plan(lambda: self.client.report_loaded(self.dataset, chunk, sum(present) / len(sample)))
             except ManagerError as e:
                 self._may_be_forgotten(e)
                 raise
@@ -555,8 +588,10 @@ class JobCoordinator:
         if self._thread is not None:
             self._thread.join(CLOSE_WAIT_S)  # it stops after the prefetch part in hand
             if self._thread.is_alive():
-                log.warning("the cache coordination thread of job %s did not stop within %.0f s (a store "
-                            "read or manager call still runs)", self.ds.job, CLOSE_WAIT_S)
+                log.warning("the cache coordination thread of job %s did not stop within %g s (a store "
+                            "read or cache look-up still runs)", self.ds.job, CLOSE_WAIT_S)
+        with self._calls:  # after the thread's manager call in flight (its deadline), none more
+            self._closed = True
         for last in (self._report_queued, lambda: self.client.unregister_job(self.ds.job)):
             try:  # a failed last report still unregisters the job
                 last()

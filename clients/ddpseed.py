@@ -4,9 +4,13 @@ torch.distributed's default process group.
 Each rank's share of an epoch is its part of a permutation seeded by (seed, epoch)
 (epochshare.py): ranks with different seeds split different permutations, so some items
 are read twice in an epoch and others never, silently. A rank's sampler records its seed
-in the store with one compare-and-set under a key for the dataset and the how-many-th
-sampler of it this process makes (ranks run one script: the k-th of each rank belong
-together), per torchrun restart; the first rank's value stays, and every later rank whose
+in the store with one compare-and-set under a key that every rank makes alike for the same
+loader: the dataset (its digest's fingerprint), the world size, the loader's own arguments
+(`loader`: batch size, drop_last, ...) and, among this process's loaders equal in all of
+them, the how-many-th it is, per torchrun restart. Creation order alone paired a rank's
+train loader with another's val loader where ranks made them in another order (a false
+"seeds differ", or a real mismatch missed); it now decides only between loaders that
+differ in nothing but their seed. The first rank's value stays, and every later rank whose
 seed differs raises, naming both. Nothing waits on another rank (no collective: ranks
 that make their loaders at different times, or a rank that makes one the others do not,
 cannot deadlock). Only the default group's own split is checked (rank and world size
@@ -19,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 log = logging.getLogger("mlcache.client")
-_made: dict[tuple[str, int], int] = {}  # samplers checked in this process, per (dataset, world size)
+_made: dict[tuple[str, int, str], int] = {}  # samplers checked in this process, per (dataset, world size, args)
 
 
 def _default_store(rank: int, world_size: int):
@@ -38,18 +43,32 @@ def _default_store(rank: int, world_size: int):
         return None
 
 
-def check_same_seed(dataset: str, seed: int, rank: int, world_size: int) -> None:
-    """ValueError if another rank of this DDP job made its matching sampler with another seed."""
+def _args_key(loader: Mapping[str, object]) -> str:
+    """The loader's arguments as one key part, alike on every rank whatever their order.
+    Only plain values: a repr that holds an address (an object's) would differ per rank."""
+    for name, value in loader.items():
+        if not isinstance(name, str) or not isinstance(value, (bool, int, str)) or "/" in name + str(value):
+            raise TypeError(f"loader arguments for the DDP seed check must be str, int or bool without "
+                            f"'/'; got {name!r}={value!r}")
+    return ",".join(f"{name}={loader[name]!r}" for name in sorted(loader))
+
+
+def check_same_seed(dataset: str, seed: int, rank: int, world_size: int,
+                    loader: Mapping[str, object] | None = None) -> None:
+    """ValueError if another rank of this DDP job made its matching sampler with another seed.
+    ``loader``: the arguments that tell this process's loaders of the dataset apart, the same
+    on every rank for the same loader (not the seed or rank): batch_size, drop_last, ..."""
+    args = _args_key(loader or {})
     store = _default_store(rank, world_size)
     if store is None:
         return
-    k = _made.get((dataset, world_size), 0)
-    _made[(dataset, world_size)] = k + 1
+    k = _made.get((dataset, world_size, args), 0)
+    _made[(dataset, world_size, args)] = k + 1
     # torchrun's restarted ranks join the same store (its agent's), which still holds the
     # last attempt's seeds: keyed by attempt, a run that passes another seed is no mismatch
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        first = store.compare_set(f"mlcache/seed/{attempt}/{dataset}/{world_size}/{k}", "", f"{seed}/{rank}")
+        first = store.compare_set(f"mlcache/seed/{attempt}/{dataset}/{world_size}/{args}/{k}", "", f"{seed}/{rank}")
         first_seed, first_rank = (int(x) for x in bytes(first).decode().split("/"))
     except Exception as e:  # a check only: the store's own trouble fails the job's collectives anyway
         log.debug("DDP seed check skipped: %s", e)

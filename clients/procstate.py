@@ -6,9 +6,11 @@ prefetch thread (coordination.py). per_process() makes it once however many ask 
 two would each hold a ring client and thread pools, and one would never be closed."""
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,6 +27,11 @@ from .stats import worker_row
 # Threads that check a batch's SHA-256s together (this one included).
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 T = TypeVar("T")
+# At the interpreter's exit, the longest wait for a thread close() left running (close_after),
+# and, once its store reads were broken off, for it to end.
+EXIT_WAIT_S = 5.0
+BROKEN_WAIT_S = 2.0
+_open: weakref.WeakSet = weakref.WeakSet()  # the ProcessStates of this process not yet closed
 # One for all objects: states are made rarely. Re-entrant: making one may ask for another.
 _making = threading.RLock()
 
@@ -68,12 +75,30 @@ def close_after(thread: threading.Thread, close: Callable[[], None]) -> None:
     """close() once `thread` has ended, from a daemon thread: the coordination thread that
     CachedDataset.close() waited for in vain may be amid a store read or a put with the
     process state, which then must stay open under it (a put on a closed client was lost,
-    its items read from the store for nothing, and warned about as a server's refusal)."""
+    its items read from the store for nothing, and warned about as a server's refusal).
+
+    A process that exits meanwhile waits for both at most EXIT_WAIT_S first (atexit: before
+    the store's client closes its session, fsspec's finalizer), then breaks off the store
+    reads still in flight and waits for the thread to give up their claims and end: else the
+    exit broke the read later, and the daemon thread ran on into the interpreter's
+    finalization (a traceback on stderr, at times an abort), its items read for nothing and
+    their claims left held until they lapsed."""
     def wait_then_close() -> None:
         thread.join()
         close()
+        atexit.unregister(at_exit)
 
-    threading.Thread(target=wait_then_close, name="mlcache-close-after", daemon=True).start()
+    closer = threading.Thread(target=wait_then_close, name="mlcache-close-after", daemon=True)
+
+    def at_exit() -> None:
+        closer.join(EXIT_WAIT_S)
+        if closer.is_alive():
+            for st in list(_open):
+                st.break_reads()
+            closer.join(BROKEN_WAIT_S)
+
+    atexit.register(at_exit)
+    closer.start()
 
 
 class ProcessState:
@@ -107,8 +132,22 @@ class ProcessState:
         # known again by a MAC (checked.py)
         self.checked = (checked.CheckedValues(ds.checked_table, len(ds.digest))
                         if ds.hashes_hits() and self.core is None else None)
+        _open.add(self)
+
+    def break_reads(self) -> None:
+        """Break off the store reads in flight (at the process's exit only): an async fsspec
+        filesystem's session closed, as its own finalizer would a moment later. Others
+        (local files) have no session: their reads end by themselves."""
+        close_session = getattr(type(self.fs), "close_session", None)
+        session = getattr(self.fs, "_session", None)
+        if close_session is not None and session is not None and self.pid == os.getpid():
+            try:
+                close_session(getattr(self.fs, "loop", None), session)
+            except Exception:  # the exit goes on regardless
+                pass
 
     def close(self) -> None:
+        _open.discard(self)
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.hash_pool is not None:
             self.hash_pool.shutdown(wait=False, cancel_futures=True)

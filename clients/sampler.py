@@ -147,7 +147,8 @@ class SubstitutableBatchSampler:
             raise ValueError(f"need n_items >= 0, batch_size >= 1, lookahead >= 1; "
                              f"got {n_items}, {batch_size}, {lookahead}")
         self.share = Share(n_items, seed, rank, world_size, drop_last, dataset)
-        check_same_seed(dataset, seed, rank, world_size)  # under torch.distributed: ddpseed.py
+        check_same_seed(dataset, seed, rank, world_size,  # under torch.distributed: ddpseed.py
+                        loader={"n_items": n_items, "batch_size": batch_size, "drop_last": drop_last})
         self.progress = Progress(n_items)
         self.n_items = n_items
         self.batch_size = batch_size
