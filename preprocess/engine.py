@@ -35,6 +35,8 @@ from .workerctl import CpuMeter, next_workers
 TICK = 0.05          # longest wait for a result before checking the workers
 RESTARTS = 3         # workers that may die in an epoch (replaced, their items re-run) before it fails
 CONTROL_EVERY = 1.0  # seconds between worker-count decisions
+LEFT_BEHIND = ("an item an earlier epoch left behind (dropped with exactly_once=False, or its epoch's "
+               "iterator was left before its end), not this epoch's")
 
 
 class PipelineError(RuntimeError):
@@ -96,9 +98,8 @@ class EpochRun:
         self.stalls = StallWatch(plan.step_warning, plan.step_timeout,
                                  lambda j: READING if j == READ else pool.pipeline.steps[j].name,
                                  lambda i: f"{i} ({describe(i)})", self._where)
-        # worker stopped -> (item, step, seconds, whether the step began in this epoch)
+        # worker stopped -> (item, step, seconds, whether the item was sent in this run)
         self.timed_out: dict[int, tuple[int, int, float, bool]] = {}
-        self.began_ns = time.monotonic_ns()  # monotonic_ns is one clock across the host's processes
         self.alone: set[int] = set()  # items sent in a task of their own (their read is theirs alone)
         self.solo: set[int] = set()   # items to send alone: a read of several, them among, hung
         self._next_watch = 0.0
@@ -263,11 +264,15 @@ class EpochRun:
             lost = self.held.pop(wid, {})
             stuck = self.timed_out.pop(wid, None)
             stopped = stuck is not None
-            if stopped and stuck[1] == READ and stuck[0] not in self.alone:
-                self.solo.update(lost)  # which of the task's items hung is unknown: each is read alone now
+            if stopped and stuck[1] == READ and stuck[3] and stuck[0] not in self.alone:
+                # which of this epoch's task's items hung is unknown: each is read alone now (an
+                # earlier epoch's read that hung says nothing of this epoch's items: reported below)
+                self.solo.update(lost)
                 stuck = None
             # the index alone does not tell this epoch's copy of an item from one an earlier
-            # epoch left behind (exactly_once=False) whose step hangs while this one's waits
+            # epoch left behind (exactly_once=False, or abandoned) whose step hangs while this
+            # one's waits; nor does when the step began (such an item goes on to its next
+            # steps during this epoch): the run it was sent in does
             mine = stuck is not None and stuck[3] and stuck[0] in lost
             if not stopped:
                 self.deaths.append(self._death(wid, lost))
@@ -293,15 +298,16 @@ class EpochRun:
             return
         self._next_watch = now + every(self.stalls)
         now_ns = time.monotonic_ns()  # before the slots are read (StallWatch.check)
-        for ((wid, _), i, j, started_ns), secs in self.stalls.check(self.pool.progress(), now_ns):
+        for ((wid, _, run), i, j, _), secs in self.stalls.check(self.pool.progress(), now_ns):
             if wid not in self.timed_out:
-                self.timed_out[wid] = (i, j, secs, started_ns >= self.began_ns)
+                self.timed_out[wid] = (i, j, secs, run == self.plan.run)
                 self.pool.kill(wid)
         self.stats.stalled = self.stalls.warned
 
-    def _where(self, who: tuple[int, int]) -> str:
-        wid, k = who
-        return f"worker {wid}, pid {self.pool.pid(wid)}, its {'main' if k == MAIN else 'background'} thread"
+    def _where(self, who: tuple[int, int, int]) -> str:
+        wid, k, run = who
+        where = f"worker {wid}, pid {self.pool.pid(wid)}, its {'main' if k == MAIN else 'background'} thread"
+        return where if run == self.plan.run else where + f"; {LEFT_BEHIND}"
 
     def _timed_out(self, wid: int, i: int, j: int, secs: float, of_this_epoch: bool) -> None:
         """Item i's step j ran past step_timeout: the item fails as on_error says (one
@@ -311,7 +317,7 @@ class EpochRun:
                 f"{secs:.1f} s, over step_timeout={self.plan.step_timeout:g} s; its worker process ({wid}) was "
                 f"stopped, the other items it held run again")
         if not of_this_epoch:
-            log.warning("preprocessing: %s (the item was dropped from an earlier epoch)", what)
+            log.warning("preprocessing: %s (%s; this epoch's copy of it runs again)", what, LEFT_BEHIND)
             return
         self.stats.timed_out += 1
         if self.plan.on_error == "skip":

@@ -13,7 +13,8 @@ functions their bytecode (with the argument names and, from 3.11, the exception
 table), constants, defaults, attributes, closures and the globals they reference,
 recursively (a user's own module by its source file and the attributes the code
 names). A string or path that names a regular file here adds the file's content (a
-step may read it when it runs: a vocabulary, a mean/std table). Two steps with equal fingerprints compute the same function of
+step may read it when it runs: a vocabulary, a mean/std table); one whose name the step
+builds at run time is declared with the step's `reads` (reads.py). Two steps with equal fingerprints compute the same function of
 their input (given equal library versions). What cannot be fingerprinted (an open
 file, a lock, a C object without state we can read) raises Uncacheable with the
 path to it: fail closed, never a random or partial key."""
@@ -94,6 +95,7 @@ class _Hasher:
     def __init__(self) -> None:
         self.h = hashlib.sha256()
         self.stack: set[int] = set()
+        self.files: set[str] = set()  # the regular files keyed by their content (reads.unkeyed)
 
     def put(self, tag: str, data: bytes = b"") -> None:
         self.h.update(tag.encode() + struct.pack("<Q", len(data)) + data)
@@ -161,6 +163,7 @@ class _Hasher:
             return  # names no file here: keyed as the string it is
         if stat.S_ISREG(st.st_mode):
             self.put("file", _file_key(name, st, path))
+            self.files.add(name)
 
     def container(self, x: tuple | list | dict | set | frozenset, path: str, d: int) -> None:
         if isinstance(x, (tuple, list)):
@@ -491,6 +494,13 @@ def sub_fingerprint(x: Any, path: str = "value", depth: int = 0) -> str:
     h = _Hasher()
     h.value(x, path, depth)
     return h.h.hexdigest()
+
+
+def keyed_files(x: Any, path: str = "step") -> set[str]:
+    """The regular files whose content x's fingerprint covers (named among its values)."""
+    h = _Hasher()
+    h.value(x, path)
+    return h.files
 
 
 def fingerprint(x: Any, path: str = "step") -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .fingerprint import Uncacheable, fingerprint, library_version, sub_fingerprint
 from .measure import nbytes
+from .reads import inputs_key
 from .seeding import SEEDING, Abandoned, item_seed, seed_globals
 from .stall import bound
 from .steps import Step, as_step
@@ -185,6 +186,8 @@ class Pipeline:
         try:
             flags = (s.keep_position, self.is_random(j)) + ((("per_epoch", False),) if not self.per_epoch(j)
                                                              and self.is_random(j) else ())
+            if s.reads:  # declared inputs (reads.py); none: the key stays as it was
+                flags += (("reads", inputs_key(s.reads, s.name)),)
             return fingerprint((s.fn, *flags), path=s.name)
         except Uncacheable as e:
             raise Uncacheable(f"pipeline step {j} ({s.name}) cannot be fingerprinted: {e}") from None

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
 from .stall import NOT_RUNNING, Running, Slot
-from .worker import BACKGROUND, MAIN, SLOTS, worker_main
+from .worker import BACKGROUND, MAIN, SLOTS, worker_main, worker_slot
 
 JOIN_SECONDS = 5.0
 DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
@@ -283,13 +283,15 @@ class WorkerPool:
 
     @_while_open
     def progress(self) -> list[Running]:
-        """The steps the workers' threads run: ((worker, thread), item, step, started)."""
+        """The steps the workers' threads run: ((worker, thread, run), item, step, started);
+        run: the run (engine.EpochPlan.run) the item was sent in, which tells an item an
+        earlier epoch left behind from this epoch's copy of it."""
         out = []
         for wid, running in self.running.items():
             for k in (MAIN, BACKGROUND):
-                r = Slot(running, k).read()
+                r = worker_slot(running, k).read_run()
                 if r is not None:
-                    out.append(((wid, k), *r))
+                    out.append(((wid, k, r[3]), *r[:3]))
         return out
 
     @_while_open

@@ -22,6 +22,7 @@ from .items import describe, item_digest, pairs
 from .pipeline import ItemContext, Pipeline, StepError
 from .pool import MAX_IDS, WorkerPool, is_whole
 from .profile import Trace, trace
+from .reads import recording, unkeyed
 from .stall import READING, STEP_WARNING_S, StallWatch, Watchdog, bind, bound, check_limits, local_slot, log
 from .stats import PreprocessStats, StepStats
 from .timeout import SlowTimeout
@@ -65,6 +66,8 @@ class Scheduler:
         self.sample: Trace | None = None
         self.fingerprint: str | None = None
         self.uncacheable: str | None = None
+        self._opened: dict[int, set[str]] = {}  # files each step opened on the sample items (reads.py)
+        self.unkeyed_reads: dict[int, list[str]] = {}  # of those, the ones its fingerprint does not cover
         self.epochs_run = 0
         self.last_run: EpochRun | None = None
         self.last_stats: PreprocessStats | None = None
@@ -103,6 +106,8 @@ class Scheduler:
             self.fingerprint = self.pipeline.fingerprint()
         except Uncacheable as e:
             self.uncacheable = str(e)
+        if self.fingerprint is not None:
+            self._warn_unkeyed()
         key = self.fingerprint or "unkeyed:" + repr(self.pipeline)
         self.memory = open_memory(self.cost_dir, key)
         self.known = self.memory.load() if self.memory else {}
@@ -352,6 +357,11 @@ class Scheduler:
         self._sample_names = {c.digest: i for c, i in zip(ctxs, idx)}
 
         def run() -> Trace:
+            with recording() as opened:  # the files each step opens, for _warn_unkeyed
+                return traced(opened)
+
+        def traced(opened: dict[int, set[str]]) -> Trace:
+            self._opened = opened
             tr = trace(self.pipeline, raw, ctxs)
             check_declared(self.pipeline, tr)
             if self.auto_order:
@@ -363,6 +373,17 @@ class Scheduler:
             return self._run_watched(run)
         except StepError as e:
             raise PipelineError(f"preparing the pipeline on sample items {idx[:4]}...: {e}") from e
+
+    def _warn_unkeyed(self) -> None:
+        """Files a step opened on the sample items that its fingerprint does not cover (a name
+        built at run time): warned about, naming the step (reads.py); in `unkeyed_reads`."""
+        self.unkeyed_reads = unkeyed(self.pipeline, self._opened)
+        for j, files in self.unkeyed_reads.items():
+            shown = ", ".join(repr(f) for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+            log.warning("preprocessing: step %d (%s) read %s on the sample items, which its fingerprint does not "
+                        "cover (the name is built when it runs): items cached under the pipeline's key would not "
+                        "change when they do; declare them: step(fn, reads=[...]) or a `reads` attribute "
+                        "(docs/preprocess.md, Fingerprints)", j, self.pipeline.steps[j].name, shown)
 
     def _run_watched(self, fn: Callable[[], Any]) -> Any:
         """fn() on sample items in this process (their steps mark the item by its context): a

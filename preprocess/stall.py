@@ -63,11 +63,18 @@ class Slot:
     is named by the ItemContext its step runs with (sample items before the first epoch,
     whose indices the steps' callers do not pass on), not by item()."""
 
-    def __init__(self, array: Any, k: int = 0, by_context: bool = False) -> None:
+    def __init__(self, array: Any, k: int = 0, by_context: bool = False, run_at: int | None = None) -> None:
         self.a, self.base, self.by_context = array, k * FIELDS, by_context
+        # where in `array` the run the item was sent in is kept (engine.EpochPlan.run; a worker's
+        # slots): an item an earlier epoch left behind is told from this epoch's copy of it by that
+        # number, never by when its step began. None: no run (NOT_RUNNING is read)
+        self.run_at = run_at
 
-    def item(self, i: int) -> None:
-        self.a[self.base + 1] = NOT_RUNNING
+    def item(self, i: int, run: int = NOT_RUNNING) -> None:
+        """Item i (sent in `run`, kept where the slot has room for it) is this thread's from now on."""
+        self.a[self.base + 1] = NOT_RUNNING  # first: no reader pairs the step running with the new item
+        if self.run_at is not None:
+            self.a[self.run_at] = run
         self.a[self.base] = i
 
     def at(self, j: int, ctx: Any = None) -> None:
@@ -87,12 +94,21 @@ class Slot:
     def current(self) -> int:
         return self.a[self.base]
 
+    def step(self) -> int:
+        """The step running now (written position), or NOT_RUNNING (or READ)."""
+        return self.a[self.base + 1]
+
     def read(self) -> tuple[int, int, int] | None:
-        """(item, step, started) while a step runs; read twice, so a value torn by a write
-        in between is never returned (None then: the next look sees it)."""
-        b, a = self.base, self.a
-        first = (a[b], a[b + 1], a[b + 2])
-        if first != (a[b], a[b + 1], a[b + 2]) or NOT_RUNNING in first[:2]:
+        """(item, step, started) while a step runs; None between steps."""
+        r = self.read_run()
+        return None if r is None else r[:3]
+
+    def read_run(self) -> tuple[int, int, int, int] | None:
+        """(item, step, started, run) while a step runs; read twice, so a value torn by a
+        write in between is never returned (None then: the next look sees it)."""
+        b, a, r = self.base, self.a, self.run_at
+        first = (a[b], a[b + 1], a[b + 2], NOT_RUNNING if r is None else a[r])
+        if first != (a[b], a[b + 1], a[b + 2], NOT_RUNNING if r is None else a[r]) or NOT_RUNNING in first[:2]:
             return None
         return first
 

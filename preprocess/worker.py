@@ -17,7 +17,7 @@ item goes to the background, ("exit", wid, None) on a clean stop.
 
 `running` (shared memory, two stall.Slots: the main thread's, the background
 thread's) holds the index of the item each thread is running (NOT_RUNNING between
-items), the step running on it and since when: if the process dies (a segfault in a
+items), the run it was sent in, the step running on it and since when: if the process dies (a segfault in a
 decoder, the OOM killer) the scheduler names the item it died on
 (pool.WorkerPool.death), and it warns about a step stuck on an item, or stops the
 process once the step is over step_timeout (engine.py, stall.py)."""
@@ -42,7 +42,12 @@ EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take
 PARENT_CHECK_S = 1.0  # an idle worker checks this often that the scheduler's process still lives
 NO_TARGET = object()  # the item is not a (sample, target) pair
 MAIN, BACKGROUND = 0, 1  # the `running` slots
-SLOTS = 2 * FIELDS  # the size of `running`
+SLOTS = 2 * FIELDS + 2  # the size of `running`: the two threads' slots, then the run of each one's item
+
+
+def worker_slot(running: Any, k: int) -> Slot:
+    """Thread k's slot (MAIN, BACKGROUND) in a worker's `running`, with the run of its item."""
+    return Slot(running, k, run_at=2 * FIELDS + k)
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
 # [(index, to_background), ...]); None: stop
@@ -55,7 +60,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     running: the two slots of the items in flight (shared memory; None: not kept)."""
     out = ChannelWriter(results)
     running = [NOT_RUNNING] * SLOTS if running is None else running
-    slot = Slot(running, MAIN)
+    slot = worker_slot(running, MAIN)
     bind(slot)  # the steps this thread runs mark their progress in it (Pipeline.call_step)
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
@@ -72,7 +77,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
         _, run, epoch, order, t_out, items = task
         pipe = in_order(pipe, order)
         try:  # reading the items, and taking them apart: a failure is the task's, named (never a crash)
-            slot.item(items[0][0])
+            slot.item(items[0][0], run)
             slot.at(READ)  # a hung read is watched as a stuck step is (engine.EpochRun._watch)
             fed = feed.fetch([i for i, _ in items], epoch)
             slot.idle()
@@ -86,7 +91,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
             if to_bg:
                 bgq.put((pipe, job))
                 continue
-            slot.item(i)
+            slot.item(i, run)
             _advance(wid, pipe, job, t_out, out, bgq, feed)
             slot.idle()
     bgq.put(None)
@@ -175,7 +180,7 @@ def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: 
 
 def _background(wid: int, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
     """Items over their time, each run on in the pipeline (the order) it started with."""
-    slot = Slot(running, BACKGROUND)
+    slot = worker_slot(running, BACKGROUND)
     bind(slot)
     while True:
         entry = bgq.get()
@@ -183,7 +188,7 @@ def _background(wid: int, bgq: queue.Queue, out: Any, feed: Any, running: Any) -
             return
         pipeline, job = entry
         try:
-            slot.item(job[1])
+            slot.item(job[1], job[0])  # with its run: it may be an earlier epoch's (engine._watch)
             _advance(wid, pipeline, job, None, out, None, feed)
             slot.idle()
         except BaseException:  # only the channel failing gets here (_advance sends every item's error)

@@ -1,5 +1,7 @@
 """Steps for the preprocess integration tests: module-level, so spawned workers can
 import them (tests/ is on their path through the pickled module name)."""
+import multiprocessing
+import os
 import struct
 import time
 
@@ -103,5 +105,35 @@ class HangOn:
         import multiprocessing
         here = self.everywhere or multiprocessing.current_process().name.startswith("preprocess-")
         if here and i in self.indices:
+            time.sleep(self.secs)
+        return i
+
+
+def in_worker() -> bool:
+    return multiprocessing.current_process().name.startswith("preprocess-")
+
+
+class MoveSlow:
+    """Slow on one item in the pool's workers: over the first timeout (the sample's items take
+    microseconds), it moves to the background."""
+
+    def __init__(self, slow, secs=0.05):
+        self.slow, self.secs = slow, secs
+
+    def __call__(self, i):
+        if i == self.slow and in_worker():
+            time.sleep(self.secs)
+        return i
+
+
+class SleepOnce:
+    """Sleeps `secs` on one item the first time a worker runs it (a marker file says it did)."""
+
+    def __init__(self, item, marker, secs):
+        self.item, self.marker, self.secs = item, marker, secs
+
+    def __call__(self, i):
+        if i == self.item and in_worker() and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
             time.sleep(self.secs)
         return i

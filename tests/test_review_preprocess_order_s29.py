@@ -6,7 +6,6 @@ pipeline (the job restarted: its sample gives the first order again) reads back.
 step of such an item over step_timeout must fail no item of the next epoch (engine.py told
 an item's copies in two epochs apart by its index only). Real spawned workers, a real cache
 server, real files."""
-import multiprocessing
 import os
 import random
 import sys
@@ -21,17 +20,13 @@ from clients.dataset import CachedDataset  # noqa: E402
 from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from preprocess import Pipeline  # noqa: E402
 from preprocess.measure import agree  # noqa: E402
-from preprocess_steps import HalveBut, index_of, scale_values, with_values  # noqa: E402
+from preprocess_steps import HalveBut, MoveSlow, SleepOnce, in_worker, index_of, scale_values, with_values  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 N, B, SEED, SAMPLE = 40, 8, 5, 16  # SAMPLE: the scheduler's SAMPLE_ITEMS
 MOVE_S = 0.05   # over the first timeout (the sample's items take microseconds): the item goes to the background
 SCALE_S = 1.5   # the background thread is still in this step when the next epoch's first task arrives
-
-
-def in_worker() -> bool:
-    return multiprocessing.current_process().name.startswith("preprocess-")
 
 
 class SlowValues:
@@ -97,31 +92,6 @@ def test_an_item_left_behind_finishes_in_its_own_order(tmp_path, server):
         ds2.close()
 
 
-class MoveSlow:
-    """Slow on one item in the pool's workers: over the first timeout, it moves to the background."""
-
-    def __init__(self, slow):
-        self.slow = slow
-
-    def __call__(self, i):
-        if i == self.slow and in_worker():
-            time.sleep(MOVE_S)
-        return i
-
-
-class HangOnce:
-    """Hangs on one item the first time a worker runs it (a marker file says it did)."""
-
-    def __init__(self, item, marker, secs):
-        self.item, self.marker, self.secs = item, marker, secs
-
-    def __call__(self, i):
-        if i == self.item and in_worker() and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            time.sleep(self.secs)
-        return i
-
-
 def test_an_item_left_behind_over_step_timeout_fails_no_item_of_the_next_epoch(tmp_path):
     """Item h hangs once, in the background, in epoch 1 (exactly_once=False: the epoch ends
     without it). Its step passes step_timeout during epoch 2, whose own copy of h waits in
@@ -131,7 +101,7 @@ def test_an_item_left_behind_over_step_timeout_fails_no_item_of_the_next_epoch(t
     timeout_s = 3.0
     seed = next(s for s in range(100) if _second_epoch_first(s) not in _sampled(s))
     h = _second_epoch_first(seed)  # epoch 2's first task: its copy is held before the hang is over the limit
-    pipe = Pipeline([index_of, MoveSlow(h), HangOnce(h, str(tmp_path / "hung"), 30.0)])
+    pipe = Pipeline([index_of, MoveSlow(h), SleepOnce(h, str(tmp_path / "hung"), 30.0)])
     ds = CachedDataset(indexed_items(tmp_path / "ds", N), cache=False, transform=pipe)
     lo = ds.loader(2, num_workers=1, seed=seed, cost_dir=False, exactly_once=False, step_timeout=timeout_s,
                    step_warning=None)
