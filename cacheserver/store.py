@@ -270,7 +270,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
     def adopt(self, keys: Sequence[bytes], tag: Tag) -> bytes:
         """Move entries held as spare into the chunk `tag` (no value travels: a job
         loading a chunk would otherwise get and put back bytes the server has).
-        Presence flags after the move: 1 held other than as spare, 0 absent."""
+        Flags after the move: 1 held other than as spare, 0 absent or still spare (a stop refused it)."""
         if tag[1] < 0 or not tag[0]:
             raise ValueError(f"adopt needs a chunk tag (dataset, chunk >= 0), got {tag!r}")
         with self._lock:
@@ -285,7 +285,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
                     raise
                 finally:
                     self._tags.unpin(tid)
-            return bytes(1 if k in index else 0 for k in keys)
+            return bytes(1 if k in index and k not in spare else 0 for k in keys)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], tag: Tag = UNTAGGED,
                  replace: bool = False, written_ids: list[bytes] | None = None) -> tuple[int, int, int]:
@@ -338,6 +338,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
                 else:  # nothing of it reached the disk: what it would have replaced is held as before
                     self._restore(replaced)
                 self._tags.unpin(tid)
+        if accepted and self._stranded:  # its write went in, so writes go: deletes a stop left, one try
+            self._drop_stranded()  # (the flusher's, and the only retry without one: durability "process")
         if written_ids is not None:
             written_ids.extend(k for k, _, _ in accepted)
         self.counters.add_many({"put_stored": len(accepted), "put_already": already,
@@ -353,10 +355,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
         try:
             # a put under a chunk (not an untagged or spare one); dict.fromkeys: each id once
             retag = list(dict.fromkeys(k for k, _ in items if k in self._spare)) if tag[1] >= 0 and self._spare else []
-            if retag:  # spare entries whose chunk now has room: they take the put's tag
+            if retag:  # spare entries whose chunk now has room: they take the put's tag (kept spare in a stop)
                 self._retag(retag, tag, tid)
-            if self._capacity_owed:  # a stop cut the start's evictions short
-                self._evict_owed()
             todo, already = self._new_items(items)
             accepted = self._within_room(todo, tag)
             if replaced:
@@ -452,7 +452,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
     def relocate_oldest(self, max_bytes: int) -> int:
         """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
         the files they pin among evicted values go once compaction drops the old copies. Under
-        the lock, so that no eviction or replace of those ids interleaves. Returns bytes moved.
+        the lock, so that no eviction or replace of those ids interleaves, and so one try (a stop's wait
+        held every put and adopt): a stop moves nothing, and admission tries again. Returns bytes moved.
         A failed write changes nothing (its batch goes in whole or not at all; the order and the
         counts move after it) and, as a put's, fails the store where it is RocksDB's (_put_failed)."""
         moved, records = 0, []
@@ -469,7 +470,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
             keys = [k for k, _ in records]
             if keys:
                 try:
-                    self._unlogged(lambda: puts(records, self._large_cf))
+                    if not self._unlogged.once(lambda: puts(records, self._large_cf)):
+                        return 0
                 except BaseException as e:
                     self._put_failed(e)
                     raise
@@ -482,15 +484,17 @@ class Store(Recovery, Flushes, Reads, Evictions):
     def _unflushed_bytes(self) -> int:
         return self.admit.unflushed()
 
-    def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> None:
+    def _retag(self, keys: list[bytes], tag: Tag, tid: int, counter: str = "put_retagged") -> bool:
         """Move present entries to `tag` (lock held, `tid` pinned): their index records first, logged
         (a fresh sequence: recovery keeps them only with their value), then index, usage and order,
         so that a write that stops or fails leaves both as they were. Each index entry changes in
-        one step: readers without the lock (get_many, touch_split) never miss it."""
+        one step: readers without the lock (get_many, touch_split) never miss it. One try (a stop's
+        wait held every put and adopt): a stop moves and counts nothing (returns False)."""
         ds, seq0 = tag[0].encode(), self._seq
         metas = [(key, _META.pack(self._index[key][0] - OVERHEAD, seq0 + i, tag[1]) + ds)
                  for i, key in enumerate(keys)]
-        self._logged(lambda: puts(metas, self._meta_cf))
+        if not self._logged.once(lambda: puts(metas, self._meta_cf)):
+            return False
         self._seq += len(keys)
         spare = is_spare(tag)
         for key in keys:
@@ -505,6 +509,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
             self.policy.removed(key)  # the most recent entry of the policy now, as a new one
             self.policy.admitted(key)
         self.counters.add(counter, len(keys))
+        return True
 
     def _drop_replaced(self, replaced: dict[bytes, Replaced], accepted: list) -> None:
         """Delete the records of replaced ids that found no room (lock held): poisoned, and
@@ -512,8 +517,8 @@ class Store(Recovery, Flushes, Reads, Evictions):
         ``replaced``: a failed write of the put has nothing of theirs to restore."""
         kept = {k for k, _, _ in accepted}
         dropped = [k for k in replaced if k not in kept]
-        if dropped:
-            self._delete_keys(dropped, [k for k in dropped if replaced[k][0] >= BLOB_MIN + OVERHEAD])
+        if dropped:  # one try: the lock is held (a stop strands them, deleted once writes go)
+            self._delete_soon(dropped, [k for k in dropped if replaced[k][0] >= BLOB_MIN + OVERHEAD], raising=True)
             for k in dropped:
                 del replaced[k]
 

@@ -1,8 +1,8 @@
 """A store's evictions (Store's part): room made for puts (spare entries first, then the
 fallback policy, sparing protected chunks) and the manager's evictions by tag. Each
 deletes its victims' records under the store's lock, so that no put of one of them
-interleaves; a delete a write stop ends leaves them for later (Store._delete_keys), and
-the manager's evictions wait out no stop at all (Store._delete_soon).
+interleaves; so none waits out a write stop with the lock held: one try, and what a stop
+refuses is left for the first flush once writes go (Store._delete_soon).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class Evictions:
 
     def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
-        used first, whatever the policy; then, unless spare_only, the fallback policy."""
+        used first, whatever the policy; then, unless spare_only, the fallback policy.
+        The victims are misses at once; their deletes wait out no write stop (Store._delete_soon)."""
         self._hits.apply()  # the order as every get so far left it
         freed, victims, large, spare = 0, [], [], self._spare
         while spare and freed < need:
@@ -42,8 +43,8 @@ class Evictions:
                 if freed >= need:
                     break
         if victims:
-            try:
-                self._delete_keys(victims, large)
+            try:  # one try (the lock is held: a wait for a stop held every put and adopt up to STUCK_S)
+                self._delete_soon(victims, large, raising=True)  # a stop strands them, deleted once writes go
             finally:  # out of the index and the usage either way (a stopped delete goes in later)
                 self.counters.add_many({"evicted_spare": n_spare, "evicted_by_policy": len(victims) - n_spare,
                                         "evicted_items": len(victims), "evicted_bytes": freed})

@@ -159,12 +159,13 @@ class Flushes:
             self._gate.end_flush()
 
     def _flush_begun(self, final: bool) -> bool:
-        if self._stranded:
-            self._drop_stranded()
+        if self._stranded and not self._drop_stranded():
+            self._retry_soon()  # a stop refused them: the flusher comes back for them (dirty, below)
         if self._state_owed:  # server state a write stop kept off the disk (Recovery.keep_state)
-            try:
-                self._pay_state()
-            except Exception as e:  # stopped again: owed still; RocksDB's own error fails the store
+            try:  # one try: waiting a stop out under its lock held keep_state (the manager's chunk calls)
+                if not self._pay_state(False):
+                    self._retry_soon()
+            except Exception as e:  # a closing store's; RocksDB's own error fails the store
                 self._put_failed(e)
         if self.progress.stuck() is not None:  # those steps may have waited a stop out: RocksDB would hold
             return False  # the flush for it, for ever where its compactions fail (dirty still: retried)
@@ -180,7 +181,9 @@ class Flushes:
             flushed, again = self._flush_files(mark)
         finally:
             with self._lock:
-                if again and dirty is not None:  # still unflushed: the flusher tries again
+                if self._stranded and dirty is None:  # deletes still owed: a later flush tries them
+                    dirty = time.monotonic()
+                if (again or self._stranded) and dirty is not None:  # still unflushed: the flusher tries again
                     self._dirty_since = min(dirty, self._dirty_since or dirty)
         return flushed
 
@@ -237,25 +240,29 @@ class Flushes:
             self._failing = True
             log.warning("flushing the store failed (%s); tried again until it works", why)
 
-    def _drop_stranded(self) -> None:
+    def _drop_stranded(self) -> bool:
         """Delete what is left on disk of the ids of puts and deletes a write stop ended (put_many,
         _delete_keys): an index record without its value, or a value no longer indexed, that a
         restart would index, or keep unaccounted. An id put again since lost its old copies with
         that put (Store._write_index) and left this map; one indexed here all the same keeps its
-        held value, and its copy in the other family goes. Ids being put wait."""
+        held value, and its copy in the other family goes. Ids being put wait. One try, as
+        _delete_soon's: under the store's lock, a wait for a stop begun since the flush's check held
+        every put, adopt and eviction up to STUCK_S; what a stop refuses stays for a later flush.
+        Returns whether none is left."""
         with self._lock:
             stranded, index = self._stranded, self._index
             ready = [k for k in stranded if k not in self._pending]
             gone = [k for k in ready if k not in index]
             back = [(k, index[k][0] >= BLOB_MIN + self.overhead) for k in ready if k in index]
             try:
-                if ready:
-                    self._logged(lambda: self._stale_batch(gone, back))
-            except Exception as e:  # stopped again, or a failed store (the flush records it): kept for later
+                if ready and not self._logged.once(lambda: self._stale_batch(gone, back)):
+                    return False  # stopped again: kept for later
+            except Exception as e:  # a closing or failed store's (the flush records it): kept for later
                 self._put_failed(e)
-                return
+                return False
             for k in ready:
                 del stranded[k]
+            return not stranded
 
     def _stale_batch(self, gone: list[bytes], back: list[tuple[bytes, bool]]) -> rocksdict.WriteBatch:
         """Deletes of every record of the ``gone`` ids, and of the copy in the family the held value

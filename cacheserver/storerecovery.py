@@ -4,9 +4,9 @@ With durability "cache" a restart drops index entries whose value was never
 flushed (flusher.lost_values); after a salvage (salvage.py) every entry is
 checked and values without an index entry are deleted. A write stop that
 nothing ends (stallwrite.py) does not stop the start: the deletes it ends are
-left for the first flush once writes go again (Store._delete_keys strands
-their ids); the evictions for a lowered capacity, the durable mark (_owe_mark)
-and server state kept meanwhile (keep_state: a repaired chunk table; held
+left for the first flush once writes go again (Store._delete_keys and _delete_soon
+strand their ids: a lowered capacity's victims are evicted at once); the durable mark
+(_owe_mark) and server state kept meanwhile (keep_state: a repaired chunk table; held
 in memory till then) are made before the first put's writes (_pay_owed).
 """
 from __future__ import annotations
@@ -38,7 +38,6 @@ class Recovery:
     progress: Any
     overhead: int
     _mark_owed: int | None = None  # a durable mark a write stop kept off the disk at start
-    _capacity_owed = False  # evicting down to a lowered capacity at start met a write stop
 
     def _recover(self: Any, check_all: bool = False) -> None:
         self._state_owed: dict[str, bytes] = {}  # server state a write stop kept off the disk (keep_state)
@@ -71,12 +70,10 @@ class Recovery:
         if check_all:
             self._drop_orphans()
         if self.used > self.capacity:  # capacity lowered since last run
-            try:
-                self._evict_to_capacity()
-            except WriteStopped as e:  # its victims' deletes are stranded; the rest before the first put
-                self._capacity_owed = True
-                log.warning("start: evicting down to the capacity stopped (%s); %d bytes held past it "
-                            "until writes go again", e, self.used - self.capacity)
+            self._evict_to_capacity()  # a write stop strands its victims' deletes (Store._delete_soon)
+            if self._stranded:
+                log.warning("start: writes are stopped; deleting what evicting down to the capacity "
+                            "evicted is left until they go again")
 
     def _evict_to_capacity(self: Any) -> None:
         """Evict down to the capacity (a restart lowered it), the chunks the server's table
@@ -181,7 +178,7 @@ class Recovery:
         """What a write stop kept off the disk, before a put's writes: server state (keep_state),
         and the durable mark (_owe_mark) before index records of values that skip the
         log, as an older mark would not cover those. Raises WriteStopped while the stop lasts
-        (the put fails, as its own write would). The evictions owed go in Store._accept."""
+        (the put fails, as its own write would)."""
         if self._state_owed:
             self._pay_state()
         if self._mark_owed is not None:
@@ -196,13 +193,6 @@ class Recovery:
         with self._state_lock:
             self._set_durable_mark(seq)
             self._mark_owed = None
-
-    def _evict_owed(self: Any) -> None:
-        """Evict down to the capacity where a write stop at start cut that short (lock held): puts
-        evict no protected chunk, so those stayed past the capacity, every put refused for them."""
-        if self._capacity_owed and self.used > self.capacity:
-            self._evict_to_capacity()  # a stop again: owed still, the put fails as its write would
-        self._capacity_owed = False
 
     def _set_durable_mark(self, seq: int) -> None:
         self._logged(lambda: puts([(DURABLE_MARK_KEY, _MARK.pack(seq))], self._server_cf))

@@ -108,11 +108,12 @@ def flusher_meets_a_stop(s: Store, step: str) -> tuple[threading.Event, list]:
         except BaseException as e:
             errors.append(e)
             raise
+    logged.once = writes.once  # one try, waiting for no stop (_drop_stranded's): nothing to record
 
-    def stopping():
+    def stopping(*args):
         s._db.set_options(STOP)
         entered.set()
-        real()
+        real(*args)
     s._logged, s.__dict__[step] = logged, stopping
     s._db.set_options(GO)
     s._flusher = Flusher(s._dirty_state, s.flush)
@@ -146,7 +147,8 @@ def test_close_waits_for_the_flusher_s_writes_before_a_flush(tmp_path, monkeypat
     alive = thread.is_alive()  # close released RocksDB under it
     thread.join(LONG_STOP_S + 5)
     assert not alive and took < 5, f"close took {took:.1f} s and left the flusher writing"
-    assert errors and all(isinstance(e, stallwrite.WriteStopped) for e in errors), errors  # not a closed store's
+    # each tries once (test_review_server2_s31.py): no write waited out the stop, what it owed kept
+    assert not errors and (s._stranded if step == "_drop_stranded" else s._state_owed), errors
     again = Store(path, 6 * (SMALL + OVERHEAD), LRUPolicy(), Counters())
     try:
         every_record_counted(again)

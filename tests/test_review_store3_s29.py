@@ -143,7 +143,8 @@ def timed_get(s: Store, keys: list[bytes]) -> tuple[float, list]:
 
 
 def put_holding_the_lock(s: Store) -> tuple[threading.Thread, list]:
-    """A put that must evict, its delete waiting out the write stop with the store's lock held."""
+    """A put that must evict, waiting out the write stop (in its own write now: its eviction's delete,
+    under the store's lock, tries once and leaves the victim for later: test_review_server2_s31.py)."""
     out: list = []
     size = s.capacity - s.used - OVERHEAD + 1  # one byte more than the room left
 
@@ -155,7 +156,7 @@ def put_holding_the_lock(s: Store) -> tuple[threading.Thread, list]:
     th = threading.Thread(target=put, daemon=True)
     th.start()
     time.sleep(0.5)
-    assert th.is_alive() and s._lock.locked(), out
+    assert th.is_alive(), out
     return th, out
 
 

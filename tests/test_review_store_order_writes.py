@@ -55,11 +55,10 @@ def test_a_retag_a_stop_ends_leaves_the_index_and_the_disk_on_the_old_tag(tmp_pa
     assert s.put_many([(k, b"s" * 1000) for k in keys], SPARE) == (3, 0, 0)
     stop_writes(s)
     before = s.usage_by_tag()
-    with pytest.raises(stallwrite.WriteStopped):
-        if via == "put":
-            s.put_many([(k, b"s" * 1000) for k in keys], CHUNK)
-        else:
-            s.adopt(keys, CHUNK)
+    if via == "put":  # one try (test_review_server2_s31.py): held still, as spare entries
+        assert s.put_many([(k, b"s" * 1000) for k in keys], CHUNK) == (0, 3, 0)
+    else:
+        assert s.adopt(keys, CHUNK) == b"\x00" * 3
     assert [tag_in_index(s, k) for k in keys] == [SPARE] * 3  # was CHUNK: the disk says SPARE
     assert [tag_on_disk(s, k) for k in keys] == [SPARE] * 3
     assert s.usage_by_tag() == before and s.contains(keys, not_spare=True) == b"\x00" * 3
@@ -126,8 +125,7 @@ def test_a_stop_relocating_changes_nothing_and_relocating_goes_on_after(tmp_path
     try:
         stop_writes(s)
         before = accounting(s)
-        with pytest.raises(stallwrite.WriteStopped):
-            s.relocate_oldest(1 << 30)
+        assert s.relocate_oldest(1 << 30) == 0  # one try (test_review_server2_s31.py): nothing moved
         assert s.room.state == "ok" and accounting(s) == before  # a stop is not the store's failure
         s._db.set_options(GO)
         assert s.relocate_oldest(LARGE) == LARGE + OVERHEAD  # the oldest, moved to the end
