@@ -1,7 +1,8 @@
 """A job's batch times on their way to the manager (clients/coordination.py's reports): each
 batch's time and its hit fraction (the sampler's planned hits, for the manager's regression of
 batch time on it), queued by the training loop and taken in numbered reports by the
-coordination thread.
+coordination thread. Each loader of the job pairs its own batches with its own sampler's hit
+fractions (LoaderHits): a job's train and eval loaders (or two batch sizes) each report theirs.
 
 A report whose call failed is put back and sent again, whole, under its number: the manager
 applies a number once, so a reply lost after it applied the report (a deadline, a kill -9)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -28,20 +30,23 @@ REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
-class BatchReports:
-    """Thread-safe between the training loop (`sampled`, `add`) and the coordination thread
-    (`next_report`, `failed`, `answered`)."""
+class LoaderHits:
+    """One loader's side of the reports: the hit fraction of each batch its sampler issues
+    (`sampled`, from the sampler's batch hook, maybe ahead of the training loop: DataLoader
+    workers prefetch), handed in order to the batches the loader hands over (`batch_time`)."""
 
-    def __init__(self) -> None:
-        self.queued: deque = deque(maxlen=QUEUED_MAX)  # (end, duration[, hit fraction])
-        self._lock = threading.Lock()
-        # reports numbered 1, 2, ... in a stream of its own; _again: a failed one put back
-        self._stream, self._seq, self._again = new_report_stream(), 0, None
-        self.numbered = False  # a reply showed that the manager applies a report's number once
-        self._hit_ratios: deque = deque(maxlen=QUEUED_MAX)  # per sampled batch, not yet handed over
-        self.sampler: Any = None  # its `stats` (planned_hits, planned_misses; new each epoch)
-        self._stats: Any = None
+    def __init__(self, reports: "BatchReports", sampler: Any, on_epoch: Callable[[], None] | None = None) -> None:
+        self.reports, self.sampler, self._on_epoch = reports, sampler, on_epoch
+        self._ratios: deque = deque(maxlen=QUEUED_MAX)  # per sampled batch, not yet handed over
+        self._stats: Any = None  # the sampler's `stats` last seen (planned_hits, planned_misses; new each epoch)
         self._seen = (0, 0)
+        inner = sampler.on_batch  # noted before the coordinator's hook, which may raise (closed)
+
+        def on_batch(batch: list[int]) -> None:
+            self.sampled()
+            if inner is not None:
+                inner(batch)
+        sampler.on_batch = on_batch
 
     def sampled(self) -> None:
         """A batch was sampled: note its hit fraction (the sampler's counts since the last)."""
@@ -52,17 +57,34 @@ class BatchReports:
             self._stats, self._seen = st, (0, 0)
         hits, misses = st.planned_hits - self._seen[0], st.planned_misses - self._seen[1]
         self._seen = (st.planned_hits, st.planned_misses)
-        self._hit_ratios.append(hits / (hits + misses) if hits + misses > 0 else None)
+        self._ratios.append(hits / (hits + misses) if hits + misses > 0 else None)
 
     def epoch_start(self) -> None:
-        self._hit_ratios.clear()  # batches sampled ahead but never handed over
+        self._ratios.clear()  # batches sampled ahead but never handed over
+        if self._on_epoch is not None:
+            self._on_epoch()
 
-    def add(self, end: float, duration: float) -> None:
+    def batch_time(self, end: float, duration: float) -> None:
         # Batches are handed over in the order they were sampled: the oldest
         # sampled batch's hit fraction belongs to this one.
-        h = self._hit_ratios.popleft() if self._hit_ratios else None
+        self.reports.add(end, duration, self._ratios.popleft() if self._ratios else None)
+
+
+class BatchReports:
+    """Thread-safe between the training loop (`add`) and the coordination thread
+    (`next_report`, `failed`, `answered`)."""
+
+    def __init__(self) -> None:
+        self.queued: deque = deque(maxlen=QUEUED_MAX)  # (end, duration[, hit fraction])
+        self._lock = threading.Lock()
+        # reports numbered 1, 2, ... in a stream of its own; _again: a failed one put back
+        self._stream, self._seq, self._again = new_report_stream(), 0, None
+        self.numbered = False  # a reply showed that the manager applies a report's number once
+        self.sampler: Any = None  # the last loader's sampler: the one the coordinator's own hooks pair with
+
+    def add(self, end: float, duration: float, hit: float | None = None) -> None:
         with self._lock:
-            self.queued.append((end, duration) if h is None else (end, duration, h))
+            self.queued.append((end, duration) if hit is None else (end, duration, hit))
 
     def next_report(self) -> NumberedBatches | list:
         """The failed report put back, with its number (less batches the queue's bound dropped

@@ -17,13 +17,13 @@
 Everything tolerates a manager that is down: the last plan holds, and a batch report whose
 call failed is sent again under its number (the manager applies a number once: its reply may
 have been lost after it applied the report). A step that outlives close()'s wait (a slow store
-read or look-up) ends without another manager call.
+read or look-up) ends without another manager call; the training loop's own calls (a chunk
+release, an autocache report) raise DatasetClosed after close().
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import random
 import threading
 import time
@@ -36,94 +36,25 @@ import numpy as np
 
 from cacheserver.vocab import Option
 from manager import jobtokens
-from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan, chunk_of
+from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailable, Plan
 from manager.policy.autocache import Decision, PipelineCosts
 
-from .batchreports import QUEUED_MAX, REPORT_MAX, BatchReports
+from .batchreports import QUEUED_MAX, REPORT_MAX, BatchReports, LoaderHits
 from .jobtokenfile import JobTokenFile
+from .procstate import DatasetClosed
+from .sharedplan import MAX_CHUNKS, SPARE, SharedPlan
+
+# SharedPlan and its words live in sharedplan.py; still imported from here
+__all__ = ["CoordinatedDataset", "JobCoordinator", "JobRefused", "MAX_CHUNKS", "SPARE", "SharedPlan"]
 
 log = logging.getLogger("mlcache.client")
-# The plan's option as the shared array holds it; _SPARE: a "none" plan whose
-# misses go in as spare entries.
-_CODES = {Option.NONE: 0, Option.FULL: 1, Option.CHUNKED: 2}
-_SPARE = 3
-MAX_CHUNKS = 61  # chunk numbers a plan may list (the shared array's tail)
 RELEASE_BACKOFF_S = 2.0  # after a failed chunk release, the first wait before the next try
 MAX_RELEASE_BACKOFF_S = 60.0
-SPARE = -1  # the chunk tag of an item outside the plan's chunks
-_READ_TRIES = 10_000  # SharedPlan reads of a plan being written before giving up
 # Items a prefetch reads between two checks of the stop: close() waits for the part in hand
 # only (a slow store may take seconds an item), not for the whole prefetch. As many as the
 # default fetch_threads, so a part still reads them all at once from a high-latency store.
 PREFETCH_PART = 16
 CLOSE_WAIT_S = 5.0  # close() waits at most this long for the thread
-
-class SharedPlan:
-    """The current plan in shared memory: [seq, option, k, n_items, n_chunks, chunks...].
-
-    ``seq`` is 0 until the first plan ("full, one chunk": insert everything without a
-    manager), odd while ``publish`` writes, even otherwise: a reader (a DataLoader worker,
-    or a thread of this process) takes the fields only between two equal even reads of it
-    (a seqlock), so it never mixes two plans' chunking and chunk lists, nor reads a plan
-    half written (an item tagged under a chunk it is not in)."""
-
-    def __init__(self) -> None:
-        self._arr = multiprocessing.get_context("spawn").RawArray("q", 5 + MAX_CHUNKS)
-        self._arr[1] = _CODES[Option.FULL]
-        self._arr[2] = 1
-
-    def publish(self, plan: Plan) -> None:
-        chunks = list(plan.chunks)
-        if plan.loading is not None:
-            chunks.append(plan.loading)  # the chunk being loaded is inserted into too
-        chunks = sorted(set(chunks))[:MAX_CHUNKS]
-        option = Option(plan.option)  # before the writing starts: nothing raises half-way
-        code = _SPARE if option is Option.NONE and plan.spare else _CODES[option]
-        a = self._arr
-        a[0] += 1  # odd: being written
-        a[1], a[2], a[3], a[4] = code, max(1, plan.k), plan.n_items, len(chunks)
-        for j, c in enumerate(chunks):
-            a[5 + j] = c
-        a[0] += 1
-
-    def _read(self) -> tuple[int, int, int, list[int]] | None:
-        """(option, k, n_items, chunks) of one publication; None if none could be read
-        whole in a bounded wait (a writer stopped mid-way)."""
-        a = self._arr
-        for attempt in range(_READ_TRIES):
-            seq = a[0]
-            if not seq % 2:
-                option, k, n, m = a[1], a[2], a[3], a[4]
-                chunks = a[5:5 + m]
-                if a[0] == seq:
-                    return option, k, n, chunks
-            if attempt:
-                time.sleep(0)  # let a writer in this process (a thread) finish
-        return None
-
-    def insert_chunk(self, i: int) -> int | None:
-        """Chunk tag to insert item i under, or None if the plan says not to insert it.
-
-        With a chunked plan, an item outside its chunks is inserted as SPARE (with a
-        "none" plan that allows spare entries, every item is): servers
-        keep such entries only in room no chunk needs (evicted first, evicting only
-        each other), so jobs still share their misses there while the chunks turn
-        over slower than the jobs read (cacheserver/store.py, is_spare)."""
-        got = self._read()
-        if got is None:
-            return None  # no plan to go by: insert nothing rather than under a wrong tag
-        option, k, n, chunks = got
-        if option == _CODES[Option.FULL]:
-            return 0
-        if option == _CODES[Option.NONE]:
-            return None
-        if option == _SPARE:  # no room of its own: share misses in the room nobody needs
-            return SPARE
-        c = chunk_of(i, n, k)
-        return c if c in chunks else SPARE
-
-    def loading_first(self, i: int, loading: int | None) -> bool:
-        return loading is not None and self._arr[0] != 0 and self.insert_chunk(i) == loading
 
 
 def _listing(plan: Plan) -> tuple[int, int, int]:
@@ -141,6 +72,8 @@ class CoordinatedDataset(Protocol):
     def lookup(self, indices: Sequence[int], not_spare: bool = False) -> Sequence[int]: ...
 
     def prefetch(self, indices: Sequence[int]) -> Any: ...
+
+    def check_open(self) -> None: ...
 
 
 class JobRefused(ManagerError):
@@ -165,6 +98,7 @@ class JobCoordinator:
         self._mode = "normal"  # what the manager's last reply said the servers apply to this job
         self.prefetch_bandwidth = prefetch_bandwidth
         self.reports = BatchReports()  # batch times for the manager (clients/batchreports.py)
+        self._hits: LoaderHits | None = None  # the last loader's (watch_hits)
         self._read: np.ndarray | None = None  # items consumed this epoch (see consumed())
         self._consumed: Counter = Counter()  # chunk -> of its items in _read, in chunking _counted_as
         self._counted_as: tuple[int, int] | None = None  # (n_items, k)
@@ -268,26 +202,42 @@ class JobCoordinator:
                 self.ds.plan.publish(plan)
 
     # ---- hooks called by the loader and sampler (main process) ------------
-    def watch_hits(self, sampler: Any) -> None:
-        """``sampler``: its ``stats`` (planned_hits, planned_misses; new each epoch)
-        give each batch's hit fraction, sent with the batch's time to the manager,
-        which regresses batch time on it to measure the job's benefit without
-        bypass probes."""
+    def watch_hits(self, sampler: Any) -> LoaderHits:
+        """A loader's own hooks (batch_time, epoch_start): its ``sampler``'s ``stats`` give
+        each of its batches' hit fraction, sent with the batch's time to the manager, which
+        regresses batch time on it to measure the job's benefit without bypass probes. The
+        coordinator's own batch_time and epoch_start serve the last sampler watched."""
+        self._hits = LoaderHits(self.reports, sampler, self._new_epoch)
         self.reports.sampler = sampler
+        return self._hits
 
     def batch_time(self, end: float, duration: float) -> None:
-        self.reports.add(end, duration)
+        if self._hits is not None:
+            self._hits.batch_time(end, duration)
+        else:
+            self.reports.add(end, duration)
+
+    def _check_open(self) -> None:
+        if self._closed:  # the manager client is closed: its calls raised a bare ValueError
+            raise self._closed_error()
+
+    def _closed_error(self) -> DatasetClosed:
+        try:
+            self.ds.check_open()  # the dataset's own words (its digest), closed before its coordinator
+        except DatasetClosed as e:
+            return e
+        return DatasetClosed(f"the CachedDataset of job {self.ds.job} was closed: make a new one to read again")
 
     def consumed(self, batch: list[int]) -> None:
-        """Note the batch's hit fraction; count items read per chunk; a chunk read
-        to the end is released.
+        """Count items read per chunk; a chunk read to the end is released. DatasetClosed
+        once the dataset is closed (a loader made before, its workers' batches arriving late).
 
         The manager may re-chunk mid-epoch (a new DoubleBuffer: the budget or the servers
         changed, or its flags): items read are kept whatever the plan, and counted per chunk
         in the current chunking only, so counts of one chunking never stand for another's. A
         release answers the plan that listed the chunk; a later plan listing it again (a new
         buffer, or its turn again) is a new assignment, released once its items are read."""
-        self.reports.sampled()
+        self._check_open()
         plan = self.plan
         fresh = self._mark_read(batch)  # also under a full or no plan: a chunked one may follow
         if plan is None or plan.option != Option.CHUNKED:
@@ -332,7 +282,8 @@ class JobCoordinator:
             return
         self._released[c] = _listing(plan)
         try:
-            self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
+            with self._main_call():
+                self._set_plan(self.client.release_chunk(self.ds.job, self.dataset, c))
         except ManagerError as e:  # down, or it forgot the job (restarted): never break training for it
             if not isinstance(e, self._unavailable):
                 log.warning("releasing chunk %d failed (%s): trying again later", c, e)
@@ -346,7 +297,12 @@ class JobCoordinator:
             self._plan_calls.release()
 
     def epoch_start(self) -> None:
-        self.reports.epoch_start()
+        if self._hits is not None:
+            self._hits.epoch_start()  # then _new_epoch
+        else:
+            self._new_epoch()
+
+    def _new_epoch(self) -> None:
         self._consumed.clear()
         self._released.clear()
         if self._read is not None:
@@ -385,10 +341,11 @@ class JobCoordinator:
         pipeline transformed whatever the decision (autocache="transformed"). The
         report is made again whenever the job is registered again."""
         key = (dataset_tag, fingerprint)
-        with self._lock:
-            self._reported[key] = (costs, fixed)
         try:
-            d = self._report_pipeline(dataset_tag, fingerprint, costs, fixed)
+            with self._main_call():  # DatasetClosed once closed
+                with self._lock:
+                    self._reported[key] = (costs, fixed)
+                d = self._report_pipeline(dataset_tag, fingerprint, costs, fixed)
         except ManagerError as e:  # ManagerUnavailable included
             log.warning("autocache decision from the manager failed (%s): deciding alone", e)
             self._not_sent(key, (costs, fixed), e)
@@ -462,6 +419,18 @@ class JobCoordinator:
         plan = self.plan
         busy = self._mode != "normal" or (plan is not None and plan.option == Option.CHUNKED)
         return self.report_seconds if busy else self.quiet_report_seconds
+
+    @contextlib.contextmanager
+    def _main_call(self) -> Iterator[None]:
+        """A manager call of the training loop's (not the thread's): DatasetClosed once close()
+        has begun, also where close() (in another thread) closes the client under the call."""
+        self._check_open()
+        try:
+            yield
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
+            if not self._closed:
+                raise
+            raise self._closed_error() from None
 
     @contextlib.contextmanager
     def _manager_open(self) -> Iterator[None]:

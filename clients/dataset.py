@@ -238,9 +238,14 @@ class CachedDataset(_TorchDataset):
             st = self._state
             if st is not None and st.pid == os.getpid() and threading.current_thread() is self._draining:
                 return st  # the coordination thread ending its step: the state closes once it ends
+            self.check_open()
+        return per_process(self, "_state", lambda: ProcessState(self))
+
+    def check_open(self) -> None:
+        """DatasetClosed once close() ran in this process (or before this copy was pickled)."""
+        if self._closed:
             raise DatasetClosed(f"this CachedDataset (digest {self._digest_path or self.digest.root}) was "
                                 f"closed: make a new one to read again")
-        return per_process(self, "_state", lambda: ProcessState(self))
 
     # ---- ids ------------------------------------------------------------
     def ids_for(self, indices: Sequence[int]) -> list[bytes]:
@@ -541,6 +546,7 @@ class CachedDataset(_TorchDataset):
         cost_dir; scheduler="torch" runs it in DataLoader workers instead)."""
         from .loader import make_loader
 
+        self.check_open()  # a loader of a closed dataset could read nothing
         if num_workers != 0:  # workers (or preprocess workers, None) share what each checked
             self._share_checked()
         return make_loader(self, batch_size, num_workers=num_workers, seed=seed, lookahead=lookahead,

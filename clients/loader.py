@@ -52,6 +52,9 @@ class CachedLoader(DataLoader, EpochLog):
         self.handoff: Handoff | None = None  # how workers hand batches of bytes over (handoff.py)
 
     def __iter__(self) -> Iterator:
+        # A dataset closed in this process: DatasetClosed, not an epoch its persistent workers
+        # (which cannot know) would read in full, nor a raw gRPC error from a manager call
+        self.dataset.check_open()
         if self.autocache is not None:
             self.autocache.start_epoch(self.preprocess)
             if self.remote is not None:  # AutoOrder may have rekeyed the kept items
@@ -62,6 +65,7 @@ class CachedLoader(DataLoader, EpochLog):
         complete = False
         try:
             for batch, indices in self._batches():
+                self.dataset.check_open()  # closed mid-epoch: batches its workers read after close()
                 run.batch(indices)
                 yield batch
             complete = True
@@ -166,6 +170,16 @@ class CachedLoader(DataLoader, EpochLog):
         if self.remote is not None:
             self.remote.close()
             self.remote = None
+
+    def attach_coordinator(self, ds: Any, sampler: SubstitutableBatchSampler) -> None:
+        """EpochLog's, with this loader's own hooks (LoaderHits): of a job's loaders (train and
+        eval, two batch sizes) each reports its own batches' hit fractions to the manager."""
+        coord = ds.coordinator
+        if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
+            hits = coord.watch_hits(sampler)
+            self.on_batch_time.append(hits.batch_time)
+            self.on_epoch_start.append(hits.epoch_start)
+            coord.start()
 
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
