@@ -391,14 +391,13 @@ def _warn_if_inexact(state: dict[str, Any], sampler: SubstitutableBatchSampler, 
     """Resuming mid-epoch from a state saved while reading ahead (TFSource.state_dict): say
     that the items read ahead are left out, rather than lose them silently. A warning, not an
     error: after a crash, an epoch short of a few batches beats no resume."""
-    ahead = state.get("reads_ahead")
-    if ahead is None or not sampler.progress.resumed(sampler.epoch)[0]:
+    ahead, done = state.get("reads_ahead"), sampler.progress.resumed(sampler.epoch)[0]
+    if ahead is None or not done:
         return
     if not (isinstance(ahead, dict) and all(isinstance(ahead.get(k), numbers.Integral)
                                             for k in ("read_ahead", "read_parallel"))):
         raise ValueError(f"the state's 'reads_ahead' must be a dict of integers 'read_ahead' and "
                          f"'read_parallel' (as ds.mlcache.state_dict() saves it), got {ahead!r}")
-    done = sampler.progress.resumed(sampler.epoch)[0]
     warnings.warn(inexact_message("this resumed epoch was saved", done, sampler.epoch, ahead), InexactStateWarning,
                   stacklevel=stacklevel)
 
