@@ -78,6 +78,18 @@ def is_dead(handle) -> bool:
     return False
 
 
+def dies(handle, within: float = 30.0) -> bool:
+    """Does this actor die within `within` seconds? Ray's kill is asynchronous (the GCS
+    kills the actor after `ray.kill` returns), and a pool bounds its wait for the kill call
+    itself (KILL_WAIT_S): a call sent just after can still be answered."""
+    deadline = time.monotonic() + within
+    while not is_dead(handle):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def dataset(tmp_path, job, pipe, server, n=16):
     return CachedDataset(indexed_items(tmp_path / "ds", n), cache=server.address, job=job, transform=pipe)
 
@@ -121,7 +133,7 @@ def test_an_unavailable_worker_is_killed_as_it_is_replaced(head, module_server, 
         assert pool.wait([ref], 90.0) == []
         assert pool.counts.deaths == 1 and pool.counts.lost == 2 and pool.broken is None
         assert pool.size == 1 and old.wid not in pool.workers   # replaced
-        assert is_dead(old.handle)                              # and the old one stopped
+        assert dies(old.handle)                                 # and the old one stopped
         (new,) = pool.workers.values()
         assert not is_dead(new.handle)
     finally:
@@ -146,7 +158,7 @@ def test_a_broken_pool_kills_its_workers_on_a_connection_another_pool_holds(head
         with pytest.warns(RuntimeWarning, match="remote preprocessing workers lost.*passing hiccup"):
             assert a.pool.wait([ref], 60.0) == []
         assert a.pool.broken and a.pool.workers == {} and ray.is_initialized()
-        assert is_dead(wa.handle)                               # killed, not left running
+        assert dies(wa.handle)                                  # killed, not left running
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ref = b.pool.submit(0, [7, 8])
