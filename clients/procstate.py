@@ -6,6 +6,7 @@ prefetch thread (coordination.py). per_process() makes it once however many ask 
 two would each hold a ring client and thread pools, and one would never be closed."""
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import threading
@@ -21,6 +22,7 @@ from cacheserver.malloc import keep_freed_memory
 
 from . import checked
 from .coalesce import HostCoalescer
+from .daemonpool import DaemonPool
 from .readthreads import store_read_threads
 from .stats import worker_row
 
@@ -118,7 +120,8 @@ class ProcessState:
         self.core = inproc.core_for(nodes[0]) if len(nodes) == 1 else None
         self.fs, _ = fsspec.core.url_to_fs(ds.digest.root, **ds.storage_options)
         self.read_threads = store_read_threads(self.fs, ds.digest.root, ds.fetch_threads)
-        self.pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="store-fetch")
+        # daemons: a local read that never returns must not hold the exit of the process
+        self.pool = DaemonPool(self.read_threads, thread_name_prefix="store-fetch")
         # DataLoader workers already check in parallel, one process each: only the
         # main process (num_workers=0) spreads a batch's hashes over threads.
         self.hash_threads = 1 if worker_row() else HASH_THREADS
@@ -135,15 +138,25 @@ class ProcessState:
         _open.add(self)
 
     def break_reads(self) -> None:
-        """Break off the store reads in flight (at the process's exit only): an async fsspec
-        filesystem's session closed, as its own finalizer would a moment later. Others
-        (local files) have no session: their reads end by themselves."""
+        """Break off the store reads in flight (at the process's exit only). An async fsspec
+        filesystem (http, gcs, s3): its session closed, as its own finalizer would a moment
+        later, and the tasks on its event loop cancelled, as a closed session alone does not
+        end every read (s3fs opens a new one and retries, for minutes). Local reads cannot be
+        broken off: their threads are daemons (DaemonPool), which no exit waits for."""
+        if self.pid != os.getpid():
+            return
         close_session = getattr(type(self.fs), "close_session", None)
         session = getattr(self.fs, "_session", None)
-        if close_session is not None and session is not None and self.pid == os.getpid():
+        if close_session is not None and session is not None:
             try:
                 close_session(getattr(self.fs, "loop", None), session)
             except Exception:  # the exit goes on regardless
+                pass
+        loop = getattr(self.fs, "loop", None) if getattr(self.fs, "async_impl", False) else None
+        if loop is not None and loop.is_running():
+            try:
+                loop.call_soon_threadsafe(_cancel_tasks, loop)
+            except RuntimeError:  # closed meanwhile
                 pass
 
     def close(self) -> None:
@@ -155,6 +168,13 @@ class ProcessState:
             self.ring.close()
         if self.coalescer is not None:
             self.coalescer.close()
+
+
+def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """On `loop`'s own thread: cancel its tasks (the fsspec calls waited on by our threads,
+    which then raise storeread.ReadBrokenOff)."""
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
 
 
 def _coalescer(tag: str) -> HostCoalescer | None:

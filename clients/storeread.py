@@ -7,6 +7,7 @@ it, else SHA-256) when asked to, and the cache is filled from what passes.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 from collections.abc import Sequence
@@ -15,6 +16,18 @@ from typing import Any
 
 from .digest import Digest, ItemMismatch, Kind
 from .digest_paths import store_path, url_quoted
+
+
+class ReadBrokenOff(OSError):
+    """A store read cancelled under its caller: the process exits (ProcessState.break_reads)."""
+
+
+def _not_broken(data: Any, what: str) -> Any:
+    """data from an async fsspec call: None where the call's task was cancelled (fsspec's
+    sync() then returns None rather than raising)."""
+    if data is None:
+        raise ReadBrokenOff(f"the store read of {what} was broken off: the process is exiting")
+    return data
 
 
 def _item_range(digest: Digest, i: int, base: str, quoted: bool = False) -> tuple[str, int | None, int | None]:
@@ -78,7 +91,7 @@ def read_item(
     elif type(fs) is _local_fs():  # exactly it: a subclass may read differently
         data = cat_local(full, start, end)
     else:
-        data = fs.cat_file(full, start=start, end=end)
+        data = _not_broken(fs.cat_file(full, start=start, end=end), full)
     return _check_item(digest, i, data, verify, by_key)
 
 
@@ -136,8 +149,11 @@ def read_items(digest: Digest, indices: Sequence[int], fs: Any, *, verify: bool 
     want = [p for p, (_, s, e) in enumerate(ranges) if s is None or s != e]
     got = fs.cat_ranges([ranges[p][0] for p in want], [ranges[p][1] for p in want],
                         [ranges[p][2] for p in want], batch_size=max(1, concurrency), on_error="return")
+    got = _not_broken(got, f"{len(want)} items") if want else got
     out: list[bytes] = [b""] * len(indices)
     for p, data in zip(want, got):
+        if isinstance(data, asyncio.CancelledError):
+            raise ReadBrokenOff(f"the store read of {ranges[p][0]} was broken off: the process is exiting")
         if isinstance(data, BaseException):
             raise data
         out[p] = data

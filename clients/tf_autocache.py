@@ -164,6 +164,9 @@ class TransformedEpochs:
         if not self.unreported:
             return
         ac = self.ac
+        if ac.ds.coordinator is None:  # closed under the paused epoch (close() takes the coordinator)
+            ac.ds.check_open()
+            return
         self.unreported = False
         try:
             costs = self._costs(batch, out, 0)

@@ -198,6 +198,7 @@ class ManagerClient:
         self._jobs: dict[str, str] = {}  # dataset -> the job registered on it through this client
         self._tokens: dict[str, str] = {}  # job -> its token (jobtokens.py), from its registration
         self._lock = threading.Lock()
+        self.closed = False  # set by close(): its channel then answers every call with a ValueError
 
     def job_token(self, job: str) -> str | None:
         """The token this client acts as ``job`` with: the one its registration returned,
@@ -359,6 +360,7 @@ class ManagerClient:
             return self._cache.ring
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> "ManagerClient":

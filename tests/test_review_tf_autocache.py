@@ -11,6 +11,7 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (the 
 
 from cacheserver.vocab import transformed_tag  # noqa: E402
 from clients import tf_dataset  # noqa: E402
+from clients.procstate import DatasetClosed  # noqa: E402
 from clients.tf_autocache import chain_key  # noqa: E402
 from manager.manager_client import ManagerClient  # noqa: E402
 from procs import manager_with_server  # noqa: E402
@@ -76,3 +77,22 @@ def test_auto_decision_reads_count_in_no_epoch(shards, server):
         assert st.store_bytes == sum(len(r) for r in records)
     finally:
         ds.mlcache.close()
+
+
+def test_an_epoch_resumed_after_close_says_the_dataset_closed(shards, tmp_path, caplog):
+    """Fixed at transformed under a manager, the pipeline is reported after the first batch:
+    an epoch paused there (tf.data's generator) and resumed after close() went on to time
+    the chain for the report (a warning that the timing failed) before DatasetClosed."""
+    digest, _ = shards
+    with manager_with_server(str(tmp_path)) as (m, _):
+        ds = tf_dataset(digest, manager=m.address, job="job-closed", seed=1, read_batch=16, transform=chain,
+                        autocache="transformed")
+        src = ds.mlcache
+        try:
+            epoch = src.starter.start()
+            assert len([next(epoch) for _ in range(16)]) == 16   # the first batch, paused before its report
+        finally:
+            src.close()
+        with pytest.raises(DatasetClosed, match="closed"):
+            next(epoch)
+        assert "timing the chain" not in caplog.text

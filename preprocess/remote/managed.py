@@ -21,8 +21,16 @@ class ManagedPolicy:
         self.warned = False
 
     def observe(self, m: Measurement) -> Change | None:
+        """The manager's counts for this window; None (counts as they are) where they did
+        not change, the manager does not answer, or the dataset closed its client."""
+        if self.client.closed:  # the dataset closed: its pools are closing with it
+            return None
         try:
             r = self.client.scale_workers(self.job, self.policy, m, self.remote, self.local)
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed under the call
+            if not self.client.closed:
+                raise
+            return None
         except ManagerError as e:
             if not self.warned:
                 self.warned = True
