@@ -33,6 +33,7 @@ from .worker import MAIN
 from .workerctl import CpuMeter, next_workers
 
 TICK = 0.05          # longest wait for a result before checking the workers
+HELD_NAMED = 8       # of the items a dead worker held, those named in WorkerDied
 RESTARTS = 3         # workers that may die in an epoch (replaced, their items re-run) before it fails
 CONTROL_EVERY = 1.0  # seconds between worker-count decisions
 LEFT_BEHIND = ("an item an earlier epoch left behind (dropped with exactly_once=False, or its epoch's "
@@ -98,8 +99,8 @@ class EpochRun:
         self.stalls = StallWatch(plan.step_warning, plan.step_timeout,
                                  lambda j: READING if j == READ else pool.pipeline.steps[j].name,
                                  lambda i: f"{i} ({describe(i)})", self._where)
-        # worker stopped -> (item, step, seconds, whether the item was sent in this run)
-        self.timed_out: dict[int, tuple[int, int, float, bool]] = {}
+        # worker stopped -> [(item, step, seconds, whether the item was sent in this run), ...]
+        self.timed_out: dict[int, list[tuple[int, int, float, bool]]] = {}
         self.alone: set[int] = set()  # items sent in a task of their own (their read is theirs alone)
         self.solo: set[int] = set()   # items to send alone: a read of several, them among, hung
         self._next_watch = 0.0
@@ -257,38 +258,49 @@ class EpochRun:
     def _recover(self) -> None:
         """A worker that died is replaced and the items it held go back to the front
         of the queue (they were not yielded: exactly once holds). One stopped for a step
-        (or a read) over step_timeout is no death: its stuck item fails, the others run
+        (or a read) over step_timeout is no death: its stuck items fail, the others run
         again; a hung read of several items fails none: each is read again alone."""
         for wid in self.pool.dead():
             self.stalls.forget(lambda who: who[0] == wid)  # its steps ended with it: none "went on"
             lost = self.held.pop(wid, {})
-            stuck = self.timed_out.pop(wid, None)
-            stopped = stuck is not None
-            if stopped and stuck[1] == READ and stuck[3] and stuck[0] not in self.alone:
-                # which of this epoch's task's items hung is unknown: each is read alone now (an
-                # earlier epoch's read that hung says nothing of this epoch's items: reported below)
-                self.solo.update(lost)
-                stuck = None
-            # the index alone does not tell this epoch's copy of an item from one an earlier
-            # epoch left behind (exactly_once=False, or abandoned) whose step hangs while this
-            # one's waits; nor does when the step began (such an item goes on to its next
-            # steps during this epoch): the run it was sent in does
-            mine = stuck is not None and stuck[3] and stuck[0] in lost
+            stopped = wid in self.timed_out
+            stuck = self._stuck(self.timed_out.pop(wid, []), lost)
             if not stopped:
                 self.deaths.append(self._death(wid, lost))
                 if len(self.deaths) > RESTARTS:
                     raise WorkerDied(f"{len(self.deaths)} preprocessing workers died this epoch; giving up. "
                                      + "; ".join(self.deaths))
-            elif mine:  # fails below, after the others are queued again
-                self.pending -= 1
-                self.in_background -= lost.pop(stuck[0])
+            for (i, _, _, _), mine in stuck:
+                if mine:  # fails below, after the others are queued again
+                    self.pending -= 1
+                    self.in_background -= lost.pop(i)
             self.pending -= len(lost)
             self.in_background -= sum(lost.values())
             self.upcoming.extendleft(reversed(list(lost)))
             self.stats.rerun += len(lost)
             self.pool.resize(self.pool.size + 1)
-            if stuck is not None:
-                self._timed_out(wid, *stuck[:3], of_this_epoch=mine)
+            for (i, j, secs, _), mine in stuck:
+                self._timed_out(wid, i, j, secs, of_this_epoch=mine)
+
+    def _stuck(self, over: list[tuple[int, int, float, bool]],
+               lost: dict[int, bool]) -> list[tuple[tuple[int, int, float, bool], bool]]:
+        """The steps (and reads) over step_timeout a stopped worker's threads ran, each with
+        whether it fails its item (this epoch's, held): both threads may be stuck at once,
+        and an item of this epoch left to run again would only hang again, for a second
+        step_timeout. A hung read of several items of this epoch fails none: each is read
+        alone from now on (which of them hung is unknown)."""
+        out = []
+        for s in over:
+            i, j, _, this_run = s
+            if j == READ and this_run and i not in self.alone:
+                self.solo.update(lost)
+                continue
+            # the index alone does not tell this epoch's copy of an item from one an earlier
+            # epoch left behind (exactly_once=False, or abandoned) whose step hangs while this
+            # one's waits; nor does when the step began (such an item goes on to its next
+            # steps during this epoch): the run it was sent in does
+            out.append((s, this_run and i in lost))
+        return out
 
     def _watch(self) -> None:
         """Steps stuck on an item (stall.py): warned about; one over step_timeout has its
@@ -299,9 +311,9 @@ class EpochRun:
         self._next_watch = now + every(self.stalls)
         now_ns = time.monotonic_ns()  # before the slots are read (StallWatch.check)
         for ((wid, _, run), i, j, _), secs in self.stalls.check(self.pool.progress(), now_ns):
-            if wid not in self.timed_out:
-                self.timed_out[wid] = (i, j, secs, run == self.plan.run)
-                self.pool.kill(wid)
+            # every thread of the worker over the limit (both may be): each item fails once
+            self.timed_out.setdefault(wid, []).append((i, j, secs, run == self.plan.run))
+            self.pool.kill(wid)
         self.stats.stalled = self.stalls.warned
 
     def _where(self, who: tuple[int, int, int]) -> str:
@@ -329,16 +341,25 @@ class EpochRun:
         raise StepTimeout(what)
 
     def _death(self, wid: int, held: dict[int, bool]) -> str:
-        """How worker wid died, naming the items it was running (the likeliest cause: a
-        decoder's segfault, an item too large for memory) and the others it held."""
+        """How worker wid died, naming the items of this epoch it was running (the likeliest
+        cause: a decoder's segfault, an item too large for memory), an item an earlier epoch
+        left behind that it ran as such, and the others of this epoch's it held."""
         how, running = self.pool.deaths.get(wid, ("died", []))
         text = f"worker {wid} {how}"
-        if running:
-            text += ", running " + ", ".join(f"item {i} ({self.describe(i)})" for i in running)
-        rest = sorted(set(held) - set(running))
+        mine = [i for i, run in running if run == self.plan.run]
+        if mine:
+            text += ", running " + self._named(mine)
+        earlier = [i for i, run in running if run != self.plan.run]
+        if earlier:
+            text += ", and an item an earlier epoch left behind (not this epoch's): " + self._named(earlier)
+        rest = sorted(set(held) - set(mine))
         if rest:
-            text += f", holding items {rest[:8]}" + (" ..." if len(rest) > 8 else "")
+            text += ", holding " + self._named(rest[:HELD_NAMED]) + (
+                f" and {len(rest) - HELD_NAMED} more" if len(rest) > HELD_NAMED else "")
         return text
+
+    def _named(self, items: list[int]) -> str:
+        return ", ".join(f"item {i} ({self.describe(i)})" for i in items)
 
     def _take(self, n: int) -> list[tuple[int, bool]]:
         """The next task: known-slow items of the upcoming window first (to the background)."""

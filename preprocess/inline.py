@@ -65,7 +65,7 @@ class InlineRunner:
             except queue.Empty:
                 now = time.monotonic_ns()  # before the slot is read (StallWatch.check)
                 r = self.slot.read()
-                over = self.watch.check([] if r is None else [("inline", *r)], now)
+                over = self.watch.check([] if r is None else [("inline", *r[:3])], now)
                 if over:
                     self._abandon()
                     raise Overdue(*over[0]) from None

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
 from .stall import NOT_RUNNING, Running, Slot
-from .worker import BACKGROUND, MAIN, SLOTS, worker_main, worker_slot
+from .worker import BACKGROUND, MAIN, SLOTS, worker_main
 
 JOIN_SECONDS = 5.0
 DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen dead
@@ -139,7 +139,8 @@ class WorkerPool:
         self.lost: set[int] = set()      # exited, a message of theirs dropped (_decode): dead whatever it said
         self.exited_at: dict[int, float] = {}  # first seen exited with status 0, no exit message yet
         self.running: dict[int, Any] = {}  # the items each worker's two threads run (worker.py)
-        self.deaths: dict[int, tuple[str, list[int]]] = {}  # dead workers: (how, items they were running)
+        # dead workers: (how, [(item, the run it was sent in), ...] of what their threads were running)
+        self.deaths: dict[int, tuple[str, list[tuple[int, int]]]] = {}
         # CPU seconds of the scheduler's thread reading and decoding the workers' outputs,
         # and the items they carried: the hand-off as the epochs run it (clients/automeasure.py)
         self.handoff_cpu_s, self.handoff_items = 0.0, 0
@@ -275,11 +276,12 @@ class WorkerPool:
             out.append(wid)
         return out
 
-    def _items_running(self, wid: int) -> list[int]:
+    def _items_running(self, wid: int) -> list[tuple[int, int]]:
+        """(item, run) of each of worker wid's threads that runs one."""
         running = self.running.get(wid)
         if running is None:
             return []
-        return [i for i in (Slot(running, k).current() for k in (MAIN, BACKGROUND)) if i != NOT_RUNNING]
+        return [r for r in (Slot(running, k).current() for k in (MAIN, BACKGROUND)) if r[0] != NOT_RUNNING]
 
     @_while_open
     def progress(self) -> list[Running]:
@@ -289,7 +291,7 @@ class WorkerPool:
         out = []
         for wid, running in self.running.items():
             for k in (MAIN, BACKGROUND):
-                r = worker_slot(running, k).read_run()
+                r = Slot(running, k).read()
                 if r is not None:
                     out.append(((wid, k, r[3]), *r[:3]))
         return out
@@ -310,7 +312,7 @@ class WorkerPool:
     def death(self, wid: int) -> str:
         """How worker wid died and the items it was running then (dead() has returned it)."""
         how, running = self.deaths.get(wid, ("is not known to have died", []))
-        return f"worker {wid} {how}" + (f", running items {running}" if running else "")
+        return f"worker {wid} {how}" + (f", running items {[i for i, _ in running]}" if running else "")
 
     def _gone(self, wid: int, p: Any) -> bool:
         """Is worker wid dead without having said goodbye? An exit message read marks

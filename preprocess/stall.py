@@ -27,7 +27,11 @@ STEP_WARNING_S = 60.0  # default: seconds in one step on one item before the fir
 NOT_RUNNING = -1
 READ = -2  # in a slot's step field: the item's read (the cache, the store), not a step of the pipeline
 READING = "reading it (the cache, the store)"
-FIELDS = 3  # per thread: item, step (written position), when that step started (time.monotonic_ns)
+# per thread: item, step (written position), when that step started (time.monotonic_ns), and the
+# run the item was sent in (engine.EpochPlan.run; NOT_RUNNING where none is kept: steps run in this
+# process): an item an earlier epoch left behind is told from this epoch's copy by that number,
+# never by when its step began
+FIELDS = 4
 
 _bound = threading.local()
 
@@ -58,24 +62,20 @@ def due(next_at: dict[Any, float], key: Any, secs: float, warn_s: float) -> bool
 
 
 class Slot:
-    """One thread's running item and step, in `array` (a list, or shared memory read by
-    the scheduler) at fields k*FIELDS..: what the watcher reads. `by_context`: the item
-    is named by the ItemContext its step runs with (sample items before the first epoch,
-    whose indices the steps' callers do not pass on), not by item()."""
+    """One thread's running item, step and the item's run, in `array` (a list, or shared
+    memory read by the scheduler) at fields k*FIELDS..: what the watcher reads. `by_context`:
+    the item is named by the ItemContext its step runs with (sample items before the first
+    epoch, whose indices the steps' callers do not pass on), not by item()."""
 
-    def __init__(self, array: Any, k: int = 0, by_context: bool = False, run_at: int | None = None) -> None:
+    def __init__(self, array: Any, k: int = 0, by_context: bool = False) -> None:
         self.a, self.base, self.by_context = array, k * FIELDS, by_context
-        # where in `array` the run the item was sent in is kept (engine.EpochPlan.run; a worker's
-        # slots): an item an earlier epoch left behind is told from this epoch's copy of it by that
-        # number, never by when its step began. None: no run (NOT_RUNNING is read)
-        self.run_at = run_at
 
     def item(self, i: int, run: int = NOT_RUNNING) -> None:
-        """Item i (sent in `run`, kept where the slot has room for it) is this thread's from now on."""
-        self.a[self.base + 1] = NOT_RUNNING  # first: no reader pairs the step running with the new item
-        if self.run_at is not None:
-            self.a[self.run_at] = run
-        self.a[self.base] = i
+        """Item i (sent in `run`) is this thread's from now on."""
+        b = self.base
+        self.a[b + 1] = NOT_RUNNING  # first: no reader pairs the step running with the new item
+        self.a[b + 3] = run
+        self.a[b] = i
 
     def at(self, j: int, ctx: Any = None) -> None:
         b = self.base
@@ -91,24 +91,20 @@ class Slot:
         self.out()
         self.a[self.base] = NOT_RUNNING
 
-    def current(self) -> int:
-        return self.a[self.base]
+    def current(self) -> tuple[int, int]:
+        """(item, its run): NOT_RUNNING for the item between items (the run is then stale)."""
+        return self.a[self.base], self.a[self.base + 3]
 
     def step(self) -> int:
         """The step running now (written position), or NOT_RUNNING (or READ)."""
         return self.a[self.base + 1]
 
-    def read(self) -> tuple[int, int, int] | None:
-        """(item, step, started) while a step runs; None between steps."""
-        r = self.read_run()
-        return None if r is None else r[:3]
-
-    def read_run(self) -> tuple[int, int, int, int] | None:
-        """(item, step, started, run) while a step runs; read twice, so a value torn by a
-        write in between is never returned (None then: the next look sees it)."""
-        b, a, r = self.base, self.a, self.run_at
-        first = (a[b], a[b + 1], a[b + 2], NOT_RUNNING if r is None else a[r])
-        if first != (a[b], a[b + 1], a[b + 2], NOT_RUNNING if r is None else a[r]) or NOT_RUNNING in first[:2]:
+    def read(self) -> tuple[int, int, int, int] | None:
+        """(item, step, started, run) while a step runs; None between steps. Read twice, so a
+        value torn by a write in between is never returned (None then: the next look sees it)."""
+        b, a = self.base, self.a
+        first: Any = tuple(a[b:b + FIELDS])
+        if first != tuple(a[b:b + FIELDS]) or NOT_RUNNING in first[:2]:
             return None
         return first
 
@@ -216,7 +212,7 @@ class Watchdog:
         for who, slot in self.slots.items():
             r = slot.read()
             if r is not None:
-                out.append((who, *r))
+                out.append((who, *r[:3]))
         return out
 
     def _run(self) -> None:

@@ -42,12 +42,7 @@ EXIT_WAIT_S = 60.0  # at most, after the last message, for the scheduler to take
 PARENT_CHECK_S = 1.0  # an idle worker checks this often that the scheduler's process still lives
 NO_TARGET = object()  # the item is not a (sample, target) pair
 MAIN, BACKGROUND = 0, 1  # the `running` slots
-SLOTS = 2 * FIELDS + 2  # the size of `running`: the two threads' slots, then the run of each one's item
-
-
-def worker_slot(running: Any, k: int) -> Slot:
-    """Thread k's slot (MAIN, BACKGROUND) in a worker's `running`, with the run of its item."""
-    return Slot(running, k, run_at=2 * FIELDS + k)
+SLOTS = 2 * FIELDS  # the size of `running`: the two threads' slots
 
 # task (on this worker's own queue): ("task", run, epoch, order, timeout seconds or None,
 # [(index, to_background), ...]); None: stop
@@ -60,7 +55,7 @@ def worker_main(wid: int, n_workers: int, ds: Any, pipeline: Pipeline, job_seed:
     running: the two slots of the items in flight (shared memory; None: not kept)."""
     out = ChannelWriter(results)
     running = [NOT_RUNNING] * SLOTS if running is None else running
-    slot = worker_slot(running, MAIN)
+    slot = Slot(running, MAIN)
     bind(slot)  # the steps this thread runs mark their progress in it (Pipeline.call_step)
     _set_worker_info(wid, n_workers, job_seed, ds)
     feed = PlainFeed(ds) if feed is None else feed
@@ -180,7 +175,7 @@ def _send_error(out: Any, run: int, wid: int, i: int, j: int, name: str, error: 
 
 def _background(wid: int, bgq: queue.Queue, out: Any, feed: Any, running: Any) -> None:
     """Items over their time, each run on in the pipeline (the order) it started with."""
-    slot = worker_slot(running, BACKGROUND)
+    slot = Slot(running, BACKGROUND)
     bind(slot)
     while True:
         entry = bgq.get()

@@ -137,3 +137,60 @@ class SleepOnce:
             open(self.marker, "w").close()
             time.sleep(self.secs)
         return i
+
+
+class KillWhile:
+    """Kills its own worker process (SIGKILL) on any item while a marker file exists: workers
+    that die only once the test says so (in a later epoch, say)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __call__(self, i):
+        if in_worker() and os.path.exists(self.marker):
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class SleepOutsideWorkers:
+    """Sleeps `secs` on every item outside the pool's workers: the sample profiled in the
+    loader's process then sets a first slow-item timeout of about `secs`, so items fast in
+    the workers stay in their main thread however loaded the machine is."""
+
+    def __init__(self, secs):
+        self.secs = secs
+
+    def __call__(self, i):
+        if not in_worker():
+            time.sleep(self.secs)
+        return i
+
+
+def _unpickled_slowly(i, secs):
+    time.sleep(secs)
+    return i
+
+
+class SlowToUnpickle(int):
+    """An int whose unpickling takes `secs`: in the loader's process it holds up the thread
+    reading the workers' results (as a large output, or the GIL held elsewhere, would). It
+    unpickles to a plain int."""
+
+    def __new__(cls, i, secs):
+        obj = super().__new__(cls, i)
+        obj.secs = secs
+        return obj
+
+    def __reduce__(self):
+        return (_unpickled_slowly, (int(self), self.secs))
+
+
+class HoldUpLoaderOn:
+    """In the pool's workers, item `item`'s output is a SlowToUnpickle(secs)."""
+
+    def __init__(self, item, secs):
+        self.item, self.secs = item, secs
+
+    def __call__(self, i):
+        return SlowToUnpickle(i, self.secs) if i == self.item and in_worker() else i

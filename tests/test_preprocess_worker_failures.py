@@ -202,7 +202,7 @@ def test_a_dead_workers_cause_and_item_are_named(tmp_path, how, cause):
         while not dead and time.monotonic() < deadline:
             got += pool.receive(0.1)
             dead = pool.dead()
-        assert dead == [0] and pool.deaths[0][0].startswith(cause) and pool.deaths[0][1] == [5]
+        assert dead == [0] and pool.deaths[0][0].startswith(cause) and pool.deaths[0][1] == [(5, 7)]  # (item, run)
         text = pool.death(0)
         assert text.startswith(f"worker 0 {cause}") and text.endswith(", running items [5]"), text
     finally:

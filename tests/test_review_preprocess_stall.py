@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from clients.dataset import CachedDataset  # noqa: E402
 from preprocess import Pipeline, StepTimeout  # noqa: E402
-from preprocess.stall import Slot, StallWatch, local_slot  # noqa: E402
+from preprocess.stall import FIELDS, NOT_RUNNING, Slot, StallWatch, local_slot  # noqa: E402
+from preprocess.worker import BACKGROUND, MAIN, SLOTS  # noqa: E402
 from preprocess_steps import HangOn, SleepOn, index_of  # noqa: E402
 from procs import pid_alive  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
@@ -80,14 +81,28 @@ def test_slots_read_none_between_steps_and_items():
     slot.item(4)
     assert slot.read() is None         # an item between steps is not stuck in one
     slot.at(1)
-    item, step, since = slot.read()
-    assert (item, step) == (4, 1) and abs(since - time.monotonic_ns()) < 1e9
+    item, step, since, run = slot.read()
+    assert (item, step, run) == (4, 1, NOT_RUNNING) and abs(since - time.monotonic_ns()) < 1e9
     slot.out()
     assert slot.read() is None
-    shared = [-1] * 6
-    Slot(shared, 1).item(9)
-    Slot(shared, 1).at(0)
-    assert Slot(shared, 0).read() is None and Slot(shared, 1).read()[:2] == (9, 0)
+
+
+def test_a_workers_slots_keep_each_threads_run_in_its_own_fields():
+    """A worker's `running`: one layout, FIELDS per thread, the run of its item among them.
+    Before: the runs were kept in two entries after both slots (Slot(run_at=), read_run())."""
+    shared = [NOT_RUNNING] * SLOTS
+    assert SLOTS == 2 * FIELDS
+    main, bg = Slot(shared, MAIN), Slot(shared, BACKGROUND)
+    bg.item(9, run=3)
+    bg.at(0)
+    assert main.read() is None and bg.read()[:2] == (9, 0) and bg.read()[3] == 3
+    main.item(5, run=4)
+    main.at(2)
+    assert main.read()[:2] == (5, 2) and main.read()[3] == 4 and bg.read()[3] == 3
+    assert shared[BACKGROUND * FIELDS:] == list(bg.read())  # the background thread's fields, all of them
+    assert main.current() == (5, 4) and bg.current() == (9, 3)
+    main.idle()
+    assert main.read() is None and main.current()[0] == NOT_RUNNING and bg.read()[3] == 3
 
 
 @pytest.mark.parametrize("kw", [dict(step_warning=0), dict(step_warning=-1), dict(step_timeout="5"),
