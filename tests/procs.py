@@ -199,8 +199,10 @@ def sigstop(pid: int, timeout: float = 10.0) -> None:
     wait_until(stopped, f"process {pid} stopped", timeout)
 
 
-def wait_until(cond: Callable[[], object], what: str, timeout: float = 8.0) -> object:
-    """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s."""
+def wait_until(cond: Callable[[], object], what: str, timeout: float = 30.0) -> object:
+    """cond()'s first truthy value, polled every 50 ms; AssertionError naming `what` after `timeout` s.
+    The default bounds things that do happen, if late on a loaded machine (CI: 2 test workers on 2
+    cores); a test that asserts how soon one happens passes its own timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()

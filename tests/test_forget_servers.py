@@ -182,7 +182,7 @@ def test_a_forgotten_server_back_with_its_data_dir_loses_the_dataset_re_planned_
             wait_ring(m.address, 1)
             wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
             plan = mc.get_plan(A, "j1")
-            wait_until(lambda: sc.stats().active_chunks.get(A) == plan.active, "then the current plan", 8)
+            wait_until(lambda: sc.stats().active_chunks.get(A) == plan.active, "then the current plan", 20)
             assert [x.alive for x in mc.status().servers] == [True]
     finally:
         s.kill()

@@ -80,7 +80,7 @@ def test_a_replaced_value_reaches_a_follower_that_never_misses(tmp_path):
             assert a.transport == "local"
             b.put([(k, new)], replace=True)
             # served inline until flushed (QUIET_S), then from the follower: the new value
-            wait_until(lambda: follower_has(new), "the follower sees the replaced value", timeout=6)
+            wait_until(lambda: follower_has(new), "the follower sees the replaced value", timeout=20)
             assert bytes(a.get([k])[0]) == new
     finally:
         assert s.stop() == 0

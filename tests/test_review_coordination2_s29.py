@@ -100,7 +100,7 @@ def test_a_chunk_released_under_the_old_chunking_is_released_again_under_the_new
     coord = ds.coordinator
     old0 = _members(0, 10)
     coord.consumed(sorted(old0))
-    wait_until(lambda: 0 not in _manager_chunks(ds), "chunk 0 released under k=10", 5)
+    wait_until(lambda: 0 not in _manager_chunks(ds), "chunk 0 released under k=10", 20)
     restart("--budget", "500kB", "--chunk-size", "50kB", until=lambda p: p.k == 20 and p.chunks == (0,))
     coord.consumed(sorted(_members(0, 20) - old0))  # new chunk 0 is now read to its end
     assert 0 not in coord.plan.chunks
@@ -114,7 +114,7 @@ def test_a_chunk_released_before_a_new_buffer_of_the_same_chunking_is_released_a
     ds, restart = rechunk
     coord = ds.coordinator
     coord.consumed(sorted(_members(0, 10)))
-    wait_until(lambda: 0 not in _manager_chunks(ds), "chunk 0 released", 5)
+    wait_until(lambda: 0 not in _manager_chunks(ds), "chunk 0 released", 20)
     restart("--budget", "150kB", "--chunk-size", "100kB", until=lambda p: p.option == "none")
     restart("--budget", "500kB", "--chunk-size", "100kB",
             until=lambda p: p.option == "chunked" and p.chunks == (0,))

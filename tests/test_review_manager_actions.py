@@ -135,7 +135,7 @@ def test_a_dataset_forgotten_while_its_server_was_away_does_not_stay_pinned_ther
             finally:
                 os.kill(s.pid, signal.SIGCONT)
             wait_until(lambda: len(mc.get_ring().addresses) == 1, "the server back in the ring", 15.0)
-            wait_until(lambda: ds not in sc.stats().active_chunks, "the forgotten dataset's chunk unpinned", 8.0)
+            wait_until(lambda: ds not in sc.stats().active_chunks, "the forgotten dataset's chunk unpinned", 20.0)
             assert sc.lookup(keys) == b"\0" * 10
     finally:
         s.kill()

@@ -159,7 +159,7 @@ def test_a_restarted_cache_server_gets_the_plan_at_once(tmp_path):
         shutil.rmtree(data)
         s = cacheserver(data, "64MB", port, "--manager", m.address, "--data-listen", "127.0.0.1:0").start()
         with ServerClient(s.address, use_dataplane=False) as sc:
-            st = wait_until(lambda: (st := sc.stats()).job_modes and st.active_chunks and st, "the plan again", 6.0)
+            st = wait_until(lambda: (st := sc.stats()).job_modes and st.active_chunks and st, "the plan again", 20.0)
             assert dict(st.job_modes) == {"j1": 1} and dict(st.active_chunks) == {A: 0}
     finally:
         s.kill()

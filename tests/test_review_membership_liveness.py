@@ -57,7 +57,7 @@ def test_a_pod_restarted_on_a_new_data_dir_at_the_same_address_is_one_server(tmp
             assert [(s.server_id, s.address, s.alive) for s in status.servers] == [
                 (new[0].server_id, first.address, True)]
             assert status.budget == new[0].capacity == 32_000_000  # not 64 MB + 32 MB
-            wait_until(lambda: d.liveness.server(old_id) is None, "the first server's heartbeat entry dropped", 5)
+            wait_until(lambda: d.liveness.server(old_id) is None, "the first server's heartbeat entry dropped", 20)
             assert d.liveness.server(new[0].server_id) is not None
     finally:
         first.kill()

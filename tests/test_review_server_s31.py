@@ -28,6 +28,7 @@ from cacheserver.diskbudget import BLOB_MIN
 from cacheserver.eviction import LRUPolicy
 from cacheserver.server import CacheServer, ServerConfig
 from cacheserver.store import OVERHEAD, Store
+from procs import wait_until
 from test_review_store2_s29 import every_record_counted
 from test_review_store_s29 import level0_files
 from test_review_write_stop import GO, STOP
@@ -111,15 +112,13 @@ def test_an_eviction_s_deletes_left_by_a_stop_go_by_the_flusher_alone(tmp_path):
         keys = [os.urandom(32) for _ in range(3)]
         assert s.put_many([(k, os.urandom(SMALL)) for k in keys], ("ds", 0)) == (3, 0, 0)
         level0_files(s, 4)
-        time.sleep(1.0)  # the flusher has flushed what was put: nothing is dirty
+        wait_until(lambda: s._dirty_state()[0] is None, "nothing dirty (all put was flushed)")
         s._db.set_options(STOP)
         s.evict_tags(lambda t: t == ("ds", 0))
         assert set(s._stranded) == set(keys)
         s._db.set_options(GO)
-        deadline = time.monotonic() + 5
-        while s._stranded and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not s._stranded and gone_from_disk(s, keys)
+        wait_until(lambda: not s._stranded, "the flusher's delete of what the stop left")  # ticks every 0.1 s
+        assert gone_from_disk(s, keys)
     finally:
         s.close()
 

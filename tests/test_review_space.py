@@ -114,19 +114,50 @@ def test_a_write_stop_nothing_ends_fails_the_put_clearly_and_lets_go_after(tmp_p
 # (ballast fills it, compactions run, the one at the stop fails for lack of room, then room
 # for a flush or small puts, not for that compaction, is freed). Returns the ballast's path.
 FULL_DISK = textwrap.dedent("""
+    import errno
+
     def free():
         st = os.statvfs(top)
         return st.f_bavail * st.f_frsize
 
+    def settled(views, timeout=30):
+        # RocksDB's own flushes and compactions of the column families that compact by themselves
+        # (the store's flushes leave some due) done first: one that wrote meanwhile took the margin
+        # below, and the ballast's write failed (ENOSPC), not the compaction
+        deadline = time.monotonic() + timeout
+        running = ("rocksdb.num-running-flushes", "rocksdb.num-running-compactions")  # of every family
+
+        def busy():
+            return (any(views[0].property_int_value(p) for p in running)
+                    or any(v.property_int_value("rocksdb.compaction-pending") for v in views[1:]))
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def fill(ballast, leave):
+        # in steps, each to what is free then: a file that something else (RocksDB's info log,
+        # a compaction) grew meanwhile leaves less; a step that no longer fits is the disk full
+        with open(ballast, "ab", buffering=0) as f:
+            while free() > leave + (64 << 10):
+                try:
+                    f.write(b"\\0" * min(free() - leave, 8 << 20))
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+
     def fail_a_compaction(db):
         ballast = os.path.join(top, "ballast")
-        with open(ballast, "wb") as f:
-            f.write(b"\\0" * (free() - (1 << 20)))
-        db.set_options({"disable_auto_compactions": "false"})
+        settled((db, s._meta, s._server, s._large))
+        fill(ballast, 1 << 20)
+        try:
+            db.set_options({"disable_auto_compactions": "false"})
+        except Exception as e:  # set, but its OPTIONS file not written for lack of room (the point here)
+            if "Unable to persist options" not in str(e):
+                raise
         deadline = time.monotonic() + 20
         while not db.property_int_value("rocksdb.background-errors") and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.truncate(ballast, os.path.getsize(ballast) - (3 << 20))
+        os.truncate(ballast, max(0, os.path.getsize(ballast) - (3 << 20)))
         return ballast
 """)
 

@@ -70,7 +70,11 @@ FIRST_STEP_STOPS = COMMON + FULL_DISK + textwrap.dedent("""
         real = getattr(s, step)
 
     def stop_begins(*args):
-        fail_a_compaction(db)
+        try:
+            fail_a_compaction(db)
+        except Exception as e:  # said: else the note below is just missing
+            note(stop_error=f"{type(e).__name__}: {e}")
+            raise
         note(errors=db.property_int_value("rocksdb.background-errors"),
              stopped_in_step=db.property_int_value("rocksdb.is-write-stopped"))
         real(*args)
@@ -97,7 +101,7 @@ FIRST_STEP_STOPS = COMMON + FULL_DISK + textwrap.dedent("""
 def test_a_flush_whose_first_step_met_a_stop_nothing_ends_does_not_wait_for_it(small_fs, step, caller):
     r = run_script(FIRST_STEP_STOPS, str(small_fs), step, caller, timeout=150)
     assert r["stopped"] == 0 and (r["stranded"] if step == "_drop_stranded" else r["owed"]), r
-    assert r["errors"] >= 1 and r["stopped_in_step"] == 1, r  # the compaction did fail for lack of room
+    assert r.get("errors", 0) >= 1 and r.get("stopped_in_step") == 1, r  # the compaction did fail for lack of room
     if caller == "flush":
         assert r["flush"] is not None and r["flush"][0] < 10 and r["flush"][1] is False, r
         assert r["flush_ended"], r
@@ -110,7 +114,7 @@ def test_a_close_ends_a_flush_rocksdb_holds_for_a_stop_nothing_ends(small_fs):
     room meanwhile). Close gives that flush up and cancels RocksDB's work: RocksDB's cancel flushed
     the unlogged values first, a flush it held for the stop too, and the close hung there."""
     r = run_script(FIRST_STEP_STOPS, str(small_fs), "before_flush", "flush", timeout=150)
-    assert r["errors"] >= 1 and r["stopped_in_step"] == 1, r
+    assert r.get("errors", 0) >= 1 and r.get("stopped_in_step") == 1, r
     assert r["flush"] is None, r  # held by RocksDB: what the close has to end
     assert r["close"] is not None and r["close"][0] < 15 and r["close"][1] is None, r
     assert r["flush_ended"], r
