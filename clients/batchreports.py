@@ -3,6 +3,9 @@ batch's time and its hit fraction (the sampler's planned hits, for the manager's
 batch time on it), queued by the training loop and taken in numbered reports by the
 coordination thread. Each loader of the job pairs its own batches with its own sampler's hit
 fractions (LoaderHits): a job's train and eval loaders (or two batch sizes) each report theirs.
+A batch's time is the interval since the job's last batch handed over, whichever loader's: a
+train batch taken after an eval epoch run inside the train epoch is one step, not the eval
+epoch's length (one loader alone: the interval since its own last batch, as before).
 
 A report whose call failed is put back and sent again, whole, under its number: the manager
 applies a number once, so a reply lost after it applied the report (a deadline, a kill -9)
@@ -13,11 +16,13 @@ meet again (REFUSED) drop its batches.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import grpc
 
@@ -33,10 +38,16 @@ REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
 class LoaderHits:
     """One loader's side of the reports: the hit fraction of each batch its sampler issues
     (`sampled`, from the sampler's batch hook, maybe ahead of the training loop: DataLoader
-    workers prefetch), handed in order to the batches the loader hands over (`batch_time`)."""
+    workers prefetch), handed in order to the batches the loader hands over (`batch_time`).
+    `scope`: what the sampler's own hooks (on_batch, on_epoch) run under (the coordinator's
+    chunk accounting of this loader); `on_end`: called at each of the loader's epoch ends."""
 
-    def __init__(self, reports: "BatchReports", sampler: Any, on_epoch: Callable[[], None] | None = None) -> None:
-        self.reports, self.sampler, self._on_epoch = reports, sampler, on_epoch
+    def __init__(self, reports: "BatchReports", sampler: Any, on_epoch: Callable[[], None] | None = None,
+                 scope: Callable[[], ContextManager[Any]] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
+        self.reports, self.sampler, self._on_epoch, self._on_end = reports, sampler, on_epoch, on_end
+        scope = scope or contextlib.nullcontext
+        self._token = object()  # names this loader in reports.last_handed (without holding it)
         self._ratios: deque = deque(maxlen=QUEUED_MAX)  # per sampled batch, not yet handed over
         self._stats: Any = None  # the sampler's `stats` last seen (planned_hits, planned_misses; new each epoch)
         self._seen = (0, 0)
@@ -45,8 +56,15 @@ class LoaderHits:
         def on_batch(batch: list[int]) -> None:
             self.sampled()
             if inner is not None:
-                inner(batch)
+                with scope():
+                    inner(batch)
         sampler.on_batch = on_batch
+        inner_epoch = getattr(sampler, "on_epoch", None)
+        if inner_epoch is not None:
+            def on_epoch_items(items: Any) -> None:
+                with scope():
+                    inner_epoch(items)
+            sampler.on_epoch = on_epoch_items
 
     def sampled(self) -> None:
         """A batch was sampled: note its hit fraction (the sampler's counts since the last)."""
@@ -64,7 +82,17 @@ class LoaderHits:
         if self._on_epoch is not None:
             self._on_epoch()
 
+    def epoch_end(self, *_: Any) -> None:
+        """The loader's epoch ended (or stopped early); takes the EpochStats of EpochLog's hook."""
+        if self._on_end is not None:
+            self._on_end()
+
     def batch_time(self, end: float, duration: float) -> None:
+        now = time.perf_counter()
+        last = self.reports.last_handed
+        if last is not None and last[0] is not self._token:  # another loader's batches came in between
+            duration = min(duration, now - last[1])
+        self.reports.last_handed = (self._token, now)
         # Batches are handed over in the order they were sampled: the oldest
         # sampled batch's hit fraction belongs to this one.
         self.reports.add(end, duration, self._ratios.popleft() if self._ratios else None)
@@ -81,6 +109,8 @@ class BatchReports:
         self._stream, self._seq, self._again = new_report_stream(), 0, None
         self.numbered = False  # a reply showed that the manager applies a report's number once
         self.sampler: Any = None  # the last loader's sampler: the one the coordinator's own hooks pair with
+        # (LoaderHits' token, time.perf_counter()) of the job's last batch handed over, whichever loader's
+        self.last_handed: tuple[object, float] | None = None
 
     def add(self, end: float, duration: float, hit: float | None = None) -> None:
         with self._lock:

@@ -9,8 +9,9 @@
   on a report, and each one costs the manager a journaled event;
 - keeps the chunk plan current and publishes it to DataLoader workers through
   shared memory (`SharedPlan`): which items may be inserted, under which chunk;
-- releases a chunk once this job has consumed those of its items it reads this
-  epoch (all of them; a DDP rank's share; what a resumed epoch has left), and
+- releases a chunk once every loader of the job with an epoch in progress has consumed
+  those of its items it reads this epoch (all of them; a DDP rank's share; what a resumed
+  epoch has left): each loader's epoch stream counts its own reads (chunkreads.py), and
   reports how much of the loading chunk is cached (a sampled Lookup);
 - prefetches missing items of the loading chunk at a capped rate (servers
   cannot read stores or decrypt, so loading is the clients' work).
@@ -27,12 +28,11 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import grpc
-import numpy as np
 
 from cacheserver.vocab import Option
 from manager import jobtokens
@@ -40,6 +40,7 @@ from manager.manager_client import ManagerClient, ManagerError, ManagerUnavailab
 from manager.policy.autocache import Decision, PipelineCosts
 
 from .batchreports import QUEUED_MAX, REPORT_MAX, BatchReports, LoaderHits
+from .chunkreads import ChunkReads
 from .jobtokenfile import JobTokenFile
 from .procstate import DatasetClosed
 from .sharedplan import MAX_CHUNKS, SPARE, SharedPlan
@@ -99,14 +100,16 @@ class JobCoordinator:
         self.prefetch_bandwidth = prefetch_bandwidth
         self.reports = BatchReports()  # batch times for the manager (clients/batchreports.py)
         self._hits: LoaderHits | None = None  # the last loader's (watch_hits)
-        self._read: np.ndarray | None = None  # items consumed this epoch (see consumed())
-        self._consumed: Counter = Counter()  # chunk -> of its items in _read, in chunking _counted_as
-        self._counted_as: tuple[int, int] | None = None  # (n_items, k)
+        # Each loader's epoch stream (watch_hits), held weakly: a loader dropped holds no chunk.
+        # The coordinator's own hooks, called outside any loader's, serve the last loader's
+        # stream, else _own (a job driving the coordinator itself).
+        self._streams: weakref.WeakSet[ChunkReads] = weakref.WeakSet()
+        self._own = ChunkReads(len(ds.digest))
+        self._last: ChunkReads | None = None
+        self._local = threading.local()  # .reads: the stream whose sampler hook runs in this thread
         self._released: dict[int, tuple[int, int, int]] = {}  # chunk -> _listing() it was released under
         self._release_after = 0.0  # no release is tried before this (monotonic) while the manager fails
         self._release_backoff = RELEASE_BACKOFF_S
-        self._expected: np.ndarray | None = None  # items this epoch reads (None: all)
-        self._chunk_reads: dict[tuple[int, int, int], int] = {}  # (n, k, chunk) -> of them in it
         self._stop = threading.Event()
         self._lock = threading.Lock()
         # Held by the thread across its manager calls; close() takes it to set _closed: a step
@@ -203,13 +206,36 @@ class JobCoordinator:
 
     # ---- hooks called by the loader and sampler (main process) ------------
     def watch_hits(self, sampler: Any) -> LoaderHits:
-        """A loader's own hooks (batch_time, epoch_start): its ``sampler``'s ``stats`` give
-        each of its batches' hit fraction, sent with the batch's time to the manager, which
-        regresses batch time on it to measure the job's benefit without bypass probes. The
-        coordinator's own batch_time and epoch_start serve the last sampler watched."""
-        self._hits = LoaderHits(self.reports, sampler, self._new_epoch)
+        """A loader's own hooks (batch_time, epoch_start, epoch_end): its ``sampler``'s ``stats``
+        give each of its batches' hit fraction, sent with the batch's time to the manager, which
+        regresses batch time on it to measure the job's benefit without bypass probes; its
+        sampler's epochs are a stream of their own in the chunk accounting (consumed()). The
+        coordinator's own batch_time, epoch_start and hooks serve the last sampler watched."""
+        reads = ChunkReads(len(self.ds.digest))
+        with self._lock:  # not while another thread's sampler hook walks the streams
+            self._streams.add(reads)
+        self._last = reads
+        self._hits = LoaderHits(self.reports, sampler, lambda: self._new_epoch(reads),
+                                scope=lambda: self._reading(reads), on_end=reads.end)
         self.reports.sampler = sampler
         return self._hits
+
+    @contextlib.contextmanager
+    def _reading(self, reads: ChunkReads) -> Iterator[None]:
+        """The sampler hooks (consumed, expect) called under this count in `reads`."""
+        before, self._local.reads = getattr(self._local, "reads", None), reads
+        try:
+            yield
+        finally:
+            self._local.reads = before
+
+    def _current(self) -> ChunkReads:
+        return getattr(self._local, "reads", None) or self._last or self._own
+
+    @property
+    def _consumed(self) -> Any:
+        """The calling loader's items read per chunk (chunkreads.py), as the coordinator counted them itself."""
+        return self._current()._consumed
 
     def batch_time(self, end: float, duration: float) -> None:
         if self._hits is not None:
@@ -229,8 +255,11 @@ class JobCoordinator:
         return DatasetClosed(f"the CachedDataset of job {self.ds.job} was closed: make a new one to read again")
 
     def consumed(self, batch: list[int]) -> None:
-        """Count items read per chunk; a chunk read to the end is released. DatasetClosed
-        once the dataset is closed (a loader made before, its workers' batches arriving late).
+        """Count items read per chunk, in the stream of the loader whose sampler issued the
+        batch; a chunk is released once every loader with an epoch in progress has read its
+        items of it (this loader included; one with none to read there does not hold it).
+        DatasetClosed once the dataset is closed (a loader made before, its workers' batches
+        arriving late).
 
         The manager may re-chunk mid-epoch (a new DoubleBuffer: the budget or the servers
         changed, or its flags): items read are kept whatever the plan, and counted per chunk
@@ -239,34 +268,17 @@ class JobCoordinator:
         buffer, or its turn again) is a new assignment, released once its items are read."""
         self._check_open()
         plan = self.plan
-        fresh = self._mark_read(batch)  # also under a full or no plan: a chunked one may follow
-        if plan is None or plan.option != Option.CHUNKED:
+        reads = self._current()
+        chunked = plan is not None and plan.option == Option.CHUNKED
+        reads.mark(batch, plan, chunked)  # also under a full or no plan: a chunked one may follow
+        if not chunked:
             return
-        if self._counted_as != (plan.n_items, plan.k):  # re-chunked: counts of the old chunking mean nothing
-            self._consumed.clear()
-            self._counted_as = (plan.n_items, plan.k)
-        for i in fresh:
-            c = plan.chunk_of(int(i))
-            if c in self._consumed:  # else counted from _read when first needed
-                self._consumed[c] += 1
+        with self._lock:
+            others = [s for s in self._streams if s.active and s is not reads]
         for c in plan.chunks:
-            if c not in self._consumed:
-                self._consumed[c] = self._count_read(plan, c)
-            if self._released.get(c) != _listing(plan) and self._consumed[c] >= self._to_read(plan, c):
+            if (self._released.get(c) != _listing(plan) and reads.done(plan, c)
+                    and all(s.done(plan, c) for s in others)):
                 self._release(c, plan)
-
-    def _mark_read(self, batch: Sequence[int]) -> np.ndarray:
-        """Mark the batch's items read this epoch; returns those not read before."""
-        if self._read is None:
-            self._read = np.zeros(len(self.ds.digest), bool)
-        idx = np.unique(np.asarray(batch, np.int64))
-        fresh = idx[~self._read[idx]]
-        self._read[fresh] = True
-        return fresh
-
-    def _count_read(self, plan: Plan, c: int) -> int:
-        read = self._read
-        return 0 if read is None else sum(int(read[r.start:r.stop].sum()) for r in plan.members(c))
 
     def _release(self, c: int, plan: Plan) -> None:
         """Release a chunk read to the end. The call runs in the training loop's thread, so
@@ -300,32 +312,22 @@ class JobCoordinator:
         if self._hits is not None:
             self._hits.epoch_start()  # then _new_epoch
         else:
-            self._new_epoch()
+            self._new_epoch(self._own)
 
-    def _new_epoch(self) -> None:
-        self._consumed.clear()
-        self._released.clear()
-        if self._read is not None:
-            self._read[:] = False
+    def _new_epoch(self, reads: ChunkReads) -> None:
+        """A stream's epoch starts. Releases made in the job's epoch are forgotten (a chunk read
+        again is released again) only where no other loader's epoch is in progress: one loader's
+        eval epoch inside another's train epoch is not a new epoch of the job."""
+        with self._lock:
+            alone = not any(s.active for s in self._streams if s is not reads)
+        if alone:
+            self._released.clear()
+        reads.start()
 
     def expect(self, items: Sequence[int] | None) -> None:
-        """The items this epoch reads (None: all): a DDP rank's share, or what a resumed
-        epoch has left. A chunk is released once those of its items are consumed."""
-        if items is None:
-            self._expected = None
-        else:
-            self._expected = np.zeros(len(self.ds.digest), bool)
-            self._expected[np.asarray(items, np.int64)] = True
-        self._chunk_reads.clear()
-
-    def _to_read(self, plan: Plan, c: int) -> int:
-        """How many items of chunk c this epoch reads."""
-        key = (plan.n_items, plan.k, c)
-        if key not in self._chunk_reads:
-            ranges, want = plan.members(c), self._expected
-            self._chunk_reads[key] = (sum(len(r) for r in ranges) if want is None
-                                      else sum(int(want[r.start:r.stop].sum()) for r in ranges))
-        return self._chunk_reads[key]
+        """The items this epoch of the calling loader reads (None: all): a DDP rank's share,
+        or what a resumed epoch has left. A chunk is released once those of its items are consumed."""
+        self._current().expect(items)
 
     def prefer(self, i: int) -> bool:
         plan = self.plan

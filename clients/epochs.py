@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .sampler import SubstitutableBatchSampler
-from .stats import T_FIELDS, EpochStats, SharedCounters
+from .stats import T_FIELDS, EpochStats, LoaderCounters, SharedCounters
 
 
 class Source(Protocol):
@@ -59,20 +59,24 @@ class EpochLog:
         self.on_epoch_start: list[Callable[[], None]] = []
         self.on_batch_time: list[Callable[[float, float], None]] = []
         self.on_epoch_end: list[Callable[[EpochStats], None]] = []
+        self.counters: LoaderCounters | None = None  # what this front end's own reads counted (stats.py)
 
     def attach_coordinator(self, ds: Source, sampler: SubstitutableBatchSampler) -> None:
         coord = ds.coordinator
         if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
-            self.on_batch_time.append(coord.batch_time)
-            self.on_epoch_start.append(coord.epoch_start)
-            coord.watch_hits(sampler)  # each batch's hit fraction goes with its time (benefit by regression)
+            hits = coord.watch_hits(sampler)  # each batch's hit fraction goes with its time (benefit by regression)
+            self.on_batch_time.append(hits.batch_time)
+            self.on_epoch_start.append(hits.epoch_start)
+            self.on_epoch_end.append(hits.epoch_end)  # an epoch over holds no chunk (coordination.py)
             coord.start()
 
 
 class EpochRun:
     """One epoch of one front end, from its start to `finish()`: the counters' change
-    over the epoch (all processes), the sampler's view, and the intervals between
-    batches handed to the training loop (the training step plus the wait for data)."""
+    over the epoch (all processes) less what the dataset's other loaders read meanwhile
+    (an eval epoch run inside a train epoch is the eval loader's), the sampler's view, and
+    the intervals between batches handed to the training loop (the training step plus
+    the wait for data)."""
 
     def __init__(self, ds: Source, sampler: SubstitutableBatchSampler, log: EpochLog) -> None:
         for cb in log.on_epoch_start:
@@ -82,8 +86,13 @@ class EpochRun:
         self.log = log
         self.epoch = sampler.epoch  # the sampler advances it when its iteration starts
         self.before = ds.counters.totals()
+        self.others = {c: c.totals() for c in self._others()}
         self.times: list[float] = []
         self.t0 = self.last = time.perf_counter()
+
+    def _others(self) -> list[LoaderCounters]:
+        """The counters of the dataset's other loaders (none for a dataset of one loader)."""
+        return [c for c in getattr(self.counters, "loaders", ()) if c is not self.log.counters]
 
     def batch(self, indices: list[int] | None = None) -> None:
         """A batch is being handed over now (`indices`: its items, when the preprocess
@@ -107,6 +116,10 @@ class EpochRun:
             self.sampler.epoch_over()
         after = self.counters.totals()
         d = {k: after[k] - self.before[k] for k in after}
+        for c in self._others():  # one made after the epoch's start: all of its counts are the span's
+            was, now = self.others.get(c), c.totals()
+            for k in d:
+                d[k] -= now[k] - (was[k] if was is not None else 0)
         s, times = self.sampler.stats, self.times
         st = EpochStats(epoch=self.epoch, batches=len(times), items=s.delivered_items, seconds=elapsed,
                         hits=d["hits"], misses=d["misses"], substituted=s.substituted,

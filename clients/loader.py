@@ -27,6 +27,7 @@ from cacheserver.malloc import keep_freed_memory
 from .handoff import Handoff, make_handoff
 from .epochs import EpochLog, EpochRun, make_sampler
 from .sampler import SubstitutableBatchSampler
+from .stats import LoaderCounters, counting_for, serve_loader
 
 # DataLoader arguments the batch sampler replaces, and what to use instead.
 _OURS = {
@@ -110,11 +111,18 @@ class CachedLoader(DataLoader, EpochLog):
         is shut down, and the next epoch starts workers afresh."""
         if self.handoff is not None:
             self.handoff.new_generation()
+        # without workers this process reads each batch: counted for this loader (stats.py)
+        mine = self.counters if self.num_workers == 0 else None
         try:
-            batches = super().__iter__()  # persistent workers: torch's reset reads the last epoch's messages
+            with counting_for(mine):
+                batches = super().__iter__()  # persistent workers: torch's reset reads the last epoch's messages
             if self.handoff is not None:  # so a slot still filled before lost its message (handoff.py)
                 self.handoff.free_stale()
-            for batch in batches:
+            while True:
+                with counting_for(mine):  # not across the yield: the loop may read another loader meanwhile
+                    batch = next(batches, _END)
+                if batch is _END:
+                    break
                 yield batch, None
         except GeneratorExit:  # the loop left the epoch early: torch's reset copes
             raise
@@ -179,6 +187,7 @@ class CachedLoader(DataLoader, EpochLog):
             hits = coord.watch_hits(sampler)
             self.on_batch_time.append(hits.batch_time)
             self.on_epoch_start.append(hits.epoch_start)
+            self.on_epoch_end.append(hits.epoch_end)  # an epoch over holds no chunk (coordination.py)
             coord.start()
 
     def state_dict(self) -> dict[str, Any]:
@@ -302,7 +311,11 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         kwargs.setdefault("persistent_workers", True)
     handoff = _handoff(ds, batch_size, num_workers, kwargs)
     kwargs.setdefault("collate_fn", handoff or _as_list)
+    counters = LoaderCounters(ds.counters)
+    if num_workers > 0:  # the workers' reads count for this loader too
+        kwargs["worker_init_fn"] = _ServeLoader(counters, kwargs.get("worker_init_fn"))
     loader = CachedLoader(ds, sampler, num_workers=num_workers, **kwargs)
+    loader.counters = counters
     if num_workers > 0:
         _stop_at_exit(loader)
     loader.preprocess, loader.autocache, loader.handoff = engine, ac, handoff
@@ -310,6 +323,22 @@ def make_loader(ds, batch_size: int, *, num_workers: int | None = 0, seed: int =
         loader.remote = _remote(ds, engine, ac, remote, remote_options or {})
     loader.attach_coordinator(ds, sampler)
     return loader
+
+
+_END = object()  # a DataLoader iterator's end
+
+
+class _ServeLoader:
+    """A DataLoader worker's start: its reads count for its loader (stats.py), then the
+    user's worker_init_fn. Top-level: workers are spawned, it travels pickled."""
+
+    def __init__(self, counters: LoaderCounters, then: Any = None) -> None:
+        self.counters, self.then = counters, then
+
+    def __call__(self, worker_id: int) -> None:
+        serve_loader(self.counters)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 class _StopWorkers:

@@ -7,12 +7,21 @@ travels to workers by pickling (multiprocessing shares the memory).
 An add is a read and a write, so two processes must never share a row: every process
 has its own, the main one and up to MAX_WORKERS DataLoader workers (a row per worker id);
 a worker past them is refused with a clear error rather than counted wrong.
+
+A job may read one dataset through several loaders (train and eval): each loader has counters
+of its own (LoaderCounters) that its reads add to as well as to the dataset's, so that an
+epoch's statistics leave out what another loader read meanwhile (clients/epochs.py). A read
+counts for the loader its process serves (a DataLoader worker: serve_loader) or, in the main
+process, the loader whose batch this thread is fetching (counting_for).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,16 +79,63 @@ class SharedRows:
 
 
 class SharedCounters:
-    """The loader statistics (FIELDS) in SharedRows."""
+    """The loader statistics (FIELDS) in SharedRows. ``key`` names them across processes (a
+    pickled copy keeps it); ``loaders``: this process's LoaderCounters of them."""
 
     def __init__(self) -> None:
         self._rows = SharedRows(len(FIELDS))
+        self.key = os.urandom(8)
+        self.loaders: weakref.WeakSet[LoaderCounters] = weakref.WeakSet()
+
+    def __getstate__(self) -> dict:
+        return {"_rows": self._rows, "key": self.key}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.loaders = weakref.WeakSet()
 
     def add(self, row: int, **counts: int) -> None:
-        self._rows.add(row, {FIELDS.index(name): n for name, n in counts.items()})
+        cols = {FIELDS.index(name): n for name, n in counts.items()}
+        self._rows.add(row, cols)
+        mine = getattr(_local, "counters", None) or _serving
+        if mine is not None and mine.base == self.key:  # not other counters (reads made to measure)
+            mine._rows.add(row, cols)
 
     def totals(self) -> dict[str, int]:
         return dict(zip(FIELDS, self._rows.sums()))
+
+
+class LoaderCounters(SharedCounters):
+    """One loader's share of a dataset's counters (``base``): what its reads added there."""
+
+    def __init__(self, base: SharedCounters) -> None:
+        super().__init__()
+        self.base = base.key
+        base.loaders.add(self)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "base": self.base}
+
+
+_local = threading.local()  # .counters: the loader whose batch this thread fetches (main process)
+_serving: LoaderCounters | None = None  # the loader a DataLoader worker process serves
+
+
+def serve_loader(counters: LoaderCounters | None) -> None:
+    """In a DataLoader worker, as it starts: its reads count for this loader."""
+    global _serving
+    _serving = counters
+
+
+@contextlib.contextmanager
+def counting_for(counters: LoaderCounters | None) -> Iterator[None]:
+    """Reads this thread makes meanwhile count for this loader (one fetch, not across yields:
+    the training loop may read another loader's batches between two of this one's)."""
+    before, _local.counters = getattr(_local, "counters", None), counters
+    try:
+        yield
+    finally:
+        _local.counters = before
 
 
 @dataclass
