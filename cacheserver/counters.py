@@ -24,7 +24,7 @@ SERVER_COUNTERS = (
     # issue 12: salvage, disk full, bounded answers, accept errors, admission control
     "salvage_orphans_dropped", "rejected_disk_full", "get_cut_for_size", "accept_errors",
     "busy_refused", "request_timeouts", "reply_stalls", "disk_waits", "relocated_items", "relocated_bytes",
-    "grpc_overdeclared",
+    "grpc_overdeclared", "retag_stopped",
 )
 
 

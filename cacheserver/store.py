@@ -39,6 +39,7 @@ from .diskbudget import BLOB_MIN, large_values_options, size_lsm, stops_only
 from .eviction import EvictionPolicy
 from .flusher import Flusher
 from .hitlog import HitLog
+from .owedeletes import OwedDeletes
 from .record import wrap
 from .rocksopts import filtered, hot_read_options, plain_read_options, tuned_for_reads
 from .salvage import open_db
@@ -78,6 +79,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self.overhead = OVERHEAD
         self._gate = WriteGate()  # what close waits for: flushes and writes under way (storeflush.py)
         self._protected: Callable[[Tag], bool] = lambda tag: False
+        self._owed = OwedDeletes(path, sync=durability == "power")  # stranded deletes, for a restart
 
         self._dir_lock = lock_dir(path)
         try:
@@ -217,6 +219,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
         except Exception as e:  # their ids left the index (evicted, dropped): deleted once writes go again
             for k in keys:
                 self._stranded.setdefault(k, self._seq)
+            self._owed.record((k, self._stranded[k]) for k in keys)  # and by a restart before that
             self._put_failed(e)  # RocksDB's own error fails the store, as a put's does
             raise
 
@@ -236,6 +239,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
             error = e if raising and rocksdb_error(e) else None
         for k in keys:
             self._stranded.setdefault(k, self._seq)
+        self._owed.record((k, self._stranded[k]) for k in keys)  # a restart before that deletes them too
         self._retry_soon()
         if error is not None:
             raise error
@@ -449,38 +453,6 @@ class Store(Recovery, Flushes, Reads, Evictions):
         with self._lock:
             return sum(1 for k in keys if k in self._index)
 
-    def relocate_oldest(self, max_bytes: int) -> int:
-        """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
-        the files they pin among evicted values go once compaction drops the old copies. Under
-        the lock, so that no eviction or replace of those ids interleaves, and so one try (a stop's wait
-        held every put and adopt): a stop moves nothing, and admission tries again. Returns bytes moved.
-        A failed write changes nothing (its batch goes in whole or not at all; the order and the
-        counts move after it) and, as a put's, fails the store where it is RocksDB's (_put_failed)."""
-        moved, records = 0, []
-        with self._lock:
-            for key, charge in self._aged.items():
-                if moved >= max_bytes:
-                    break
-                if key in self._pending:
-                    continue
-                raw = self._large.get(key)
-                if raw is not None:
-                    records.append((key, raw))
-                    moved += charge
-            keys = [k for k, _ in records]
-            if keys:
-                try:
-                    if not self._unlogged.once(lambda: puts(records, self._large_cf)):
-                        return 0
-                except BaseException as e:
-                    self._put_failed(e)
-                    raise
-                for key in keys:
-                    self._aged.move_to_end(key)
-        if keys:
-            self.counters.add_many({"relocated_items": len(keys), "relocated_bytes": moved})
-        return moved
-
     def _unflushed_bytes(self) -> int:
         return self.admit.unflushed()
 
@@ -489,11 +461,12 @@ class Store(Recovery, Flushes, Reads, Evictions):
         (a fresh sequence: recovery keeps them only with their value), then index, usage and order,
         so that a write that stops or fails leaves both as they were. Each index entry changes in
         one step: readers without the lock (get_many, touch_split) never miss it. One try (a stop's
-        wait held every put and adopt): a stop moves and counts nothing (returns False)."""
+        wait held every put and adopt): a stop moves nothing and counts them `retag_stopped` (returns False)."""
         ds, seq0 = tag[0].encode(), self._seq
         metas = [(key, _META.pack(self._index[key][0] - OVERHEAD, seq0 + i, tag[1]) + ds)
                  for i, key in enumerate(keys)]
         if not self._logged.once(lambda: puts(metas, self._meta_cf)):
+            self.counters.add("retag_stopped", len(keys))  # left spare: a put counts them put_already
             return False
         self._seq += len(keys)
         spare = is_spare(tag)

@@ -2,7 +2,9 @@
 fallback policy, sparing protected chunks) and the manager's evictions by tag. Each
 deletes its victims' records under the store's lock, so that no put of one of them
 interleaves; so none waits out a write stop with the lock held: one try, and what a stop
-refuses is left for the first flush once writes go (Store._delete_soon).
+refuses is left for the first flush once writes go (Store._delete_soon). Also the rewrite
+of the oldest blob values (relocate_oldest), so that blob files the evictions left mostly
+dead can go (diskbudget.py).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .diskbudget import BLOB_MIN
+from .stallwrite import puts
 from .tagtable import Tag
 
 
@@ -24,6 +27,12 @@ class Evictions:
     policy: Any
     counters: Any
     overhead: int  # store.OVERHEAD, every entry's charge on top of its value
+    _aged: Any  # values in blob files, oldest write first: id -> charge
+    _pending: set[bytes]
+    _large: Any
+    _large_cf: Any
+    _unlogged: Any
+    _put_failed: Callable[[BaseException], None]
 
     def evict_for(self, need: int, spare_only: bool = False) -> int:
         """Free at least `need` bytes (lock held): spare entries first, least recently
@@ -75,3 +84,35 @@ class Evictions:
                 if keys:
                     self.counters.add_many({"evicted_items": len(keys), "evicted_bytes": freed})
         return len(keys), freed
+
+    def relocate_oldest(self, max_bytes: int) -> int:
+        """Rewrite the oldest values in blob files (same id, same record), at most ``max_bytes``:
+        the files they pin among evicted values go once compaction drops the old copies. Under
+        the lock, so that no eviction or replace of those ids interleaves, and so one try (a stop's wait
+        held every put and adopt): a stop moves nothing, and admission tries again. Returns bytes moved.
+        A failed write changes nothing (its batch goes in whole or not at all; the order and the
+        counts move after it) and, as a put's, fails the store where it is RocksDB's (_put_failed)."""
+        moved, records = 0, []
+        with self._lock:
+            for key, charge in self._aged.items():
+                if moved >= max_bytes:
+                    break
+                if key in self._pending:
+                    continue
+                raw = self._large.get(key)
+                if raw is not None:
+                    records.append((key, raw))
+                    moved += charge
+            keys = [k for k, _ in records]
+            if keys:
+                try:
+                    if not self._unlogged.once(lambda: puts(records, self._large_cf)):
+                        return 0
+                except BaseException as e:
+                    self._put_failed(e)
+                    raise
+                for key in keys:
+                    self._aged.move_to_end(key)
+        if keys:
+            self.counters.add_many({"relocated_items": len(keys), "relocated_bytes": moved})
+        return moved

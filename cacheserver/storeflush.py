@@ -121,6 +121,7 @@ class Flushes:
     _delete_batch: Any  # Store's
     _gate: WriteGate
     _state_owed: dict[str, bytes]  # server state a write stop kept off the disk (storerecovery.py)
+    _owed: Any  # owedeletes.OwedDeletes: stranded deletes recorded for a restart
 
     def _dirty_state(self) -> tuple[float | None, float, float]:
         with self._lock:
@@ -262,6 +263,8 @@ class Flushes:
                 return False
             for k in ready:
                 del stranded[k]
+            if not stranded:
+                self._owed.clear()  # nothing owed for a restart either
             return not stranded
 
     def _stale_batch(self, gone: list[bytes], back: list[tuple[bytes, bool]]) -> rocksdict.WriteBatch:

@@ -38,6 +38,7 @@ class Recovery:
     progress: Any
     overhead: int
     _mark_owed: int | None = None  # a durable mark a write stop kept off the disk at start
+    _owed: Any  # owedeletes.OwedDeletes: deletes a write stop kept off the disk before a restart
 
     def _recover(self: Any, check_all: bool = False) -> None:
         self._state_owed: dict[str, bytes] = {}  # server state a write stop kept off the disk (keep_state)
@@ -57,6 +58,7 @@ class Recovery:
             entries.append((seq, key, size, (dataset, chunk)))
         self._delete_at_start(corrupt, "corrupt index records")
         self.counters.add("corrupt_dropped", len(corrupt))
+        entries = self._drop_owed(entries)
         entries.sort()
         entries = self._recover_unflushed(entries, check_all)
         tids = {tag: self._tags.pin(tag) for tag in {e[3] for e in entries}}  # the tags of what is held
@@ -74,6 +76,24 @@ class Recovery:
             if self._stranded:
                 log.warning("start: writes are stopped; deleting what evicting down to the capacity "
                             "evicted is left until they go again")
+        if not self._stranded:
+            self._owed.clear()  # every delete owed went in
+
+    def _drop_owed(self: Any, entries: list) -> list:
+        """Delete the entries evicted while writes were stopped before this start (owedeletes.py):
+        records of an id below its recorded bound. The sequence goes on past every bound, so that
+        no later put of an id falls under one and goes at a restart."""
+        owed = self._owed.load()
+        if not owed:
+            return entries
+        gone = [key for seq, key, _, _ in entries if seq < owed.get(key, -1)]
+        self._seq = max(self._seq, max(owed.values()))
+        if not gone:
+            return entries
+        self._delete_at_start(gone, "entries evicted while writes were stopped before the restart")
+        log.info("start: %d entries evicted while writes were stopped are not indexed again", len(gone))
+        dropped = set(gone)
+        return [e for e in entries if e[1] not in dropped]
 
     def _evict_to_capacity(self: Any) -> None:
         """Evict down to the capacity (a restart lowered it), the chunks the server's table
@@ -125,6 +145,7 @@ class Recovery:
             pass
         for k in keys:
             self._stranded.setdefault(k, self._seq)
+        self._owed.record((k, self._stranded[k]) for k in keys)
         log.warning("start: writes are stopped; deleting %d %s is left until they go again", len(keys), what)
 
     def _owe_mark(self: Any) -> None:

@@ -21,6 +21,8 @@ Events (dicts; ``type`` and ``now`` always present):
   evictions_owed {owed}                        (EvictDatasets servers missed: evictledger.py)
   plan_floor {floor}                           (a state started afresh: versions start at its clock)
 
+A plan version that changes takes at least the event's ``now`` in ms (``_clock_versions``).
+
 A request the model refuses raises ``Rejected`` before anything is mutated,
 so refused requests are never journaled.
 """
@@ -82,9 +84,23 @@ class ManagerModel(AllocationStep):
         # The clock never runs backwards inside the state (wall-clock steps):
         # timers in the policy layer compare against earlier `now`s.
         now = max(float(ev["now"]), self.now)
+        before = {ds: self.plan_version(ds) for ds in self.datasets}
         out = handler(ev, now)
         self.now = now
+        self._clock_versions(before, now)
         return out
+
+    def _clock_versions(self, before: Mapping[str, int], now: float) -> None:
+        """A plan version that changed is at least the event's time in ms. A manager restored from
+        an older snapshot (its later journal lost) replays the versions it handed out since: each
+        would name another plan, which a job holding it takes for the one it has. Tied to the
+        clock, the next version after any restart is above them, as long as they grew by fewer
+        than 1000 a second and the clock did not go back. Deterministic: ``now`` is the event's."""
+        floor = int(now * 1000)
+        for ds, rec in self.datasets.items():
+            v = self.plan_version(ds)
+            if v != before.get(ds) and v < floor:
+                rec.plan_base += floor - v
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
