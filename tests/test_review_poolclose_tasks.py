@@ -25,7 +25,7 @@ from preprocess import Pipeline  # noqa: E402
 from rayhead import started  # noqa: E402
 from remote_steps import Jitter, Slow, decode  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
-from test_review_pool_deaths import is_dead, warm  # noqa: E402
+from test_review_pool_deaths import dies, is_dead, warm  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest)
 ONE = dict(autoscale=AutoscaleConfig(min_workers=1, max_workers=1))
@@ -111,7 +111,7 @@ def test_pause_stops_the_workers_with_queued_tasks_at_once(head, module_server, 
         assert None not in refs
         rw.controller.pause()
         assert pool.workers == {} and pool.tasks == {}, "a paused pool's worker runs on its queued tasks"
-        assert is_dead(w.handle)
+        assert dies(w.handle)  # Ray's kill lands a moment after the call
         assert pool.counts.lost == 9 and pool.broken is None
         rw.controller.resume()  # back to the policy's count: a worker is started again
         assert pool.size == 1 and not is_dead(next(iter(pool.workers.values())).handle)
