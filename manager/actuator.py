@@ -107,9 +107,10 @@ class _Worker:
         return self.client
 
     def _drop_client(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        # read and cleared in one step: stop() may drop it from another thread meanwhile
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
     def retire(self) -> int:
         """Its server left the ring: the calls still queued are dropped (were it to come back,

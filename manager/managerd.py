@@ -8,9 +8,11 @@ mini-batch times and follow the chunk plan. State is journaled under
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import math
+import signal
 import sys
 import time
 from concurrent import futures
@@ -333,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format)
+    # `kill -USR1 PID`: every thread's stack to stderr (the log), the process running on: where
+    # a stalled actuator or RPC waits (docs/operations.md)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         daemon = ManagerDaemon(config_from_args(args))
     except (ValueError, TypeError, OSError, StateError) as e:

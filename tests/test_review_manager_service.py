@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -38,6 +39,21 @@ def _stopped(s):
         yield
     finally:
         os.kill(s.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _threads_on_failure(m, log: str):
+    """A wait in the block that fails shows the manager's threads (SIGUSR1: managerd's
+    faulthandler dump, to its log) with the log's tail: where a stalled thread waits."""
+    try:
+        yield
+    except AssertionError as e:
+        with contextlib.suppress(ProcessLookupError):  # a manager that died: its log says why
+            os.kill(m.pid, signal.SIGUSR1)
+            time.sleep(1)
+        with open(log, errors="replace") as f:
+            tail = f.read()[-12000:]
+        raise AssertionError(f"{e}; the manager's log, ending in its threads' stacks:\n{tail}") from e
 
 
 def _full_dataset_on(mc: ManagerClient, sc: ServerClient, keys: list[bytes]) -> None:
@@ -74,11 +90,13 @@ def test_an_eviction_a_server_missed_in_a_re_plan_is_repeated_when_it_answers_ag
                 assert mc.get_plan(A, "j1").option == "chunked"
                 log = str(tmp_path / "m" / "manager.log")
                 if call == "failed":
-                    wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
+                    with _threads_on_failure(m, log):
+                        wait_until(lambda: "EvictDataset failed" in open(log).read(), "the EvictDataset to fail")
                 if restart:
                     m.kill()
                     m = cachemanager(str(tmp_path / "m"), port, *args).start()
-            wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
+            with _threads_on_failure(m, log):
+                wait_until(lambda: sc.lookup(keys) == b"\0" * 20, "the old plan's entries evicted", 15)
         if restart:
             assert m.stop() == 0  # paid is journaled too: the state written at exit owes nothing
             with open(tmp_path / "m" / "snapshot.json") as f:
@@ -182,3 +200,20 @@ def test_unregistering_a_job_the_manager_does_not_know_journals_nothing(tmp_path
             assert mc.status().journal_seq == seq + 1
     finally:
         m.stop()
+
+
+def test_sigusr1_writes_the_managers_threads_to_its_log_and_it_runs_on(tmp_path):
+    """An operator's aid for a stalled manager (docs/operations.md): SIGUSR1 dumps every
+    thread's stack to the log. Before, the signal's default action killed the manager."""
+    m = cachemanager(str(tmp_path / "m"), 0).start()
+    log = str(tmp_path / "m" / "manager.log")
+    try:
+        os.kill(m.pid, signal.SIGUSR1)
+        dump = wait_until(lambda: (t := open(log).read()).count("(most recent call first)") >= 2
+                          and "manager/decisions.py" in t and t, "the threads' stacks in the log", 10)
+        assert 'in run_until_signal' in dump  # the main thread's, where it waits for SIGTERM
+        with ManagerClient(m.address) as mc:
+            mc.register_job("j", A, 1000, 10)  # still serving
+        assert m.stop() == 0
+    finally:
+        m.kill()
