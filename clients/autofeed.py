@@ -28,7 +28,7 @@ from preprocess.feed import Fed
 from . import itemview
 from .coordination import SPARE
 from .procstate import per_process
-from .stats import SharedCounters, SharedRows, worker_row
+from .stats import SharedCounters, SharedRows
 from .transformed import TransformedItems
 
 log = logging.getLogger("mlcache.autocache")
@@ -73,8 +73,8 @@ class PutTimes:
     def __init__(self) -> None:
         self._rows = SharedRows(2)
 
-    def add(self, row: int, items: int, ns: int) -> None:
-        self._rows.add(row, {0: items, 1: ns})
+    def add(self, items: int, ns: int) -> None:
+        self._rows.add({0: items, 1: ns})
 
     def totals(self) -> tuple[int, float]:
         """(items put, wall seconds)."""
@@ -86,8 +86,8 @@ class Putter:
     """Kept items, encoded by the caller (steps after the point may change the item in
     place), sealed and put by this process's put thread, PUT_BATCH at a time."""
 
-    def __init__(self, counters: SharedCounters, row: int, times: PutTimes | None = None) -> None:
-        self.counters, self.row, self.times = counters, row, times
+    def __init__(self, counters: SharedCounters, times: PutTimes | None = None) -> None:
+        self.counters, self.times = counters, times
         self.q: queue.Queue = queue.Queue(PUT_QUEUE)
         self.thread: threading.Thread | None = None
         self._start = threading.Lock()  # a worker's foreground and background threads both add
@@ -96,7 +96,7 @@ class Putter:
         t, K, chunk, replace = token
         payload = t.encode(x)
         if payload is None:  # the format cannot store this output: counted, never cached
-            self.counters.add(self.row, t_uncacheable=1)
+            self.counters.add(t_uncacheable=1)
             return
         with self._start:
             if self.thread is None:
@@ -122,9 +122,9 @@ class Putter:
             for (_, chunk, replace), (t, Ks, payloads) in groups.items():
                 try:
                     t0 = time.perf_counter_ns()
-                    self.counters.add(self.row, t_puts=t.put_payloads(Ks, payloads, chunk, replace))
+                    self.counters.add(t_puts=t.put_payloads(Ks, payloads, chunk, replace))
                     if self.times is not None:
-                        self.times.add(self.row, len(Ks), time.perf_counter_ns() - t0)
+                        self.times.add(len(Ks), time.perf_counter_ns() - t0)
                 except Exception as e:  # a cache: a failed put is a later miss, never an error
                     log.warning("autocache: putting %d transformed items failed: %s", len(Ks), e)
             for _ in batch:
@@ -155,10 +155,9 @@ class _ProcState:
 
     def __init__(self, ds: Any, times: PutTimes | None = None) -> None:
         self.pid = os.getpid()
-        self.row = worker_row()
         self.store = reader(ds, cache=False)
         self.source = reader(ds, cache=True)
-        self.putter = Putter(ds.counters, self.row, times)
+        self.putter = Putter(ds.counters, times)
         self.items: dict[tuple[str, int | None], TransformedItems] = {}
 
     def transformed(self, ds: Any, key: str, seed: int | None = None) -> TransformedItems:
@@ -184,7 +183,7 @@ def kept_items(st: _ProcState, ds: Any, indices: list[int], key: str, seed: int 
     before = (t.counts.hits, t.counts.misses, t.counts.poisoned)
     bad: list[int] = []
     got = t.get(Ks, bad)
-    ds.counters.add(st.row, t_hits=t.counts.hits - before[0], t_misses=t.counts.misses - before[1],
+    ds.counters.add(t_hits=t.counts.hits - before[0], t_misses=t.counts.misses - before[1],
                     t_poisoned=t.counts.poisoned - before[2])
     return t, Ks, got, bad
 
@@ -257,7 +256,7 @@ class CacheFeed:
         t = st.transformed(ds, key, seed)
         hits = t.counts.hits
         got = t.get([ds.digest.hashes[i].tobytes() for i in indices])
-        ds.counters.add(st.row, t_hits=t.counts.hits - hits)
+        ds.counters.add(t_hits=t.counts.hits - hits)
         if ds.target is None:
             return {i: v for i, v in zip(indices, got) if v is not None}
         return {i: (v, itemview.target_of(ds.target, ds.entry(i))) for i, v in zip(indices, got) if v is not None}

@@ -51,7 +51,6 @@ from .embedded import DEFAULT_CAPACITY, EmbeddedCache
 from .procstate import DatasetClosed, ProcessState, close_after, per_process, take
 from .samples import Samples
 from .stats import SharedCounters
-from .stats import worker_row as _worker_row
 
 log = logging.getLogger("clients.dataset")
 GET_BYTES = 64 << 20  # a batch's items read in gets of at most this: a server answers up to its --max-batch-size
@@ -414,7 +413,7 @@ class CachedDataset(_TorchDataset):
                 out[j] = item
             counts["poisoned"] += filled.pop("poisoned")  # found while waiting for another reader
             counts.update(filled)
-        self.counters.add(_worker_row(), **counts)
+        self.counters.add(**counts)
         return out
 
     def _indices(self, indices: Sequence[int]) -> list[int]:
@@ -464,7 +463,7 @@ class CachedDataset(_TorchDataset):
             pairs = list(zip(self.expected_hashes([indices[j] for j in todo]), [items[j] for j in todo]))
             todo, pairs, memo, known = checked.unknown(st.checked, ids, values, todo, pairs)
             if known:  # checked before as these very bytes: as good as vouched
-                self.counters.add(_worker_row(), vouched=known)
+                self.counters.add(vouched=known)
             hash_fn = capability.sha256 if self.digest.blake3 is None else capability.blake3
             for j, ok in zip(todo, capability.hashes_match(pairs, st.hash_pool, st.hash_threads,
                                                            hash_fn=hash_fn)):
@@ -527,7 +526,7 @@ class CachedDataset(_TorchDataset):
             keep = [p for p in range(n) if p not in held]
             indices, ids = [indices[p] for p in keep], [ids[p] for p in keep]
         _, filled = fill.fill(self, st, indices, ids, [False] * len(ids))
-        self.counters.add(_worker_row(), store_bytes=filled["store_bytes"], inserted=filled["inserted"],
+        self.counters.add(store_bytes=filled["store_bytes"], inserted=filled["inserted"],
                           poisoned=filled["poisoned"], prefetched=n)
 
     # ---- loader ---------------------------------------------------------

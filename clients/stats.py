@@ -1,12 +1,15 @@
 """Loader statistics that DataLoader worker processes add to and the main process reads.
 
-Counters live in shared memory, one row per worker, so workers never contend
+Counters live in shared memory, one row per process, so processes never contend
 and the main process sums rows at epoch end. With spawn/forkserver the array
 travels to workers by pickling (multiprocessing shares the memory).
 
-An add is a read and a write, so two processes must never share a row: every process
-has its own, the main one and up to MAX_WORKERS DataLoader workers (a row per worker id);
-a worker past them is refused with a clear error rather than counted wrong.
+An add is a read and a write, so two processes must never share a row: each process claims a
+row of its own at its first add (under a lock shared by all of them, once per process), a free
+one or one whose process has ended (workers restarted every epoch reuse their predecessors'
+rows). Rows were once worker id + 1, and the workers of two loaders of one dataset (train and
+eval, both with workers), each with a worker 0, added to one row and lost counts. MAX_ROWS
+processes may hold rows at once; one more is refused with a clear error rather than counted wrong.
 
 A job may read one dataset through several loaders (train and eval): each loader has counters
 of its own (LoaderCounters) that its reads add to as well as to the dataset's, so that an
@@ -33,11 +36,23 @@ FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted"
 T_FIELDS = ("t_hits", "t_misses", "t_puts", "t_poisoned", "t_uncacheable")
 FIELDS += T_FIELDS
 MAX_WORKERS = 1024
-MAX_ROWS = 1 + MAX_WORKERS  # row 0: the main process; rows 1..: workers by id (164 KB of counters)
+MAX_ROWS = 1 + MAX_WORKERS  # the main process and 1024 workers at once (164 KB of counters)
+CLAIM_WAIT_S = 30.0  # at most, for the lock a row is claimed under (held for microseconds)
+
+_pid = os.getpid()  # this process's id, kept true in a forked child (which claims a row of its own)
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def worker_row() -> int:
-    """This process's row: 0 in the main process, a DataLoader (or preprocessing) worker's id + 1."""
+    """Which process this is: 0 the main process, a DataLoader (or preprocessing) worker's id + 1.
+    No longer a row of SharedRows (a process claims its own: the module's docstring)."""
     try:
         from torch.utils.data import get_worker_info
     except ImportError:  # pragma: no cover
@@ -46,31 +61,65 @@ def worker_row() -> int:
     return 0 if info is None else info.id + 1
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
 class SharedRows:
     """`width` counters per process in shared memory, a row each (the module's docstring)."""
 
     def __init__(self, width: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
         self.width = width
-        self._arr = multiprocessing.get_context("spawn").RawArray("q", MAX_ROWS * width)
+        self._arr = ctx.RawArray("q", MAX_ROWS * width)
+        self._owners = ctx.RawArray("q", MAX_ROWS)  # each row's process id; 0: free
+        self._claiming = ctx.Lock()
         # a process's row is added to from several threads at once (tf_dataset's parallel reads)
         self._lock = threading.Lock()
+        self._row, self._row_pid = -1, 0  # this process's row, and which process claimed it
 
     def __getstate__(self) -> dict:
-        return {"width": self.width, "_arr": self._arr}  # to a process as it starts, as RawArrays go
+        # to a process as it starts, as RawArrays go; the row stays: the process claims its own
+        return {"width": self.width, "_arr": self._arr, "_owners": self._owners, "_claiming": self._claiming}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._row, self._row_pid = -1, 0
 
-    def add(self, row: int, counts: Mapping[int, int]) -> None:
-        """Add counts (column: n) to this process's row."""
-        if not 0 <= row < MAX_ROWS:
-            raise ValueError(f"loader statistics have rows for {MAX_WORKERS} DataLoader workers; worker "
-                             f"{row - 1} is past them: use fewer workers")
-        base = row * self.width
+    def add(self, counts: Mapping[int, int]) -> None:
+        """Add counts (column: n) to this process's row (claimed at its first add)."""
         with self._lock:
+            if self._row_pid != _pid:
+                self._claim()
+            base = self._row * self.width
             for col, n in counts.items():
                 self._arr[base + col] += n
+
+    def _claim(self) -> None:
+        """This process's row: a free one, else one whose process has ended (its counts stay
+        in the sums; nobody else adds to it any more)."""
+        if not self._claiming.acquire(timeout=CLAIM_WAIT_S):
+            raise RuntimeError(f"loader statistics: no row claimed in {CLAIM_WAIT_S:.0f} s (the lock rows "
+                               f"are claimed under is held: a process died claiming one?)")
+        try:
+            owners = self._owners[:]
+            row = owners.index(0) if 0 in owners else next(
+                (r for r, pid in enumerate(owners) if not _alive(pid)), -1)
+            if row < 0:
+                raise ValueError(f"loader statistics have rows for {MAX_ROWS} processes at once (the main one "
+                                 f"and {MAX_WORKERS} DataLoader or preprocessing workers), and live processes "
+                                 f"hold them all: use fewer workers")
+            self._owners[row] = _pid
+        finally:
+            self._claiming.release()
+        self._row, self._row_pid = row, _pid
 
     def sums(self) -> list[int]:
         """Each column summed over all rows."""
@@ -94,12 +143,13 @@ class SharedCounters:
         self.__dict__.update(state)
         self.loaders = weakref.WeakSet()
 
-    def add(self, row: int, **counts: int) -> None:
+    def add(self, **counts: int) -> None:
+        """Add counts (FIELDS: n) to this process's row."""
         cols = {FIELDS.index(name): n for name, n in counts.items()}
-        self._rows.add(row, cols)
+        self._rows.add(cols)
         mine = getattr(_local, "counters", None) or _serving
         if mine is not None and mine.base == self.key:  # not other counters (reads made to measure)
-            mine._rows.add(row, cols)
+            mine._rows.add(cols)
 
     def totals(self) -> dict[str, int]:
         return dict(zip(FIELDS, self._rows.sums()))

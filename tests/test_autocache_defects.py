@@ -112,7 +112,7 @@ def test_closing_a_putter_whose_put_thread_is_stuck_returns(monkeypatch):
             release.wait(30)
             return len(Ks)
 
-    p = autofeed.Putter(SharedCounters(), 0)
+    p = autofeed.Putter(SharedCounters())
     t = Stuck()
     filler = threading.Thread(target=lambda: [p.add((t, bytes([k % 256]) * 32, 0, False), k)
                                               for k in range(autofeed.PUT_QUEUE + autofeed.PUT_BATCH + 8)],
