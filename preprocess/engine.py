@@ -153,8 +153,15 @@ class EpochRun:
         self._stop_dispatch()
 
     def _stop_dispatch(self) -> None:
-        """Stop the dispatcher; drop the tasks queued for this epoch, never for a later one."""
+        """Stop the dispatcher; drop the tasks queued for this epoch, never for a later one.
+        A source that may block it (the remote feeder's wait for a batch's remote work, up to
+        its wait_limit) is told to stop too, so the join ends long before its bound: a
+        dispatcher left running would go on using the workers, the remote pool and the
+        sampler beside the next epoch (or close())."""
         self.stop = True
+        stop_source = getattr(self.sampler, "stop", None)
+        if callable(stop_source):
+            stop_source()
         if self._thread is not None:
             self._thread.join(10)
         if self.pool.epoch is self:
@@ -173,6 +180,8 @@ class EpochRun:
     def _dispatch(self) -> None:
         while not self.stop and self.error is None:
             self._send_tasks()
+            if self.stop:  # left while it took the sampler's batches: the workers' messages are the next epoch's
+                return
             if self.exhausted and not self.upcoming and self._bounded_end():
                 self._check_complete()
                 with self.cond:
@@ -217,13 +226,15 @@ class EpochRun:
         p = self.plan
         cap = p.task_items * 2
         while self.pending < 4 * cap * max(1, self.pool.size) and len(self.out) < p.prefetch_batches:
+            if self.stop:
+                return
             held = {w: self.held.get(w, {}) for w in self.pool.active()}
             free = [w for w, h in held.items() if sum(not bg for bg in h.values()) < cap]
             if not free:
                 return
             wid = min(free, key=lambda w: len(held[w]))
             items = self._take(p.task_items)
-            if not items:
+            if not items or self.stop:  # stopped while it took them: the epoch was left
                 return
             items = self._resolved(items)
             if not items:
@@ -364,7 +375,7 @@ class EpochRun:
     def _take(self, n: int) -> list[tuple[int, bool]]:
         """The next task: known-slow items of the upcoming window first (to the background)."""
         window = self.plan.batch_size * 4
-        while len(self.upcoming) < window and not self.exhausted:
+        while len(self.upcoming) < window and not self.exhausted and not self.stop:
             try:
                 batch = next(self.sampler)
                 self.upcoming.extend(batch)

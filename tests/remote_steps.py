@@ -65,3 +65,20 @@ class HangElsewhere:
         if os.getpid() != self.home and int(x[0]) in self.firsts:
             time.sleep(self.secs)
         return x * 2
+
+
+class Gate:
+    """Deterministic (x * 2); holds the items whose decode starts with one of `firsts`
+    (2 * index, for indices under 128) while the file `flag` exists, at most `secs`: a
+    remote task stays in flight for as long as a test wants, and ends when it says."""
+
+    def __init__(self, firsts, flag: str, secs: float) -> None:
+        self.firsts, self.flag, self.secs = frozenset(firsts), flag, secs
+
+    def __call__(self, x):
+        import os
+        deadline = time.monotonic() + self.secs
+        if int(x[0]) in self.firsts:
+            while os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return x * 2

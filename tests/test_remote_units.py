@@ -40,7 +40,7 @@ class RecordingPool:
         self.sent.append((epoch, list(indices)))
         return self._n
 
-    def wait(self, refs, timeout):
+    def wait(self, refs, timeout, stop=None):
         self.waits.append(list(refs))
         for r in refs:
             self.tasks.pop(r, None)

@@ -13,9 +13,15 @@ the sampler's: the feeder neither adds nor drops an index.
 
 It also measures what the scaling policies are fed: the time between batches
 handed on (the trainer's batch time once the pipeline is full) and the ready
-queue (batches taken ahead whose remote work is done; Cachew's result queue)."""
+queue (batches taken ahead whose remote work is done; Cachew's result queue).
+
+An epoch's batches come from `batches()`, an iterator the loader's dispatcher thread runs;
+`stop()` on it, from another thread, says the epoch was left: a wait under way ends within
+the pool's WAIT_SLICE_S, and the iterator ends without a further batch, task or Ray call (the
+next epoch, or close(), is then the pool's only user)."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -53,13 +59,16 @@ class Feeder:
         self.stats = FeedStats()
         self._last: float | None = None
 
-    def batches(self, source: Iterable[list[int]], epoch: int) -> Iterator[list[int]]:
+    def batches(self, source: Iterable[list[int]], epoch: int) -> "FeedRun":
         """The source's batches, unchanged and in order, each once its remote work is done."""
+        return FeedRun(self, source, epoch)
+
+    def _batches(self, source: Iterable[list[int]], epoch: int, stopped: threading.Event) -> Iterator[list[int]]:
         it = iter(source)
         ahead: deque[Ahead] = deque()
         exhausted = False
         self._last = None
-        while True:
+        while not stopped.is_set():
             while not exhausted and len(ahead) < self.window:
                 batch = next(it, None)
                 if batch is None:
@@ -69,10 +78,12 @@ class Feeder:
             if not ahead:
                 return
             item = ahead.popleft()
-            self._await(item)
+            self._await(item, stopped)
+            if stopped.is_set():  # left meanwhile: the batch goes nowhere, and nothing follows
+                return
             self._measure(ahead)
             yield item.batch
-            if self.on_batch is not None:
+            if self.on_batch is not None and not stopped.is_set():
                 self.on_batch(self)
 
     def _send(self, batch: list[int], epoch: int) -> Ahead:
@@ -89,11 +100,11 @@ class Feeder:
         self.stats.remote_items += len(batch) - n_local
         return Ahead(batch, refs, n_local)
 
-    def _await(self, item: Ahead) -> None:
+    def _await(self, item: Ahead, stopped: threading.Event) -> None:
         t0 = time.monotonic()
-        rest = self.pool.wait(item.refs, self.wait_limit)
+        rest = self.pool.wait(item.refs, self.wait_limit, stopped)
         self.stats.waited += time.monotonic() - t0
-        if rest:
+        if rest and not stopped.is_set():  # a wait cut short by a stop is no batch handed on unfinished
             self.stats.timed_out += 1
 
     def _measure(self, ahead: deque[Ahead]) -> None:
@@ -105,3 +116,19 @@ class Feeder:
         ready = sum(all(r not in self.pool.tasks for r in a.refs) for a in ahead)
         self.stats.queues.append(float(ready))
         self.stats.batches += 1
+
+
+class FeedRun(Iterator[list[int]]):
+    """One epoch's batches through the feeder (Feeder.batches), which a thread other than
+    the one iterating may stop (the epoch was left: preprocess.engine)."""
+
+    def __init__(self, feeder: Feeder, source: Iterable[list[int]], epoch: int) -> None:
+        self.stopped = threading.Event()
+        self._batches = feeder._batches(source, epoch, self.stopped)
+
+    def __next__(self) -> list[int]:
+        return next(self._batches)
+
+    def stop(self) -> None:
+        """The epoch was left: its wait ends soon, and no batch comes after it."""
+        self.stopped.set()

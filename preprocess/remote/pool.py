@@ -21,15 +21,23 @@ sampler's business). Any Ray error other than a dead actor (the connection
 lost, the cluster gone; or the last worker taking tasks is one Ray cannot schedule), and
 a worker no node can take, break the pool: one warning, no further Ray call but a bounded attempt to kill its
 workers where the connection stays open (another pool shares it, or it is the user's),
-the job goes on with local workers."""
+the job goes on with local workers.
+
+Two threads use a pool: the loader's dispatcher (through the feeder: submit, wait, resize by
+the controller) and the trainer's (refresh, close). Every call holds the pool's lock, but for
+a wait's Ray calls (in slices of WAIT_SLICE_S, so that a stop or a close is seen at once); a
+closed pool makes no Ray call again (a call still under way in another thread ends without
+one)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .cluster import leave, stays_open
 from .runner import FAILED, PrefixRunner, Report, SpecMismatch
@@ -37,6 +45,20 @@ from .spec import WorkSpec
 
 
 KILL_WAIT_S = 5.0  # a lost cluster stalls each call for Ray's reconnect grace period
+WAIT_SLICE_S = 0.25  # a wait's longest Ray call: a stop or a close() asked meanwhile is seen this soon
+CLOSE_LOCK_S = 5.0  # close() waits this long for a call in another thread (a stalled Ray call), then goes on
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run under the pool's lock (a call from the other thread waits for this one)."""
+    @functools.wraps(method)
+    def locked(self: "RemotePool", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 def unschedulable(ray: Any) -> tuple[type[BaseException], ...]:
@@ -146,6 +168,8 @@ class RemotePool:
         self.share = share  # of the connection cluster.connect() made; None: the user's, left open
         self.broken: str | None = None
         self.counts = PoolCounts()
+        self.closed = False
+        self._lock = threading.RLock()
         self._ids = itertools.count()
 
     # ---- size ------------------------------------------------------------------
@@ -168,6 +192,7 @@ class RemotePool:
             return True
         return self.replaced >= self.max_replace and (self.replaced > 0 or self.unreplaced > 0)
 
+    @_locked
     def resize(self, n: int) -> None:
         """Take draining workers back, start workers (none once `exhausted`, none where no
         node can take one: the pool breaks), or drain workers until `n` take tasks: those
@@ -179,9 +204,9 @@ class RemotePool:
             self._undrain()
             if self.size < self.target and not self.exhausted:
                 check_placeable(self.ray, self.needs)  # once for all: each would pend for ever
-            while self.size < self.target and not self.exhausted:
+            while self.size < self.target and not self.exhausted and not self.closed:
                 self._start()
-            if self.size < self.target:
+            if self.size < self.target and not self.closed:
                 self._warn_once_exhausted()
             live = sorted((w for w in self.workers.values() if not w.draining),
                           key=lambda w: (w.finished > 0, w.queued))
@@ -191,6 +216,7 @@ class RemotePool:
         except Exception as e:
             self._break(e)
 
+    @_locked
     def set_spec(self, spec: WorkSpec) -> None:
         """A new version of the job's spec (the pipeline was reordered): every worker
         takes it before its next task."""
@@ -225,6 +251,9 @@ class RemotePool:
     def _start(self) -> None:
         wid = next(self._ids)
         handle = self.actor_cls.options(name=None).remote()
+        if self.closed:  # by a close() that could not wait for this start: the worker goes at once
+            kill_all(self.ray, [handle])
+            return
         handle.configure.remote(self.spec)
         self.workers[wid] = Worker(wid, handle)
 
@@ -240,6 +269,7 @@ class RemotePool:
                 return
 
     # ---- tasks -----------------------------------------------------------------
+    @_locked
     def submit(self, epoch: int, indices: list[int]) -> Any | None:
         """Queue a task on the least loaded worker; its ref, or None (no worker free to
         take it: none, all on probation, or the pool broken)."""
@@ -258,31 +288,44 @@ class RemotePool:
         self.counts.items += len(indices)
         return ref
 
-    def wait(self, refs: list[Any], timeout: float) -> list[Any]:
-        """Wait up to `timeout` for these tasks; settles those finished; returns the refs
-        still running (all of them once the pool is broken: the caller moves on)."""
-        if not self._live():
-            return []
-        todo = [r for r in refs if r in self.tasks]
-        if not todo:
-            return []
-        try:
-            done, rest = self.ray.wait(todo, num_returns=len(todo), timeout=max(0.0, timeout))
-        except Exception as e:
-            self._break(e)
-            return []
-        for r in done:
-            if self.broken:  # a settle broke the pool: it counted the other tasks lost, cleared
-                break
-            self._settle(r)
-        return [] if self.broken else list(rest)
+    def wait(self, refs: list[Any], timeout: float, stop: threading.Event | None = None) -> list[Any]:
+        """Wait up to `timeout` for these tasks, or until `stop` is set (the epoch was left);
+        settles those finished; returns the refs still running (all of them once the pool is
+        broken or closed: the caller moves on). The lock is not held while Ray waits."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._lock:
+                if not self._live():
+                    return []
+                todo = [r for r in refs if r in self.tasks]
+            if not todo:
+                return []
+            try:
+                done, rest = self.ray.wait(todo, num_returns=len(todo),
+                                           timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+            except Exception as e:
+                with self._lock:
+                    self._break(e)
+                return []
+            with self._lock:
+                for r in done:
+                    if self.broken or self.closed:  # a settle broke the pool (it counted the other
+                        return []                    # tasks lost), or another thread closed it
+                    self._settle(r)
+                if self.broken or self.closed:
+                    return []
+            if not rest or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                return list(rest)
+            refs = rest
 
     def poll(self) -> None:
         """Settle whatever has finished, without waiting."""
         self.wait(list(self.tasks), 0.0)
 
     def _settle(self, ref: Any) -> None:
-        task = self.tasks.pop(ref)
+        task = self.tasks.pop(ref, None)
+        if task is None:  # dropped meanwhile (stop_draining; a close() that could not wait for the lock)
+            return
         w = self.workers.get(task.wid)
         if w is not None:
             w.queued -= len(task.indices)
@@ -358,7 +401,7 @@ class RemotePool:
         except Exception as e:
             self._break(e)
             return
-        if w.draining:
+        if w.draining or self.closed:  # closed meanwhile (by a close() that could not wait): none starts
             return
         if self.unplaceable is not None:
             return
@@ -383,7 +426,7 @@ class RemotePool:
     def _live(self) -> bool:
         """May Ray be called? Not once broken, nor once the client connection is closed
         (Ray would then start or join a cluster of its own on the next call)."""
-        if self.broken:
+        if self.broken or self.closed:
             return False
         if not self.ray.is_initialized():
             self._break(ConnectionError("the Ray Client connection is closed"))
@@ -394,7 +437,7 @@ class RemotePool:
         """The cluster is gone (or the connection to it): one warning, no more Ray calls
         but a bounded try to kill the workers where the error was a passing one on a
         connection that stays open (closing it would end them)."""
-        if self.broken:
+        if self.broken or self.closed:  # closed: its workers are stopped already, nothing is lost now
             return
         self.broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         self.counts.lost += sum(len(t.indices) for t in self.tasks.values())
@@ -412,6 +455,7 @@ class RemotePool:
         share, self.share = self.share, None
         leave(self.ray, share)
 
+    @_locked
     def stop_draining(self) -> None:
         """Kill the draining workers now, without waiting for their queued tasks (what they make
         would not be read: a paused controller's); those tasks count as lost, their items are the
@@ -435,9 +479,21 @@ class RemotePool:
 
     def close(self) -> None:
         """Stop every worker (without waiting for their tasks: their items count as lost) and give
-        up this pool's share of the connection (the last share leaves the cluster)."""
-        if not self.broken and self.ray.is_initialized():  # bounded: the cluster may be lost unnoticed
-            kill_all(self.ray, [w.handle for w in self.workers.values()])
-        self.workers.clear()
-        self._drop_tasks(lambda t: True)
-        self._leave()
+        up this pool's share of the connection (the last share leaves the cluster). A call of
+        another thread stalled in Ray holding the lock is waited for CLOSE_LOCK_S at most: the pool
+        is closed all the same (the dicts replaced, not changed under that call's loops), and that
+        call makes no Ray call after its own."""
+        locked = self._lock.acquire(timeout=CLOSE_LOCK_S)
+        try:
+            if self.closed:
+                return
+            self.closed = True
+            workers, self.workers = list(self.workers.values()), {}
+            tasks, self.tasks = list(self.tasks.values()), {}
+            if not self.broken and self.ray.is_initialized():  # bounded: the cluster may be lost unnoticed
+                kill_all(self.ray, [w.handle for w in workers])
+            self.counts.lost += sum(len(t.indices) for t in tasks)
+            self._leave()
+        finally:
+            if locked:
+                self._lock.release()
