@@ -232,11 +232,6 @@ class JobCoordinator:
     def _current(self) -> ChunkReads:
         return getattr(self._local, "reads", None) or self._last or self._own
 
-    @property
-    def _consumed(self) -> Any:
-        """The calling loader's items read per chunk (chunkreads.py), as the coordinator counted them itself."""
-        return self._current()._consumed
-
     def batch_time(self, end: float, duration: float) -> None:
         if self._hits is not None:
             self._hits.batch_time(end, duration)

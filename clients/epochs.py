@@ -85,8 +85,7 @@ class EpochRun:
         self.sampler = sampler
         self.log = log
         self.epoch = sampler.epoch  # the sampler advances it when its iteration starts
-        self.before = ds.counters.totals()
-        self.others = {c: c.totals() for c in self._others()}
+        self.before, self.others = ds.counters.totals_with(self._others())
         self.times: list[float] = []
         self.t0 = self.last = time.perf_counter()
 
@@ -114,10 +113,10 @@ class EpochRun:
         elapsed = time.perf_counter() - self.t0
         if complete:  # what the epoch left out (a transform's skipped items) is over with it
             self.sampler.epoch_over()
-        after = self.counters.totals()
+        after, others = self.counters.totals_with(self._others())
         d = {k: after[k] - self.before[k] for k in after}
-        for c in self._others():  # one made after the epoch's start: all of its counts are the span's
-            was, now = self.others.get(c), c.totals()
+        for c, now in others.items():  # one made after the epoch's start: all of its counts are the span's
+            was = self.others.get(c)
             for k in d:
                 d[k] -= now[k] - (was[k] if was is not None else 0)
         s, times = self.sampler.stats, self.times

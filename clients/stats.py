@@ -37,6 +37,7 @@ T_FIELDS = ("t_hits", "t_misses", "t_puts", "t_poisoned", "t_uncacheable")
 FIELDS += T_FIELDS
 MAX_WORKERS = 1024
 MAX_ROWS = 1 + MAX_WORKERS  # the main process and 1024 workers at once (164 KB of counters)
+PAIR_WAIT_S = 5.0  # at most, for the lock a loader's read is counted twice under
 CLAIM_WAIT_S = 30.0  # at most, for the lock a row is claimed under (held for microseconds)
 
 _pid = os.getpid()  # this process's id, kept true in a forked child (which claims a row of its own)
@@ -131,13 +132,16 @@ class SharedCounters:
     """The loader statistics (FIELDS) in SharedRows. ``key`` names them across processes (a
     pickled copy keeps it); ``loaders``: this process's LoaderCounters of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, pairs: Any = None) -> None:
         self._rows = SharedRows(len(FIELDS))
         self.key = os.urandom(8)
         self.loaders: weakref.WeakSet[LoaderCounters] = weakref.WeakSet()
+        # held across a loader's read counted twice (here and in its LoaderCounters) and across
+        # reading both: else an epoch read another loader's worker between its two adds
+        self._pairs = pairs if pairs is not None else multiprocessing.get_context("spawn").Lock()
 
     def __getstate__(self) -> dict:
-        return {"_rows": self._rows, "key": self.key}
+        return {"_rows": self._rows, "key": self.key, "_pairs": self._pairs}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -146,25 +150,46 @@ class SharedCounters:
     def add(self, **counts: int) -> None:
         """Add counts (FIELDS: n) to this process's row."""
         cols = {FIELDS.index(name): n for name, n in counts.items()}
-        self._rows.add(cols)
         mine = getattr(_local, "counters", None) or _serving
-        if mine is not None and mine.base == self.key:  # not other counters (reads made to measure)
+        if mine is None or mine.base != self.key:  # no loader's (or other counters: reads made to measure)
+            self._rows.add(cols)
+            return
+        with _held(self._pairs):
+            self._rows.add(cols)
             mine._rows.add(cols)
 
     def totals(self) -> dict[str, int]:
         return dict(zip(FIELDS, self._rows.sums()))
+
+    def totals_with(self, loaders: list[LoaderCounters]) -> tuple[dict[str, int], dict[Any, dict[str, int]]]:
+        """These totals and those loaders' (of these counters), read at one instant: no read of
+        theirs counted here and not there yet."""
+        with _held(self._pairs):
+            return self.totals(), {c: c.totals() for c in loaders}
 
 
 class LoaderCounters(SharedCounters):
     """One loader's share of a dataset's counters (``base``): what its reads added there."""
 
     def __init__(self, base: SharedCounters) -> None:
-        super().__init__()
+        super().__init__(base._pairs)
         self.base = base.key
         base.loaders.add(self)
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "base": self.base}
+
+
+@contextlib.contextmanager
+def _held(lock: Any) -> Iterator[None]:
+    """The pair lock, for microseconds; a process that died holding it costs PAIR_WAIT_S, then
+    the counts go on without it (each total stays right; only an epoch's split could be off)."""
+    got = lock.acquire(timeout=PAIR_WAIT_S)
+    try:
+        yield
+    finally:
+        if got:
+            lock.release()
 
 
 _local = threading.local()  # .counters: the loader whose batch this thread fetches (main process)

@@ -78,9 +78,12 @@ def test_a_forgotten_job_with_no_batches_queued_registers_again_after_a_refused_
     members = [i for r in coord.plan.members(c) for i in r]
     caplog.set_level(logging.WARNING, "mlcache.client")
 
+    sent = []  # the chunk's items, read once; later tries release on an empty batch
+
     def refused_release():
         coord._release_after = 0.0  # the manager may still be reconnecting: try again at once
-        coord.consumed(members if not coord._consumed[c] else [])
+        coord.consumed([] if sent else members)
+        sent.append(True)
         return any(f"releasing chunk {c} failed" in r.getMessage() for r in caplog.records)
 
     wait_until(refused_release, "the release answered by the restarted manager", 15)
