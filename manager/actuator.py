@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,10 @@ def _queued(q: "queue.Queue[Any]", dataset: str) -> bool:
         return any(isinstance(i, EvictDataset) and i.dataset == dataset for i in q.queue)
 
 
+def _what(item: Any) -> str:
+    return "reconcile" if item == "reconcile" else "retire" if item is None else type(item).__name__
+
+
 def _apply(c: ServerClient, e: Effect) -> None:
     if isinstance(e, SetMode):
         c.set_job_mode(e.job, CacheMode(e.mode).code)
@@ -97,6 +103,11 @@ class _Worker:
         # a call of it was still in flight): that one ends first, so nothing lands after
         # this worker's reconcile.
         self.after = after
+        # (number, monotonic start, item) of the item in hand, None while idle; read by
+        # Actuator._log_stuck from another thread, so set and cleared whole
+        self.busy: tuple[int, float, Any] | None = None
+        self._items = 0
+        self.stuck_logged = 0  # the number of the last item whose stall was logged
         self.thread = threading.Thread(target=self._run, name=f"actuator-{address}", daemon=True)
         self.thread.start()
 
@@ -134,6 +145,8 @@ class _Worker:
             self.after = None
         while True:
             item = self.q.get()
+            self._items += 1
+            self.busy = (self._items, time.monotonic(), item)
             try:
                 if item is None:
                     self._drop_client()  # retired: its channel goes now, not when collected
@@ -153,8 +166,7 @@ class _Worker:
                 # once per outage (reconcile retries every decision round), but every missed
                 # EvictDataset (rare: a re-plan): the operator sees each eviction owed
                 if not self.failing or isinstance(item, EvictDataset):
-                    what = "reconcile" if item == "reconcile" else type(item).__name__
-                    log.warning("server %s: %s failed: %s %s", self.address, what, e.code(), e.details())
+                    log.warning("server %s: %s failed: %s %s", self.address, _what(item), e.code(), e.details())
                     self.failing = True
                 self._drop_client()  # a restarted server is a new connection
             except Exception:
@@ -162,6 +174,7 @@ class _Worker:
                 self.owner.counters.add("server_call_failures")
                 log.exception("server %s: %r failed", self.address, item)
             finally:
+                self.busy = None
                 self.q.task_done()
 
     def _reconcile(self) -> None:
@@ -231,12 +244,15 @@ class _Worker:
 class Actuator:
     def __init__(self, desired: Callable[[], Desired], addresses: Callable[[], list[str]], *,
                  tls: TlsFiles | None = None, timeout: float = 2.0, counters: Counters | None = None,
-                 token: bytes | None = None) -> None:
+                 token: bytes | None = None, stuck_after_s: float | None = None) -> None:
         self.desired = desired
         self.addresses = addresses
         self.tls = tls
         self.token = token  # the cluster token: the manager's role on the servers
         self.timeout = timeout
+        # A worker's item in hand this long is stuck (each call's deadline should have ended it):
+        # reconcile logs where its thread hangs (_log_stuck)
+        self.stuck_after_s = 10 * timeout if stuck_after_s is None else stuck_after_s
         self.counters = counters or Counters(MANAGER_COUNTERS)
         self._workers: dict[str, _Worker] = {}
         self._retired: dict[str, _Worker] = {}  # left the ring, calls still queued
@@ -401,9 +417,28 @@ class Actuator:
         """Reconcile every server, or only the one at ``address``: a server that registered
         (it started) lost its job modes, and with a new data dir its active chunks too; its
         address may be in the ring already, so no ring change brings it up to date."""
+        self._log_stuck()
         for w in self._sync_workers():
             if (address is None or w.address == address) and w.q.qsize() < 4:  # a stuck server
                 w.q.put("reconcile")                                             # must not pile them up
+
+    def _log_stuck(self) -> None:
+        """Log, once per item, the stack of a worker thread whose item (a server call, or a
+        reconcile's few) has run past stuck_after_s: every call has a deadline, so a CI stall or a
+        wedged server shows where it hangs. Cheap: the frames are read only for such a thread."""
+        with self._lock:
+            workers = list(self._workers.values()) + list(self._retired.values())
+        now = time.monotonic()
+        for w in workers:
+            busy = w.busy
+            if busy is None or busy[0] == w.stuck_logged or now - busy[1] < self.stuck_after_s:
+                continue
+            w.stuck_logged = busy[0]
+            frame = sys._current_frames().get(w.thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            self.counters.add("server_calls_stuck")
+            log.warning("server %s: %s stuck for %.1f s (call timeout %g s); thread %s is at:\n%s",
+                        w.address, _what(busy[2]), now - busy[1], self.timeout, w.thread.name, stack.rstrip())
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every queued call has been tried (tests, shutdown)."""

@@ -36,6 +36,7 @@ from cacheserver.tls import FAST_RECONNECT, TlsFiles, grpc_channel
 from cacheserver.vocab import CacheMode, Option
 
 from . import jobtokens
+from .modelrecords import PLAN_VERSION_HEADER
 from .policy import Batch, chunk_members, chunk_of
 from .policy.autocache import Decision, PipelineCosts, costs_to_dict
 from .policy.scaling import Measurement
@@ -230,6 +231,14 @@ class ManagerClient:
                 raise ManagerUnavailable(f"manager {self.address} unavailable ({method}): {details}", code) from None
             raise ManagerError(f"manager {self.address} refused {method}: {details}", code) from None
 
+    def _held(self, dataset: str, job: str) -> tuple[tuple[str, str], ...]:
+        """Metadata naming the version of ``job``'s plan of ``dataset`` this client holds: a manager
+        whose state went back below it (restored from an older backup) lifts the dataset's version
+        above it, or this client would keep the lost plan (_remember) until the plan changed."""
+        with self._lock:
+            held = self._cache.plans.get((dataset, job))
+        return ((PLAN_VERSION_HEADER, str(held.version)),) if held is not None else ()
+
     def _remember(self, plan: Plan, job: str) -> Plan:
         with self._lock:
             key = (plan.dataset, job)
@@ -275,12 +284,14 @@ class ManagerClient:
         return BatchReply(_mode_name(r.mode), r.plan_version, r.report_seq)
 
     def get_plan(self, dataset: str, job: str = "") -> Plan:
-        r = self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job), job=job or None)
+        r = self._call("GetPlan", mpb.GetPlanRequest(dataset=dataset, job=job), job=job or None,
+                       extra=self._held(dataset, job))
         return self._remember(Plan.from_message(r), job)
 
     def release_chunk(self, job: str, dataset: str, chunk: int) -> Plan:
         """The job finished its pass over ``chunk``; returns its next plan."""
-        r = self._call("ReleaseChunk", mpb.ReleaseChunkRequest(job=job, dataset=dataset, chunk=chunk), job=job)
+        r = self._call("ReleaseChunk", mpb.ReleaseChunkRequest(job=job, dataset=dataset, chunk=chunk), job=job,
+                       extra=self._held(dataset, job))
         return self._remember(Plan.from_message(r), job)
 
     def report_loaded(self, dataset: str, chunk: int, fraction: float, job: str | None = None) -> Plan:
@@ -291,7 +302,8 @@ class ManagerClient:
             with self._lock:
                 job = self._jobs.get(dataset, "")
         r = self._call("ReportLoaded", mpb.ReportLoadedRequest(dataset=dataset, chunk=chunk, fraction=fraction,
-                                                               job=job), job=job or None)
+                                                               job=job), job=job or None,
+                       extra=self._held(dataset, job))
         return self._remember(Plan.from_message(r), job)
 
     def unregister_job(self, job: str) -> None:

@@ -22,6 +22,7 @@ from cacheserver.vocab import CacheMode, Option
 # again (its reply was lost) is not journaled, so it is counted here, per process.
 MANAGER_COUNTERS = ("server_calls", "server_call_failures", "reconciles", "reconcile_fixes", "job_token_refused",
                     "server_refused", "chunk_evictions_skipped", "batch_reports_repeated",
+                    "plan_versions_lifted", "server_calls_stuck",
                     *(f"rpc_{m.name}" for m in mpb.DESCRIPTOR.services_by_name["Manager"].methods))
 
 # Decision counters kept in the state (model.counters), always exported: every name

@@ -20,6 +20,7 @@ Events (dicts; ``type`` and ``now`` always present):
   workers {job, kind, state}                   (a job's worker-scaling policy: workerstate.py)
   evictions_owed {owed}                        (EvictDatasets servers missed: evictledger.py)
   plan_floor {floor}                           (a state started afresh: versions start at its clock)
+  plan_lift {dataset, floor}                   (a job holds a newer version: a restored state, service.py)
 
 A plan version that changes takes at least the event's ``now`` in ms (``_clock_versions``).
 
@@ -37,7 +38,8 @@ from .effects import Effect, RingChanged, ServerForgotten, SetMode, note
 from .evictledger import Owed, checked as checked_owed
 from .jobtokens import journaled_hash
 from .membership import Registry
-from .modelrecords import MAX_DECISIONS, DatasetRecord, JobRecord, ManagerConfig, Rejected, canonical, report_number
+from .modelrecords import (MAX_DECISIONS, MAX_PLAN_VERSION, DatasetRecord, JobRecord, ManagerConfig, Rejected,
+                           canonical, report_number)
 from .pipelines import PipelineRecord, job_left, move_gains, pipeline_key
 from .pipelines import report as report_pipeline
 from .policy import Allocation, Batch, CacheMode, DoubleBuffer, Option, ProbeBoard
@@ -304,6 +306,22 @@ class ManagerModel(AllocationStep):
             raise Rejected("INVALID_ARGUMENT", f"plan_floor: floor must be a whole number >= 0, got {floor!r}")
         self.plan_floor = max(self.plan_floor, floor)
         return []
+
+    def _on_plan_lift(self, ev: Mapping[str, Any], now: float) -> list[Effect]:
+        """A job holds a version of the dataset's plan above the state's, which went back (restored
+        from an older backup, the journal after it lost): the version goes to at least ``floor``,
+        so that the job takes the plan answered for a new one rather than keep the one it holds."""
+        ds, floor = str(ev["dataset"]), ev.get("floor")
+        if type(floor) is not int or not 0 <= floor <= MAX_PLAN_VERSION:
+            raise Rejected("INVALID_ARGUMENT", f"plan_lift: floor must be a whole number in [0, "
+                                               f"{MAX_PLAN_VERSION}], got {floor!r}")
+        rec = self.datasets.get(ds)
+        if rec is None:
+            raise Rejected("NOT_FOUND", f"plan_lift: unknown dataset {ds!r}")
+        was = self.plan_version(ds)
+        rec.plan_base += max(0, floor - was)
+        return [note("plan version lifted above one a job holds (a state restored from an older backup?)",
+                     dataset=ds, was=was, version=self.plan_version(ds))]
 
     def _new_dataset(self, name: str, size: int, n_items: int) -> DatasetRecord:
         rec = self.datasets[name] = DatasetRecord(name, size, n_items, plan_base=self.plan_floor)

@@ -12,6 +12,10 @@ from .policy import AllocConfig, BufferConfig, ProbeConfig
 from .policy.admission import AdmissionConfig
 
 MAX_DECISIONS = 50  # decision history kept for `cachectl status`
+# gRPC metadata of a job's plan calls: the version of the plan it holds. A manager whose state
+# went back below it (restored from an older backup) lifts the dataset's version above it.
+PLAN_VERSION_HEADER = "x-mlcache-plan-version"
+MAX_PLAN_VERSION = 2 ** 62  # above any version handed out (ms since 1970, plus changes): refused
 
 
 @lru_cache(maxsize=8)

@@ -23,6 +23,7 @@ from cacheserver.vocab import source_tag
 from . import jobtokens, statusview
 from .membership import Liveness, address_taken
 from .model import ManagerModel, Rejected
+from .modelrecords import MAX_PLAN_VERSION, PLAN_VERSION_HEADER
 from .pipelines import PipelineRecord, pipeline_key
 from .policy import CacheMode, Option, dataset_gain
 from .policy.scaling import Measurement
@@ -64,6 +65,22 @@ def _check_batches(batches: list[list]) -> None:
                                                f"duration >= 0, got end {end!r}, duration {duration!r}")
         if hit is not None and not 0.0 <= hit <= 1.0:
             raise Rejected("INVALID_ARGUMENT", f"batches[{i}].hit_ratio must be in [0, 1], got {hit!r}")
+
+
+def held_version(context: Any) -> int | None:
+    """The plan version a job's call says it holds (PLAN_VERSION_HEADER), or None; Rejected for
+    one that is no version this manager could have handed out."""
+    try:
+        md = context.invocation_metadata() or ()
+    except Exception:  # a context without metadata (in-process calls)
+        return None
+    raw = dict(md).get(PLAN_VERSION_HEADER)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit() and int(raw) <= MAX_PLAN_VERSION):
+        raise Rejected("INVALID_ARGUMENT", f"metadata {PLAN_VERSION_HEADER} must be a plan version (a whole "
+                                           f"number <= {MAX_PLAN_VERSION}), got {raw[:40]!r}")
+    return int(raw)
 
 
 def _mode(m: ManagerModel, job: str) -> int:
@@ -130,6 +147,27 @@ class ManagerService(mpb_grpc.ManagerServicer):
                            f"ReportLoaded changes the chunk states of dataset {dataset[:16]}: it needs the job "
                            f"registered on it and that job's token (got job {job!r}), or the manager's role")
         self._act_as(job, context)
+
+    def _catch_up(self, dataset: str, job: str, context) -> None:
+        """A job registered on ``dataset`` (or its source) holds a plan version above the state's
+        (held_version): the state went back, restored from an older backup whose later journal
+        is lost, and the job would keep the lost plan as the newer one (ManagerClient._remember)
+        until the dataset's plan changed again. Journal a lift above it (plan_lift), so the plan
+        answered is new to it. Call with the store's lock held, after the caller was checked."""
+        held = held_version(context)
+        m = self.store.model
+        rec = m.jobs.get(job)
+        if held is None or rec is None or source_tag(dataset) != rec.dataset or dataset not in m.datasets:
+            return
+        was = m.plan_version(dataset)
+        if held <= was:
+            return
+        log.warning("job %s holds version %d of dataset %s's plan, above this state's %d: the state went "
+                    "back (restored from an older backup?); lifting the version above it", job, held,
+                    dataset[:16], was)
+        self.counters.add("plan_versions_lifted")
+        self.store.submit({"type": "plan_lift", "dataset": dataset,
+                           "floor": min(MAX_PLAN_VERSION, max(held + 1, int(self._now() * 1000)))})
 
     # ---------------------------------------------------------------- servers
     def _join_if_needed(self, sid: str, address: str, capacity: int, now: float) -> None:
@@ -261,6 +299,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             self._act_as(request.job, context)  # "" asks for the dataset-wide plan: its fingerprint is the key
             if request.job in self.store.model.jobs:
                 self.liveness.touch_job(request.job, self._now())
+            self._catch_up(request.dataset, request.job, context)
             return plan_message(self.store.model.plan(request.dataset, request.job))
 
     @_rpc
@@ -270,6 +309,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             self.store.submit({"type": "release", "job": request.job, "dataset": request.dataset,
                                "chunk": request.chunk})
             self.liveness.touch_job(request.job, self._now())
+            self._catch_up(request.dataset, request.job, context)
             return plan_message(self.store.model.plan(request.dataset, request.job))
 
     @_rpc
@@ -281,6 +321,7 @@ class ManagerService(mpb_grpc.ManagerServicer):
             if not self.store.model.evicting(request.dataset, request.chunk):  # else not counted (model.py)
                 self.store.submit({"type": "loaded", "dataset": request.dataset, "chunk": request.chunk,
                                    "fraction": request.fraction})
+            self._catch_up(request.dataset, request.job, context)
             return plan_message(self.store.model.plan(request.dataset, request.job))
 
     @_rpc
