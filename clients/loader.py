@@ -51,6 +51,9 @@ class CachedLoader(DataLoader, EpochLog):
         self.autocache: Any = None  # a clients.autocache.Autocache with autocache= other than "source"
         self.remote: Any = None  # a preprocess.remote.RemoteWorkers with remote=
         self.handoff: Handoff | None = None  # how workers hand batches of bytes over (handoff.py)
+        # persistent workers shut down by close() (or an error) so far: torch's iterator then just
+        # ends, and an epoch that read from them ended early as if whole (items lost, epoch over)
+        self._stops = 0
 
     def __iter__(self) -> Iterator:
         # A dataset closed in this process: DatasetClosed, not an epoch its persistent workers
@@ -113,6 +116,7 @@ class CachedLoader(DataLoader, EpochLog):
             self.handoff.new_generation()
         # without workers this process reads each batch: counted for this loader (stats.py)
         mine = self.counters if self.num_workers == 0 else None
+        stops = self._stops
         try:
             with counting_for(mine):
                 batches = super().__iter__()  # persistent workers: torch's reset reads the last epoch's messages
@@ -122,6 +126,8 @@ class CachedLoader(DataLoader, EpochLog):
                 with counting_for(mine):  # not across the yield: the loop may read another loader meanwhile
                     batch = next(batches, _END)
                 if batch is _END:
+                    if self._stops != stops:  # close() stopped the workers: not the epoch's end
+                        raise RuntimeError(self._closed_mid_epoch())
                     break
                 yield batch, None
         except GeneratorExit:  # the loop left the epoch early: torch's reset copes
@@ -135,7 +141,14 @@ class CachedLoader(DataLoader, EpochLog):
         it, self._iterator = getattr(self, "_iterator", None), None
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
+            self._stops += 1  # an epoch reading from them ends with an error, not as if whole
             shutdown()
+
+    def _closed_mid_epoch(self) -> str:
+        s = self.batch_sampler
+        return (f"the loader was closed (loader.close()) during epoch {s.epoch - 1}, which its workers stopped "
+                f"reading: {s.stats.delivered_items} of its items were handed over, the rest never read (the epoch "
+                f"is not over: its state_dict() resumes them); iterate the loader again for an epoch with new workers")
 
     def _pad(self, short: int, epoch: int) -> Iterator[tuple[Any, list[int]]]:
         """`short` full batches more, for a rank that made fewer than the others: as

@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .ownedlock import OwnedLock, alive
+
 # vouched: hits taken without the hash check, the in-process server vouching for them
 # (cacheserver/trust.py); they are in `hits` too.
 FIELDS = ("hits", "misses", "store_bytes", "cache_bytes", "poisoned", "inserted",
@@ -41,11 +43,14 @@ PAIR_WAIT_S = 5.0  # at most, for the lock a loader's read is counted twice unde
 CLAIM_WAIT_S = 30.0  # at most, for the lock a row is claimed under (held for microseconds)
 
 _pid = os.getpid()  # this process's id, kept true in a forked child (which claims a row of its own)
+_all_rows: weakref.WeakSet[SharedRows] = weakref.WeakSet()  # this process's, for _forked
 
 
 def _forked() -> None:
     global _pid
     _pid = os.getpid()
+    for rows in list(_all_rows):  # a parent's thread mid-add held its lock at the fork: never released here
+        rows._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -62,16 +67,6 @@ def worker_row() -> int:
     return 0 if info is None else info.id + 1
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
-
-
 class SharedRows:
     """`width` counters per process in shared memory, a row each (the module's docstring)."""
 
@@ -80,10 +75,11 @@ class SharedRows:
         self.width = width
         self._arr = ctx.RawArray("q", MAX_ROWS * width)
         self._owners = ctx.RawArray("q", MAX_ROWS)  # each row's process id; 0: free
-        self._claiming = ctx.Lock()
+        self._claiming = OwnedLock()  # a process killed claiming a row leaves it to the next one
         # a process's row is added to from several threads at once (tf_dataset's parallel reads)
         self._lock = threading.Lock()
         self._row, self._row_pid = -1, 0  # this process's row, and which process claimed it
+        _all_rows.add(self)
 
     def __getstate__(self) -> dict:
         # to a process as it starts, as RawArrays go; the row stays: the process claims its own
@@ -93,6 +89,7 @@ class SharedRows:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._row, self._row_pid = -1, 0
+        _all_rows.add(self)
 
     def add(self, counts: Mapping[int, int]) -> None:
         """Add counts (column: n) to this process's row (claimed at its first add)."""
@@ -107,12 +104,12 @@ class SharedRows:
         """This process's row: a free one, else one whose process has ended (its counts stay
         in the sums; nobody else adds to it any more)."""
         if not self._claiming.acquire(timeout=CLAIM_WAIT_S):
-            raise RuntimeError(f"loader statistics: no row claimed in {CLAIM_WAIT_S:.0f} s (the lock rows "
-                               f"are claimed under is held: a process died claiming one?)")
+            raise RuntimeError(f"loader statistics: no row claimed in {CLAIM_WAIT_S:.0f} s (a live process "
+                               f"holds the lock rows are claimed under: stopped, or its pid taken again?)")
         try:
             owners = self._owners[:]
             row = owners.index(0) if 0 in owners else next(
-                (r for r, pid in enumerate(owners) if not _alive(pid)), -1)
+                (r for r, pid in enumerate(owners) if not alive(pid)), -1)
             if row < 0:
                 raise ValueError(f"loader statistics have rows for {MAX_ROWS} processes at once (the main one "
                                  f"and {MAX_WORKERS} DataLoader or preprocessing workers), and live processes "
@@ -138,7 +135,7 @@ class SharedCounters:
         self.loaders: weakref.WeakSet[LoaderCounters] = weakref.WeakSet()
         # held across a loader's read counted twice (here and in its LoaderCounters) and across
         # reading both: else an epoch read another loader's worker between its two adds
-        self._pairs = pairs if pairs is not None else multiprocessing.get_context("spawn").Lock()
+        self._pairs = pairs if pairs is not None else OwnedLock()
 
     def __getstate__(self) -> dict:
         return {"_rows": self._rows, "key": self.key, "_pairs": self._pairs}
@@ -182,7 +179,8 @@ class LoaderCounters(SharedCounters):
 
 @contextlib.contextmanager
 def _held(lock: Any) -> Iterator[None]:
-    """The pair lock, for microseconds; a process that died holding it costs PAIR_WAIT_S, then
+    """The pair lock, for microseconds. A process killed holding it leaves it to the next waiter
+    (OwnedLock); one that holds it longer than PAIR_WAIT_S (stopped) is waited for no longer:
     the counts go on without it (each total stays right; only an epoch's split could be off)."""
     got = lock.acquire(timeout=PAIR_WAIT_S)
     try:
