@@ -104,6 +104,7 @@ class EpochRun:
         self.alone: set[int] = set()  # items sent in a task of their own (their read is theirs alone)
         self.solo: set[int] = set()   # items to send alone: a read of several, them among, hung
         self._next_watch = 0.0
+        self._fed_wait = False  # this round of the dispatcher waited a tick on a source's next batch
 
     # ---- consumer side --------------------------------------------------------
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
@@ -154,10 +155,10 @@ class EpochRun:
 
     def _stop_dispatch(self) -> None:
         """Stop the dispatcher; drop the tasks queued for this epoch, never for a later one.
-        A source that may block it (the remote feeder's wait for a batch's remote work, up to
-        its wait_limit) is told to stop too, so the join ends long before its bound: a
-        dispatcher left running would go on using the workers, the remote pool and the
-        sampler beside the next epoch (or close())."""
+        A source that waits on work elsewhere (the remote feeder, whose thread waits for a
+        batch's remote work up to its wait_limit) is told to stop too, and ends that wait: a
+        dispatcher or feeder left running would go on using the workers, the remote pool and
+        the sampler beside the next epoch (or close())."""
         self.stop = True
         stop_source = getattr(self.sampler, "stop", None)
         if callable(stop_source):
@@ -178,7 +179,11 @@ class EpochRun:
                 self.cond.notify_all()
 
     def _dispatch(self) -> None:
+        feeding = callable(getattr(self.sampler, "next_ready", None))
         while not self.stop and self.error is None:
+            self._fed_wait = False
+            if feeding:  # its batches come when ready: the window is kept full, not only as tasks go out
+                self._fill()
             self._send_tasks()
             if self.stop:  # left while it took the sampler's batches: the workers' messages are the next epoch's
                 return
@@ -193,7 +198,8 @@ class EpochRun:
                     self.done = True
                     self.cond.notify_all()
                 return
-            for msg in self.pool.receive(TICK):
+            # a tick waited on the feeder (the workers held nothing) is not waited again on them
+            for msg in self.pool.receive(0.0 if self._fed_wait else TICK):
                 self._handle(msg)
             self._watch()    # after the messages: an item answered is not stuck
             self._recover()  # after the messages: what a dead worker finished before dying counts
@@ -375,13 +381,7 @@ class EpochRun:
     def _take(self, n: int) -> list[tuple[int, bool]]:
         """The next task: known-slow items of the upcoming window first (to the background)."""
         window = self.plan.batch_size * 4
-        while len(self.upcoming) < window and not self.exhausted and not self.stop:
-            try:
-                batch = next(self.sampler)
-                self.upcoming.extend(batch)
-                self.pulled += len(batch)
-            except StopIteration:
-                self.exhausted = True
+        self._fill()
         limit = self.timeout.known_slow
         if limit is not None:
             slow = [i for i in list(self.upcoming)[:window] if (self.known_cost(i) or 0.0) > limit][:n]
@@ -401,6 +401,32 @@ class EpochRun:
                 break
             out.append(self.upcoming.popleft())
         return [(i, False) for i in out]
+
+    def _fill(self) -> None:
+        """The upcoming window (batch_size * 4 items) from the sampler, as far as it has batches."""
+        window = self.plan.batch_size * 4
+        while len(self.upcoming) < window and not self.exhausted and not self.stop:
+            batch = self._next_batch()
+            if batch is None:
+                break
+            self.upcoming.extend(batch)
+            self.pulled += len(batch)
+
+    def _next_batch(self) -> list[int] | None:
+        """The sampler's next batch; None at its end, or where a source that waits on work
+        elsewhere (the remote feeder's next_ready) has none ready yet: the workers' results are
+        read meanwhile, never held back by that wait. It is waited for (a tick) only when the
+        workers hold nothing and nothing is left to send."""
+        ready = getattr(self.sampler, "next_ready", None)
+        try:
+            if ready is None:
+                return next(self.sampler)
+            idle = not self.upcoming and self.pending == 0
+            self._fed_wait |= idle
+            return ready(TICK if idle else 0.0)
+        except StopIteration:
+            self.exhausted = True
+            return None
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]

@@ -23,8 +23,8 @@ a worker no node can take, break the pool: one warning, no further Ray call but 
 workers where the connection stays open (another pool shares it, or it is the user's),
 the job goes on with local workers.
 
-Two threads use a pool: the loader's dispatcher (through the feeder: submit, wait, resize by
-the controller) and the trainer's (refresh, close). Every call holds the pool's lock, but for
+Three threads use a pool: the feeder's (submit, wait, poll: remote/feeder.py), the loader's
+dispatcher (resize, by the controller as it takes a batch) and the trainer's (refresh, close). Every call holds the pool's lock, but for
 a wait's Ray calls (in slices of WAIT_SLICE_S, so that a stop or a close is seen at once); a
 closed pool makes no Ray call again (a call still under way in another thread ends without
 one)."""
