@@ -18,6 +18,7 @@ from clients.sampler import SubstitutableBatchSampler  # noqa: E402
 from preprocess import Pipeline, StepTimeout  # noqa: E402
 from preprocess.stall import READ  # noqa: E402
 from preprocess_steps import MoveSlow, SleepOnce, index_of  # noqa: E402
+from procs import wait_until  # noqa: E402
 from test_preprocess_loader import indexed_items  # noqa: E402
 from test_review_preprocess_stall import epoch_in_thread  # noqa: E402
 
@@ -49,8 +50,13 @@ def test_an_abandoned_epochs_item_hung_in_a_step_begun_in_the_next_epoch_fails_n
     try:
         for _ in lo:
             break  # epoch 1 left early: h runs on in the worker's background thread
-        assert os.path.exists(tmp_path / "span") and not os.path.exists(tmp_path / "hang")
+        # the batch does not wait for h's background thread to begin its SPAN_S step (a loaded
+        # machine runs it late): wait for it, then epoch 2 begins well within that step
+        wait_until(lambda: os.path.exists(tmp_path / "span"), "epoch 1's h to begin its SPAN_S step", BOUND_S)
+        first = lo.preprocess.last_run
         t, box = epoch_in_thread(lo)  # epoch 2 begins while h (epoch 1's) is still in its SPAN_S step
+        wait_until(lambda: lo.preprocess.last_run is not first, "epoch 2 to begin", BOUND_S)
+        assert not os.path.exists(tmp_path / "hang"), "h's SPAN_S step ended before epoch 2 began"
         t.join(BOUND_S)
         assert not t.is_alive(), "epoch 2 did not end"
         assert os.path.exists(tmp_path / "hang"), "epoch 1's h never reached its hanging step"

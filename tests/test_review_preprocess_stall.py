@@ -167,10 +167,13 @@ def test_step_timeout_in_the_background_thread_skips_the_item_and_later_epochs_a
     epoch and the next (run by the replacement worker), the stuck one is counted."""
     caplog.set_level(logging.WARNING, logger="preprocess")
     n, B, stuck = 16, 4, 5
-    pipe = Pipeline([index_of, SleepOn({stuck}, 0.3), HangOn({stuck}, HANG_S)])
+    # SleepOn's 0.1 s is far over the slow-item timeout (the sample's items take microseconds),
+    # far under step_warning: only HangOn is a stall, however loaded the machine (at a load of 9
+    # on 2 cores, SleepOn at step_warning=0.3 and an item's 0.4 s read were counted as stalls too)
+    pipe = Pipeline([index_of, SleepOn({stuck}, 0.1), HangOn({stuck}, HANG_S)])
     ds = CachedDataset(indexed_items(tmp_path / "ds", n), cache=False, transform=pipe)
-    loader = ds.loader(B, num_workers=2, seed=0, cost_dir=False, on_error="skip", step_warning=0.3,
-                       step_timeout=1.5)
+    loader = ds.loader(B, num_workers=2, seed=0, cost_dir=False, on_error="skip", step_warning=1.0,
+                       step_timeout=2.5)
     try:
         for epoch in range(2):
             t, box = epoch_in_thread(loader)
