@@ -199,8 +199,8 @@ def test_in_process_steps_are_warned_about(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="preprocess")
     n, B, stuck = 8, 4, 3
     ds = CachedDataset(indexed_items(tmp_path / "ds", n), cache=False,
-                       transform=Pipeline([index_of, HangOn({stuck}, 1.2, everywhere=True)]))
-    loader = ds.loader(B, num_workers=0, seed=0, cost_dir=False, step_warning=0.3)
+                       transform=Pipeline([index_of, HangOn({stuck}, 2.0, everywhere=True)]))
+    loader = ds.loader(B, num_workers=0, seed=0, cost_dir=False, step_warning=0.8)  # far above a loaded read
     try:
         sample = logged(caplog, "a sample item", count=1, seconds=0)
         assert sample and f"item {stuck} (0000{stuck} @ 0+32; a sample item" in sample[0], sample
