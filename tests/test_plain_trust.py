@@ -37,15 +37,39 @@ def test_plain_values_are_trusted_as_their_owner_put_them(tmp_path):
         got, c = read_counts(ds, list(range(n)))
         assert got == items[:1] + [other] + items[2:]
         assert c == dict(hits=n, vouched=0, poisoned=0, store_bytes=0)
+        # the rewrite in table files before any worker opens its follower: a follower opened while
+        # the flusher wrote it out may miss the logged delete of the old value (RocksDB skips a
+        # log deleted under its open) and serve that value until it next catches up, a race of
+        # the same-host follower's (cacheserver/client/follower.py), not of this trust
+        assert ds.embedded.server.core.store.flush()
         loader = ds.loader(batch_size=8, num_workers=2, seed=0, multiprocessing_context="fork",
                            persistent_workers=False)
-        assert sorted(x for b in loader for x in b) == sorted(items[:1] + [other] + items[2:])
+        _an_epoch_of_hits_serves(loader, sorted(items[:1] + [other] + items[2:]), sorted(items))
+        assert read_counts(ds, [1])[0] == [other]  # a worker's miss did not put over it
         # a value of another length than the digest's: dropped, read from the store again
         put_from_another_process(ds.embedded.address, ident, items[1] + b"!", plain=True)
         got, c = read_counts(ds, list(range(n)))
         assert got == items and c == dict(hits=n - 1, vouched=0, poisoned=1, store_bytes=len(items[1]))
     finally:
         ds.close()
+
+
+def _an_epoch_of_hits_serves(loader, rewritten: list, genuine: list, epochs: int = 5) -> None:
+    """Epochs (fresh fork workers each) until one whose items were all cache hits: it must
+    yield `rewritten`, the cached values as they stand, unhashed. A worker whose first Info
+    the embedded server answered later than ring_client.PROBE_TIMEOUT_S (2 s: the main
+    process that serves it starved on a loaded host) takes the server as down for 2 s: its
+    items are misses, read from the store (the genuine ones), logged and counted as such.
+    A hash check would have found the rewrite poisoned: never, in any epoch."""
+    for _ in range(epochs):
+        got = sorted(x for b in loader for x in b)
+        st = loader.epoch_stats[-1]
+        assert st.poisoned == 0, st.line()
+        if st.misses == 0 and st.hits == len(got):
+            assert got == rewritten, st.line()
+            return
+        assert got in (rewritten, genuine), st.line()
+    pytest.fail(f"no epoch of {epochs} found the embedded server from its workers: {st.line()}")
 
 
 def test_items_for_a_plain_dir_are_checked_by_the_sha256_of_their_ids(tmp_path):

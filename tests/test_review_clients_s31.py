@@ -147,7 +147,9 @@ def test_a_coordination_step_outliving_close_makes_no_manager_call_after_it(tmp_
 
 
 _EXIT_AFTER_CLOSE = """
-import sys, time
+import atexit, sys, time
+# registered before any other: runs after them all, close_after's wait included (atexit is LIFO)
+atexit.register(lambda: print("exit handlers done at", time.monotonic(), flush=True))
 sys.path.insert(0, sys.argv[3])
 from clients import coordination
 from test_review_clients_s31 import _in
@@ -217,8 +219,13 @@ def test_a_process_exiting_right_after_close_amid_a_slow_prefetch_part_ends_it_q
         m.kill()
     assert p.returncode == 0, p.stderr
     assert "in a store read: True" in p.stdout, p.stdout
-    closed = float(p.stdout.split("closed at")[1])
-    assert ended - closed < EXIT_WAIT_S + BROKEN_WAIT_S + 2.0, f"exited {ended - closed:.1f} s after close() returned"
+    closed = float(p.stdout.split("closed at")[1].split()[0])
+    done = float(p.stdout.split("exit handlers done at")[1].split()[0])
+    # what close_after promises: its wait, then the broken-off reads' end (margin: a loaded host's
+    # scheduling). The interpreter's finalization after it (module teardown with torch loaded:
+    # ~2-5 s on a loaded 2-core host) is no wait of ours: bounded only below the slow read's 30 s.
+    assert done - closed < EXIT_WAIT_S + BROKEN_WAIT_S + 2.0, f"exit handlers ran {done - closed:.1f} s after close()"
+    assert ended - closed < 30.0, f"exited {ended - closed:.1f} s after close() returned"
     assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
     assert codes.count(2) == 0, f"{codes.count(2)} items left claimed by the exited job"  # vocab.PENDING
     if latency == "4s":
