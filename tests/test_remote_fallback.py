@@ -123,9 +123,11 @@ def test_a_client_server_that_dies_starting_is_tried_again(tmp_path):
     fault.mkdir()
     (fault / "sitecustomize.py").write_text(FAIL_ONCE)
     marker = tmp_path / "fail-once"
-    # Ray's client hears of the dead server only after the head's wait for it (30 s, Ray's
-    # RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S: its log stream waits for that server's channel)
-    head = RayHead(cpus=1, env={"RAYHEAD_FAIL_CLIENT_SERVER": str(marker)}, path=(str(fault),))
+    # Ray's client hears of the dead server only after the head's wait for it (Ray's
+    # RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S, 30 s by default: its log stream waits for that
+    # server's channel); 15 s here, still far above a live client server's start on a loaded host
+    head = RayHead(cpus=1, env={"RAYHEAD_FAIL_CLIENT_SERVER": str(marker),
+                                "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "15"}, path=(str(fault),))
     try:
         head.connect()  # up, through a client server of its own; the fault armed afterwards
         disconnect(ray)
