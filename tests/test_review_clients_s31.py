@@ -4,6 +4,7 @@ loopback), and a real cachemanager, cacheserver and bandwidth-capped object stor
 import datetime
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -146,6 +147,19 @@ def test_a_coordination_step_outliving_close_makes_no_manager_call_after_it(tmp_
 
 
 
+def exit_handlers_took(p: subprocess.CompletedProcess, ended: float) -> float:
+    """Seconds from close() returning to the end of the exit handlers of an _EXIT_AFTER_CLOSE
+    run that ended (monotonic) at `ended`. What close_after promises is that bound: its wait,
+    then the broken-off reads' end. The interpreter's teardown after them (torch loaded: 2-5 s
+    on a loaded 2-core host) is no wait of ours: bounded only below the slow read's 30 s."""
+    assert p.returncode == 0, p.stderr
+    assert "in a store read: True" in p.stdout, p.stdout
+    closed = float(p.stdout.split("closed at")[1].split()[0])
+    done = float(p.stdout.split("exit handlers done at")[1].split()[0])
+    assert ended - closed < 30.0, f"exited {ended - closed:.1f} s after close() returned"
+    return done - closed
+
+
 _EXIT_AFTER_CLOSE = """
 import atexit, sys, time
 # registered before any other: runs after them all, close_after's wait included (atexit is LIFO)
@@ -178,7 +192,6 @@ def test_a_process_exiting_right_after_close_amid_a_slow_prefetch_part_ends_it_q
     nothing. The exit now waits for the part at most EXIT_WAIT_S (4 s: its items are cached),
     then breaks its reads off and lets the thread give up their claims and end (30 s: no item
     is left claimed); nothing is printed."""
-    import subprocess
     import time
 
     from clients.digest import Digest
@@ -217,15 +230,8 @@ def test_a_process_exiting_right_after_close_amid_a_slow_prefetch_part_ends_it_q
     finally:
         srv.kill()
         m.kill()
-    assert p.returncode == 0, p.stderr
-    assert "in a store read: True" in p.stdout, p.stdout
-    closed = float(p.stdout.split("closed at")[1].split()[0])
-    done = float(p.stdout.split("exit handlers done at")[1].split()[0])
-    # what close_after promises: its wait, then the broken-off reads' end (margin: a loaded host's
-    # scheduling). The interpreter's finalization after it (module teardown with torch loaded:
-    # ~2-5 s on a loaded 2-core host) is no wait of ours: bounded only below the slow read's 30 s.
-    assert done - closed < EXIT_WAIT_S + BROKEN_WAIT_S + 2.0, f"exit handlers ran {done - closed:.1f} s after close()"
-    assert ended - closed < 30.0, f"exited {ended - closed:.1f} s after close() returned"
+    took = exit_handlers_took(p, ended)
+    assert took < EXIT_WAIT_S + BROKEN_WAIT_S + 2.0, f"exit handlers ran {took:.1f} s after close()"
     assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
     assert codes.count(2) == 0, f"{codes.count(2)} items left claimed by the exited job"  # vocab.PENDING
     if latency == "4s":
