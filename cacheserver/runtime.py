@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from .sigflag import POLL_S, SignalFlag
 from .tls import TlsFiles
 
 log = logging.getLogger("mlcache")
@@ -45,15 +45,14 @@ def bind_grpc(server: grpc.Server, listen: str, tls: TlsFiles | None) -> tuple[s
     return host, bound
 
 
-def run_until_signal(start: Callable[[], None], stop: Callable[[], None], address: Callable[[], str]) -> int:
+def run_until_signal(start: Callable[[], None], stop: Callable[[], None], address: Callable[[], str],
+                     *, poll_s: float = POLL_S) -> int:
     """Start, print `READY host:port` (scripts and tests read it), wait for
-    SIGTERM or SIGINT, then stop (drain). Returns the exit code, 0."""
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stopping.set())
+    SIGTERM or SIGINT (seen within `poll_s`), then stop (drain). Returns the exit code, 0."""
+    stopping = SignalFlag((signal.SIGTERM, signal.SIGINT))  # not an Event: see sigflag.py
     start()
     print(f"READY {address()}", flush=True)
-    while not stopping.wait(0.5):
+    while not stopping.wait(60.0, poll_s):
         pass
     log.info("signal received, draining")
     stop()  # a second signal meanwhile only sets `stopping` again

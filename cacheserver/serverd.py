@@ -3,7 +3,9 @@ for systemd and Kubernetes); SIGTERM or SIGINT drain calls in flight and exit 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 
 from . import logs, startchecks
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format)
+    # `kill -USR1 PID`: every thread's stack to stderr (the log), the server running on
+    # (docs/operations.md, Signals)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     keep_freed_memory()  # before the buffers of the first requests
     problem = startchecks.capacity_problem(args.data_dir, args.capacity)
     if problem:  # refused: a cache that cannot hold its capacity fails writes once the disk fills

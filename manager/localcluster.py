@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
+
+from cacheserver.sigflag import SignalFlag
 
 from .ctlcommon import PROG, CtlError, HelpFormatter, seconds
 
@@ -111,14 +112,7 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
     except ValueError as e:
         parser.error(f"--capacity: {e}")
     addrs = [f"127.0.0.1:{p}" for p in _cluster_ports(args.base_port, n, parser)]
-    stop = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum, frame):
-        received.append(signum)
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    stop = SignalFlag((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))  # not an Event: see its module
     temp = args.data_dir is None
     base = tempfile.mkdtemp(prefix="mlcache-local-") if temp else os.path.abspath(args.data_dir)
     servers: list[_Server] = []
@@ -138,11 +132,10 @@ def cmd_local_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser)
         rc = 1
     finally:
         rc = _stop_servers(servers, args.stop_timeout, rc)
-        for s, h in previous.items():
-            signal.signal(s, h)
+        stop.restore()
         if temp:
             shutil.rmtree(base, ignore_errors=True)
-    if rc == 0 and received:
+    if rc == 0 and stop.received:
         print(f"stopped {n} server{'s' if n > 1 else ''}", flush=True)
     return rc
 
@@ -176,7 +169,7 @@ def _start_servers(args: argparse.Namespace, base: str, addrs: list[str], capaci
         servers.append(_Server(i, addr, os.path.join(base, f"server-{i}"), argv))
 
 
-def _wait_ready(servers: list[_Server], stop: threading.Event, timeout: float) -> None:
+def _wait_ready(servers: list[_Server], stop: SignalFlag, timeout: float) -> None:
     """Until every server printed READY (or a signal came); CtlError if one exits or is late."""
     deadline = time.monotonic() + timeout
     pending = set(range(len(servers)))
@@ -212,7 +205,7 @@ def _announce(args: argparse.Namespace, servers: list[_Server], base: str, temp:
           f"(inspect: {PROG} ring {servers[0].addr}; Ctrl-C stops the cluster)", flush=True)
 
 
-def _watch(servers: list[_Server], stop: threading.Event) -> int:
+def _watch(servers: list[_Server], stop: SignalFlag) -> int:
     """Until a signal (0) or a server dies (1, after saying which)."""
     while not stop.is_set():
         dead = [s for s in servers if s.proc.poll() is not None]

@@ -24,6 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STACK_DUMPERS = ("cacheserver.serverd", "manager.managerd")  # faulthandler on SIGUSR1
+
+
 @dataclass
 class Daemon:
     args: list[str]
@@ -57,6 +60,13 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as e:  # where it hangs: our daemons dump stacks at SIGUSR1
+            if self.args[0] in STACK_DUMPERS:
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
+            with open(self.log_path, "rb") as f:
+                e.add_note(f"{self.args[0]} log tail:\n" + f.read()[-6000:].decode(errors="replace"))
+            raise
         finally:
             self._log.close()
 
