@@ -168,7 +168,7 @@ class Pipeline:
 
     # ---- what workers receive -----------------------------------------------
     def check_picklable(self) -> None:
-        """Workers are spawned and get the pipeline by pickling: refuse one they
+        """Workers are separate processes and get the pipeline by pickling: refuse one they
         could not receive, naming the step, before any worker starts."""
         for j, s in enumerate(self.steps):
             try:
@@ -176,7 +176,7 @@ class Pipeline:
             except Exception as e:
                 raise TypeError(
                     f"pipeline step {j} ({s.name}) cannot be pickled: {type(e).__name__}: {e}. The loader's "
-                    f"worker processes are spawned and receive the pipeline by pickling, so each step must be a "
+                    f"worker processes are separate processes and receive the pipeline by pickling, so each step must be a "
                     f"module-level function or an instance of a module-level class (not a lambda, a local "
                     f"function or an object holding open files, locks or sockets)") from None
 

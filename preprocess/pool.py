@@ -1,4 +1,4 @@
-"""The worker processes: started (spawned), grown and shrunk, watched, stopped.
+"""The worker processes: started (forked from a fork server: startctx.py), grown and shrunk, watched, stopped.
 
 Each worker has its own task queue, so the scheduler knows which items every
 worker holds and can hand them to another if it dies, and its own result channel
@@ -9,7 +9,7 @@ those of workers that died only once no other is left."""
 from __future__ import annotations
 
 import functools
-import multiprocessing
+import os
 import pickletools
 import queue
 import signal
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from .channel import ChannelReader, channel, decode_frame, ready
 from .pipeline import Pipeline
 from .stall import NOT_RUNNING, Running, Slot
+from .startctx import with_env, worker_context
 from .worker import BACKGROUND, MAIN, SLOTS, worker_main
 
 JOIN_SECONDS = 5.0
@@ -32,14 +33,6 @@ DEATH_SECONDS = 1.0  # for a worker whose message cannot be fetched to be seen d
 # end of file), or after this long if that never comes (a child of the worker holds the pipe)
 SILENT_EXIT_SECONDS = 5.0
 MAX_IDS = 128  # the shared counters' rows
-
-
-def _context() -> Any:
-    try:  # torch's queues pass tensors through shared memory
-        import torch.multiprocessing as tmp
-        return tmp.get_context("spawn")
-    except ImportError:  # pragma: no cover
-        return multiprocessing.get_context("spawn")
 
 
 class WorkerDied(RuntimeError):
@@ -129,7 +122,7 @@ def exit_cause(exitcode: int | None) -> str:
 
 class WorkerPool:
     def __init__(self, ds: Any, pipeline: Pipeline, job_seed: int, feed: Any = None) -> None:
-        self.ctx = _context()
+        self.ctx = worker_context(ds, pipeline, feed)
         self.ds, self.pipeline, self.job_seed, self.feed = ds, pipeline, job_seed, feed
         self.procs: dict[int, Any] = {}
         self.queues: dict[int, Any] = {}
@@ -177,8 +170,9 @@ class WorkerPool:
             q = self.ctx.Queue()
             reader, w = channel(self.ctx)
             running = self.ctx.RawArray("q", [NOT_RUNNING] * SLOTS)  # read after its death: no lock
-            p = self.ctx.Process(target=worker_main, name=f"preprocess-{wid}", daemon=True,
-                                 args=(wid, n, self.ds, self.pipeline, self.job_seed, q, w, self.feed, running))
+            p = self.ctx.Process(target=with_env, name=f"preprocess-{wid}", daemon=True,
+                                 args=(dict(os.environ), worker_main, wid, n, self.ds, self.pipeline,
+                                       self.job_seed, q, w, self.feed, running))
             p.start()
             w.close()  # the worker's copy is the only write end: its death is our end of file
             self.procs[wid], self.queues[wid], self.results[wid] = p, q, reader

@@ -1,4 +1,4 @@
-"""A preprocessing worker process (spawned) and its background thread.
+"""A preprocessing worker process (forked from a fork server: startctx.py) and its background thread.
 
 The main thread takes tasks (a few item indices) from the shared task queue,
 reads the items through the dataset (cache, then store) and runs each through
