@@ -176,7 +176,7 @@ class Pipeline:
             except Exception as e:
                 raise TypeError(
                     f"pipeline step {j} ({s.name}) cannot be pickled: {type(e).__name__}: {e}. The loader's "
-                    f"worker processes are separate processes and receive the pipeline by pickling, so each step must be a "
+                    f"workers are separate processes and receive the pipeline by pickling, so each step must be a "
                     f"module-level function or an instance of a module-level class (not a lambda, a local "
                     f"function or an object holding open files, locks or sockets)") from None
 

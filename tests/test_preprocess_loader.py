@@ -1,4 +1,4 @@
-"""preprocess/ through CachedDataset: real spawned workers, real files."""
+"""preprocess/ through CachedDataset: real worker processes, real files."""
 import hashlib
 import io
 import os
@@ -91,7 +91,7 @@ def test_on_error_skip_counts_and_raise_names_item_and_step(tmp_path):
 def test_unpicklable_step_refused_before_workers_start(tmp_path):
     path = indexed_items(tmp_path / "ds", 8)
     ds = CachedDataset(path, cache=False, transform=[index_of, lambda i: i])
-    with pytest.raises(TypeError, match=r"step 1 .*cannot be pickled.*spawned"):
+    with pytest.raises(TypeError, match=r"step 1 .*cannot be pickled.*workers are separate processes"):
         ds.loader(4, num_workers=2)
 
 

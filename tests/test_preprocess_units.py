@@ -220,7 +220,7 @@ def test_cost_memory_is_shared_across_jobs_and_smoothed(tmp_path):
 
 def test_unpicklable_step_is_refused_naming_it():
     p = Pipeline([add_one, lambda x: x])
-    with pytest.raises(TypeError, match=r"step 1 \(.*lambda.*\) cannot be pickled.*spawned"):
+    with pytest.raises(TypeError, match=r"step 1 \(.*lambda.*\) cannot be pickled.*workers are separate processes"):
         p.check_picklable()
 
 
