@@ -16,7 +16,6 @@ trainer process's first worker); modules a later pool needs are imported by its 
 under spawn."""
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import pickle
@@ -27,6 +26,11 @@ from typing import Any
 from . import forkpath
 
 ALWAYS = ("torch", "numpy", "preprocess.worker")  # what every worker imports
+
+
+class _Discard:
+    def write(self, b: bytes) -> int:
+        return len(b)
 
 
 def _modules_of(obj: Any) -> set[str]:
@@ -42,7 +46,7 @@ def _modules_of(obj: Any) -> set[str]:
             return NotImplemented
 
     try:
-        Recorder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        Recorder(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)  # the modules, not the bytes
     except Exception:
         return {type(obj).__module__}
     return found
