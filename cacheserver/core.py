@@ -160,6 +160,11 @@ class CacheCore:
                                 "get_bytes": inline, "get_cut_for_size": cut})
         return out
 
+    def generation(self) -> int:
+        """The store's generation (Store.generation): what a same-host reader's view must have
+        caught up to before it reads the values get_local_inline answered LOCAL from the files."""
+        return self.store.generation
+
     def put(self, job: str, items: Sequence[tuple[bytes, int, bytes | memoryview]],
             dataset: str = "", chunk: int = -1, replace: bool = False, vouch: bool = False) -> tuple[int, int, int]:
         """Store items; `vouch`: put by a client in this process (inproc.py) that sealed

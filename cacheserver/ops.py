@@ -18,8 +18,9 @@ Frames (wire.py): every request body is job[aux_len] + the op's own part.
 Answers: LOOKUP, CLAIM, RELEASE, ADOPT and plain GET_LOCAL one byte per id
 (vocab.py codes; RELEASE 1 where the caller's claim was dropped); GET and
 GET_LOCAL with FLAG_INLINE count x u32 size (MISS, or LOCAL: read it from the
-store files) + the values; PUT 3 x u32 stored, already, rejected_full; PING
-the server's instance id; OPEN_FOLLOWER 1 byte, 1 if flushed.
+store files) + the values, after a u64 generation with FLAG_GENERATION; PUT 3 x u32
+stored, already, rejected_full; PING the server's instance id; OPEN_FOLLOWER 1 byte,
+1 if flushed.
 """
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ FLAG_REPLACE = 2  # PUT: overwrite present ids (the reader found them poisoned)
 FLAG_PENDING = 4  # LOOKUP: answer PENDING for absent ids another job is reading from the store
 FLAG_INLINE = 8  # GET_LOCAL: values not flushed yet come inline (a follower cannot see them)
 FLAG_NOT_SPARE = 16  # LOOKUP: ids held only as spare entries count as absent
+FLAG_GENERATION = 32  # GET_LOCAL with INLINE: the answer starts with the store's generation (GENERATION)
 MISS = 0xFFFFFFFF
 LOCAL = 0xFFFFFFFE  # GET_LOCAL with INLINE: present, read it from the store files
 PUT_ENTRY = struct.Struct(f"<{ID_LEN}sQ")
 PUT_RESULT = struct.Struct("<III")
+GENERATION = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
 _I32 = struct.Struct("<i")
 
@@ -56,6 +59,7 @@ class Core(Protocol):
     def get(self, job: str, ids: Sequence[bytes], count: bool = ...) -> list: ...
     def get_local(self, job: str, ids: Sequence[bytes]) -> bytes: ...
     def get_local_inline(self, job: str, ids: Sequence[bytes]) -> list: ...
+    def generation(self) -> int: ...
     def put(self, job: str, items: Sequence, dataset: str = ..., chunk: int = ..., replace: bool = ...) -> tuple: ...
     def open_follower(self) -> bool: ...
 
@@ -204,17 +208,26 @@ class Get(Op):
 class GetLocal(Op):
     """A same-host reader announces a get whose values it reads itself from the
     store files (client/localread.py); with `inline` (vocab.FEATURE_INLINE), values it
-    cannot read there yet come inline."""
+    cannot read there yet come inline; with `generation` (vocab.FEATURE_LOCAL_GEN, only with
+    `inline`) the answer starts with the store's generation, read after the values: a
+    follower whose view may predate it catches up before it reads (localread.LocalReader.sync)."""
     name, code = "get_local", 5
 
-    def frame(self, keys: Sequence[bytes], inline: bool = False) -> Frame:
-        return len(keys), [b"".join(keys)], FLAG_INLINE if inline else 0
+    def frame(self, keys: Sequence[bytes], inline: bool = False, generation: bool = False) -> Frame:
+        if generation and not inline:
+            raise ValueError("get_local: generation is answered only with inline")
+        return len(keys), [b"".join(keys)], (FLAG_INLINE if inline else 0) | (FLAG_GENERATION if generation else 0)
 
     def serve(self, core, job, flags, count, body):
         ids = split_counted(body, count)
-        if flags & FLAG_INLINE:
-            return values_frame(core.get_local_inline(job, ids))
-        return count, [core.get_local(job, ids)]
+        if flags & FLAG_GENERATION and not flags & FLAG_INLINE:
+            raise BadRequest("get_local: flag GENERATION (32) is served only with flag INLINE (8)")
+        if not flags & FLAG_INLINE:
+            return count, [core.get_local(job, ids)]
+        count, parts = values_frame(core.get_local_inline(job, ids))
+        if flags & FLAG_GENERATION:  # read after the values: it covers every flush that made one LOCAL
+            parts.insert(0, GENERATION.pack(core.generation()))
+        return count, parts
 
 
 class Put(Op):
@@ -345,16 +358,17 @@ def values_frame(values: Sequence[Value | bool | None]) -> tuple[int, list]:
     return len(values), [sizes, *(v for v in values if v is not None and v is not True)]
 
 
-def values_of(count: int, body: bytes) -> tuple[list[memoryview | None], list[int]]:
+def values_of(count: int, body: bytes, start: int = 0) -> tuple[list[memoryview | None], list[int]]:
     """A GET answer's values (zero-copy views of the body, None for a miss) and
-    the indices answered LOCAL (to be read from the store files). A body its sizes
+    the indices answered LOCAL (to be read from the store files), from byte `start` on
+    (past a GET_LOCAL answer's generation: generation_of). A body its sizes
     do not fill exactly is a broken peer's (ProtocolError), not values cut short."""
-    mv, pos = memoryview(body), 4 * count
+    mv, pos = memoryview(body), start + 4 * count
     if len(body) < pos:
-        raise ProtocolError(f"an answer of {count} values has {len(body)} bytes, too few for their sizes")
+        raise ProtocolError(f"an answer of {count} values has {len(body) - start} bytes, too few for their sizes")
     out: list[memoryview | None] = []
     local: list[int] = []
-    for i, size in enumerate(struct.unpack_from(f"<{count}I", body)):
+    for i, size in enumerate(struct.unpack_from(f"<{count}I", body, start)):
         if size == MISS:
             out.append(None)
         elif size == LOCAL:
@@ -364,9 +378,16 @@ def values_of(count: int, body: bytes) -> tuple[list[memoryview | None], list[in
             out.append(mv[pos:pos + size])
             pos += size
     if pos != len(body):
-        raise ProtocolError(f"an answer's {count} sizes add up to {pos - 4 * count} bytes of values, "
-                            f"its body holds {len(body) - 4 * count}")
+        raise ProtocolError(f"an answer's {count} sizes add up to {pos - start - 4 * count} bytes of values, "
+                            f"its body holds {len(body) - start - 4 * count}")
     return out, local
+
+
+def generation_of(body: bytes) -> int:
+    """The store's generation a GET_LOCAL answer with FLAG_GENERATION starts with; its values follow."""
+    if len(body) < GENERATION.size:
+        raise ProtocolError(f"a get_local answer of {len(body)} bytes has no room for its generation")
+    return GENERATION.unpack_from(body)[0]
 
 
 def grpc_values(values: Sequence[Value | None], message_bytes: int) -> Iterator[pb.GetResponse]:

@@ -149,6 +149,9 @@ class Store(Recovery, Flushes, Reads, Evictions):
         self.used = 0
         self._reserved = 0
         self._seq = 0
+        # Flushes and replaces, counted: a follower's view from before one may hold an older value of an
+        # id than the store (storeflush.py). Random start: another instance's is never taken for this one's.
+        self.generation = int.from_bytes(os.urandom(6), "little")
         self.admit = DiskAdmission(self, path)
         self.room = self.admit.room
         self._recover(check_all=repaired)
@@ -332,6 +335,7 @@ class Store(Recovery, Flushes, Reads, Evictions):
                 self._pending.difference_update(k for k, _, _ in accepted)
                 self._writing.discard(seq0)
                 if written:
+                    self.generation += bool(replaced)  # before indexing: older follower views hold old values
                     for key, _, charge in accepted:
                         self._index_add(key, charge, tid)
                         self.policy.admitted(key)

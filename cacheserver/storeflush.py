@@ -120,6 +120,7 @@ class Flushes:
     progress: Any
     _delete_batch: Any  # Store's
     _gate: WriteGate
+    generation: int  # Store's: flushes and replaces counted (ops.FLAG_GENERATION)
     _state_owed: dict[str, bytes]  # server state a write stop kept off the disk (storerecovery.py)
     _owed: Any  # owedeletes.OwedDeletes: stranded deletes recorded for a restart
 
@@ -211,10 +212,14 @@ class Flushes:
             self._failing = False
             log.warning("flushing the store works again")
         self.counters.add("flushes")
+        with self._lock:
+            # before values leave _unflushed (answered LOCAL from then on): a follower whose view
+            # predates this flush catches up before it reads them (GET_LOCAL's generation)
+            self.generation += 1
+            if self.durability == "cache":  # in table files now, whether or not their mark below is written
+                self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         if self.durability != "cache":
             return True, False
-        with self._lock:  # in table files now, whether or not their mark below is written
-            self._unflushed = {k: s for k, s in self._unflushed.items() if s >= mark}
         return True, self._write_mark(mark)
 
     def _write_mark(self, mark: int) -> bool:

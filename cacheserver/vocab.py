@@ -112,7 +112,8 @@ PROTOCOL_VERSION = 2
 FEATURE_PENDING = "lookup_pending"       # Lookup pending / FLAG_PENDING
 FEATURE_NOT_SPARE = "lookup_not_spare"   # Lookup not_spare / FLAG_NOT_SPARE
 FEATURE_INLINE = "get_local_inline"      # OP_GET_LOCAL with FLAG_INLINE
-FLAG_FEATURES = frozenset({FEATURE_PENDING, FEATURE_NOT_SPARE, FEATURE_INLINE})
+FEATURE_LOCAL_GEN = "get_local_generation"  # OP_GET_LOCAL with FLAG_INLINE | FLAG_GENERATION
+FLAG_FEATURES = frozenset({FEATURE_PENDING, FEATURE_NOT_SPARE, FEATURE_INLINE, FEATURE_LOCAL_GEN})
 # announced only by a server whose store holds plaintext records (datadir.py, an embedded cache):
 # a record format, not an operation, so clients check it before anything else
 PLAIN_RECORDS = "plain_records"

@@ -37,10 +37,8 @@ def test_plain_values_are_trusted_as_their_owner_put_them(tmp_path):
         got, c = read_counts(ds, list(range(n)))
         assert got == items[:1] + [other] + items[2:]
         assert c == dict(hits=n, vouched=0, poisoned=0, store_bytes=0)
-        # the rewrite in table files before any worker opens its follower: a follower opened while
-        # the flusher wrote it out may miss the logged delete of the old value (RocksDB skips a
-        # log deleted under its open) and serve that value until it next catches up, a race of
-        # the same-host follower's (cacheserver/client/follower.py), not of this trust
+        # the rewrite in table files before the workers open their followers: this test is about
+        # trust, not about a follower's view of a replace racing a flush (tests/test_samehost_replace_view.py)
         assert ds.embedded.server.core.store.flush()
         loader = ds.loader(batch_size=8, num_workers=2, seed=0, multiprocessing_context="fork",
                            persistent_workers=False)

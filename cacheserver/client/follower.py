@@ -173,11 +173,19 @@ class Follower:
         return local
 
     def read(self, local: LocalReader, ids: Sequence[bytes], want: list[int], out: list,
-             ahead: tuple[list, float] | None = None) -> list[int]:
+             ahead: tuple[list, float] | None = None, generation: int | None = None) -> list[int]:
         """Fill out[i] for i in want from the follower (catching up once for what
         it lacks), or from `ahead` (all ids read before the answer came, and how
-        long that took); the indices still missing."""
+        long that took); the indices still missing. `generation`: the server's, from
+        its answer (ops.FLAG_GENERATION; None from a server without it): a view not
+        known to include it catches up first, and reads again what it read ahead."""
         t = time.perf_counter()
+        if generation is not None and generation != local.view:  # a flush or replace since: maybe older values
+            if local.sync(generation):
+                t1 = time.perf_counter()
+                self.paths.follower(t1 - t)
+                t = t1  # the catch-up is follower cost, not read time
+            ahead = None
         if ahead is None:
             for i, v in zip(want, local.read([ids[i] for i in want])):
                 out[i] = v

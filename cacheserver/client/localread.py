@@ -10,6 +10,10 @@ file access to the data dir, i.e. the same machine and the server's group.
 A value the follower cannot see yet (written after its last catch-up, or not
 yet flushed: with --durability cache values skip the log the follower
 replays) or that fails its checksum is left for the server to serve.
+A value the follower holds in an older version than the server (a replace put's, flushed
+after the follower's view was made) is no miss: the server's answer says which generation
+of its files to read (ops.FLAG_GENERATION), and the follower catches up first when its view
+is not known to include that one (sync).
 """
 from __future__ import annotations
 
@@ -92,6 +96,10 @@ class LocalReader:
         # behind the primary from then on, it reads nothing more and is replaced (follower.py)
         self.failed: str | None = None
         self._last_catch_up = time.monotonic()
+        # The server's generation (Store.generation) last caught up to after an answer reported it:
+        # the view holds every flush and replace counted up to it. None: none yet (an open racing a
+        # flush may lack the flush and the old value's logged delete both).
+        self.view: int | None = None
         # opening replays the log as a catch-up does, and more: a conservative first cost
         self._interval = catch_up_interval(self._last_catch_up - t)
 
@@ -118,17 +126,36 @@ class LocalReader:
         for its cost (catch_up_interval), or the reader is closed (a get in another thread
         may still hold it: what it lacks is read over the socket), or failed to catch up."""
         with self._lock:
-            t = time.monotonic()
-            if self.closed or self.failed is not None or t - self._last_catch_up < self._interval:
+            if time.monotonic() - self._last_catch_up < self._interval:
                 return False
-            try:
-                self._db.try_catch_up_with_primary()
-            except Exception as e:  # rocksdict's errors: the get goes to the server, not up to training
-                self.failed = f"{type(e).__name__}: {e}"
+            return self._catch_up()
+
+    def sync(self, generation: int) -> bool:
+        """Catch up now, however recent the last catch-up, unless the view is known to include
+        `generation`, which an answer received before this call reported: values the server
+        answered LOCAL may be older in a view from before (a replace's, flushed since). Any
+        other generation than the view's (newer, or a restarted server's) counts as unseen.
+        Returns whether it caught up; where it could not (closed, failed) reads give None."""
+        with self._lock:
+            if generation == self.view:  # another thread's sync did it
                 return False
-            self._last_catch_up = time.monotonic()
-            self._interval = catch_up_interval(self._last_catch_up - t)
+            if not self._catch_up():
+                return False
+            self.view = generation  # this catch-up began after that answer came
             return True
+
+    def _catch_up(self) -> bool:
+        if self.closed or self.failed is not None:  # lock held
+            return False
+        t = time.monotonic()
+        try:
+            self._db.try_catch_up_with_primary()
+        except Exception as e:  # rocksdict's errors: the get goes to the server, not up to training
+            self.failed = f"{type(e).__name__}: {e}"
+            return False
+        self._last_catch_up = time.monotonic()
+        self._interval = catch_up_interval(self._last_catch_up - t)
+        return True
 
     def close(self) -> None:
         with self._lock:  # not in the middle of a catch-up

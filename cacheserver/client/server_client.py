@@ -22,7 +22,7 @@ from ..datadir import PlaintextDir, check_private
 from ..proto import cache_pb2 as pb
 from ..proto import cache_pb2_grpc as pb_grpc
 from ..tls import TlsFiles, grpc_channel
-from ..vocab import FEATURE_INLINE, PLAIN_RECORDS, check_ids
+from ..vocab import FEATURE_INLINE, FEATURE_LOCAL_GEN, PLAIN_RECORDS, check_ids
 from .follower import FIRST_OPEN_WAIT_S, Follower, Refused
 from .localread import LocalReader
 from .readpath import ReadPaths
@@ -398,19 +398,22 @@ class ServerClient:
         if local is None:
             return (yield from self._remote_get_steps(ids, job))
         inline = self.supports(FEATURE_INLINE)
+        gen = inline and self.supports(FEATURE_LOCAL_GEN)  # which files to read: follower.Follower.read
         # While the server answers which ids it holds, read them all from the follower
         # (Call runs `ahead` between sending and receiving): the round trip no longer
         # adds to the reads. Only while most ids were present last time.
         ahead: list = []
         read_ahead = (lambda: ahead.append(self._timed_read(local, ids))) if self._read_ahead else None
-        count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline), read_ahead)
+        count, body = yield (ops.GET_LOCAL.code, job, *ops.GET_LOCAL.frame(ids, inline=inline, generation=gen),
+                             read_ahead)
         _check_count(len(ids), count if inline else len(body))
+        generation = ops.generation_of(body) if gen else None
         if inline:  # values the follower cannot see yet (not flushed) came inline
-            out, want = ops.values_of(count, body)
+            out, want = ops.values_of(count, body, ops.GENERATION.size if gen else 0)
         else:
             out, want = [None] * len(ids), [i for i, p in enumerate(body) if p]
         self._read_ahead = 2 * len(want) >= len(ids)
-        missing = self._fol.read(local, ids, want, out, ahead[0] if ahead else None)
+        missing = self._fol.read(local, ids, want, out, ahead[0] if ahead else None, generation)
         if missing:  # not visible to the follower yet, or damaged: the server decides
             got = yield from self._remote_get_steps([ids[i] for i in missing], job, counted=True)
             for i, v in zip(missing, got):
