@@ -49,9 +49,11 @@ def make_sampler(ds: Source, batch_size: int, *, seed: int = 0, lookahead: int =
 class EpochLog:
     """A front end's record of its epochs: `epoch_stats` (one EpochStats each, also for
     an epoch stopped early), `batch_times` (the last epoch's intervals between batches),
-    and callbacks at epoch start, per batch handed over (wall-clock end, interval) and
-    at epoch end. The coordinator feeds on them (probing compares batch times; chunk
-    passes drive double-buffering)."""
+    and the user's callbacks at epoch start, per batch handed over (wall-clock end, interval)
+    and at epoch end. The coordinator's own hooks (`coordinator_hits`: probing compares batch
+    times; chunk passes drive double-buffering) are kept out of those lists: EpochRun calls
+    them around the user's, so that a callback that raises, or one put before them, leaves
+    no epoch of the chunk accounting begun (it would hold chunks from the job's other loaders)."""
 
     def __init__(self) -> None:
         self.epoch_stats: list[EpochStats] = []
@@ -60,14 +62,15 @@ class EpochLog:
         self.on_batch_time: list[Callable[[float, float], None]] = []
         self.on_epoch_end: list[Callable[[EpochStats], None]] = []
         self.counters: LoaderCounters | None = None  # what this front end's own reads counted (stats.py)
+        self.coordinator_hits: Any = None  # the coordinator's hooks of this front end (batchreports.LoaderHits)
 
     def attach_coordinator(self, ds: Source, sampler: SubstitutableBatchSampler) -> None:
+        """This front end's own hooks (LoaderHits): of a job's loaders (train and eval, two
+        batch sizes) each reports its own batches' hit fractions to the manager, and its
+        epochs are a stream of their own in the chunk accounting."""
         coord = ds.coordinator
-        if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
-            hits = coord.watch_hits(sampler)  # each batch's hit fraction goes with its time (benefit by regression)
-            self.on_batch_time.append(hits.batch_time)
-            self.on_epoch_start.append(hits.epoch_start)
-            self.on_epoch_end.append(hits.epoch_end)  # an epoch over holds no chunk (coordination.py)
+        if coord is not None:  # each batch's hit fraction goes with its time (benefit by regression)
+            self.coordinator_hits = coord.watch_hits(sampler)
             coord.start()
 
 
@@ -79,7 +82,7 @@ class EpochRun:
     the wait for data)."""
 
     def __init__(self, ds: Source, sampler: SubstitutableBatchSampler, log: EpochLog) -> None:
-        for cb in log.on_epoch_start:
+        for cb in log.on_epoch_start:  # one that raises: the epoch never starts, nothing to end
             cb()
         self.counters = ds.counters
         self.sampler = sampler
@@ -88,6 +91,8 @@ class EpochRun:
         self.before, self.others = ds.counters.totals_with(self._others())
         self.times: list[float] = []
         self.t0 = self.last = time.perf_counter()
+        if log.coordinator_hits is not None:  # last: begun only for an epoch that will end (finish)
+            log.coordinator_hits.epoch_start()
 
     def _others(self) -> list[LoaderCounters]:
         """The counters of the dataset's other loaders (none for a dataset of one loader)."""
@@ -96,10 +101,14 @@ class EpochRun:
     def batch(self, indices: list[int] | None = None) -> None:
         """A batch is being handed over now (`indices`: its items, when the preprocess
         scheduler regrouped them; else it is the sampler's oldest batch not yet handed over)."""
-        now = time.perf_counter()
-        self.times.append(now - self.last)
+        now, end = time.perf_counter(), time.time()
+        # the user's first: one that raises ends the epoch before this batch is handed
+        # over, and nothing (stats, the manager's batch times, the sampler) counts it
         for cb in self.log.on_batch_time:
-            cb(time.time(), now - self.last)
+            cb(end, now - self.last)
+        if self.log.coordinator_hits is not None:
+            self.log.coordinator_hits.batch_time(end, now - self.last)
+        self.times.append(now - self.last)
         self.last = now
         if indices is None:
             self.sampler.delivered()
@@ -111,6 +120,9 @@ class EpochRun:
         then the log's epoch-end callbacks run. `autocache`: the front end's
         (clients/autocache.py), whose mode and counts the stats then carry."""
         elapsed = time.perf_counter() - self.t0
+        # first, whatever raises below: an epoch over holds no chunk (coordination.py)
+        if self.log.coordinator_hits is not None:
+            self.log.coordinator_hits.epoch_end()
         if complete:  # what the epoch left out (a transform's skipped items) is over with it
             self.sampler.epoch_over()
         after, others = self.counters.totals_with(self._others())

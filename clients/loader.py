@@ -192,17 +192,6 @@ class CachedLoader(DataLoader, EpochLog):
             self.remote.close()
             self.remote = None
 
-    def attach_coordinator(self, ds: Any, sampler: SubstitutableBatchSampler) -> None:
-        """EpochLog's, with this loader's own hooks (LoaderHits): of a job's loaders (train and
-        eval, two batch sizes) each reports its own batches' hit fractions to the manager."""
-        coord = ds.coordinator
-        if coord is not None:  # mini-batch times feed probing; chunk passes feed double-buffering
-            hits = coord.watch_hits(sampler)
-            self.on_batch_time.append(hits.batch_time)
-            self.on_epoch_start.append(hits.epoch_start)
-            self.on_epoch_end.append(hits.epoch_end)  # an epoch over holds no chunk (coordination.py)
-            coord.start()
-
     def state_dict(self) -> dict[str, Any]:
         """Where training is, for a checkpoint (torchdata StatefulDataLoader's convention):
         the epoch in progress and the items of the batches already handed over."""

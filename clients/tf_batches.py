@@ -317,7 +317,11 @@ class TicketFeed:
             raise
         with self._lock:
             if self._epoch is epoch:
-                epoch.delivered()
+                try:
+                    epoch.delivered()  # the user's on_batch_time callbacks run here
+                except BaseException:
+                    self._end(False)  # the epoch stops with the error, as a failed read's
+                    raise
                 self._reading -= 1
                 if self._planned_all and not self._reading:
                     self._end(True)
