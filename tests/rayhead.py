@@ -24,9 +24,10 @@ HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled
             "RAY_gcs_server_port_wait_time_s": "120"}
 # Not RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S (Ray's wait for the client server it starts per
 # Ray Client connection, 30 s): "Starting Ray client server failed" is a server that died
-# within milliseconds of its fork, empty logs (seen on idle hosts too), and Ray's client hears
-# of it only after that wait plus ~10 s; at 120 s a test lost 130 s to each such death.
-
+# within milliseconds of its fork, empty logs, and Ray's client hears of it only after that
+# wait plus ~10 s (at 120 s a test lost 130 s to each such death). Those deaths are
+# ray-project/ray#63202, worked around by the head's sitecustomize (raysite/ray_proxy_spawn.py).
+RAYSITE = os.path.join(ROOT, "tests", "raysite")
 
 # Ports Ray's components take by default whatever we pass (dashboard, its agent's HTTP server,
 # GCS, the client server, the metrics agent): a free port picked at random may be one of them
@@ -49,12 +50,12 @@ def ray_free_ports(n: int) -> list[int]:
 
 class RayHead:
     def __init__(self, cpus: int = 2, env: dict[str, str] | None = None, path: tuple[str, ...] = ()) -> None:
-        """`env`: more of the head's environment; `path`: directories before the repository on
-        its PYTHONPATH (a fault test's sitecustomize)."""
+        """`env`: more of the head's environment; `path`: directories before RAYSITE and the
+        repository on its PYTHONPATH (a fault test's sitecustomize, which applies RAYSITE's too)."""
         self.tmp = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths have a length limit
         self.port, self.client_port = ray_free_ports(2)
         env = {**os.environ, **HEAD_ENV, **(env or {}),
-               "PYTHONPATH": os.pathsep.join([*path, ROOT, os.path.join(ROOT, "tests")])}
+               "PYTHONPATH": os.pathsep.join([*path, RAYSITE, ROOT, os.path.join(ROOT, "tests")])}
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "wb")
         self.proc = subprocess.Popen(

@@ -89,6 +89,9 @@ def test_cluster_never_reached_runs_local_only(server, tmp_path):
 
 
 FAIL_ONCE = '''import os
+import ray_proxy_spawn  # the head's own sitecustomize's (tests/raysite), which this one shadows
+
+ray_proxy_spawn.apply()
 _marker = os.environ.get("RAYHEAD_FAIL_CLIENT_SERVER", "")
 if _marker:
     with open("/proc/self/cmdline", "rb") as _f:
