@@ -7,11 +7,16 @@ no `flat_map` whose inner iterator is built afresh each epoch (tools/bench/tfdat
 docs/benchmarks.md: from_generator's first batch came 20 ms after the iterator).
 
 Each iteration of the dataset carries a token from call to call (`Dataset.scan`,
-whose state is the iterator's own): -1 on its first call, which starts a new
-generator (`start()`), draws the iteration's token and closes a generator left
-over by an iteration abandoned before its end, which then records its epoch as
-stopped early (its generator's `finally`). The generator's end is an empty batch,
-which `take_while` turns into the end of the iteration. (A token drawn per
+whose state is the iterator's own): -1 on its first call, which draws the
+iteration's token, makes its generator (`start()`, which runs nothing yet) and
+closes a generator left over by an iteration abandoned before its end, which then
+records its epoch as stopped early (its generator's `finally`). That call hands
+over no batch (`skip(1)` drops its element): the epoch begins at the next call,
+which carries the token. So an error at the epoch's start (a raising
+`on_epoch_start`, a failed first read) leaves the iterator's token its own, and the
+call TensorFlow makes after an error (its prefetch's, a parallel map's) ends the
+iteration instead of starting a second epoch under -1. The generator's end is an
+empty batch, which `take_while` turns into the end of the iteration. (A token drawn per
 iteration from `Dataset.random` would do too, but deleting its iterator waited
 0.1-0.3 s for TensorFlow's autotuning thread under load.) One iteration at a time
 (as tf_source.py says): an iterator still open when another starts has had its
@@ -174,7 +179,8 @@ class Feed:
 
     def next_batch(self, token: np.int64) -> tuple[np.int64, np.ndarray]:
         """(the iteration's token, its next batch; an empty one at its end). `token`: -1
-        on the iteration's first call, which starts it; an earlier iteration's raises."""
+        on the iteration's first call, which draws its token and makes its generator (its
+        element is dropped: the module's docstring); an earlier iteration's raises."""
         with CALLS as exiting, self._lock:
             if exiting:  # the interpreter exits: end the iteration, start none (_Calls)
                 return np.int64(token), _END
@@ -182,7 +188,8 @@ class Feed:
                 self._close()
                 self._token += 1
                 self._gen = self.start()
-            elif token != self._token:
+                return np.int64(self._token), _END
+            if token != self._token:
                 raise overlapped()
             own = np.int64(self._token)
             if self._gen is None:
@@ -218,7 +225,7 @@ def batches_dataset(feed: Feed) -> "tf.data.Dataset":
         return tf.ensure_shape(token, []), tf.ensure_shape(batch, [None])
 
     batches = tf.data.Dataset.range(np.iinfo(np.int64).max).scan(tf.constant(_NEW), call)
-    return batches.take_while(lambda b: tf.size(b) > 0)
+    return batches.skip(1).take_while(lambda b: tf.size(b) > 0)  # skip: the token's call
 
 
 class EpochReads(Protocol):
@@ -261,20 +268,26 @@ class TicketFeed:
         self._reading = 0  # tickets planned in this epoch whose reads have not finished
         self._planned_all = False
         self._token = 0  # the iteration now running
+        self._starting = False  # its token drawn, its epoch not begun yet (the next plan begins it)
         CALLS.touch()
 
     def plan(self, token: np.int64) -> tuple[np.int64, np.int64]:
         """(the iteration's token, the ticket of its next batch; -1 at the epoch's end).
-        `token`: -1 on the iteration's first call, which starts an epoch."""
+        `token`: -1 on the iteration's first call, which draws its token and plans nothing
+        (its element is dropped, as Feed's); the next call begins the epoch."""
         with CALLS as exiting, self._lock:
             if exiting:  # the interpreter exits: plan no more (_Calls)
                 return np.int64(token), _NO_TICKET
             if token == _NEW:
                 self._end(False)  # an epoch left open was stopped early
                 self._token += 1
-                self._epoch = self.begin()
-            elif token != self._token:
+                self._starting = True
+                return np.int64(self._token), _NO_TICKET
+            if token != self._token:
                 raise overlapped()
+            if self._starting:  # one that raises begins none: the next call ends the iteration
+                self._starting = False
+                self._epoch = self.begin()
             return np.int64(self._token), self._plan()
 
     def _plan(self) -> np.int64:
@@ -351,7 +364,7 @@ def ticket_batches_dataset(feed: TicketFeed, parallel: int) -> "tf.data.Dataset"
         return token, (token, tf.ensure_shape(ticket, []))
 
     tickets = tf.data.Dataset.range(np.iinfo(np.int64).max).scan(tf.constant(_NEW), plan)
-    tickets = tickets.take_while(lambda _, t: t >= 0)
+    tickets = tickets.skip(1).take_while(lambda _, t: t >= 0)  # skip: the token's call
     return tickets.map(lambda token, t: tf.ensure_shape(tf.numpy_function(feed.read, [token, t], tf.string,
                                                                           stateful=True), [None]),
                        num_parallel_calls=parallel, deterministic=True)
