@@ -173,19 +173,21 @@ class Follower:
         return local
 
     def read(self, local: LocalReader, ids: Sequence[bytes], want: list[int], out: list,
-             ahead: tuple[list, float] | None = None, generation: int | None = None) -> list[int]:
+             ahead: tuple[list, float, int | None] | None = None, generation: int | None = None) -> list[int]:
         """Fill out[i] for i in want from the follower (catching up once for what
-        it lacks), or from `ahead` (all ids read before the answer came, and how
-        long that took); the indices still missing. `generation`: the server's, from
-        its answer (ops.FLAG_GENERATION; None from a server without it): a view not
-        known to include it catches up first, and reads again what it read ahead."""
+        it lacks), or from `ahead` (all ids read before the answer came, how long that
+        took, and the view they were read in); the indices still missing. `generation`: the
+        server's, from its answer (ops.FLAG_GENERATION; None from a server without it): a view
+        not known to include it catches up first, and what was read ahead in a view other than
+        it is read again (another thread's catch-up may have made the view after that read)."""
         t = time.perf_counter()
-        if generation is not None and generation != local.view:  # a flush or replace since: maybe older values
-            if local.sync(generation):
+        if generation is not None:
+            if generation != local.view and local.sync(generation):  # a flush or replace since
                 t1 = time.perf_counter()
                 self.paths.follower(t1 - t)
                 t = t1  # the catch-up is follower cost, not read time
-            ahead = None
+            if ahead is not None and ahead[2] != generation:
+                ahead = None
         if ahead is None:
             for i, v in zip(want, local.read([ids[i] for i in want])):
                 out[i] = v

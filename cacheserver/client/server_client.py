@@ -421,9 +421,9 @@ class ServerClient:
         return out
 
     @staticmethod
-    def _timed_read(local: LocalReader, ids: Sequence[bytes]) -> tuple[list[memoryview | None], float]:
-        t = time.perf_counter()
-        return local.read(ids), time.perf_counter() - t
+    def _timed_read(local: LocalReader, ids: Sequence[bytes]) -> tuple[list[memoryview | None], float, int | None]:
+        t, view = time.perf_counter(), local.view  # the view before the read: it holds at least that
+        return local.read(ids), time.perf_counter() - t, view
 
     def _remote_get_steps(self, ids: Sequence[bytes], job: str, counted: bool = False) -> Steps:
         # Timed from the send: in a ring's fan-out that includes waiting on other
