@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) tools/demo
 
-# Two pytest-xdist workers: about 16-17 min on a 2-core CI machine (2268 tests; one process takes longer).
+# Two pytest-xdist workers: about 14-16 min on a 2-core CI machine (2284 tests; one process takes longer).
 # tests/conftest.py keeps each module's tests on one worker and the Ray tests on one.
 # `make test TEST_ARGS=` runs the suite in one process.
 TEST_ARGS ?= -n 2 --dist loadgroup

@@ -145,7 +145,7 @@ def test_preprocess_md_autocache_block_runs_the_pipeline_it_builds(tmp_path, mon
 
 def test_readme_states_the_suite_time_the_makefile_measured():
     """README said `make test` takes about 13 minutes on 2 cores; the Makefile's measurement
-    (the suite as it is now) says 16-17."""
+    (the suite as it is now) says 14-16."""
     make = re.search(r"about (\d+)-(\d+) min on a 2-core", Path(ROOT, "Makefile").read_text())
     readme = re.search(r"`make test` runs the suite in two\s+pytest-xdist workers \(about (\d+) minutes on 2 cores\)",
                        Path(ROOT, "README.md").read_text())
