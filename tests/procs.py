@@ -117,9 +117,10 @@ def rss_bytes(pid: int) -> int:
 
 def cachemanager(state_dir: str, port: int = 0, *extra: str) -> Daemon:
     """A cachemanager daemon (not started), with test-speed intervals unless
-    `extra` overrides them (argparse keeps the last occurrence of a flag)."""
+    `extra` overrides them (argparse keeps the last occurrence of a flag). Port 0: the OS
+    picks one at bind time (a port picked beforehand was once taken meanwhile, in CI)."""
     os.makedirs(state_dir, exist_ok=True)
-    listen = f"127.0.0.1:{port or free_port()}"
+    listen = f"127.0.0.1:{port}"
     return Daemon(["manager.managerd", "--listen", listen, "--state-dir", state_dir,
                    "--heartbeat-seconds", "0.2", "--decision-seconds", "0.2", "--reconcile-seconds", "0.2", "--log-format", "text", *extra],
                   log_path=os.path.join(state_dir, "manager.log"))
