@@ -20,8 +20,21 @@ from test_dataset import make_dataset  # noqa: E402
 
 
 def _state_threads() -> list[threading.Thread]:
-    """Live threads of a dataset's process state (its store reads, its ring client's pool)."""
-    return [t for t in threading.enumerate() if t.name.startswith(("store-fetch", "ring"))]
+    """Live threads of a dataset's process state (its store reads, its ring client's pool) that
+    this test made: not those alive as it began (an earlier module of this pytest worker's, seen
+    in CI, would fail the test that made none of them: `_earlier`)."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith(("store-fetch", "ring")) and t.ident not in _earlier]
+
+
+_earlier: set = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_before():
+    _earlier.clear()
+    _earlier.update(t.ident for t in threading.enumerate())
+    yield
 
 
 def test_a_coordination_thread_outliving_close_keeps_its_state_until_it_ends(tmp_path, monkeypatch, caplog):
