@@ -12,14 +12,16 @@ value's logged delete with it): a race on RocksDB's own timing that no test here
 The tests below make the same view deterministically (the follower's last catch-up before
 the replace, the MAX_STALE_S backstop out of the way) with real server processes."""
 import hashlib
+import socket
 
 import pytest
 
-from cacheserver import ops
+from cacheserver import ops, wire
 from cacheserver.client import localread
 from cacheserver.client.server_client import ServerClient
 from cacheserver.vocab import FEATURE_LOCAL_GEN
 from procs import cacheserver, wait_until, without_features
+from test_hardening_net import _data_addr
 
 K = hashlib.sha256(b"k").digest()
 OLD, NEW = b"1" * 1000, b"2" * 1000
@@ -100,5 +102,31 @@ def test_a_fresh_follower_catches_up_once_at_its_first_answer(tmp_path):
                 assert view is not None  # caught up after the answer that reported the generation
                 assert bytes(a.get([K])[0]) == OLD
                 assert local.view == view  # nothing new: no catch-up (one compare per batch)
+    finally:
+        assert s.stop() == 0
+
+
+def test_generation_without_inline_is_refused_naming_both_flags(tmp_path):
+    """A GET_LOCAL frame with flag GENERATION but not INLINE (no client of ours sends one:
+    GetLocal.frame refuses it) gets a bad-request answer naming both flags; the connection stays
+    usable, and the same ids asked with both flags get the generation and the values."""
+    s = cacheserver(str(tmp_path / "d"), "64MB", 0, "--unix-socket", "off").start()
+    try:
+        with ServerClient(s.address, local_read=False) as w:
+            w.put([(K, OLD)])
+        with socket.create_connection(_data_addr(s.address), timeout=10) as k:
+            k.sendall(wire.pack_header(ops.GET_LOCAL.code, 0, 1, len(K), ops.FLAG_GENERATION) + K)
+            status, aux_len, _, _ = wire.unpack_header(wire.recv_exact(k, wire.HEADER.size))
+            assert status == wire.BAD_REQUEST
+            assert "GENERATION (32) is served only with flag INLINE (8)" in bytes(wire.recv_exact(k, aux_len)).decode()
+            k.sendall(wire.pack_header(ops.GET_LOCAL.code, 0, 1, len(K), ops.FLAG_GENERATION | ops.FLAG_INLINE) + K)
+            status, _, count, body_len = wire.unpack_header(wire.recv_exact(k, wire.HEADER.size))
+            body = bytes(wire.recv_exact(k, body_len))
+            assert status == wire.OK and count == 1
+            ops.generation_of(body)
+            values, local = ops.values_of(count, body, ops.GENERATION.size)
+            assert local == [0] or bytes(values[0]) == OLD  # on file, or still in the memtable
+        with pytest.raises(ValueError, match="generation is answered only with inline"):
+            ops.GET_LOCAL.frame([K], generation=True)
     finally:
         assert s.stop() == 0
